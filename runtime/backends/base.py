@@ -1,0 +1,198 @@
+"""The backend interface: the device verbs a server calls, and nothing else.
+
+A backend touches device APIs and decides no policy. Ordering across streams, capture-window
+refusals, retention, error recording and the memory pool live once in ``runtime.server``; the
+server calls these verbs from its single owner (the device thread or a caller holding the
+server's lock), never two at a time (CubeCL's runner-thread rule; wgpu-py objects are not shared).
+
+Objects returned by a backend (buffers, streams, events, programs, recordings, graphs) never
+leave the server: clients only see ids (CubeCL ``id.rs``).
+
+Terms:
+- ``buf``: a raw device buffer of at least the requested bytes (from :meth:`Backend.alloc`).
+- ``args``: a list of ``(buf, nbytes)`` pairs, one per kernel binding; ``nbytes`` is the handle's
+  size in bytes (the pool may hand out a larger buffer).
+- ``count``: ``(x, y, z)`` workgroups, or ``(buf, nbytes)`` for an indirect dispatch whose three
+  ``u32`` counts are read from the buffer when the launch executes (WebGPU
+  ``dispatch_workgroups_indirect``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import UnsupportedError
+
+
+class Completion:
+    """A result the device produces later: a read's bytes, a stream drain.
+
+    The server hands it back from a blocking call; the caller waits on it outside the server's
+    lock, so one client's wait never stalls the others. ``wait(timeout)`` returns whether it is
+    done; the caller polls server health between waits (never a hang).
+    """
+
+    __slots__ = ("_event", "done", "value", "error")
+
+    def __init__(self):
+        self._event = None
+        self.done = False
+        self.value = None
+        self.error = None
+
+    @classmethod
+    def ready(cls, value=None) -> "Completion":
+        """An already finished completion holding ``value``."""
+        c = cls()
+        c.value, c.done = value, True
+        return c
+
+    def set(self, value=None) -> None:
+        self.value = value
+        self._finish()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._finish()
+
+    def _finish(self):
+        self.done = True          # before reading _event: see wait()
+        ev = self._event
+        if ev is not None:
+            ev.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block up to ``timeout`` seconds; True once done."""
+        if self.done:
+            return True
+        if self._event is None:
+            self._event = threading.Event()
+            if self.done:         # finished between the check and the event's creation
+                return True
+        return self._event.wait(timeout)
+
+    def result(self):
+        """The value, or raise the recorded error (call after ``wait`` returned True)."""
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class Backend:
+    """The device verbs (about a dozen, as tinygrad's ``Compiled`` and CubeCL's ``ComputeServer``).
+
+    Subclasses live one per file in ``runtime/backends/`` and implement every verb below; the
+    graph verbs have defaults that say "unsupported", so a backend without graphs adds no graph
+    code. ``check_interface`` runs when the server constructs a backend, so a missing verb fails
+    at start-up, not mid-run (wgpu-py ``backends/__init__.py``).
+
+    Class attributes:
+        name: ``"cpu"``, ``"wgpu"`` or ``"cuda"``.
+        hardware_graphs: True when a graph is a driver graph (one dispatch per replay); the server
+            then refuses fresh allocations inside a capture window (they would be memory nodes).
+    """
+
+    name = "base"
+    hardware_graphs = False
+    #: a human-readable device description (adapter name, GPU name), set in ``__init__``.
+    device_name = "unknown"
+
+    def __init__(self, device: int = 0, **options: Any):
+        self.device = device
+
+    # -- memory --------------------------------------------------------------------------
+    def alloc(self, nbytes: int):
+        """A new device buffer of at least ``nbytes`` bytes. Raises ``OutOfMemory``."""
+        raise NotImplementedError
+
+    def free(self, buf) -> None:
+        """Return ``buf`` to the device (the server only calls this once no stream uses it)."""
+        raise NotImplementedError
+
+    # -- streams and events -----------------------------------------------------------------
+    def new_stream(self):
+        """A new in-order device queue (CUDA stream; a logical stream on WebGPU's one queue)."""
+        raise NotImplementedError
+
+    def record_event(self, stream):
+        """An event that completes once everything enqueued on ``stream`` so far has run."""
+        raise NotImplementedError
+
+    def wait_event(self, stream, event) -> None:
+        """Make later work on ``stream`` wait for ``event`` (``cudaStreamWaitEvent``)."""
+        raise NotImplementedError
+
+    def synchronize(self, stream) -> Completion:
+        """A completion for everything enqueued on ``stream`` so far; it carries the first
+        asynchronous execution error of that work, if any."""
+        raise NotImplementedError
+
+    def flush(self, stream) -> None:
+        """Hand batched work of ``stream`` to the device now (wgpu: submit the encoder)."""
+
+    # -- copies ---------------------------------------------------------------------------
+    def copy_in(self, stream, buf, data: np.ndarray) -> None:
+        """Stream-ordered host-to-device copy of ``data`` (a contiguous ``uint8`` array the
+        backend may keep: the server made it a private copy) to the start of ``buf``."""
+        raise NotImplementedError
+
+    def copy_out(self, stream, buf, nbytes: int) -> Completion:
+        """Stream-ordered device-to-host copy of the first ``nbytes`` bytes of ``buf``; the
+        completion's value is a ``uint8`` numpy array of ``nbytes``."""
+        raise NotImplementedError
+
+    # -- kernels --------------------------------------------------------------------------
+    def compile(self, kernel):
+        """A program for ``kernel`` (a pipeline, a ``RawKernel``, the numpy callable). Raises
+        ``LaunchError`` (no source for this backend, or a compile failure)."""
+        raise NotImplementedError
+
+    def launch(self, stream, program, count, args, params: tuple) -> None:
+        """Enqueue one dispatch of ``program`` on ``stream``."""
+        raise NotImplementedError
+
+    # -- graphs ---------------------------------------------------------------------------
+    def begin_graph(self, stream):
+        """Open a recording on ``stream`` (hardware: begin stream capture)."""
+        raise UnsupportedError(f"graph capture is not supported by the {self.name} backend")
+
+    def record_launch(self, recording, program, count, args, params: tuple) -> None:
+        """Add one dispatch to ``recording``: software graphs resolve it now (pipeline, bind
+        group, uniforms), hardware graphs launch on the capturing stream."""
+        raise UnsupportedError(f"graph capture is not supported by the {self.name} backend")
+
+    def end_graph(self, recording):
+        """Close ``recording`` and return the backend graph (hardware: instantiate, upload)."""
+        raise UnsupportedError(f"graph capture is not supported by the {self.name} backend")
+
+    def abort_graph(self, recording) -> None:
+        """Drop an unfinished recording (a refused window)."""
+
+    def launch_graph(self, stream, graph) -> None:
+        """Enqueue one replay of ``graph`` on ``stream``; return once it is enqueued."""
+        raise UnsupportedError(f"graph replay is not supported by the {self.name} backend")
+
+    def destroy_graph(self, stream, graph) -> None:
+        """Free ``graph`` once the work already enqueued on ``stream`` no longer needs it."""
+
+    # -- lifetime -------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        """False once a backend worker died; waiting callers then get ``ServerClosed``."""
+        return True
+
+    def close(self) -> None:
+        """Stop workers and fail every pending completion; called once, by the server."""
+
+
+VERBS = ("alloc", "free", "new_stream", "record_event", "wait_event", "synchronize", "copy_in",
+         "copy_out", "compile", "launch")
+
+
+def check_interface(backend_cls) -> None:
+    """Raise ``TypeError`` naming the verbs a backend class leaves unimplemented."""
+    missing = [v for v in VERBS if getattr(backend_cls, v) is getattr(Backend, v)]
+    if missing:
+        raise TypeError(f"backend {backend_cls.__name__} does not implement {missing}")

@@ -1,0 +1,116 @@
+"""The runtime's error classes (design.md section 5).
+
+Every error the server raises is a :class:`ServerError`. Wrong Python types raise the
+standard ``TypeError``/``ValueError`` at the call, before anything is queued. Each message
+says what was wrong, with which id, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class ServerError(Exception):
+    """Base of every error a runtime server raises (design.md section 5)."""
+
+
+class GraphStateError(ServerError):
+    """A capture-state transition out of order (stop without start, start twice, prepare twice).
+
+    The state is left unchanged (CubeCL ``stream/capture.rs``: a rejected transition changes nothing).
+    """
+
+
+class CaptureRefused(ServerError):
+    """An operation the capture window forbids: read/sync/replay on the capturing stream (raised at
+    once), or a write / free of a used handle inside the window (raised by ``stop_capture``)."""
+
+
+class UnknownGraph(ServerError):
+    """Replay of a graph id the server does not know: never made, destroyed, or a released clone."""
+
+
+class ReplayFailed(ServerError):
+    """Read of a buffer in the write set of a graph whose last replay failed; ``.cause`` is the
+    original error. Cleared when a replay of that graph lands."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
+
+
+class LaunchError(ServerError):
+    """A kernel launch that cannot run: compile failure, bad bindings, bad params."""
+
+
+class InvalidHandle(ServerError):
+    """A handle that is unknown, freed, from another server, or of the wrong size."""
+
+
+class OutOfMemory(ServerError):
+    """The backend could not allocate the requested bytes."""
+
+
+class ServerClosed(ServerError):
+    """The server stopped (``runtime.shutdown()``, interpreter exit) or its thread died; every
+    waiting caller gets this instead of hanging."""
+
+
+class LivenessError(ServerError):
+    """(check mode) A replay would touch a buffer whose handle was freed (seed 001: liveness)."""
+
+
+class StreamRaceError(ServerError):
+    """(check mode) Two accesses to one buffer from different streams not ordered by
+    happens-before, at least one a write (seed 001: no concurrent use, same-stream refreshes)."""
+
+
+class UnsupportedError(ServerError):
+    """The backend is not available here, or does not support the operation."""
+
+
+class ServerUnhealthy(ServerError):
+    """Errors of fire-and-forget work queued on a stream, drained together by the next blocking
+    call on it (read, sync, flush). ``.errors`` lists them in order.
+
+    The raised object is also an instance of each drained error's class, so
+    ``pytest.raises(InvalidHandle)`` catches an unhealthy drain made of an ``InvalidHandle``.
+    """
+
+    errors: list
+
+    def __init__(self, errors):
+        self.errors = list(errors)
+        lines = "; ".join(f"{type(e).__name__}: {e}" for e in self.errors)
+        super().__init__(f"{len(self.errors)} queued error(s) on this stream: {lines}")
+
+
+_UNHEALTHY_CLASSES: dict[tuple, type] = {}
+
+
+def unhealthy(errors) -> ServerUnhealthy:
+    """Build a ``ServerUnhealthy`` that is also an instance of each drained error's class."""
+    errors = list(errors)
+    kinds = []
+    for e in errors:
+        k = type(e)
+        if k not in kinds and k is not ServerUnhealthy and issubclass(k, ServerError):
+            kinds.append(k)
+    key = tuple(kinds)
+    cls = _UNHEALTHY_CLASSES.get(key)
+    if cls is None:
+        try:
+            cls = type("ServerUnhealthy", (ServerUnhealthy, *kinds), {}) if kinds else ServerUnhealthy
+        except TypeError:  # incompatible layouts: fall back to the plain aggregate
+            cls = ServerUnhealthy
+        _UNHEALTHY_CLASSES[key] = cls
+    err = cls.__new__(cls)
+    ServerUnhealthy.__init__(err, errors)
+    if isinstance(err, ReplayFailed):
+        err.cause = next((getattr(e, "cause", None) for e in errors if isinstance(e, ReplayFailed)), None)
+    return err
+
+
+__all__ = [
+    "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
+    "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
+    "LivenessError", "StreamRaceError", "UnsupportedError", "unhealthy",
+]

@@ -1,0 +1,166 @@
+"""Backend-neutral kernel descriptions (design.md section 2).
+
+A :class:`Kernel` names its buffer :class:`Binding` s and scalar :class:`Param` s once and carries
+one source per backend: a WGSL compute shader, a CUDA C function, and a numpy callable.
+
+Conventions every backend follows:
+
+- Counts are in **workgroups** ``(x, y, z)``; ``workgroup_size`` is the invocations per workgroup.
+- WGSL: entry point ``main``; binding ``i`` is ``@group(0) @binding(i)`` in the order given; the
+  params, if any, are one uniform struct at ``@group(0) @binding(len(bindings))`` with the fields
+  in order, each 4 bytes (``f32``/``i32``/``u32``).
+- CUDA C: ``extern "C" __global__ void <name>(T* binding0, ..., param0, ...)``; block size =
+  ``workgroup_size``, grid = ``count``.
+- cpu: ``cpu(*views, count=(x, y, z), **params)``; each binding arrives as a 1-D numpy view of the
+  whole buffer (the handle's bytes) in its dtype; the callable mutates the views in place.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+#: Element types a binding or param may have, with their numpy dtype.
+DTYPES: dict[str, np.dtype] = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32),
+                               "u32": np.dtype(np.uint32)}
+_PACK = {"f32": "f", "i32": "i", "u32": "I"}
+ACCESS = ("read", "read_write")
+
+
+class Binding(NamedTuple):
+    """A buffer argument of a kernel.
+
+    Args:
+        name: the argument's name (used in messages).
+        dtype: element type, one of ``"f32"``, ``"i32"``, ``"u32"``.
+        access: ``"read"`` or ``"read_write"`` (WebGPU storage access; decides the read and write
+            sets of a captured graph and the cross-stream ordering of a launch).
+    """
+
+    name: str
+    dtype: str = "f32"
+    access: str = "read"
+
+
+class Param(NamedTuple):
+    """A scalar argument of a kernel, 4 bytes (``"f32"``, ``"i32"`` or ``"u32"``)."""
+
+    name: str
+    dtype: str = "f32"
+
+
+class Kernel:
+    """A compute kernel: bindings, params, workgroup size and one source per backend.
+
+    Args:
+        name: the kernel's name; the CUDA entry point has this name.
+        bindings: the buffer arguments, in order.
+        params: the scalar arguments, in order (WGSL uniform struct fields / CUDA value args).
+        workgroup_size: invocations per workgroup ``(x, y, z)`` (CUDA block size).
+        wgsl: WGSL source with entry point ``main`` (or ``None``: not available on wgpu).
+        cuda: CUDA C source defining ``extern "C" __global__ void <name>(...)`` (or ``None``).
+        cpu: numpy callable ``cpu(*views, count=..., **params)`` (or ``None``).
+
+    Raises:
+        TypeError / ValueError: a malformed description (unknown dtype or access, no source).
+
+    Kernels hash by identity: the server compiles each ``Kernel`` object once and caches the
+    program (a pipeline on wgpu, a ``RawKernel`` on cuda).
+    """
+
+    __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
+                 "param_names", "__weakref__")
+
+    def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
+                 wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None):
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"kernel name must be an identifier, got {name!r}")
+        self.name = name
+        self.bindings = tuple(b if isinstance(b, Binding) else Binding(*b) for b in bindings)
+        self.params = tuple(p if isinstance(p, Param) else Param(*p) for p in params)
+        for b in self.bindings:
+            if b.dtype not in DTYPES:
+                raise ValueError(f"kernel {name}: binding {b.name} has dtype {b.dtype!r}; use one of {list(DTYPES)}")
+            if b.access not in ACCESS:
+                raise ValueError(f"kernel {name}: binding {b.name} has access {b.access!r}; use one of {ACCESS}")
+        for p in self.params:
+            if p.dtype not in DTYPES:
+                raise ValueError(f"kernel {name}: param {p.name} has dtype {p.dtype!r}; use one of {list(DTYPES)}")
+        wg = (workgroup_size,) if isinstance(workgroup_size, int) else tuple(workgroup_size)
+        self.workgroup_size = tuple(int(v) for v in wg) + (1,) * (3 - len(wg))
+        if len(self.workgroup_size) != 3 or min(self.workgroup_size) < 1:
+            raise ValueError(f"kernel {name}: workgroup_size must be 1 to 3 positive ints, got {workgroup_size!r}")
+        if wgsl is None and cuda is None and cpu is None:
+            raise ValueError(f"kernel {name}: give at least one source (wgsl=, cuda= or cpu=)")
+        self.wgsl, self.cuda, self.cpu = wgsl, cuda, cpu
+        self.param_names = tuple(p.name for p in self.params)
+
+    def __repr__(self):
+        return f"Kernel({self.name!r}, bindings={len(self.bindings)}, params={list(self.param_names)})"
+
+    def pack_params(self, values) -> tuple:
+        """Order and coerce param values.
+
+        Args:
+            values: ``None``, a mapping name -> value, or a sequence in param order.
+        Returns:
+            a tuple of Python ``float``/``int`` in param order.
+        Raises:
+            TypeError / ValueError: missing, unknown or non-numeric params.
+        """
+        if values is None:
+            values = ()
+        if isinstance(values, dict):
+            unknown = set(values) - set(self.param_names)
+            if unknown:
+                raise ValueError(f"kernel {self.name}: unknown params {sorted(unknown)}; it takes {list(self.param_names)}")
+            missing = [n for n in self.param_names if n not in values]
+            if missing:
+                raise ValueError(f"kernel {self.name}: missing params {missing}")
+            values = [values[n] for n in self.param_names]
+        else:
+            values = list(values)
+            if len(values) != len(self.params):
+                raise ValueError(f"kernel {self.name}: takes {len(self.params)} params {list(self.param_names)}, got {len(values)}")
+        out = []
+        for p, v in zip(self.params, values):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"kernel {self.name}: param {p.name} must be a number, got {type(v).__name__}")
+            if p.dtype == "f32":
+                out.append(float(v))
+            else:
+                iv = int(v)
+                if iv != v:
+                    raise ValueError(f"kernel {self.name}: param {p.name} ({p.dtype}) must be an integer, got {v!r}")
+                lo, hi = (0, 2**32 - 1) if p.dtype == "u32" else (-2**31, 2**31 - 1)
+                if not lo <= iv <= hi:
+                    raise ValueError(f"kernel {self.name}: param {p.name}={iv} is out of range for {p.dtype}")
+                out.append(iv)
+        return tuple(out)
+
+    def uniform_bytes(self, values: tuple) -> bytes:
+        """Params packed as a WGSL uniform struct: 4 bytes each, padded to 16 bytes."""
+        fmt = "<" + "".join(_PACK[p.dtype] for p in self.params)
+        data = struct.pack(fmt, *values)
+        return data + b"\0" * (-len(data) % 16 or (16 if not data else 0))
+
+
+def normalize_count(count) -> tuple:
+    """Workgroup count as an ``(x, y, z)`` tuple of non-negative ints.
+
+    Raises:
+        TypeError: not an int or a sequence of 1 to 3 ints.
+        ValueError: a negative entry.
+    """
+    if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
+        c = (int(count), 1, 1)
+    elif isinstance(count, (tuple, list)) and 1 <= len(count) <= 3 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in count):
+        c = tuple(int(v) for v in count) + (1,) * (3 - len(count))
+    else:
+        raise TypeError(f"count must be an int, an (x, y, z) tuple of workgroups or a Handle, got {count!r}")
+    if min(c) < 0:
+        raise ValueError(f"count must be non-negative, got {c}")
+    return c

@@ -369,9 +369,17 @@ class WgpuBackend(Backend):
         group = self._groups.get(key)
         if group is not None:
             return group
+        kernel = program.kernel
         if len(args) != program.nbind:
-            raise LaunchError(f"kernel {program.kernel.name} takes {program.nbind} buffers, "
-                              f"got {len(args)}")
+            raise LaunchError(f"kernel {kernel.name} takes {program.nbind} buffers, got {len(args)}")
+        writable = {id(buf) for (buf, _), b in zip(args, kernel.bindings) if b.access != "read"}
+        for (buf, _), b in zip(args, kernel.bindings):
+            if b.access == "read" and id(buf) in writable:
+                # WebGPU forbids a buffer that is both read-only and writable in one dispatch;
+                # refused here, before encoding, so the stream's batch stays valid.
+                raise LaunchError(f"kernel {kernel.name}: binding {b.name} is also bound "
+                                  f"read_write; WebGPU forbids aliasing a written storage buffer "
+                                  f"within one dispatch; use a separate output buffer")
         entries = [{"binding": i, "resource": {"buffer": buf, "offset": 0, "size": _align4(n)}}
                    for i, (buf, n) in enumerate(args)]
         if program.has_params:
@@ -381,7 +389,7 @@ class WgpuBackend(Backend):
         try:
             group = self.dev.create_bind_group(layout=program.layout, entries=entries)
         except Exception as exc:  # noqa: BLE001 - GPUValidationError: sizes, limits
-            raise _gpu_error(exc, f"binding the buffers of kernel {program.kernel.name}") from exc
+            raise _gpu_error(exc, f"binding the buffers of kernel {kernel.name}") from exc
         if len(self._groups) >= _CACHE_MAX:
             self._groups.clear()
             self._groups_of.clear()

@@ -204,9 +204,14 @@ class WgpuBackend(Backend):
         return self._new_buffer(_align4(nbytes), _STORAGE)
 
     def free(self, buf) -> None:
-        """Destroy ``buf`` and forget the bind groups that use it (``GPUBuffer.destroy``)."""
+        """Destroy ``buf`` and forget the bind groups that use it (``GPUBuffer.destroy``).
+
+        Pending encoders are submitted first: an encoded dispatch on a destroyed buffer would
+        fail validation at submit; submitted work keeps the memory until it completes.
+        """
         for key in self._groups_of.pop(buf, ()):
             self._groups.pop(key, None)
+        self._submit_all()
         buf.destroy()
 
     # -- streams and events -------------------------------------------------------------

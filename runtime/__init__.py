@@ -1,0 +1,31 @@
+"""runtime: a device-thread compute runtime with graph capture and replay.
+
+One server per device on its own thread owns every buffer, stream and graph; clients on any
+thread talk to it through a queue. See ``design.md`` for the contracts and README.md to start.
+
+    import numpy as np, runtime
+    from runtime import kernels as K
+    c = runtime.client("cpu")
+    x = c.create(np.arange(4, dtype=np.float32)); y = c.empty(4, np.float32)
+    c.graph_prepare(); c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    c.start_capture(); c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    g = c.stop_capture(); g.replay(); c.read(y)   # -> [1, 2, 3, 4]
+"""
+
+from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError, LivenessError,
+                     OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
+                     StreamRaceError, UnknownGraph, UnsupportedError)
+from .kernel import Binding, Kernel, Param
+from .client import ComputeClient, Graph, Handle, StreamId, client
+from .server import available_backends, shutdown
+from . import kernels
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId",
+    "Kernel", "Binding", "Param", "kernels",
+    "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
+    "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
+    "LivenessError", "StreamRaceError", "UnsupportedError",
+]

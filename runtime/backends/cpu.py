@@ -1,0 +1,327 @@
+"""The cpu backend (numpy): the embedded default, always available.
+
+Buffers are ``uint8`` numpy arrays. Streams are real asynchronous in-order queues: work is
+enqueued by the server and executed by a scheduler, never by the caller. Two schedulers:
+
+- :class:`ThreadScheduler` (default): one worker thread runs any stream head as soon as it is
+  runnable (per-stream FIFO, event waits honoured).
+- :class:`InterleavingScheduler` (``seed``): defers all work, and when someone waits runs the
+  runnable stream heads in a seeded random order, honouring only per-stream FIFO and events.
+  A missing cross-stream dependency then gives wrong data deterministically for some seed;
+  the property tests use it.
+
+The graph is a software graph: the resolved launch list (callable, views, params), replayed in
+order as one queue item.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+
+import numpy as np
+
+from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
+from ..kernel import DTYPES
+from .base import Backend, Completion
+
+_RUN, _WAIT, _SIGNAL = 0, 1, 2
+
+
+class CpuEvent:
+    """Completes when the stream that recorded it reaches it."""
+
+    __slots__ = ("done",)
+
+    def __init__(self):
+        self.done = False
+
+
+class CpuStream:
+    """An in-order queue of ``(kind, payload)`` items and the errors its work raised."""
+
+    __slots__ = ("q", "errors", "index")
+
+    def __init__(self, index):
+        self.q = collections.deque()
+        self.errors: list = []
+        self.index = index
+
+
+class CpuGraph:
+    """The resolved launch list of a capture: ``[(fn, views, kwargs, count)]``."""
+
+    __slots__ = ("launches",)
+
+    def __init__(self, launches):
+        self.launches = launches
+
+
+def _run_launch(fn, views, kwargs, count):
+    if not isinstance(count, tuple):         # indirect: three u32 read now
+        count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
+    if count[0] and count[1] and count[2]:
+        fn(*views, count=count, **kwargs)
+
+
+class Scheduler:
+    """Decides when queued stream items run. Subclasses: ``ThreadScheduler``,
+    ``InterleavingScheduler``."""
+
+    def attach(self, backend: "CpuBackend") -> None:
+        self.backend = backend
+
+    def notify(self) -> None:
+        """Work was enqueued."""
+
+    def settle(self, comp: Completion) -> Completion:
+        """Called by the server thread after enqueuing the item that finishes ``comp``."""
+        return comp
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadScheduler(Scheduler):
+    """Run every stream head as soon as it is runnable, on one worker thread."""
+
+    def attach(self, backend):
+        super().attach(backend)
+        self.cv = threading.Condition()
+        self.current = None
+        self.closed = False
+        self.rr = 0
+        self.thread = threading.Thread(target=self._loop, name="runtime-cpu-worker", daemon=True)
+        self.thread.start()
+
+    def notify(self):
+        with self.cv:
+            self.cv.notify()
+
+    def _pick(self):
+        streams = self.backend.streams
+        n = len(streams)
+        for k in range(n):
+            s = streams[(self.rr + k) % n]
+            if s.q:
+                kind, payload = s.q[0]
+                if kind != _WAIT or payload.done:
+                    self.rr = (self.rr + k + 1) % n
+                    self.current = s
+                    s.q.popleft()
+                    return s, kind, payload
+        return None
+
+    def _loop(self):
+        cv = self.cv
+        with cv:
+            while not self.closed:
+                item = self._pick()
+                if item is None:
+                    cv.wait()
+                    continue
+                cv.release()
+                try:
+                    self.backend.execute(*item)
+                finally:
+                    cv.acquire()
+                    self.current = None
+
+    def is_idle(self, stream) -> bool:
+        return not stream.q and self.current is not stream   # q first: see CpuBackend.synchronize
+
+    def close(self):
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self.thread.join(timeout=5.0)
+
+
+class InterleavingScheduler(Scheduler):
+    """Defer all work; on a wait, run runnable stream heads in a seeded random order.
+
+    Args:
+        seed: the interleaving; the same program and seed give the same order.
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.rng = random.Random(seed)
+
+    def __repr__(self):
+        return f"InterleavingScheduler(seed={self.seed})"
+
+    def settle(self, comp):
+        streams = self.backend.streams
+        while not comp.done:
+            ready = [s for s in streams if s.q and (s.q[0][0] != _WAIT or s.q[0][1].done)]
+            if not ready:
+                comp.fail(LaunchError("interleaving scheduler: no stream can make progress "
+                                      "(an event wait that never completes)"))
+                break
+            s = ready[self.rng.randrange(len(ready))]
+            kind, payload = s.q.popleft()
+            self.backend.execute(s, kind, payload)
+        return comp
+
+    def is_idle(self, stream) -> bool:
+        return not stream.q
+
+
+class CpuBackend(Backend):
+    """numpy buffers, asynchronous streams, software graphs.
+
+    Args:
+        device: ignored (one cpu device).
+        scheduler: a ``Scheduler``, ``"thread"`` (default) or ``"interleave"``.
+        seed: the ``InterleavingScheduler`` seed when ``scheduler="interleave"``.
+    """
+
+    name = "cpu"
+    hardware_graphs = False
+    device_name = "numpy " + np.__version__
+
+    def __init__(self, device: int = 0, scheduler=None, seed: int = 0):
+        super().__init__(device)
+        if scheduler is None or scheduler == "thread":
+            scheduler = ThreadScheduler()
+        elif scheduler == "interleave":
+            scheduler = InterleavingScheduler(seed)
+        elif not isinstance(scheduler, Scheduler):
+            raise ValueError(f"scheduler must be 'thread', 'interleave' or a Scheduler, got {scheduler!r}")
+        self.streams: list[CpuStream] = []
+        self.scheduler = scheduler
+        scheduler.attach(self)
+        self.closed = False
+
+    # -- execution (scheduler side) ----------------------------------------------------------
+    def execute(self, s: CpuStream, kind, payload) -> None:
+        if kind == _RUN:
+            try:
+                payload()
+            except Exception as e:  # noqa: BLE001 - kernel code is user code
+                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                    f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+        elif kind == _SIGNAL:
+            if isinstance(payload, CpuEvent):
+                payload.done = True
+                self.scheduler.notify()
+            else:
+                if s.errors:
+                    errs, s.errors = s.errors, []
+                    payload.fail(unhealthy(errs))
+                else:
+                    payload.set(payload.value)
+
+    def _enqueue(self, s: CpuStream, kind, payload) -> None:
+        if self.closed:
+            raise ServerClosed("cpu backend is closed")
+        s.q.append((kind, payload))
+        self.scheduler.notify()
+
+    # -- memory -------------------------------------------------------------------------------
+    def alloc(self, nbytes):
+        try:
+            return np.zeros(nbytes, np.uint8)
+        except MemoryError as e:
+            raise OutOfMemory(f"cpu: could not allocate {nbytes} bytes") from e
+
+    def free(self, buf):
+        pass  # numpy frees the array once no queued work references it
+
+    # -- streams and events -------------------------------------------------------------------
+    def new_stream(self):
+        s = CpuStream(len(self.streams))
+        self.streams.append(s)
+        return s
+
+    def record_event(self, stream):
+        ev = CpuEvent()
+        if self.scheduler.is_idle(stream):
+            ev.done = True
+        else:
+            self._enqueue(stream, _SIGNAL, ev)
+        return ev
+
+    def wait_event(self, stream, event):
+        if not event.done:
+            self._enqueue(stream, _WAIT, event)
+
+    def synchronize(self, stream):
+        if self.scheduler.is_idle(stream) and not stream.errors:
+            return Completion.ready()
+        comp = Completion()
+        self._enqueue(stream, _SIGNAL, comp)
+        return self.scheduler.settle(comp)
+
+    # -- copies -------------------------------------------------------------------------------
+    def copy_in(self, stream, buf, data):
+        n = data.nbytes
+
+        def write():
+            buf[:n] = data
+        self._enqueue(stream, _RUN, write)
+
+    def copy_out(self, stream, buf, nbytes):
+        comp = Completion()
+
+        def read():
+            comp.value = buf[:nbytes].copy()
+        self._enqueue(stream, _RUN, read)
+        self._enqueue(stream, _SIGNAL, comp)
+        return self.scheduler.settle(comp)
+
+    # -- kernels ------------------------------------------------------------------------------
+    def compile(self, kernel):
+        if kernel.cpu is None:
+            raise LaunchError(f"kernel {kernel.name} has no cpu implementation")
+        return kernel
+
+    def _resolve(self, kernel, count, args, params):
+        views = [buf[:nbytes - nbytes % DTYPES[b.dtype].itemsize].view(DTYPES[b.dtype])
+                 for b, (buf, nbytes) in zip(kernel.bindings, args)]
+        kwargs = dict(zip(kernel.param_names, params))
+        if not isinstance(count, tuple):
+            count = count[0]
+        return kernel.cpu, views, kwargs, count
+
+    def launch(self, stream, program, count, args, params):
+        fn, views, kwargs, count = self._resolve(program, count, args, params)
+        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count))
+
+    # -- graphs -------------------------------------------------------------------------------
+    def begin_graph(self, stream):
+        return []
+
+    def record_launch(self, recording, program, count, args, params):
+        recording.append(self._resolve(program, count, args, params))
+
+    def end_graph(self, recording):
+        return CpuGraph(tuple(recording))
+
+    def launch_graph(self, stream, graph):
+        launches = graph.launches
+
+        def replay():
+            for fn, views, kwargs, count in launches:
+                _run_launch(fn, views, kwargs, count)
+        self._enqueue(stream, _RUN, replay)
+
+    def destroy_graph(self, stream, graph):
+        pass  # queued replays hold their own references to the launch list
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def is_alive(self):
+        t = getattr(self.scheduler, "thread", None)
+        return not self.closed and (t is None or t.is_alive())
+
+    def close(self):
+        self.closed = True
+        self.scheduler.close()
+        err = ServerClosed("the cpu backend closed before this work ran")
+        for s in self.streams:
+            while s.q:
+                kind, payload = s.q.popleft()
+                if kind == _SIGNAL and isinstance(payload, Completion):
+                    payload.fail(err)

@@ -1,0 +1,8 @@
+"""The client side: ``ComputeClient``, ``Handle``, ``Graph``, ``StreamId`` (design.md section 2)."""
+
+from .client import ComputeClient, client
+from .graph import Graph
+from .handle import Handle
+from .stream import StreamId
+
+__all__ = ["ComputeClient", "client", "Graph", "Handle", "StreamId"]

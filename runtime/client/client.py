@@ -1,0 +1,337 @@
+"""ComputeClient: the thin client (design.md section 2; CubeCL ``client.rs``).
+
+Each method checks its Python arguments (``TypeError``/``ValueError``/``InvalidHandle`` at the
+call, before anything is queued), reads the stream id, and sends one message: ``submit`` for
+fire-and-forget work, ``call`` for blocking work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidHandle, LaunchError
+from ..kernel import Kernel, normalize_count
+from ..server import get_server
+from .graph import Graph, _Owner
+from .handle import Handle
+from .stream import StreamId
+
+
+def _as_bytes(data):
+    """A private contiguous uint8 copy of ``data`` (numpy array, bytes-like) and its array."""
+    if isinstance(data, np.ndarray):
+        arr = np.ascontiguousarray(data)
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        arr = np.frombuffer(bytes(data), np.uint8)
+    else:
+        raise TypeError(f"expected a numpy array or bytes, got {type(data).__name__}")
+    return arr
+
+
+class ComputeClient:
+    """A client of one device server; cheap, any number, any thread.
+
+    Attributes:
+        backend: ``"cpu"``, ``"wgpu"`` or ``"cuda"``.
+        device: the device index.
+        device_name: what the backend runs on (numpy version, wgpu adapter, GPU name).
+
+    Streams: an unpinned client issues work on its calling thread's own stream; ``set_stream``
+    pins it. Capture: see ``graph_prepare``/``start_capture``/``stop_capture``, or the
+    higher-level ``runtime.capture(fn)`` and ``runtime.StaticGraph`` which do the warm-up and
+    stream pinning for you.
+    """
+
+    def __init__(self, server, backend: str, device: int, stream=None):
+        self._server = server
+        self.backend = backend
+        self.device = device
+        self._pinned = stream
+
+    @property
+    def device_name(self) -> str:
+        return self._server.backend.device_name
+
+    # -- streams ------------------------------------------------------------------------------
+    @property
+    def stream(self) -> StreamId:
+        """The stream this client's work goes to: the pinned one, else the thread's own."""
+        return self._pinned if self._pinned is not None else StreamId.current()
+
+    def set_stream(self, stream) -> None:
+        """Pin this client to ``stream`` (a ``StreamId``); ``None`` unpins.
+
+        Raises: ``TypeError`` for anything else.
+        """
+        if stream is not None and not isinstance(stream, StreamId):
+            raise TypeError(f"set_stream takes a StreamId (runtime.StreamId.new()), got {stream!r}")
+        self._pinned = stream
+
+    def with_stream(self, stream) -> "ComputeClient":
+        """A new client on the same server, pinned to ``stream``."""
+        c = ComputeClient(self._server, self.backend, self.device)
+        c.set_stream(stream)
+        return c
+
+    def clone(self) -> "ComputeClient":
+        """A new client on the same server with the same pin (CubeCL: clones copy the pin)."""
+        return ComputeClient(self._server, self.backend, self.device, self._pinned)
+
+    # -- memory -------------------------------------------------------------------------------
+    def create(self, data) -> Handle:
+        """Copy a host array to a new device buffer.
+
+        Args:
+            data: a numpy array (any dtype and shape; copied now, so later changes to it do not
+                matter) or bytes-like (``uint8``).
+        Returns: a ``Handle`` with the array's ``nbytes``, ``dtype`` and ``shape``; returns at
+            once (fire-and-forget).
+        Raises: ``TypeError`` (not an array/bytes); ``ServerClosed``. Allocation failures
+            (``OutOfMemory``) are queued on the stream and raised by its next blocking call.
+        Streams: the copy is ordered on this client's stream.
+        Capture: inside a window on this stream the copy is a host write: ``stop_capture``
+            refuses the window.
+        """
+        arr = _as_bytes(data)
+        srv = self._server
+        sid = self.stream
+        h = Handle(srv, sid, arr.nbytes, arr.dtype, arr.shape)
+        payload = arr.reshape(-1).view(np.uint8).copy() if isinstance(data, np.ndarray) else arr
+        srv.submit(srv.h_alloc, sid, h.id, arr.nbytes, payload)
+        return h
+
+    def empty(self, shape, dtype=None) -> Handle:
+        """A new device buffer with undefined contents.
+
+        Args:
+            shape: an int or tuple of elements, with ``dtype``; or, without ``dtype``, an int
+                number of bytes (``empty(nbytes)``).
+            dtype: numpy dtype (``np.float32``, ``"f4"``...).
+        Returns: a ``Handle``; returns at once.
+        Raises: ``TypeError``/``ValueError`` for a bad shape or dtype.
+        Capture: allowed inside a window. Software graphs retain the buffer; on hardware graphs
+            a buffer the warm pool cannot serve makes ``stop_capture`` refuse the window.
+        """
+        if dtype is None:
+            dtype, shape = np.uint8, shape
+        dtype = np.dtype(dtype)
+        shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shp):
+            raise ValueError(f"shape must be non-negative ints, got {shape!r}")
+        nbytes = int(np.prod(shp, dtype=np.int64)) * dtype.itemsize
+        srv = self._server
+        sid = self.stream
+        h = Handle(srv, sid, nbytes, dtype, shp)
+        srv.submit(srv.h_alloc, sid, h.id, nbytes, None)
+        return h
+
+    def write(self, handle: Handle, data) -> None:
+        """Overwrite ``handle``'s buffer in place (same buffer, same device address).
+
+        Args:
+            handle: the target.
+            data: a numpy array with ``handle.size`` elements (cast to ``handle.dtype`` with
+                ``same_kind`` casting), or bytes-like of exactly ``handle.nbytes`` bytes.
+        Returns: at once (fire-and-forget); the copy is taken now.
+        Raises: ``InvalidHandle`` (released, foreign, or a size mismatch); ``TypeError``.
+        Streams: ordered on this client's stream after earlier work on it, and after earlier
+            uses of the buffer on other streams (the server inserts event waits).
+        Capture: inside a window on this stream it is refused late: ``stop_capture`` raises
+            ``CaptureRefused`` and the write is never applied (a graph cannot hold a host write).
+        """
+        if not isinstance(handle, Handle):
+            raise TypeError(f"write takes a Handle, got {type(handle).__name__}")
+        hid = handle._check(self._server, "write")
+        if isinstance(data, np.ndarray):
+            if data.size != handle.size:
+                raise InvalidHandle(f"write to handle {hid}: {data.size} elements given, the handle "
+                                    f"holds {handle.size} ({handle.nbytes} bytes of {handle.dtype})")
+            payload = np.ascontiguousarray(data).astype(handle.dtype, casting="same_kind",
+                                                       copy=True).reshape(-1).view(np.uint8)
+        else:
+            payload = _as_bytes(data)
+            if payload.nbytes != handle.nbytes:
+                raise InvalidHandle(f"write to handle {hid}: {payload.nbytes} bytes given, the "
+                                    f"handle holds {handle.nbytes}")
+        srv = self._server
+        srv.submit(srv.h_write, self.stream, hid, payload)
+
+    def read(self, handle: Handle) -> np.ndarray:
+        """Copy ``handle``'s buffer to the host.
+
+        Returns: a new ``np.ndarray`` of ``handle.dtype`` and ``handle.shape``. Blocks until the
+            work before it on this stream (and the buffer's last write on any stream) ran.
+        Raises: ``CaptureRefused`` (this stream is recording); ``InvalidHandle``; ``ReplayFailed``
+            (a failed replay wrote the buffer); ``ServerUnhealthy`` (queued errors of this
+            stream); ``ServerClosed``.
+        See also: ``cudaMemcpyAsync`` + event sync (cuda), ``map_async`` of a staging buffer (wgpu).
+        """
+        if not isinstance(handle, Handle):
+            raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
+        hid = handle._check(self._server, "read")
+        srv = self._server
+        comp = srv.call(srv.h_read, self.stream, hid)
+        if not comp.done:
+            srv.wait(comp)
+        raw = comp.result()
+        return raw.view(handle.dtype).reshape(handle.shape)
+
+    # -- kernels ------------------------------------------------------------------------------
+    def launch(self, kernel: Kernel, count, handles, params=None) -> None:
+        """Enqueue one dispatch of ``kernel``.
+
+        Args:
+            kernel: a ``runtime.Kernel``.
+            count: workgroups, an int or ``(x, y, z)``; or a ``Handle`` holding three ``u32``
+                (an indirect dispatch: the counts are read when the launch executes, also on
+                every replay of a graph that recorded it; WebGPU ``dispatch_workgroups_indirect``).
+                A zero count is a no-op.
+            handles: one ``Handle`` per binding, in order.
+            params: a mapping or sequence of the kernel's params.
+        Returns: at once (fire-and-forget).
+        Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count or
+            dtype mismatch), ``InvalidHandle``, at the call. Compile and device failures are queued
+            on the stream and raised by its next blocking call.
+        Streams: on this client's stream, after the last writes of its inputs on other streams.
+        Capture: inside a window on this stream it is recorded, not executed.
+        """
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"launch takes a runtime.Kernel, got {type(kernel).__name__}")
+        if isinstance(handles, Handle) or not isinstance(handles, (list, tuple)):
+            raise TypeError(f"launch of {kernel.name}: handles must be a list of Handles")
+        if len(handles) != len(kernel.bindings):
+            raise LaunchError(f"launch of {kernel.name}: it has {len(kernel.bindings)} bindings "
+                              f"{[b.name for b in kernel.bindings]}, got {len(handles)} handles")
+        srv = self._server
+        hids = []
+        for b, h in zip(kernel.bindings, handles):
+            if not isinstance(h, Handle):
+                raise TypeError(f"launch of {kernel.name}: binding {b.name} needs a Handle, "
+                                f"got {type(h).__name__}")
+            if h.dtype.itemsize not in (1, 4):
+                raise LaunchError(f"launch of {kernel.name}: binding {b.name} is {b.dtype} but "
+                                  f"handle {h.id} holds {h.dtype}")
+            hids.append(h._check(srv, f"launch of {kernel.name}"))
+        if isinstance(count, Handle):
+            if count.nbytes < 12:
+                raise LaunchError(f"indirect launch of {kernel.name}: the count handle {count.id} "
+                                  "must hold three u32 (12 bytes)")
+            cnt = count._check(srv, f"indirect launch of {kernel.name}")
+        else:
+            cnt = normalize_count(count)
+            if 0 in cnt:
+                return
+        srv.submit(srv.h_launch, self.stream, kernel, cnt, hids, kernel.pack_params(params))
+
+    # -- synchronisation ----------------------------------------------------------------------
+    def sync(self) -> None:
+        """Wait for everything enqueued on this client's stream.
+
+        Raises: ``CaptureRefused`` (the stream is recording); ``ServerUnhealthy`` (queued errors,
+            drained); ``ServerClosed``.
+        See also: ``cudaStreamSynchronize``.
+        """
+        srv = self._server
+        comp = srv.call(srv.h_sync, self.stream)
+        if not comp.done:
+            srv.wait(comp)
+        comp.result()
+
+    def flush(self) -> None:
+        """Hand this stream's batched work to the device now and raise its queued errors
+        (``ServerUnhealthy``); does not wait for the device."""
+        srv = self._server
+        srv.call(srv.h_flush, self.stream)
+
+    def record_event(self):
+        """An event token after the work enqueued on this stream so far (``cudaEventRecord``);
+        pass it to ``wait_event`` on another client/stream. Blocks until accepted."""
+        srv = self._server
+        return srv.call(srv.h_record_event, self.stream)
+
+    def wait_event(self, event) -> None:
+        """Make this stream wait for ``event`` from ``record_event`` (``cudaStreamWaitEvent``)."""
+        if not (isinstance(event, tuple) and len(event) == 2):
+            raise TypeError(f"wait_event takes a token from record_event(), got {event!r}")
+        srv = self._server
+        srv.call(srv.h_wait_event, self.stream, event)
+
+    # -- capture ------------------------------------------------------------------------------
+    def graph_prepare(self) -> None:
+        """Open a capture on this stream: ``no capture -> prepared``.
+
+        Then run the work once (the warm-up: executes normally, reads allowed), call
+        ``start_capture()``, run the same work again (recorded, not executed) and
+        ``stop_capture()``. Buffers freed during the warm-up are held back until
+        ``start_capture`` so the pool holds everything the recorded run needs.
+        The warm-up is optional; this transition is required (CubeCL's state machine).
+        For the whole recipe in one call see ``runtime.capture(fn)``.
+
+        Raises: ``GraphStateError`` (already prepared or recording; state unchanged).
+        """
+        srv = self._server
+        srv.call(srv.h_graph_prepare, self.stream)
+
+    def start_capture(self) -> None:
+        """Start recording this stream's launches: ``prepared -> capturing``.
+
+        Inside the window, on this stream: ``launch`` is recorded, not run; ``read``, ``sync``
+        and ``replay`` raise ``CaptureRefused`` at once (the capture goes on); ``write`` and
+        freeing a handle the window uses are refused late, by ``stop_capture``. Other streams
+        work normally meanwhile.
+
+        Raises: ``GraphStateError`` (not prepared, or already recording; unchanged);
+            ``ServerUnhealthy`` (the warm-up left queued errors: back to ``no capture``);
+            ``UnsupportedError`` (the backend has no graphs).
+        """
+        srv = self._server
+        srv.call(srv.h_start_capture, self.stream)
+
+    def stop_capture(self) -> Graph:
+        """Stop recording and return the ``Graph``: ``capturing -> no capture``.
+
+        Returns: a ``Graph`` (empty window: a graph whose replay does nothing). Buffers
+            allocated inside the window are retained by it; caller-owned buffers are the caller's
+            to keep alive while it replays.
+        Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` naming the
+            late refusals (write, freed handle, allocation on a hardware graph): no graph is made;
+            ``ServerUnhealthy`` (launch errors queued in the window).
+        """
+        srv = self._server
+        sid = self.stream
+        gid, hw = srv.call(srv.h_stop_capture, sid)
+        return Graph(_Owner(srv, gid), sid, hw)
+
+    # -- misc ---------------------------------------------------------------------------------
+    def memory_usage(self) -> dict:
+        """``{"bytes_reserved", "bytes_in_use", "handles", "graphs"}`` of the server (bytes)."""
+        srv = self._server
+        return srv.call(srv.h_memory_usage)
+
+    def shutdown(self) -> None:
+        """Stop this client's server (every client of it then raises ``ServerClosed``)."""
+        self._server.shutdown()
+
+    @property
+    def closed(self) -> bool:
+        return self._server.closed
+
+    def __repr__(self):
+        return f"ComputeClient(backend={self.backend!r}, device={self.device}, stream={self.stream!r})"
+
+
+def client(backend=None, device: int = 0, **options) -> ComputeClient:
+    """A client of the server for ``(backend, device)``, starting it on first use.
+
+    Args:
+        backend: ``"cpu"``, ``"wgpu"``, ``"cuda"``, or ``None``: ``RUNTIME_BACKEND`` if set, else
+            the best available (cuda with a GPU, wgpu on a hardware adapter, else cpu).
+        device: device index.
+        **options: ``check=True`` turns on the stream-ordering checker (or ``RUNTIME_CHECK=1``);
+            cpu: ``scheduler="thread"|"interleave"|Scheduler``, ``seed=int``. Different options
+            give a different server.
+    Raises: ``ValueError`` (unknown backend); ``UnsupportedError`` (its library or device is
+        missing, with an install hint).
+    """
+    srv = get_server(backend, device, **options)
+    return ComputeClient(srv, srv.backend.name, device)

@@ -1,0 +1,72 @@
+"""Handles: client-side references to server buffers (design.md sections 1-2)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ..errors import InvalidHandle
+
+_ids = itertools.count(1)
+
+
+class Handle:
+    """A reference to one device buffer owned by a server.
+
+    Attributes:
+        id: the handle id (minted here, so ``create`` returns without a round trip).
+        nbytes: size in bytes.
+        dtype, shape: how ``read`` interprets the bytes (``uint8``, ``(nbytes,)`` for raw bytes).
+
+    Lifetime: Python's reference count is the handle's refcount; the last drop, or an explicit
+    ``release()``, frees the buffer into the server's pool (fire-and-forget, on the stream the
+    handle was created on). The pool reuses freed buffers: a graph that still uses a freed
+    buffer reads or corrupts whatever lands there (seed 001: liveness).
+    """
+
+    __slots__ = ("id", "nbytes", "dtype", "shape", "_server", "_stream", "released", "__weakref__")
+
+    def __init__(self, server, stream, nbytes: int, dtype, shape):
+        self.id = next(_ids)
+        self.nbytes = int(nbytes)
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self._server = server
+        self._stream = stream
+        self.released = False
+
+    @property
+    def size(self) -> int:
+        """Number of elements (``nbytes // dtype.itemsize``)."""
+        return self.nbytes // self.dtype.itemsize
+
+    def release(self) -> None:
+        """Free the buffer now (idempotent). Later use of this handle raises ``InvalidHandle``."""
+        if not self.released:
+            self.released = True
+            srv = self._server
+            if not srv.closed:
+                srv.post(srv.h_free, self._stream, self.id)
+
+    def __del__(self):
+        try:
+            if not self.released:
+                self.released = True
+                srv = self._server
+                if not srv.closed:
+                    srv.post(srv.h_free, self._stream, self.id)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _check(self, server, what: str) -> int:
+        if self.released:
+            raise InvalidHandle(f"{what}: handle {self.id} was released; it cannot be used again")
+        if self._server is not server:
+            raise InvalidHandle(f"{what}: handle {self.id} belongs to another server "
+                                f"({self._server.name}); copy it through the host")
+        return self.id
+
+    def __repr__(self):
+        state = " released" if self.released else ""
+        return f"Handle(id={self.id}, nbytes={self.nbytes}, dtype={self.dtype}, shape={self.shape}{state})"

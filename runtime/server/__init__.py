@@ -1,0 +1,135 @@
+"""The device server: one per (backend, device), on its own thread, owning every table.
+
+``get_server`` starts servers lazily; ``shutdown`` stops them (also at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import threading
+
+from ..backends.base import check_interface
+from ..errors import UnsupportedError
+from .server import ComputeServer
+
+__all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "BACKENDS"]
+
+#: backend name -> (module, class name); imported only when first asked for (tinygrad style).
+BACKENDS = {"cpu": ("runtime.backends.cpu", "CpuBackend"),
+            "wgpu": ("runtime.backends.wgpu", "WgpuBackend"),
+            "cuda": ("runtime.backends.cuda", "CudaBackend")}
+#: the order ``backend=None`` tries: hardware first, the embedded default last.
+PREFERENCE = ("cuda", "wgpu", "cpu")
+
+_servers: dict = {}
+_lock = threading.Lock()
+_unavailable: dict = {}
+
+
+def backend_class(name: str):
+    """The backend class for ``name``.
+
+    Raises: ``ValueError`` (unknown name); ``UnsupportedError`` (its library is missing).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)} or None")
+    mod_name, cls_name = BACKENDS[name]
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UnsupportedError(f"backend {name!r} is not available: {e}") from e
+    cls = getattr(mod, cls_name)
+    check_interface(cls)
+    return cls
+
+
+def _usable_best(name: str) -> bool:
+    """Whether ``backend=None`` should pick ``name``: it opens, and (for wgpu) on real hardware."""
+    if name == "cpu":
+        return True
+    if name in _unavailable:
+        return False
+    try:
+        cls = backend_class(name)
+        probe = getattr(cls, "probe", None)
+        info = probe() if probe is not None else None
+        if info is None or not info.get("hardware", False):
+            _unavailable[name] = "no hardware device (software adapters are slower than numpy)"
+            return False
+        return True
+    except Exception as e:  # noqa: BLE001 - keep the reason, try the next one
+        _unavailable[name] = str(e)
+        return False
+
+
+def available_backends() -> dict:
+    """``{name: None or the reason it is unusable}`` for every backend, probing each."""
+    out = {}
+    for name in BACKENDS:
+        try:
+            cls = backend_class(name)
+            probe = getattr(cls, "probe", None)
+            if probe is not None:
+                probe()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = str(e)
+    return out
+
+
+def resolve_backend(name):
+    """``name``, or for ``None`` the ``RUNTIME_BACKEND`` variable, else the best available."""
+    if name is None:
+        name = os.environ.get("RUNTIME_BACKEND") or None
+    if name is None:
+        for cand in PREFERENCE:
+            if _usable_best(cand):
+                return cand
+    return name
+
+
+def _option_key(options: dict) -> tuple:
+    items = []
+    for k, v in sorted(options.items()):
+        items.append((k, v if isinstance(v, (int, float, str, bool, type(None))) else id(v)))
+    return tuple(items)
+
+
+def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
+    """The running server for ``(backend, device, options)``, started on first use.
+
+    Options: ``check`` (bool, default from ``RUNTIME_CHECK``) turns on the stream-ordering
+    checker; the rest go to the backend (cpu: ``scheduler``, ``seed``). Servers with different
+    options are different servers (each with its own device thread).
+
+    Raises: ``ValueError`` (unknown backend, bad device index); ``UnsupportedError``.
+    """
+    name = resolve_backend(backend)
+    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+        raise ValueError(f"device must be a non-negative int, got {device!r}")
+    if "check" not in options and os.environ.get("RUNTIME_CHECK", "") not in ("", "0"):
+        options["check"] = True
+    key = (name, device, _option_key(options))
+    with _lock:
+        srv = _servers.get(key)
+        if srv is not None and not srv.closed:
+            return srv
+        cls = backend_class(name)
+        check = bool(options.pop("check", False))
+        srv = ComputeServer(cls(device, **options), f"runtime-{name}:{device}", check=check)
+        _servers[key] = srv
+        return srv
+
+
+def shutdown() -> None:
+    """Stop every server (queued work runs first); clients then raise ``ServerClosed``."""
+    with _lock:
+        servers = list(_servers.values())
+        _servers.clear()
+    for srv in servers:
+        srv.shutdown()
+
+
+atexit.register(shutdown)

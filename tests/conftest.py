@@ -1,0 +1,67 @@
+"""Shared fixtures: the ``backend`` fixture runs a test on every backend that answers here.
+
+``RUNTIME_TEST_BACKENDS`` (comma list, default ``cpu,wgpu,cuda``) selects the backends. A
+backend whose library or device is missing is skipped with the reason; it never fails and
+never passes vacuously.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime.server import backend_class
+
+ALL_BACKENDS = [b.strip() for b in os.environ.get("RUNTIME_TEST_BACKENDS", "cpu,wgpu,cuda").split(",")
+                if b.strip()]
+_reasons: dict = {}
+
+
+def backend_unavailable(name: str):
+    """None when ``name`` can run here, else the reason it cannot."""
+    if name not in _reasons:
+        try:
+            cls = backend_class(name)
+            probe = getattr(cls, "probe", None)
+            if probe is not None:
+                probe()
+            runtime.client(name)
+            _reasons[name] = None
+        except Exception as e:  # noqa: BLE001 - the reason is the skip message
+            _reasons[name] = f"{name} backend unavailable here: {type(e).__name__}: {e}"
+    return _reasons[name]
+
+
+@pytest.fixture(params=ALL_BACKENDS)
+def backend(request):
+    """The backend name; skipped with the reason where it cannot run."""
+    why = backend_unavailable(request.param)
+    if why:
+        pytest.skip(why)
+    return request.param
+
+
+@pytest.fixture
+def client(backend):
+    """A client of the shared server of ``backend``, pinned to a fresh stream (tests never
+    share capture state)."""
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    yield c
+
+
+@pytest.fixture
+def hardware(client):
+    return client._server.backend.hardware_graphs
+
+
+# one capture at a time per device across threads (CUDA global capture mode; CubeCL's tests do so)
+capture_lock = threading.Lock()
+
+
+def f32(*values):
+    return np.array(values, dtype=np.float32)

@@ -19,6 +19,7 @@ from .kernel import Binding, Kernel, Param
 from .client import ComputeClient, Graph, Handle, StreamId, client
 from .server import available_backends, shutdown
 from . import kernels
+from .tensor import Tensor
 
 __version__ = "0.1.0"
 

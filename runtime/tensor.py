@@ -1,0 +1,358 @@
+"""``runtime.Tensor``: a device buffer with a shape, and ops that launch library kernels.
+
+A thin layer over a client so a model reads like a model::
+
+    x = embedding(ids, types, word, pos, ttab).layer_norm(g, b)
+    qkv = x.matmul(w_qkv, b_qkv)                      # [B, S, 3H]
+    x = qkv.attention(mask, heads=12).matmul(w_o, b_o).layer_norm(g1, b1, residual=x)
+
+Every op enqueues one kernel launch on the tensor's client (fire-and-forget, on that client's
+stream) and returns a new ``Tensor`` for the output; nothing blocks until ``numpy()``. Tensors are
+dense, row-major, ``f32`` (``i32`` for token ids). Ops never write their inputs, so a tensor can be
+used any number of times.
+
+Output buffers come from ``client.empty`` and are freed when the last ``Tensor`` (or view) of
+them is dropped -- or, inside ``with arena:``, from an :class:`Arena`, which keeps dropped buffers
+for reuse. Running the same code twice under one arena then reuses the same buffers, which is what
+capture needs: the warm-up run fills the arena and the recorded run allocates nothing new (see
+``runtime.models.minilm``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from . import kernels as K
+from .client import Handle
+
+_DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+_local = threading.local()
+
+
+class Arena:
+    """A pool of device buffers for tensor outputs, reused by size.
+
+    Args:
+        client: the ``ComputeClient`` whose ``empty`` makes new buffers.
+
+    ``with arena:`` makes it the current arena of this thread: tensor ops then take their output
+    buffers from its free lists (same ``nbytes``), or allocate and remember new ones. A tensor
+    made under the arena gives its buffer back when its last view is dropped (CPython's reference
+    counting makes this deterministic, so the same code run twice asks for the same buffers).
+    Buffers stay allocated until :meth:`release`.
+    """
+
+    def __init__(self, client):
+        self.client = client
+        self._free: dict[tuple, list] = {}
+        self._all: list[Handle] = []
+
+    def __enter__(self) -> "Arena":
+        stack = getattr(_local, "arenas", None)
+        if stack is None:
+            stack = _local.arenas = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _local.arenas.pop()
+
+    def take(self, shape, dtype) -> Handle:
+        """A buffer of ``prod(shape)`` elements of ``dtype`` (reused when one is free)."""
+        key = (int(np.prod(shape, dtype=np.int64)), np.dtype(dtype).str)
+        free = self._free.get(key)
+        if free:
+            return free.pop()
+        h = self.client.empty(shape, dtype)
+        self._all.append(h)
+        return h
+
+    def give_back(self, handle: Handle) -> None:
+        """Return ``handle`` (taken from this arena) to the free list."""
+        self._free.setdefault((handle.size, handle.dtype.str), []).append(handle)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this arena (free or in use)."""
+        return sum(h.nbytes for h in self._all)
+
+    def release(self) -> None:
+        """Free every buffer of the arena (tensors still using them must not be used again)."""
+        for h in self._all:
+            h.release()
+        self._all.clear()
+        self._free.clear()
+
+
+class _Buffer:
+    """Owner of one handle shared by a tensor and its views; gives it back to its arena."""
+
+    __slots__ = ("handle", "arena")
+
+    def __init__(self, handle, arena):
+        self.handle, self.arena = handle, arena
+
+    def __del__(self):
+        if self.arena is not None:
+            try:
+                self.arena.give_back(self.handle)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+class Tensor:
+    """A dense row-major device tensor: a ``Handle`` plus a shape and a dtype.
+
+    Attributes:
+        client: the ``ComputeClient`` its ops launch through (and whose stream orders them).
+        handle: the device buffer (``Handle``); may be larger than the tensor.
+        shape: tuple of ints; dtype: ``"f32"`` or ``"i32"``.
+
+    Build one with :meth:`from_numpy` or :meth:`empty`; read it with :meth:`numpy`.
+    """
+
+    __slots__ = ("client", "shape", "dtype", "_buf")
+
+    def __init__(self, client, handle: Handle, shape, dtype: str = "f32", *, _buf=None):
+        if dtype not in _DTYPES:
+            raise ValueError(f"Tensor dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+        self.client = client
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self._buf = _buf if _buf is not None else _Buffer(handle, None)
+        if self.size * 4 > handle.nbytes:
+            raise ValueError(f"Tensor of shape {self.shape} needs {self.size * 4} bytes; handle "
+                             f"{handle.id} holds {handle.nbytes}")
+
+    # -- making and reading -------------------------------------------------------------------
+    @classmethod
+    def from_numpy(cls, client, array) -> "Tensor":
+        """Copy a host array to a new device tensor (floats -> ``f32``, integers -> ``i32``).
+
+        Raises: ``TypeError`` for other dtypes.
+        """
+        a = np.asarray(array)
+        if a.dtype.kind == "f":
+            dtype = "f32"
+        elif a.dtype.kind in "iub":
+            dtype = "i32"
+        else:
+            raise TypeError(f"Tensor.from_numpy takes a float or integer array, got {a.dtype}")
+        a = np.ascontiguousarray(a, dtype=_DTYPES[dtype])
+        return cls(client, client.create(a), a.shape, dtype)
+
+    @classmethod
+    def empty(cls, client, shape, dtype: str = "f32") -> "Tensor":
+        """A new tensor with undefined contents, from the current arena if one is active."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        arenas = getattr(_local, "arenas", None)
+        arena = arenas[-1] if arenas else None
+        if arena is not None and arena.client is client:
+            h = arena.take(shape, _DTYPES[dtype])
+            return cls(client, h, shape, dtype, _buf=_Buffer(h, arena))
+        return cls(client, client.empty(shape, _DTYPES[dtype]), shape, dtype)
+
+    @property
+    def handle(self) -> Handle:
+        return self._buf.handle
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def numpy(self) -> np.ndarray:
+        """Read the tensor to the host (blocks; raises the stream's queued errors)."""
+        raw = self.client.read(self.handle).reshape(-1).view(np.uint8)
+        return raw[:self.size * 4].view(_DTYPES[self.dtype]).reshape(self.shape).copy()
+
+    def write(self, array) -> None:
+        """Overwrite the tensor in place with ``array`` (same number of elements; cast).
+
+        Raises: ``ValueError`` when the sizes differ.
+        """
+        a = np.ascontiguousarray(array, dtype=_DTYPES[self.dtype]).reshape(-1)
+        if a.size != self.size:
+            raise ValueError(f"write of {a.size} elements into a tensor of shape {self.shape}")
+        if self.handle.size != a.size:
+            a = np.concatenate([a, np.zeros(self.handle.nbytes // 4 - a.size, a.dtype)])
+        self.client.write(self.handle, a)
+
+    def reshape(self, *shape) -> "Tensor":
+        """A view with another shape (same buffer; one ``-1`` is inferred)."""
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        shape = tuple(int(d) for d in shape)
+        if -1 in shape:
+            known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+            shape = tuple(self.size // known if d == -1 else d for d in shape)
+        if int(np.prod(shape, dtype=np.int64)) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return Tensor(self.client, self.handle, shape, self.dtype, _buf=self._buf)
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, handle={self.handle.id})"
+
+    # -- ops ----------------------------------------------------------------------------------
+    def _out(self, shape) -> "Tensor":
+        return Tensor.empty(self.client, shape, "f32")
+
+    def _launch(self, kernel, count, tensors, params) -> None:
+        self.client.launch(kernel, count, [t.handle for t in tensors], params)
+
+    def matmul(self, w: "Tensor", bias: "Tensor | None" = None,
+               activation: str | None = None) -> "Tensor":
+        """``self [..., K] @ w [K, N] (+ bias [N])``, then ``activation`` (``None`` or ``"gelu"``).
+
+        Returns: ``[..., N]``. Raises: ``ValueError`` (shapes, or gelu without a bias).
+        """
+        K_, N = _shape2(w, "matmul weight")
+        if self.shape[-1] != K_:
+            raise ValueError(f"matmul: {self.shape} @ {w.shape}: inner dimensions differ")
+        M = self.size // K_
+        out = self._out(self.shape[:-1] + (N,))
+        if bias is not None and bias.shape != (N,):
+            raise ValueError(f"matmul: bias shape {bias.shape}, expected ({N},)")
+        if activation not in (None, "gelu"):
+            raise ValueError(f"matmul: activation must be None or 'gelu', got {activation!r}")
+        if activation == "gelu" and bias is None:
+            raise ValueError("matmul: activation='gelu' needs a bias (the fused kernel takes one)")
+        kern = K.matmul if bias is None else (K.matmul_bias_gelu if activation else K.matmul_bias)
+        args = [self, w] + ([bias] if bias is not None else []) + [out]
+        self._launch(kern, K.matmul_count(M, N), args, {"M": M, "N": N, "K": K_})
+        return out
+
+    def add(self, other: "Tensor") -> "Tensor":
+        """``self + other``: same shape, or ``other`` a ``[N]`` bias broadcast over the last dim."""
+        n = self.size
+        out = self._out(self.shape)
+        if other.shape == self.shape:
+            self._launch(K.add, K.grid(n), [self, other, out], {"n": n})
+        elif other.shape == self.shape[-1:]:
+            self._launch(K.add_bias, K.grid(n), [self, other, out], {"N": other.size, "n": n})
+        else:
+            raise ValueError(f"add: shapes {self.shape} and {other.shape} do not broadcast")
+        return out
+
+    __add__ = add
+
+    def gelu(self) -> "Tensor":
+        """``0.5 x (1 + erf(x / sqrt 2))`` elementwise (erf to ~1.2e-7)."""
+        out = self._out(self.shape)
+        self._launch(K.gelu, K.grid(self.size), [self, out], {"n": self.size})
+        return out
+
+    def layer_norm(self, gamma: "Tensor", beta: "Tensor", eps: float = 1e-12,
+                   residual: "Tensor | None" = None) -> "Tensor":
+        """Layer norm over the last dim of ``self (+ residual)``; ``gamma``/``beta`` are ``[n]``.
+
+        Raises: ``ValueError`` on shape mismatches.
+        """
+        n = self.shape[-1]
+        if gamma.shape != (n,) or beta.shape != (n,):
+            raise ValueError(f"layer_norm: gamma/beta must be ({n},), got {gamma.shape}, {beta.shape}")
+        rows = self.size // n
+        out = self._out(self.shape)
+        params = {"rows": rows, "n": n, "eps": eps}
+        if residual is None:
+            self._launch(K.layer_norm, K.rows_count(rows), [self, gamma, beta, out], params)
+        else:
+            if residual.shape != self.shape:
+                raise ValueError(f"layer_norm: residual {residual.shape} != input {self.shape}")
+            self._launch(K.add_layer_norm, K.rows_count(rows), [self, residual, gamma, beta, out],
+                         params)
+        return out
+
+    def attention(self, mask: "Tensor", heads: int) -> "Tensor":
+        """Multi-head attention of a packed ``[B, S, 3H]`` QKV tensor (q | k | v on the last dim).
+
+        Args:
+            mask: ``[B, S]`` f32, 1 for real tokens and 0 for padding (keys with 0 are masked).
+            heads: number of heads (``H % heads == 0``).
+        Returns: ``[B, S, H]`` context. See :func:`attention`.
+        """
+        B, S, H3 = self.shape
+        H = H3 // 3
+        return attention(self, self, self, mask, heads, offsets=(0, H, 2 * H))
+
+    def mean_pool(self, mask: "Tensor") -> "Tensor":
+        """Mean over the tokens of ``self [B, S, H]`` weighted by ``mask [B, S]``: ``[B, H]``."""
+        B, S, H = self.shape
+        if mask.shape != (B, S):
+            raise ValueError(f"mean_pool: mask {mask.shape}, expected {(B, S)}")
+        out = self._out((B, H))
+        self._launch(K.mean_pool, K.grid(B * H), [self, mask, out], {"S": S, "H": H, "n": B * H})
+        return out
+
+    def l2_normalize(self) -> "Tensor":
+        """Each row over the last dim divided by ``max(its L2 norm, 1e-12)``."""
+        n = self.shape[-1]
+        rows = self.size // n
+        out = self._out(self.shape)
+        self._launch(K.l2_normalize, K.rows_count(rows), [self, out], {"rows": rows, "n": n})
+        return out
+
+
+def _shape2(t: Tensor, what: str) -> tuple:
+    if len(t.shape) != 2:
+        raise ValueError(f"{what} must be 2-D, got shape {t.shape}")
+    return t.shape
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, heads: int,
+              offsets=(0, 0, 0)) -> Tensor:
+    """``softmax(q k^T / sqrt(hd) + (1 - mask) * -1e9) v`` per head.
+
+    Args:
+        q, k, v: ``[B, S, W]`` f32 tensors (may be the same packed tensor); the heads of each
+            are the ``H`` columns starting at its entry of ``offsets``.
+        mask: ``[B, S]`` f32 key mask (1 keep, 0 masked).
+        heads: number of heads; head dim ``hd = H / heads`` must be at most 64.
+        offsets: column offsets of q, k, v inside their rows.
+    Returns: ``[B, S, H]`` with ``H = W - max(offsets)`` for packed input, else ``W``.
+    Raises: ``ValueError`` on shape mismatches, ``S > 1024`` or ``hd > 64``.
+    """
+    if not (q.shape == k.shape == v.shape) or len(q.shape) != 3:
+        raise ValueError(f"attention: q, k, v must share a [B, S, W] shape, got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
+    B, S, W = q.shape
+    H = W - max(offsets)
+    if mask.shape != (B, S):
+        raise ValueError(f"attention: mask {mask.shape}, expected {(B, S)}")
+    if H <= 0 or H % heads:
+        raise ValueError(f"attention: width {H} is not a multiple of heads={heads}")
+    hd = H // heads
+    if hd > K.nn.ATTN_MAX_HEAD_DIM:
+        raise ValueError(f"attention: head dim {hd} exceeds {K.nn.ATTN_MAX_HEAD_DIM}")
+    out = Tensor.empty(q.client, (B, S, H))
+    params = {"S": S, "heads": heads, "hd": hd, "ld_in": W, "q_off": offsets[0],
+              "k_off": offsets[1], "v_off": offsets[2], "ld_out": H, "scale": 1 / math.sqrt(hd)}
+    q.client.launch(K.attention, K.attention_count(B, S, heads),
+                    [q.handle, k.handle, v.handle, mask.handle, out.handle], params)
+    return out
+
+
+def embedding(ids: Tensor, types: Tensor, word: Tensor, pos: Tensor, ttab: Tensor) -> Tensor:
+    """BERT input embeddings: ``word[ids] + pos[position] + ttab[types]``.
+
+    Args:
+        ids, types: ``[B, S]`` i32 token and token-type ids (must index inside their tables).
+        word, pos, ttab: ``[V, H]``, ``[P, H]`` (``P >= S``), ``[T, H]`` f32 tables.
+    Returns: ``[B, S, H]``; positions restart at 0 in every sequence.
+    Raises: ``ValueError`` on shape mismatches.
+    """
+    B, S = ids.shape
+    H = word.shape[1]
+    if types.shape != ids.shape or pos.shape[1] != H or ttab.shape[1] != H or pos.shape[0] < S:
+        raise ValueError(f"embedding: ids {ids.shape}, types {types.shape}, tables {word.shape}, "
+                         f"{pos.shape}, {ttab.shape} do not fit")
+    out = Tensor.empty(ids.client, (B, S, H))
+    n = B * S * H
+    ids.client.launch(K.embedding, K.grid(n), [ids.handle, types.handle, word.handle, pos.handle,
+                                               ttab.handle, out.handle], {"H": H, "S": S, "n": n})
+    return out
+
+
+__all__ = ["Tensor", "Arena", "attention", "embedding"]

@@ -41,9 +41,10 @@ class CpuEvent:
 class CpuStream:
     """An in-order queue of ``(kind, payload)`` items and the errors its work raised."""
 
-    __slots__ = ("q", "errors", "index")
+    __slots__ = ("q", "errors", "index", "busy")
 
     def __init__(self, index):
+        self.busy = False
         self.q = collections.deque()
         self.errors: list = []
         self.index = index
@@ -75,6 +76,9 @@ class Scheduler:
     def notify(self) -> None:
         """Work was enqueued."""
 
+    def notify_all(self) -> None:
+        """An event completed: streams waiting on it may run."""
+
     def settle(self, comp: Completion) -> Completion:
         """Called by the server thread after enqueuing the item that finishes ``comp``."""
         return comp
@@ -84,31 +88,47 @@ class Scheduler:
 
 
 class ThreadScheduler(Scheduler):
-    """Run every stream head as soon as it is runnable, on one worker thread."""
+    """Run every stream head as soon as it is runnable, on a few worker threads.
+
+    A stream is run by at most one worker at a time (per-stream FIFO); different streams run
+    concurrently (numpy releases the GIL in large operations), so a stream blocked on an event
+    or a long kernel does not hold up the others.
+
+    Args:
+        workers: worker threads (default 4).
+    """
+
+    def __init__(self, workers: int = 4):
+        self.workers = workers
 
     def attach(self, backend):
         super().attach(backend)
         self.cv = threading.Condition()
-        self.current = None
         self.closed = False
         self.rr = 0
-        self.thread = threading.Thread(target=self._loop, name="runtime-cpu-worker", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, name=f"runtime-cpu-worker-{k}",
+                                         daemon=True) for k in range(self.workers)]
+        for t in self.threads:
+            t.start()
 
     def notify(self):
         with self.cv:
             self.cv.notify()
+
+    def notify_all(self):
+        with self.cv:
+            self.cv.notify_all()
 
     def _pick(self):
         streams = self.backend.streams
         n = len(streams)
         for k in range(n):
             s = streams[(self.rr + k) % n]
-            if s.q:
+            if s.q and not s.busy:
                 kind, payload = s.q[0]
                 if kind != _WAIT or payload.done:
                     self.rr = (self.rr + k + 1) % n
-                    self.current = s
+                    s.busy = True               # before popleft: see is_idle
                     s.q.popleft()
                     return s, kind, payload
         return None
@@ -126,16 +146,22 @@ class ThreadScheduler(Scheduler):
                     self.backend.execute(*item)
                 finally:
                     cv.acquire()
-                    self.current = None
+                    item[0].busy = False
+                    if item[0].q:
+                        cv.notify()             # its next item may be runnable now
 
     def is_idle(self, stream) -> bool:
-        return not stream.q and self.current is not stream   # q first: see CpuBackend.synchronize
+        return not stream.q and not stream.busy   # q first: a worker sets busy, then pops
+
+    def is_alive(self) -> bool:
+        return all(t.is_alive() for t in self.threads)
 
     def close(self):
         with self.cv:
             self.closed = True
             self.cv.notify_all()
-        self.thread.join(timeout=5.0)
+        for t in self.threads:
+            t.join(timeout=5.0)
 
 
 class InterleavingScheduler(Scheduler):
@@ -206,7 +232,7 @@ class CpuBackend(Backend):
         elif kind == _SIGNAL:
             if isinstance(payload, CpuEvent):
                 payload.done = True
-                self.scheduler.notify()
+                self.scheduler.notify_all()
             else:
                 if s.errors:
                     errs, s.errors = s.errors, []
@@ -313,8 +339,8 @@ class CpuBackend(Backend):
 
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):
-        t = getattr(self.scheduler, "thread", None)
-        return not self.closed and (t is None or t.is_alive())
+        alive = getattr(self.scheduler, "is_alive", None)
+        return not self.closed and (alive is None or alive())
 
     def close(self):
         self.closed = True

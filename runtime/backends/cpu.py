@@ -51,7 +51,7 @@ class CpuStream:
 
 
 class CpuGraph:
-    """The resolved launch list of a capture: ``[(fn, views, kwargs, count)]``."""
+    """The resolved launch list of a capture: ``[(fn, views, kwargs, count, name)]``."""
 
     __slots__ = ("launches",)
 
@@ -59,11 +59,14 @@ class CpuGraph:
         self.launches = launches
 
 
-def _run_launch(fn, views, kwargs, count):
+def _run_launch(fn, views, kwargs, count, name):
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
     if count[0] and count[1] and count[2]:
-        fn(*views, count=count, **kwargs)
+        try:
+            fn(*views, count=count, **kwargs)
+        except Exception as e:  # noqa: BLE001 - kernel code is user code
+            raise LaunchError(f"kernel {name} raised on cpu: {type(e).__name__}: {e}") from e
 
 
 class Scheduler:
@@ -310,11 +313,11 @@ class CpuBackend(Backend):
         kwargs = dict(zip(kernel.param_names, params))
         if not isinstance(count, tuple):
             count = count[0]
-        return kernel.cpu, views, kwargs, count
+        return kernel.cpu, views, kwargs, count, kernel.name
 
     def launch(self, stream, program, count, args, params):
-        fn, views, kwargs, count = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count))
+        fn, views, kwargs, count, name = self._resolve(program, count, args, params)
+        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name))
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -330,8 +333,8 @@ class CpuBackend(Backend):
         launches = graph.launches
 
         def replay():
-            for fn, views, kwargs, count in launches:
-                _run_launch(fn, views, kwargs, count)
+            for launch in launches:
+                _run_launch(*launch)
         self._enqueue(stream, _RUN, replay)
 
     def destroy_graph(self, stream, graph):

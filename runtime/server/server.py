@@ -137,6 +137,8 @@ class ComputeServer:
         if src.window is not None and src.window.event_pos >= pos:
             return src.window.event, src.window.event_pos  # never record on a capturing stream
         src.event, src.event_pos = self.backend.record_event(src.raw), src.pos
+        if self.checker is not None:
+            self.checker.on_record(src)
         return src.event, src.pos
 
     def _wait_for(self, s: StreamState, fences: dict) -> None:
@@ -146,6 +148,8 @@ class ComputeServer:
                 ev, epos = self._event_at(self.streams[sid], pos)
                 self.backend.wait_event(s.raw, ev)
                 s.synced[sid] = epos
+                if self.checker is not None:
+                    self.checker.on_event_wait(s, sid, epos)
 
     def _program(self, s: StreamState, kernel):
         prog = self.programs.get(kernel)
@@ -267,6 +271,8 @@ class ComputeServer:
         comp = self.backend.copy_out(s.raw, st.slot.buf, st.nbytes)
         s.pos += 1
         st.reads[sid] = s.pos
+        if self.checker is not None:
+            self.checker.on_sync(s)     # the read returns only once s ran up to it
         return comp
 
     # -- kernels --------------------------------------------------------------------------------
@@ -312,7 +318,7 @@ class ComputeServer:
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
                 for b, st in zip(kernel.bindings, states):
-                    self.checker.on_access(s, st, kernel.name, b.access != "read")
+                    self.checker.on_access(s, st, kernel, b.access != "read")
             self.backend.launch(s.raw, prog, count, args, params)
         except ServerError as e:
             s.errors.append(e)

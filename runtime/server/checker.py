@@ -1,0 +1,283 @@
+"""The stream-ordering checker (``check=True`` / ``RUNTIME_CHECK=1``): seed 001's safety contract.
+
+Ordinary operations are ordered across streams by the server itself (``_wait_for``). A graph
+replay is not: by contract it orders only against its capture stream. This module finds the
+three ways a replay then goes wrong and raises instead of letting the data go stale:
+
+- liveness: a replay touches a handle that was freed (its buffer may already belong to another
+  handle) -> ``LivenessError`` naming the handle;
+- concurrent use: another stream uses a buffer the replay writes (or writes one it reads) with
+  no ordering between them -> ``StreamRaceError``;
+- cross-stream refresh: an input written, or an output read, on a stream other than the capture
+  stream without ordering -> ``StreamRaceError``.
+
+Model. Each operation sits at a position ``p`` of its stream (``StreamState.pos`` after it is
+enqueued). Per buffer (handle id) the checker keeps the last write and the latest read per
+stream since, each as ``(stream, position, operation)``. Per stream it keeps a vector clock
+``{other stream: position}``: the positions of other streams that happen-before its next
+operation. Clocks advance through
+
+- event waits, including the automatic ones the server inserts (``_wait_for``): the waiting
+  stream joins the clock the source stream had when the event was recorded;
+- host syncs: a ``sync`` of stream S, or a ``read`` on S (it returns only once S ran up to it),
+  orders everything S did so far before whatever the host issues next, on any stream. The host
+  is taken as one sequence, in the server's message order: two threads that issue concurrently
+  without ordering each other on the host are treated as if the queue order were that order.
+
+Two accesses conflict when at least one writes and they come from different streams; the later
+one must find the earlier one's position in its clock, else they race. A replay of graph G on
+stream S counts as reads of G's read set and writes of its write set at one position of S.
+
+Where the error is raised (design.md section 1: fire-and-forget errors go on the stream):
+
+- blocking calls (``read``, ``replay``) raise at the call and do not run: a racy read returns
+  nothing rather than stale bytes, a refused replay is marked on the graph's write set like any
+  failed replay (``ReplayFailed`` on read until a replay lands);
+- fire-and-forget calls (``write``, ``launch``) already returned. The checker queues the error on
+  the stream (raised by its next blocking call) and makes the operation wait on an event after
+  the conflicting access before it is enqueued, so it runs in program order: the program is
+  told it broke the contract and its data still comes out as written. We chose ordering over
+  dropping the operation because a dropped write would leave other streams reading stale data
+  with no error of their own.
+
+Cost: one dictionary lookup and a few integer comparisons per buffer access, a copy of a small
+clock per recorded event; see ``benchmarks/checker_cost.py``. The checker sits in the server,
+so it runs the same on every backend.
+
+Not checked: the counts buffer of an indirect launch (not reported as an access); frees (the
+pool orders the reuse of a freed buffer by itself).
+"""
+
+from __future__ import annotations
+
+from ..errors import LivenessError, StreamRaceError
+
+
+class _Buf:
+    """The access history of one handle since its last write."""
+
+    __slots__ = ("w_sid", "w_pos", "w_op", "reads")
+
+    def __init__(self):
+        self.w_sid, self.w_pos, self.w_op = None, 0, None
+        self.reads: dict = {}       # stream id -> (position, op) of its latest read
+
+
+class _Replay:
+    """The operation tag of a replay (kept instead of a string so the hot path formats nothing)."""
+
+    __slots__ = ("gid",)
+
+    def __init__(self, gid):
+        self.gid = gid
+
+
+def _describe(op, hid: int, is_write: bool) -> str:
+    if op == "write" or op == "read":
+        return f"{op} {'to' if op == 'write' else 'of'} handle {hid}"
+    what = "writing" if is_write else "reading"
+    if isinstance(op, _Replay):
+        return f"replay of graph {op.gid} ({what} handle {hid})"
+    return f"launch of {getattr(op, 'name', op)} ({what} handle {hid})"
+
+
+def _kind(op) -> str:
+    if op == "write" or op == "read":
+        return op
+    if isinstance(op, _Replay):
+        return f"replay of graph {op.gid}"
+    return f"launch of {getattr(op, 'name', op)}"
+
+
+class Checker:
+    """Happens-before bookkeeping for one ``ComputeServer``; every hook runs on its owner.
+
+    Attributes:
+        violations: every ``LivenessError`` / ``StreamRaceError`` found so far, in order (also
+            the ones queued on a stream and not raised yet).
+    """
+
+    def __init__(self, server):
+        self.server = server
+        self.clocks: dict = {}      # stream id -> [clock {other sid: pos}, host version joined]
+        self.host: dict = {}        # what the host knows has finished: {sid: pos}
+        self.host_ver = 0
+        self.events: dict = {}      # stream id -> {event position: clock snapshot}
+        self.bufs: dict = {}        # handle id -> _Buf
+        self.required: dict = {}    # graph id -> ids of handles it needs alive
+        self.violations: list = []
+
+    # -- clocks ---------------------------------------------------------------------------------
+    def _clock(self, sid) -> dict:
+        """The clock of ``sid``'s next operation (joins what the host learned since)."""
+        ent = self.clocks.get(sid)
+        if ent is None:
+            ent = self.clocks[sid] = [{}, -1]
+        vc = ent[0]
+        if ent[1] != self.host_ver:
+            ent[1] = self.host_ver
+            self._join(vc, self.host, sid)
+        return vc
+
+    @staticmethod
+    def _join(vc: dict, other: dict, own) -> None:
+        for k, v in other.items():
+            if k != own and vc.get(k, 0) < v:
+                vc[k] = v
+
+    def on_record(self, src) -> None:
+        """An event was recorded on ``src`` after its work so far (``src.pos``)."""
+        snap = dict(self._clock(src.id))
+        snap[src.id] = src.pos
+        evs = self.events.get(src.id)
+        if evs is None:
+            evs = self.events[src.id] = {}
+        elif len(evs) > 2:
+            # the server only ever waits on the latest event or the open window's one
+            keep = {src.event_pos, src.window.event_pos if src.window is not None else None}
+            for k in [k for k in evs if k not in keep]:
+                del evs[k]
+        evs[src.pos] = snap
+
+    def on_event_wait(self, s, src_id, pos: int) -> None:
+        """Stream ``s`` now waits for stream ``src_id`` up to position ``pos``."""
+        if src_id == s.id:
+            return
+        vc = self._clock(s.id)
+        if vc.get(src_id, 0) >= pos:
+            return
+        snap = None
+        evs = self.events.get(src_id)
+        if evs:
+            at = [k for k in evs if k >= pos]
+            if at:
+                snap = evs[min(at)]
+        self._join(vc, snap if snap is not None else {src_id: pos}, s.id)
+
+    def on_sync(self, s) -> None:
+        """The host saw stream ``s`` finish everything enqueued on it so far."""
+        vc = self._clock(s.id)
+        host = self.host
+        if host.get(s.id, 0) >= s.pos and all(host.get(k, 0) >= v for k, v in vc.items()):
+            return
+        self._join(host, vc, None)
+        if host.get(s.id, 0) < s.pos:
+            host[s.id] = s.pos
+        self.host_ver += 1
+
+    # -- accesses -------------------------------------------------------------------------------
+    def _conflicts(self, b: _Buf, sid, vc: dict, is_write: bool) -> list:
+        out = []
+        if b.w_sid is not None and b.w_sid != sid and vc.get(b.w_sid, 0) < b.w_pos:
+            out.append((b.w_sid, b.w_pos, b.w_op, True))
+        if is_write:
+            for rsid, (rpos, rop) in b.reads.items():
+                if rsid != sid and vc.get(rsid, 0) < rpos:
+                    out.append((rsid, rpos, rop, False))
+        return out
+
+    def _race(self, hid: int, first, sid, op, is_write: bool) -> StreamRaceError:
+        psid, _, pop, pwrite = first
+        psid, sid = int(psid), int(sid)
+        a, b = _describe(pop, hid, pwrite), _describe(op, hid, is_write)
+        if isinstance(op, _Replay):
+            fix = (f"a replay orders only against its capture stream: issue the {_kind(pop)} on "
+                   f"stream {sid}, or sync stream {psid} or make stream {sid} wait on an event "
+                   f"recorded on stream {psid} before replaying")
+        elif isinstance(pop, _Replay):
+            fix = (f"a replay orders only against its capture stream: issue the {_kind(op)} on "
+                   f"stream {psid}, or sync stream {psid} or wait on an event recorded there "
+                   "after the replay")
+        else:
+            fix = f"order them with an event or a sync of stream {psid}"
+        err = StreamRaceError(f"{a} on stream {psid} is not ordered before {b} on stream {sid}; "
+                              f"{fix}")
+        err.handle, err.streams, err.ops = hid, (psid, sid), (_kind(pop), _kind(op))
+        self.violations.append(err)
+        return err
+
+    def on_access(self, s, st, op, is_write: bool) -> None:
+        """Stream ``s`` is about to enqueue ``op`` (``"write"``, ``"read"`` or a launch's kernel)
+        touching handle ``st`` at position ``s.pos + 1``.
+
+        Raises: ``StreamRaceError`` for a racy ``read`` (the read does not run). A racy write or
+        launch is ordered after the conflicting access and the error is queued on ``s``.
+        """
+        sid = s.id
+        vc = self._clock(sid)
+        b = self.bufs.get(st.id)
+        if b is None:
+            b = self.bufs[st.id] = _Buf()
+        elif b.w_sid is not None or b.reads:
+            bad = self._conflicts(b, sid, vc, is_write)
+            if bad:
+                err = self._race(st.id, bad[0], sid, op, is_write)
+                if op == "read":
+                    raise err
+                fences: dict = {}
+                for psid, ppos, _, _ in bad:
+                    fences[psid] = max(fences.get(psid, 0), ppos)
+                self.server._wait_for(s, fences)
+                s.errors.append(err)
+        pos = s.pos + 1
+        if is_write:
+            b.w_sid, b.w_pos, b.w_op = sid, pos, op
+            if b.reads:
+                b.reads = {}
+        else:
+            b.reads[sid] = (pos, op)
+
+    def on_replay(self, s, g) -> None:
+        """Graph ``g`` is about to be replayed on its capture stream ``s``.
+
+        Raises: ``LivenessError`` (a handle it needs was freed); ``StreamRaceError`` (an access
+        on another stream is not ordered before it). Nothing is recorded when it raises.
+        """
+        alive = self.server.handles
+        for hid in self.required.get(g.id, ()):
+            if hid not in alive:
+                err = LivenessError(
+                    f"replay of graph {g.id} on stream {int(s.id)} uses handle {hid}, which was freed: "
+                    "its buffer may already hold another handle's data; keep the Handle alive "
+                    "while the graph replays (or allocate it inside the capture window so the "
+                    "graph retains it)")
+                err.handle, err.graph = hid, g.id
+                self.violations.append(err)
+                raise err
+        sid = s.id
+        vc = self._clock(sid)
+        op = _Replay(g.id)
+        bufs = self.bufs
+        for hid in g.reads | g.writes:
+            b = bufs.get(hid)
+            if b is not None:
+                is_write = hid in g.writes
+                bad = self._conflicts(b, sid, vc, is_write)
+                if bad:
+                    raise self._race(hid, bad[0], sid, op, is_write)
+        pos = s.pos + 1
+        for hid in g.reads | g.writes:
+            if hid not in alive:
+                continue            # a freed window allocation: retained by g, used by no one else
+            b = bufs.get(hid)
+            if b is None:
+                b = bufs[hid] = _Buf()
+            if hid in g.writes:
+                b.w_sid, b.w_pos, b.w_op = sid, pos, op
+                b.reads = {}
+            else:
+                b.reads[sid] = (pos, op)
+
+    # -- lifetimes ------------------------------------------------------------------------------
+    def on_free(self, st) -> None:
+        """Handle ``st`` was freed: forget its history (the pool orders its buffer's reuse)."""
+        self.bufs.pop(st.id, None)
+
+    def on_graph(self, g) -> None:
+        """Graph ``g`` was made: remember the handles it needs alive (not the ones it retains)."""
+        retained = {id(slot) for slot in g.retained}
+        self.required[g.id] = tuple(st.id for st in g.handles if id(st.slot) not in retained)
+
+    def on_graph_destroy(self, g) -> None:
+        """Graph ``g`` was destroyed."""
+        self.required.pop(g.id, None)

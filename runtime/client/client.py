@@ -50,6 +50,7 @@ class ComputeClient:
 
     @property
     def device_name(self) -> str:
+        """What the backend runs on: numpy's version, the wgpu adapter, the GPU's name."""
         return self._server.backend.device_name
 
     # -- streams ------------------------------------------------------------------------------
@@ -314,6 +315,7 @@ class ComputeClient:
 
     @property
     def closed(self) -> bool:
+        """True once the server stopped (then every call raises ``ServerClosed``)."""
         return self._server.closed
 
     def __repr__(self):

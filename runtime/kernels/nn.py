@@ -22,8 +22,10 @@ from .shader import program
 
 R, RW = "read", "read_write"
 
-#: matmul tile: a workgroup of 16x16 invocations computes a 64x64 block of ``out``, 4x4 each.
-MM_TILE = 64
+#: matmul tile: a workgroup of 16x16 invocations computes a 128x128 block of ``out``, 8x8 each,
+#: stepping through K by MM_BK.
+MM_TILE = 128
+MM_BK = 8
 #: invocations per workgroup of the row kernels (layer norm, L2 normalise) and of attention.
 ROW_WORKGROUP = 128
 ATTN_WORKGROUP = 64
@@ -142,22 +144,36 @@ def _matmul_cpu(bias: bool, act: str | None):
 
 
 def _matmul(name: str, bias: bool, act: str | None):
-    # Each of the 16x16 invocations owns rows ty + 16 i and columns tx + 16 j (i, j < 4) of the
-    # 64x64 block, so a warp's loads of the W tile and its stores are contiguous. The A tile is
-    # stored transposed (k-major) so the inner loop reads both tiles by k.
-    t, bk, per = MM_TILE, 16, 4
-    epilogue = "acc[i * 4u + j]" + (" + bias[n]" if bias else "")
-    if act == "gelu":
-        epilogue = f"gelu_erf({epilogue})"
+    # A workgroup of 16x16 invocations computes a 128x128 block of out; invocation (x, y) owns
+    # rows y + 16 i and columns x + 16 j (i, j < 8), so neighbouring invocations load the W tile
+    # and store out contiguously. The A tile is stored k-major so the inner loop reads both tiles
+    # by k. The 8x8 accumulators are unrolled scalars (Python writes the 64 lines): indexed
+    # local arrays spill to memory on some compilers (llvmpipe: 2x slower).
+    th, per, bk = 16, MM_TILE // 16, MM_BK
+    t, loads, rng = MM_TILE, MM_BK * MM_TILE // 256, range(MM_TILE // 16)
+    accs = "\n".join(f"    var c{i}{j} = 0.0f;" for i in rng for j in rng)
+    inner = "\n".join([f"            let a{i} = As[kk * {t}u + lid.y + {th * i}u];" for i in rng]
+                       + [f"            let w{j} = Ws[kk * {t}u + lid.x + {th * j}u];" for j in rng]
+                       + [f"            c{i}{j} += a{i} * w{j};" for i in rng for j in rng])
+    stores = []
+    for i in rng:
+        stores.append(f"    let row{i} = m0 + lid.y + {th * i}u;")
+    for j in rng:
+        stores.append(f"    let col{j} = n0 + lid.x + {th * j}u;")
+        if bias:
+            stores.append(f"    var b{j} = 0.0f;")
+            stores.append(f"    if (col{j} < p.N) {{ b{j} = bias[col{j}]; }}")
+    for i in rng:
+        for j in rng:
+            v = f"c{i}{j}" + (f" + b{j}" if bias else "")
+            v = f"gelu_erf({v})" if act == "gelu" else v
+            stores.append(f"    if (row{i} < p.M && col{j} < p.N) {{ out[row{i} * p.N + col{j}] = {v}; }}")
     body = f"""
     let m0 = wg.y * {t}u;
     let n0 = wg.x * {t}u;
-    var acc: array<f32, 16>;
-    var av: array<f32, 4>;
-    var wv: array<f32, 4>;
-    for (var i = 0u; i < 16u; i++) {{ acc[i] = 0.0f; }}
+{accs}
     for (var k0 = 0u; k0 < p.K; k0 += {bk}u) {{
-        for (var r = 0u; r < 4u; r++) {{
+        for (var r = 0u; r < {loads}u; r++) {{
             let e = lidx + 256u * r;
             let am = e / {bk}u;
             let ak = e % {bk}u;
@@ -172,24 +188,14 @@ def _matmul(name: str, bias: bool, act: str | None):
         }}
         workgroupBarrier();
         for (var kk = 0u; kk < {bk}u; kk++) {{
-            for (var i = 0u; i < {per}u; i++) {{ av[i] = As[kk * {t}u + lid.y + 16u * i]; }}
-            for (var j = 0u; j < {per}u; j++) {{ wv[j] = Ws[kk * {t}u + lid.x + 16u * j]; }}
-            for (var i = 0u; i < {per}u; i++) {{
-                for (var j = 0u; j < {per}u; j++) {{ acc[i * 4u + j] += av[i] * wv[j]; }}
-            }}
+{inner}
         }}
         workgroupBarrier();
     }}
-    for (var i = 0u; i < {per}u; i++) {{
-        let m = m0 + lid.y + 16u * i;
-        for (var j = 0u; j < {per}u; j++) {{
-            let n = n0 + lid.x + 16u * j;
-            if (m < p.M && n < p.N) {{ out[m * p.N + n] = {epilogue}; }}
-        }}
-    }}"""
+""" + "\n".join(stores)
     binds = [("a", "f32", R), ("w", "f32", R)] + ([("bias", "f32", R)] if bias else [])
     return program(name, binds + [("out", "f32", RW)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
-                   (16, 16, 1), body, shared=[("As", "f32", bk * t), ("Ws", "f32", bk * t)],
+                   (th, th, 1), body, shared=[("As", "f32", bk * t), ("Ws", "f32", bk * t)],
                    helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act))
 
 
@@ -202,10 +208,10 @@ matmul_bias_gelu = _matmul("matmul_bias_gelu", True, "gelu")
 
 
 def matmul_count(M: int, N: int) -> tuple:
-    """Workgroups ``(x, y, 1)`` for an ``[M, N]`` matmul output (64x64 tiles).
+    """Workgroups ``(x, y, 1)`` for an ``[M, N]`` matmul output (``MM_TILE`` square tiles).
 
     Raises:
-        ValueError: more than 65,535 tiles along a dimension (M or N above 4,194,240).
+        ValueError: more than 65,535 tiles along a dimension.
     """
     x, y = -(-int(N) // MM_TILE), -(-int(M) // MM_TILE)
     if max(x, y) > 65535:

@@ -134,3 +134,11 @@ def test_the_empty_string_has_a_finite_unit_embedding(model):
     e = model.embed(["", "   "], graph=False)
     assert np.all(np.isfinite(e))
     np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1, atol=1e-5)
+
+
+def test_cli_prints_embeddings_and_the_cosine_of_two_texts(model_dir, capsys):
+    from runtime.models.cli import embed_main
+    assert embed_main(["--backend", "cpu", "--model-dir", str(model_dir), "--eager",
+                       "A cat sat quietly.", "A kitten rested."]) == 0
+    out = capsys.readouterr().out
+    assert "backend cpu" in out and "cosine similarity: 0." in out

@@ -112,6 +112,19 @@ class Kernel:
         """
         if values is None:
             values = ()
+        if type(values) is dict and len(values) == len(self.params):
+            try:                                  # fast path: exact names, plain numbers
+                out = tuple([values[n] for n in self.param_names])
+            except KeyError:
+                pass
+            else:
+                for p, v in zip(self.params, out):
+                    t = type(v)
+                    if not (t is float and p.dtype == "f32" or t is int and p.dtype != "f32"
+                            and (0 <= v < 2**31)):
+                        break
+                else:
+                    return out
         if isinstance(values, dict):
             unknown = set(values) - set(self.param_names)
             if unknown:

@@ -12,9 +12,9 @@ Terms:
 - ``buf``: a raw device buffer of at least the requested bytes (from :meth:`Backend.alloc`).
 - ``args``: a list of ``(buf, nbytes)`` pairs, one per kernel binding; ``nbytes`` is the handle's
   size in bytes (the pool may hand out a larger buffer).
-- ``count``: ``(x, y, z)`` workgroups, or ``(buf, nbytes)`` for an indirect dispatch whose three
-  ``u32`` counts are read from the buffer when the launch executes (WebGPU
-  ``dispatch_workgroups_indirect``).
+- ``count``: a 3-tuple ``(x, y, z)`` of workgroups, or a 2-tuple ``(buf, nbytes)`` for an
+  indirect dispatch whose three ``u32`` counts are read from the buffer when the launch executes
+  (WebGPU ``dispatch_workgroups_indirect``); tell them apart by length.
 """
 
 from __future__ import annotations

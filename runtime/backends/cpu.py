@@ -38,6 +38,16 @@ class CpuEvent:
         self.done = False
 
 
+class CpuBuffer:
+    """A device buffer: ``data`` (uint8 numpy array) and cached typed views of it."""
+
+    __slots__ = ("data", "views")
+
+    def __init__(self, data):
+        self.data = data
+        self.views: dict = {}
+
+
 class CpuStream:
     """An in-order queue of ``(kind, payload)`` items and the errors its work raised."""
 
@@ -79,6 +89,10 @@ class Scheduler:
     def notify(self) -> None:
         """Work was enqueued."""
 
+    def push(self, stream, item) -> None:
+        """Append ``item`` to ``stream``'s queue and let a worker know."""
+        stream.q.append(item)
+
     def notify_all(self) -> None:
         """An event completed: streams waiting on it may run."""
 
@@ -107,6 +121,7 @@ class ThreadScheduler(Scheduler):
     def attach(self, backend):
         super().attach(backend)
         self.cv = threading.Condition()
+        self.waiting = 0
         self.closed = False
         self.rr = 0
         self.threads = [threading.Thread(target=self._loop, name=f"runtime-cpu-worker-{k}",
@@ -115,8 +130,15 @@ class ThreadScheduler(Scheduler):
             t.start()
 
     def notify(self):
-        with self.cv:
-            self.cv.notify()
+        if self.waiting:
+            with self.cv:
+                self.cv.notify()
+
+    def push(self, s, item):
+        with self.cv:                           # atomic with a worker's pick-then-wait
+            s.q.append(item)
+            if self.waiting:
+                self.cv.notify()
 
     def notify_all(self):
         with self.cv:
@@ -142,7 +164,9 @@ class ThreadScheduler(Scheduler):
             while not self.closed:
                 item = self._pick()
                 if item is None:
+                    self.waiting += 1
                     cv.wait()
+                    self.waiting -= 1
                     continue
                 cv.release()
                 try:
@@ -246,13 +270,12 @@ class CpuBackend(Backend):
     def _enqueue(self, s: CpuStream, kind, payload) -> None:
         if self.closed:
             raise ServerClosed("cpu backend is closed")
-        s.q.append((kind, payload))
-        self.scheduler.notify()
+        self.scheduler.push(s, (kind, payload))
 
     # -- memory -------------------------------------------------------------------------------
     def alloc(self, nbytes):
         try:
-            return np.zeros(nbytes, np.uint8)
+            return CpuBuffer(np.zeros(nbytes, np.uint8))
         except MemoryError as e:
             raise OutOfMemory(f"cpu: could not allocate {nbytes} bytes") from e
 
@@ -286,17 +309,18 @@ class CpuBackend(Backend):
 
     # -- copies -------------------------------------------------------------------------------
     def copy_in(self, stream, buf, data):
-        n = data.nbytes
+        n, dst = data.nbytes, buf.data
 
         def write():
-            buf[:n] = data
+            dst[:n] = data
         self._enqueue(stream, _RUN, write)
 
     def copy_out(self, stream, buf, nbytes):
         comp = Completion()
+        src = buf.data
 
         def read():
-            comp.value = buf[:nbytes].copy()
+            comp.value = src[:nbytes].copy()
         self._enqueue(stream, _RUN, read)
         self._enqueue(stream, _SIGNAL, comp)
         return self.scheduler.settle(comp)
@@ -308,11 +332,17 @@ class CpuBackend(Backend):
         return kernel
 
     def _resolve(self, kernel, count, args, params):
-        views = [buf[:nbytes - nbytes % DTYPES[b.dtype].itemsize].view(DTYPES[b.dtype])
-                 for b, (buf, nbytes) in zip(kernel.bindings, args)]
+        views = []
+        for b, (buf, nbytes) in zip(kernel.bindings, args):
+            key = (nbytes, b.dtype)
+            v = buf.views.get(key)
+            if v is None:
+                dt = DTYPES[b.dtype]
+                v = buf.views[key] = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
+            views.append(v)
         kwargs = dict(zip(kernel.param_names, params))
-        if not isinstance(count, tuple):
-            count = count[0]
+        if len(count) == 2:                      # indirect: (buf, nbytes), read at execution
+            count = count[0].data
         return kernel.cpu, views, kwargs, count, kernel.name
 
     def launch(self, stream, program, count, args, params):

@@ -204,15 +204,21 @@ class ComputeClient:
             raise LaunchError(f"launch of {kernel.name}: it has {len(kernel.bindings)} bindings "
                               f"{[b.name for b in kernel.bindings]}, got {len(handles)} handles")
         srv = self._server
-        hids = []
-        for b, h in zip(kernel.bindings, handles):
-            if not isinstance(h, Handle):
-                raise TypeError(f"launch of {kernel.name}: binding {b.name} needs a Handle, "
-                                f"got {type(h).__name__}")
-            if h.dtype.itemsize not in (1, 4):
-                raise LaunchError(f"launch of {kernel.name}: binding {b.name} is {b.dtype} but "
-                                  f"handle {h.id} holds {h.dtype}")
-            hids.append(h._check(srv, f"launch of {kernel.name}"))
+        try:                                      # fast path: live handles of this server
+            hids = [h.id for h in handles if h._server is srv and not h.released
+                    and h.dtype.itemsize in (1, 4)]
+        except AttributeError:
+            hids = ()
+        if len(hids) != len(handles):
+            hids = []
+            for b, h in zip(kernel.bindings, handles):
+                if not isinstance(h, Handle):
+                    raise TypeError(f"launch of {kernel.name}: binding {b.name} needs a Handle, "
+                                    f"got {type(h).__name__}")
+                if h.dtype.itemsize not in (1, 4):
+                    raise LaunchError(f"launch of {kernel.name}: binding {b.name} is {b.dtype} "
+                                      f"but handle {h.id} holds {h.dtype}")
+                hids.append(h._check(srv, f"launch of {kernel.name}"))
         if isinstance(count, Handle):
             if count.nbytes < 12:
                 raise LaunchError(f"indirect launch of {kernel.name}: the count handle {count.id} "

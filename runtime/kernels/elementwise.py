@@ -69,7 +69,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
     if (i < n) {{ {cbody} }}
 }}
 """
-    return Kernel(name, bindings, params, (WORKGROUP, 1, 1), wgsl=wgsl, cuda=cuda, cpu=cpu)
+    return Kernel(name, bindings, params, (WORKGROUP, 1, 1), wgsl=wgsl, cuda=cuda,
+                  cpu=None if cpu is None else _bounded(cpu))
+
+
+def _bounded(fn):
+    """Run ``fn`` over the elements the launch covers, as the GPU sources do:
+    ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer)."""
+    def cpu(*views, count, n, **params):
+        return fn(*views, count=count, n=min(n, count[0] * count[1] * WORKGROUP), **params)
+    cpu.__name__ = cpu.__qualname__ = fn.__name__
+    return cpu
 
 
 def _fill(y, *, value, n, count):

@@ -310,3 +310,29 @@ def test_replay_runs_on_the_capture_stream_whoever_calls_it(client):
     t.join()
     assert done["ok"]
     np.testing.assert_array_equal(client.read(out), [3, 3, 3, 3])   # same stream as the replay
+
+
+def test_indirect_counts_are_read_when_the_replay_executes(client, hardware):
+    if hardware:
+        pytest.skip("a hardware graph cannot read counts from a buffer at replay (cuda)")
+    c = client
+    n = 256
+    x = c.create(np.ones(n, np.float32))
+    y = c.create(np.zeros(n, np.float32))
+    counts = c.create(np.array([4, 1, 1], np.uint32))            # 4 workgroups x 64 = 256
+    c.launch(K.accumulate, counts, [x, y], {"n": n})
+    np.testing.assert_array_equal(c.read(y), np.ones(n, np.float32))
+    c.graph_prepare()
+    c.start_capture()
+    c.launch(K.accumulate, counts, [x, y], {"n": n})
+    g = c.stop_capture()
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(n, 2, np.float32))
+    c.write(counts, np.array([2, 1, 1], np.uint32))               # only the first 128 now
+    g.replay()
+    expect = np.full(n, 2, np.float32)
+    expect[:128] = 3
+    np.testing.assert_array_equal(c.read(y), expect)
+    c.write(counts, np.array([0, 1, 1], np.uint32))               # an empty dispatch
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), expect)

@@ -161,6 +161,17 @@ class WgpuBackend(Backend):
     name = "wgpu"
     hardware_graphs = False
 
+    @staticmethod
+    def probe() -> dict:
+        """``{"hardware": bool, "device": name}`` of the adapter ``WgpuBackend()`` would open,
+        without opening a device (``backend=None`` skips software adapters).
+
+        Raises: ``UnsupportedError`` when there is no adapter (with the install hint).
+        """
+        adapter = select_adapter(0)
+        return {"hardware": adapter.info.get("adapter_type") in ("DiscreteGPU", "IntegratedGPU"),
+                "device": describe(adapter)}
+
     def __init__(self, device: int = 0, adapter: str | None = None, max_tasks: int | None = None,
                  **options):
         super().__init__(device, **options)

@@ -1,0 +1,229 @@
+"""Kernels for one autoregressive decode step whose control values live on the device.
+
+A captured decode step must serve every position without recapture, so nothing that changes from
+step to step may be a launch parameter (params are baked into a graph at recording). These
+kernels read the token id and the position from one-element ``i32`` device buffers instead:
+
+- :data:`embed_at`: ``out = wte[token] + wpe[pos]`` (embedding row gather by a device token id);
+- :data:`kv_append`: write this step's K and V rows into the cache at row ``pos``;
+- :data:`causal_attend`: single-query attention over cache rows ``j <= pos`` (the causal mask is
+  computed on the device from ``pos``);
+- :data:`argmax`: the index of the largest logit, on the device (ties: the lowest index, as
+  ``np.argmax``);
+- :data:`feed_back`: the device-to-device copy of the chosen token into the token buffer, the
+  token's record in the history buffer, and ``pos += 1``;
+- :data:`copy_words`: a bitwise copy of 4-byte words (any dtype: bound as ``i32``).
+
+Each is one description (:func:`runtime.kernels.shader.program`): a single body gives the WGSL and
+CUDA C sources, and a numpy callable the cpu one. Positions are clamped to ``[0, T)`` on the
+device (``T`` = cache rows), so a runaway position never writes outside the cache; callers keep
+``pos < T`` (``runtime.models.decoder`` checks it on the host before decoding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .elementwise import WORKGROUP, grid
+from .shader import program
+
+R, RW = "read", "read_write"
+#: invocations per workgroup of :data:`causal_attend` and :data:`argmax`.
+DECODE_WORKGROUP = 64
+#: largest cache length :data:`causal_attend` supports (its scores live in workgroup memory).
+MAX_CACHE = 1024
+#: largest head dimension :data:`causal_attend` supports.
+MAX_HEAD_DIM = DECODE_WORKGROUP
+
+
+def _clamp(p, T):
+    return min(max(int(p), 0), int(T) - 1)
+
+
+def _reduce(op: str) -> str:
+    combine = "red[lidx] + red[lidx + st]" if op == "+" else "max(red[lidx], red[lidx + st])"
+    return f"""
+    workgroupBarrier();
+    for (var st = {DECODE_WORKGROUP // 2}u; st > 0u; st = st / 2u) {{
+        if (lidx < st) {{ red[lidx] = {combine}; }}
+        workgroupBarrier();
+    }}"""
+
+
+# ---------------------------------------------------------------------------------------------
+def _copy_words_cpu(x, y, *, n, count):
+    y[:n] = x[:n]
+
+
+#: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
+#: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
+copy_words = program(
+    "copy_words", [("x", "i32", R), ("y", "i32", RW)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
+    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
+    if (i < p.n) {{ y[i] = x[i]; }}""", cpu=_copy_words_cpu)
+
+
+# ---------------------------------------------------------------------------------------------
+def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
+    t, q = int(token[0]), _clamp(pos[0], T)
+    out[:H] = wte[t * H:(t + 1) * H] + wpe[q * H:(q + 1) * H]
+
+
+#: ``out[c] = wte[token[0], c] + wpe[pos[0], c]`` for ``c < H``: ``token``/``pos`` are one-element
+#: ``i32`` buffers read on the device (``token`` must index inside ``wte``; ``pos`` is clamped to
+#: ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
+embed_at = program(
+    "embed_at", [("token", "i32", R), ("pos", "i32", R), ("wte", "f32", R), ("wpe", "f32", R),
+                 ("out", "f32", RW)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
+    let c = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
+    if (c < p.H) {{
+        let t = u32(token[0]);
+        let q = min(u32(max(pos[0], 0)), p.T - 1u);
+        out[c] = wte[t * p.H + c] + wpe[q * p.H + c];
+    }}""", cpu=_embed_at_cpu)
+
+
+# ---------------------------------------------------------------------------------------------
+def _kv_append_cpu(qkv, pos, kc, vc, *, H, T, off, count):
+    q = _clamp(pos[0], T)
+    kc[off + q * H:off + (q + 1) * H] = qkv[H:2 * H]
+    vc[off + q * H:off + (q + 1) * H] = qkv[2 * H:3 * H]
+
+
+#: Append this step's keys and values to the cache: ``kc[off + pos*H + c] = qkv[H + c]`` and
+#: ``vc[off + pos*H + c] = qkv[2H + c]`` for ``c < H``, where ``qkv`` is the packed ``[3H]``
+#: projection (q | k | v), ``pos`` a one-element ``i32`` buffer read on the device (clamped to
+#: ``[0, T)``) and ``off`` the element offset of this layer's ``[T, H]`` cache block.
+#: Launch over ``grid(H)``.
+kv_append = program(
+    "kv_append", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", RW), ("vc", "f32", RW)],
+    [("H", "u32"), ("T", "u32"), ("off", "u32")], (WORKGROUP, 1, 1), f"""
+    let c = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
+    if (c < p.H) {{
+        let q = min(u32(max(pos[0], 0)), p.T - 1u);
+        kc[p.off + q * p.H + c] = qkv[p.H + c];
+        vc[p.off + q * p.H + c] = qkv[2u * p.H + c];
+    }}""", cpu=_kv_append_cpu)
+
+
+# ---------------------------------------------------------------------------------------------
+def _causal_attend_cpu(qkv, pos, kc, vc, out, *, heads, hd, T, off, scale, count):
+    H = heads * hd
+    L = _clamp(pos[0], T) + 1
+    q = qkv[:H].reshape(heads, 1, hd) * np.float32(scale)
+    k = kc[off:off + T * H].reshape(T, heads, hd)[:L].transpose(1, 2, 0)     # [heads, hd, L]
+    v = vc[off:off + T * H].reshape(T, heads, hd)[:L].transpose(1, 0, 2)     # [heads, L, hd]
+    s = q @ k                                                                 # [heads, 1, L]
+    s -= s.max(axis=-1, keepdims=True)
+    e = np.exp(s)
+    out[:H] = ((e @ v) / e.sum(axis=-1, keepdims=True)).reshape(H)
+
+
+#: Single-query causal attention over the cache, one workgroup per head ``h``:
+#: ``out[h*hd + d] = sum_j softmax_j(scale * q_h . kc[j, h]) vc[j, h, d]`` over cache rows
+#: ``j <= pos[0]`` (the mask comes from the device position; later rows are never read). ``q`` is
+#: the first ``H = heads*hd`` values of the packed ``qkv``; ``off`` is the layer's element offset
+#: in ``kc``/``vc`` (``[T, H]`` blocks). ``T <= MAX_CACHE``, ``hd <= MAX_HEAD_DIM``.
+#: Launch over ``(heads, 1, 1)``.
+causal_attend = program(
+    "causal_attend", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", R), ("vc", "f32", R),
+                      ("out", "f32", RW)],
+    [("heads", "u32"), ("hd", "u32"), ("T", "u32"), ("off", "u32"), ("scale", "f32")],
+    (DECODE_WORKGROUP, 1, 1), f"""
+    let h = wg.x;
+    let H = p.heads * p.hd;
+    let last = min(u32(max(pos[0], 0)), p.T - 1u);
+    for (var d = lidx; d < p.hd; d += {DECODE_WORKGROUP}u) {{ qs[d] = qkv[h * p.hd + d] * p.scale; }}
+    workgroupBarrier();
+    var mx = -3.0e38f;
+    for (var j = lidx; j < p.T; j += {DECODE_WORKGROUP}u) {{
+        var s = -3.0e38f;
+        if (j <= last) {{
+            let krow = p.off + j * H + h * p.hd;
+            s = 0.0f;
+            for (var d = 0u; d < p.hd; d++) {{ s += qs[d] * kc[krow + d]; }}
+        }}
+        sc[j] = s;
+        mx = max(mx, s);
+    }}
+    red[lidx] = mx;{_reduce("max")}
+    let m = red[0];
+    workgroupBarrier();
+    var l = 0.0f;
+    for (var j = lidx; j < p.T; j += {DECODE_WORKGROUP}u) {{
+        var e = 0.0f;
+        if (j <= last) {{ e = exp(sc[j] - m); }}
+        sc[j] = e;
+        l += e;
+    }}
+    red[lidx] = l;{_reduce("+")}
+    let inv = 1.0f / red[0];
+    for (var d = lidx; d < p.hd; d += {DECODE_WORKGROUP}u) {{
+        var acc = 0.0f;
+        for (var j = 0u; j <= last; j++) {{ acc += sc[j] * vc[p.off + j * H + h * p.hd + d]; }}
+        out[h * p.hd + d] = acc * inv;
+    }}""", shared=[("qs", "f32", MAX_HEAD_DIM), ("sc", "f32", MAX_CACHE),
+                  ("red", "f32", DECODE_WORKGROUP)], cpu=_causal_attend_cpu)
+
+
+# ---------------------------------------------------------------------------------------------
+def _argmax_cpu(x, out, *, n, count):
+    out[0] = int(np.argmax(x[:n]))
+
+
+#: ``out[0] = argmax_i x[i]`` over ``i < n`` (``i32``; ties go to the lowest index, as
+#: ``np.argmax``; keep NaNs out). One workgroup: launch over ``(1, 1, 1)``.
+argmax = program(
+    "argmax", [("x", "f32", R), ("out", "i32", RW)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
+    f"""
+    var bv = -3.4e38f;
+    var bi = 0xffffffffu;
+    for (var i = lidx; i < p.n; i += {DECODE_WORKGROUP}u) {{
+        let v = x[i];
+        if (v > bv || bi == 0xffffffffu) {{ bv = v; bi = i; }}
+    }}
+    vals[lidx] = bv;
+    idxs[lidx] = bi;
+    workgroupBarrier();
+    for (var st = {DECODE_WORKGROUP // 2}u; st > 0u; st = st / 2u) {{
+        if (lidx < st) {{
+            let ov = vals[lidx + st];
+            let oi = idxs[lidx + st];
+            if (oi != 0xffffffffu && (ov > vals[lidx] || (ov == vals[lidx] && oi < idxs[lidx])
+                                      || idxs[lidx] == 0xffffffffu)) {{
+                vals[lidx] = ov;
+                idxs[lidx] = oi;
+            }}
+        }}
+        workgroupBarrier();
+    }}
+    if (lidx == 0u) {{ out[0] = i32(idxs[0]); }}""",
+    shared=[("vals", "f32", DECODE_WORKGROUP), ("idxs", "u32", DECODE_WORKGROUP)], cpu=_argmax_cpu)
+
+
+# ---------------------------------------------------------------------------------------------
+def _feed_back_cpu(nxt, token, pos, hist, *, T, count):
+    t = nxt[0]
+    token[0] = t
+    q = int(pos[0]) + 1
+    if 0 <= q < T:
+        hist[q] = t
+    pos[0] = q
+
+
+#: The end of a self-feeding decode step, on one invocation: ``token[0] = nxt[0]`` (the chosen
+#: token becomes the next step's input: a device-to-device copy), ``hist[pos[0] + 1] = nxt[0]``
+#: (the token's record, when the row exists: ``hist`` has ``T`` entries) and ``pos[0] += 1``.
+#: Launch over ``(1, 1, 1)``.
+feed_back = program(
+    "feed_back", [("nxt", "i32", R), ("token", "i32", RW), ("pos", "i32", RW),
+                  ("hist", "i32", RW)], [("T", "u32")], (1, 1, 1), """
+    let t = nxt[0];
+    token[0] = t;
+    let q = pos[0] + 1;
+    if (q >= 0 && u32(q) < p.T) { hist[u32(q)] = t; }
+    pos[0] = q;""", cpu=_feed_back_cpu)
+
+
+__all__ = ["copy_words", "embed_at", "kv_append", "causal_attend", "argmax", "feed_back",
+           "grid", "DECODE_WORKGROUP", "MAX_CACHE", "MAX_HEAD_DIM"]

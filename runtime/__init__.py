@@ -20,12 +20,14 @@ from .client import ComputeClient, Graph, Handle, StreamId, client
 from .server import available_backends, shutdown
 from . import kernels
 from .tensor import Tensor
+from .capture import CapturedGraph, capture
+from .static_graph import StaticGraph
 
 __version__ = "0.1.0"
 
 __all__ = [
     "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId",
-    "Kernel", "Binding", "Param", "kernels",
+    "Kernel", "Binding", "Param", "kernels", "capture", "CapturedGraph", "StaticGraph",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
     "LivenessError", "StreamRaceError", "UnsupportedError",

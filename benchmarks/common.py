@@ -38,7 +38,8 @@ def summarize(samples, scale: float = 1e6) -> dict:
             "n": int(a.size)}
 
 
-def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = None) -> dict:
+def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = None,
+                every: dict | None = None) -> dict:
     """Run each path once per repetition, rotating the order; collect what each returns.
 
     Args:
@@ -46,13 +47,17 @@ def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = N
             float) or a dict of named durations in seconds (``{"enqueue": .., "e2e": ..}``).
         reps: repetitions (every path runs ``reps`` times).
         tick: called after each repetition (a progress bar's ``update``).
+        every: name -> k: that path runs only every k-th repetition (long ones sampled less).
     Returns: name -> list of seconds, or name -> metric -> list of seconds.
     """
     names = list(paths)
+    every = every or {}
     out: dict = {n: None for n in names}
     for r in range(reps):
         k = r % len(names)
         for name in names[k:] + names[:k]:
+            if r % every.get(name, 1):
+                continue
             v = paths[name]()
             if isinstance(v, dict):
                 slot = out[name] if out[name] is not None else {}

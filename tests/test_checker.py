@@ -294,3 +294,35 @@ def test_runtime_check_env_turns_the_checker_on(monkeypatch):
         assert srv.checker is None
     finally:
         srv.shutdown()
+
+
+def test_the_checker_flags_each_violation_on_every_backend(backend):
+    """The checker sits in the server: the same three violations are caught on each backend."""
+    c = runtime.client(backend, check=True)
+    S, T = runtime.StreamId.new(), runtime.StreamId.new()
+    a, b = c.with_stream(S), c.with_stream(T)
+    x, y = a.create(f32(1, 2, 3, 4)), a.create(f32(0, 0, 0, 0))
+    a.sync()
+    a.graph_prepare()
+    a.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    a.start_capture()
+    a.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    g = a.stop_capture()
+    b.write(x, f32(10, 20, 30, 40))                      # cross-stream refresh
+    with pytest.raises(runtime.StreamRaceError):
+        g.replay()
+    b.sync()
+    g.replay()
+    with pytest.raises(runtime.StreamRaceError):         # output read on another stream
+        b.read(y)
+    np.testing.assert_array_equal(a.read(y), f32(11, 21, 31, 41))
+    g.replay()
+    w = b.empty(4, np.float32)
+    b.launch(K.copy, 1, [y, w], {"n": 4})                # concurrent use, queued
+    with pytest.raises(runtime.StreamRaceError):
+        b.sync()
+    np.testing.assert_array_equal(b.read(w), f32(11, 21, 31, 41))
+    x.release()
+    with pytest.raises(runtime.LivenessError):
+        g.replay()
+    g.release()

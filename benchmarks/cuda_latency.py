@@ -18,7 +18,8 @@ Usage::
 
     python benchmarks/cuda_latency.py [--backend cuda] [--quick] [--out results.json]
 
-Prints one line per row and writes JSON (default ``benchmarks/results/cuda_latency_<backend>.json``).
+Prints one line per row and writes JSON (default
+``benchmarks/results/cuda_latency_<backend>.json``).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class EventCompletion(Completion):
                 self.fail(LaunchError(f"cuda: work before this point failed on the device: {e}"))
                 return True
             if ready:
-                fin, self.finish, self.cuda_event = self.finish, None, None
+                fin, self.finish = self.finish, None
                 self.set(fin() if fin is not None else None)
                 return True
             now = time.monotonic() - start
@@ -210,7 +210,7 @@ class CudaBackend(Backend):
             raise UnsupportedError(f"cuda: device {device} does not exist ({n} device(s))")
         self.device_name = describe(device)
         with _OnDevice(self.device):
-            self._pool = cupy.cuda.MemoryPool()             # private: the user's cupy pool is theirs
+            self._pool = cupy.cuda.MemoryPool()     # private: the user's cupy pool stays theirs
             self._pinned = cupy.cuda.PinnedMemoryPool()
         self._streams: list[CudaStream] = []
         self.closed = False

@@ -131,6 +131,83 @@ def test_the_backend_never_synchronizes_the_whole_device():
     assert waits == ["cs.stream.synchronize()", "self._event(stream).synchronize()"], waits
 
 
+class _FakeStream:
+    """Stands in for ``cupy.cuda.Stream`` in the capture bookkeeping tests."""
+
+    def __init__(self, end_error=None):
+        self.end_error, self.calls = end_error, []
+
+    def begin_capture(self, mode):
+        self.calls.append(("begin", mode))
+
+    def end_capture(self):
+        self.calls.append(("end",))
+        if self.end_error is not None:
+            raise self.end_error
+        return "graph"
+
+
+class _RecordedEvent:
+    def __init__(self, disable_timing=False):
+        self.stream, self.done = None, False
+
+    def record(self, stream):
+        self.stream = stream
+
+
+@pytest.fixture
+def fake_be(monkeypatch):
+    """A CudaBackend over fake streams and events (no device): the bookkeeping only."""
+    monkeypatch.setattr(cuda_backend._rt, "getDevice", lambda: 0)
+    monkeypatch.setattr(cuda_backend.cupy.cuda, "Event", _RecordedEvent)
+    be = cuda_backend.CudaBackend.__new__(cuda_backend.CudaBackend)
+    be.device, be._streams, be.closed = 0, [], False
+    return be
+
+
+def test_capture_begins_in_relaxed_mode(fake_be):
+    cs = cuda_backend.CudaStream(_FakeStream())
+    fake_be.begin_graph(cs)
+    assert cs.stream.calls == [("begin", cuda_backend._rt.streamCaptureModeRelaxed)]
+    assert cs.capturing
+
+
+def test_a_graph_destroyed_while_its_stream_captures_is_retired_after_the_capture_ends(fake_be):
+    cs = cuda_backend.CudaStream(_FakeStream())
+    rec = fake_be.begin_graph(cs)
+    fake_be.destroy_graph(cs, "old graph")
+    assert cs.graveyard == ["old graph"] and not cs.retire      # no event on a capturing stream
+    rec.launches = 1
+    assert fake_be.end_graph(rec) == "graph"                  # upload is best effort
+    assert not cs.capturing and not cs.graveyard
+    (ev, obj), = cs.retire
+    assert obj == "old graph" and ev.stream is cs.stream        # released once the event is done
+    ev.done = True
+    fake_be._reap(cs)
+    assert not cs.retire
+
+
+def test_an_invalidated_capture_is_refused_and_the_stream_leaves_capture_mode(fake_be):
+    cs = cuda_backend.CudaStream(_FakeStream(RuntimeError("cudaErrorStreamCaptureInvalidated")))
+    rec = fake_be.begin_graph(cs)
+    rec.launches = 1
+    with pytest.raises(CaptureRefused, match="invalidated the capture.*CaptureInvalidated"):
+        fake_be.end_graph(rec)
+    assert not cs.capturing
+    rec = fake_be.begin_graph(cs)
+    fake_be.abort_graph(rec)                                   # errors swallowed, capture ended
+    assert not cs.capturing and cs.stream.calls[-1] == ("end",)
+
+
+def test_an_empty_window_gives_a_graph_that_replays_as_nothing(fake_be):
+    cs = cuda_backend.CudaStream(_FakeStream())
+    graph = fake_be.end_graph(fake_be.begin_graph(cs))
+    assert graph is None
+    fake_be.launch_graph(cs, graph)                           # no graph launch at all
+    fake_be.destroy_graph(cs, graph)
+    assert not cs.retire
+
+
 # -- device verbs -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def be():

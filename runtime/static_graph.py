@@ -359,6 +359,7 @@ class StaticGraph:
     # -- facts ------------------------------------------------------------------------------------
     @property
     def signature(self) -> dict:
+        """``{"inputs": {...}, "outputs": {...}, "state": {...}}`` of ``name: (shape, dtype)``."""
         out = {"inputs": {}, "outputs": {}, "state": {}}
         key = {"input": "inputs", "output": "outputs", "state": "state"}
         for n, s in self._specs.items():
@@ -367,14 +368,17 @@ class StaticGraph:
 
     @property
     def is_hardware(self) -> bool:
+        """True when a replay is one driver-graph dispatch (cuda)."""
         return self._cap.is_hardware
 
     @property
     def recorded(self) -> bool:
+        """True when calls replay a recorded graph; False on the fallback (body re-run)."""
         return self._cap.recorded
 
     @property
     def fallback_reason(self):
+        """``None`` when recorded, else why the body is re-run on every call."""
         return self._cap.fallback_reason
 
     def __repr__(self):

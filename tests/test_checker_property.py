@@ -84,15 +84,21 @@ def execute(program, nstreams, seed, check):
                     hs[op[1]].release()
                     live.remove(op[1])
                 elif kind == "capture":
-                    _, s, gid, recorded = op
+                    _, s, gid, recorded, tmp = op
                     cl[s].graph_prepare()
                     cl[s].start_capture()
+                    if tmp is not None:      # allocated in the window: the graph retains it
+                        hs[tmp] = cl[s].empty(N, np.float32)
                     for name, hids, alpha in recorded:
                         cl[s].launch(KERNELS[name][0], 1, [hs[h] for h in hids],
                                      params(name, alpha))
                     gs[gid] = cl[s].stop_capture()
+                    if tmp is not None:
+                        hs.pop(tmp).release()
                 elif kind == "replay":
                     gs[op[1]].replay()
+                elif kind == "release_graph":
+                    gs.pop(op[1]).release()
                 elif kind == "sync":
                     cl[op[1]].sync()
                 elif kind == "event":
@@ -126,7 +132,8 @@ class CheckerMachine(RuleBasedStateMachine):
         self.program = []
         self.model = {}           # handle index -> float32[N], kept after a free (private)
         self.live = []
-        self.graphs = {}          # graph index -> recorded launches (handle indices)
+        self.graphs = {}          # live graph index -> recorded launches (handle indices)
+        self.ngraphs = 0
         self.expected = []
         for s, vals in first:
             self.create(s, vals)
@@ -175,20 +182,36 @@ class CheckerMachine(RuleBasedStateMachine):
         self.program.append(("free", h))
 
     @precondition(lambda self: self.live)
-    @rule(s=st.integers(0, 2), recorded=launches)
-    def capture(self, s, recorded):
+    @rule(s=st.integers(0, 2), recorded=launches, via_tmp=st.booleans(), i=st.integers(0, 999))
+    def capture(self, s, recorded, via_tmp, i):
         rec = [(name, self._bind(name, start), alpha) for name, start, alpha in recorded]
-        gid = len(self.graphs)
+        gid = self.ngraphs
+        self.ngraphs += 1
+        tmp = None
+        if via_tmp:
+            # a scratch buffer allocated in the window and released by the caller after
+            # stop_capture: the graph retains it, so replays stay live
+            tmp = ("tmp", gid)
+            self.model[tmp] = np.zeros(N, np.float32)
+            rec = ([("copy", [self._h(i), tmp], 1)] + rec
+                   + [("accumulate", [tmp, self._h(i + 1)], 1)])
         self.graphs[gid] = rec
-        self.program.append(("capture", s % self.n, gid, rec))
+        self.program.append(("capture", s % self.n, gid, rec, tmp))
 
     @precondition(lambda self: self.graphs)
     @rule(i=st.integers(0, 999))
     def replay(self, i):
-        gid = i % len(self.graphs)
+        gid = sorted(self.graphs)[i % len(self.graphs)]
         for name, hids, alpha in self.graphs[gid]:
             apply(self.model, name, hids, alpha)
         self.program.append(("replay", gid))
+
+    @precondition(lambda self: self.graphs)
+    @rule(i=st.integers(0, 999))
+    def release_graph(self, i):
+        gid = sorted(self.graphs)[i % len(self.graphs)]
+        del self.graphs[gid]
+        self.program.append(("release_graph", gid))
 
     @rule(s=st.integers(0, 2))
     def sync(self, s):

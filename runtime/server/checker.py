@@ -246,10 +246,10 @@ class Checker:
         for hid in self.required.get(g.id, ()):
             if hid not in alive:
                 err = LivenessError(
-                    f"replay of graph {g.id} on stream {int(s.id)} uses handle {hid}, which was freed: "
-                    "its buffer may already hold another handle's data; keep the Handle alive "
-                    "while the graph replays (or allocate it inside the capture window so the "
-                    "graph retains it)")
+                    f"replay of graph {g.id} on stream {int(s.id)} uses handle {hid}, which was "
+                    "freed: its buffer may already hold another handle's data; keep the Handle "
+                    "alive while the graph replays (or allocate it inside the capture window so "
+                    "the graph retains it)")
                 err.handle, err.graph = hid, g.id
                 self.violations.append(err)
                 raise err

@@ -1,0 +1,94 @@
+"""Smoke run of the latency suite: ``python -m runtime bench --quick`` in a subprocess.
+
+Not a timed test: it checks that the run exits 0 and writes a JSON with every expected row and
+sane numbers (positive, finite, percentiles in order), on cpu and on wgpu where it answers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+THREADS = {"1", "2", "4", "8"}
+QUICK_LENGTHS = {"1", "10", "100", "1000"}
+
+
+def _sane(s: dict, what: str) -> None:
+    vals = [s["p10"], s["p50"], s["p90"], s["p99"]]
+    assert s["n"] > 0, f"{what}: no samples"
+    assert all(math.isfinite(v) and v > 0 for v in vals), f"{what}: {s}"
+    assert vals == sorted(vals), f"{what}: percentiles out of order: {s}"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    avail = runtime.available_backends()
+    backends = [b for b in ("cpu", "wgpu") if avail.get(b) is None]
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime", "bench", "--quick", "--backend", ",".join(backends),
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return backends, out, proc
+
+
+def test_quick_bench_exits_zero_and_writes_json_and_report(quick_run):
+    backends, out, proc = quick_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads((out / "bench.json").read_text())
+    assert data["quick"] is True
+    assert sorted(data["backends"]) == sorted(backends)
+    assert data["machine"]["cpus"] > 0
+    md = (out / "bench.md").read_text()
+    assert "## Targets" in md and "## 3. End to end" in md
+
+
+def test_quick_bench_has_device_thread_rows_for_one_to_eight_threads(quick_run):
+    backends, out, _ = quick_run
+    data = json.loads((out / "bench.json").read_text())
+    for b in backends:
+        threads = data["backends"][b]["device_thread"]["threads"]
+        assert set(threads) == THREADS
+        paths = {"sync", "sync_floor", "launch", "launch_floor"} | ({"call"} if b == "cpu" else set())
+        for n, rows in threads.items():
+            assert set(rows) == paths
+            for p, s in rows.items():
+                _sane(s, f"{b} {n} threads {p}")
+
+
+def test_quick_bench_has_replay_enqueue_and_end_to_end_rows(quick_run):
+    backends, out, _ = quick_run
+    data = json.loads((out / "bench.json").read_text())
+    for b in backends:
+        rep = data["backends"][b]["replay"]
+        assert set(rep["enqueue"]) == QUICK_LENGTHS
+        for L, s in rep["enqueue"].items():
+            _sane(s, f"{b} replay enqueue L={L}")
+        got = {(r["size"], r["length"]) for r in rep["e2e"]}
+        assert {("tiny", L) for L in (1, 10, 100, 1000)} <= got
+        assert {("large", L) for L in (1, 10)} <= got
+        for r in rep["e2e"]:
+            for path in ("eager", "replay", "floor"):
+                for metric in ("enqueue", "e2e"):
+                    _sane(r[path][metric], f"{b} {r['size']} L={r['length']} {path} {metric}")
+            if "check" in r:                      # all three paths computed the same values
+                assert r["check"]["ok"], r["check"]
+
+
+def test_quick_bench_has_a_minilm_row_on_cpu(quick_run):
+    backends, out, _ = quick_run
+    mm = json.loads((out / "bench.json").read_text())["backends"]["cpu"]["minilm"]
+    if "skipped" in mm:
+        pytest.skip(f"MiniLM not measured: {mm['skipped']}")
+    (row,) = mm["rows"]
+    assert (row["batch"], row["seq"]) == (1, 16)
+    _sane(row["eager"], "minilm eager")
+    _sane(row["replay"], "minilm replay")

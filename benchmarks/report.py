@@ -200,11 +200,11 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False) -> st
         lines += ["", f"### {b}", ""]
         lines += _enqueue_md(enq) if enq else [f"error: {res.get('replay', {}).get('error')}"]
         if enq and b == "wgpu":
-            Ls = list(enq)
-            lines += ["", f"On wgpu a replay re-encodes every dispatch into one command buffer: "
-                      f"the call grows {enq[Ls[-1]]['p50'] / enq[Ls[0]]['p50']:.0f}x from L={Ls[0]} "
-                      f"to L={Ls[-1]} ({_n((enq[Ls[-1]]['p50'] - enq[Ls[0]]['p50']) / (int(Ls[-1]) - int(Ls[0]) or 1))} µs "
-                      "per recorded launch)."]
+            (l0, s0), (l1, s1) = list(enq.items())[0], list(enq.items())[-1]
+            per = (s1["p50"] - s0["p50"]) / (int(l1) - int(l0) or 1)
+            lines += ["", "On wgpu a replay re-encodes every dispatch into one command buffer: "
+                      f"the call grows {s1['p50'] / s0['p50']:.0f}x from L={l0} to L={l1} "
+                      f"({_n(per)} µs per recorded launch)."]
     img("replay_enqueue.png", "replay enqueue vs graph length")
     lines += ["", "## 3. End to end per pass (µs: issue + blocking read of the result)", "",
               "A pass is L dependent `add_scalar` launches ping-ponging between two buffers; "

@@ -57,7 +57,8 @@ def test_quick_bench_has_device_thread_rows_for_one_to_eight_threads(quick_run):
     for b in backends:
         threads = data["backends"][b]["device_thread"]["threads"]
         assert set(threads) == THREADS
-        paths = {"sync", "sync_floor", "launch", "launch_floor"} | ({"call"} if b == "cpu" else set())
+        paths = {"sync", "sync_floor", "launch", "launch_floor"}
+        paths |= {"call"} if b == "cpu" else set()
         for n, rows in threads.items():
             assert set(rows) == paths
             for p, s in rows.items():

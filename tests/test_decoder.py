@@ -7,6 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
+import runtime
 from runtime.kernels import decode as D
 from runtime.models.decoder import Decoder, DecoderConfig, reference_generate
 
@@ -83,3 +84,10 @@ def test_example_runs(capsys):
     assert mod.main(["--tokens", "8", "--repeats", "1", "--layers", "1", "--dim", "32"]) == 0
     out = capsys.readouterr().out
     assert "identical tokens in every mode: True" in out and "replayed read at end" in out
+
+
+def test_decoder_under_the_interleaving_scheduler_and_checker():
+    d = Decoder(runtime.client("cpu", scheduler="interleave", seed=5, check=True), SMALL)
+    eager = d.generate([5, 9, 2], 12)
+    np.testing.assert_array_equal(d.generate([5, 9, 2], 12, graph=True), eager)
+    np.testing.assert_array_equal(eager, reference_generate(d.weights, SMALL, [5, 9, 2], 12))

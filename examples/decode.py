@@ -60,7 +60,8 @@ def main(argv=None) -> int:
                 toks = dec.generate(args.prompt, args.tokens, graph=graph, read_each_step=each,
                                     timings=t)
                 best = t if best is None or t["per_token_ms"] < best["per_token_ms"] else best
-            name = f"{'replayed' if graph else 'eager':8s} read {'each step' if each else 'at end':9s}"
+            how = "each step" if each else "at end"
+            name = f"{'replayed' if graph else 'eager':8s} read {how:9s}"
             rows.append((name, best))
             tokens[name] = toks
     print(f"\n{'mode':30s} {'steps':>5s} {'per token (ms)':>15s} {'total (ms)':>11s}")

@@ -233,8 +233,9 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
         which path it took.
     Raises:
         TypeError: ``fn`` is not callable; ``warmup`` is not an int.
-        ValueError: ``warmup < 0``; no ``client`` and no Tensor in ``fn``'s output; ``fn``'s output lives on another server or stream than the
-            capture stream (it would replay nothing it returns).
+        ValueError: ``warmup < 0``; no ``client`` and no Tensor in ``fn``'s output; ``fn``'s
+            output lives on another server or stream than the capture stream (its work would
+            not be recorded).
         GraphStateError: the capture stream is already preparing or recording a capture.
         Whatever ``fn`` raises (the stream is first brought back out of capture).
     Streams: everything on the capture stream; other streams work normally meanwhile.
@@ -287,7 +288,7 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
     try:
         graph = c.stop_capture()
     except CaptureRefused as e:
-        del out
+        out = None      # the refused run's output: never computed
         return CapturedGraph(fn, fn(), pinned, None,
                              f"the capture window was refused ({e}); fn is re-run on every "
                              "replay")

@@ -133,7 +133,9 @@ causal_attend = program(
     let h = wg.x;
     let H = p.heads * p.hd;
     let last = min(u32(max(pos[0], 0)), p.T - 1u);
-    for (var d = lidx; d < p.hd; d += {DECODE_WORKGROUP}u) {{ qs[d] = qkv[h * p.hd + d] * p.scale; }}
+    for (var d = lidx; d < p.hd; d += {DECODE_WORKGROUP}u) {{
+        qs[d] = qkv[h * p.hd + d] * p.scale;
+    }}
     workgroupBarrier();
     var mx = -3.0e38f;
     for (var j = lidx; j < p.T; j += {DECODE_WORKGROUP}u) {{

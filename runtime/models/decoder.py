@@ -201,7 +201,8 @@ class Decoder:
         cfg = self.config
         p = np.asarray(prompt)
         if p.ndim != 1 or p.size < 1 or p.dtype.kind not in "iu":
-            raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got {prompt!r}")
+            raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got "
+                             f"{prompt!r}")
         if p.min() < 0 or p.max() >= cfg.vocab:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab}), got {p.tolist()}")
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:

@@ -46,6 +46,9 @@ launches** happen on a replay; ``fn``'s Python code does not run again. Concrete
 - On the fallback path all of ``fn`` runs on every replay (side effects included), and each
   replay returns a new output. Code that behaves the same on both paths keeps its effects on the
   device.
+- Runs inside ``capture()`` itself: ``warmup`` + 1 (the recorded run, whose launches do not
+  execute); one more before them with ``client=None`` (to find the client); and on a fallback
+  one more after them, executed, whose result is :attr:`CapturedGraph.output`.
 
 Inputs: ``fn`` must read its inputs from, and write its outputs to, stable tensors held across the
 loop (closure variables). Refresh inputs **in place** before each replay (``g.write(x, array)`` or

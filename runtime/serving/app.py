@@ -20,8 +20,8 @@ request is refused before anything is queued, and a failed batch fails only its 
 neither disturbs any other request.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations
+# (``request: Request``) at runtime, and ``Request`` is imported inside ``create_app``.
 import asyncio
 import base64
 import json
@@ -134,6 +134,7 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     Raises: ``ImportError`` when fastapi is missing (``pip install 'runtime[serve]'``).
     """
     from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -154,6 +155,10 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     async def _http_error(request, exc):       # 404/405 etc. in the same JSON shape
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"),
                             status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):

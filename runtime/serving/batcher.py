@@ -158,7 +158,8 @@ class Batcher:
         batch_buckets, seq_buckets: the bucket sizes (texts, tokens), increasing; default the
             model's (``BATCH_BUCKETS``/``SEQ_BUCKETS``).
         metrics: a :class:`runtime.serving.metrics.ServingMetrics` to record into, or ``None``.
-        start: start the worker thread now (else call :meth:`start`).
+        start: start the worker thread now (else call :meth:`start`; texts submitted before
+            then wait in the queue).
 
     Thread-safe: any thread may :meth:`submit`. The model is used from the worker thread only
     (and by :meth:`warmup`, which the model's own lock serialises with it).
@@ -212,9 +213,9 @@ class Batcher:
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a string or a list of strings")
-        if self._closed or not self.alive:
+        if self._closed or (self._thread is not None and not self._thread.is_alive()):
             raise BatcherClosed("the batcher is closed" if self._closed else
-                                "the batcher's worker is not running")
+                                "the batcher's worker stopped")
         n = len(texts)
         if n == 0:
             req = _Request(0, self.hidden, np.zeros(0, np.int64))
@@ -239,8 +240,8 @@ class Batcher:
             items.append(_Item(ids[i, :L].astype(np.int32), req, i, now,
                                bucket_up(max(L, 1), self.seq_buckets)))
         self._q.put(items)
-        if self._closed and not self.alive:       # closed while we queued: nobody will run it
-            req.fail(BatcherClosed("the batcher closed before this request ran"))
+        if self._closed and self._thread is not None and not self._thread.is_alive():
+            req.fail(BatcherClosed("the batcher closed before this request ran"))  # raced close
         if self.metrics is not None:
             self.metrics.inputs.inc(n)
             self.metrics.tokens.inc(float(lengths.sum()))
@@ -322,6 +323,8 @@ class Batcher:
         self._q.put(_STOP)
         if self._thread is not None:
             self._thread.join(timeout)
+        else:                                     # never started: fail what was queued
+            self._fail_queued([])
 
     def __enter__(self) -> "Batcher":
         return self
@@ -365,6 +368,9 @@ class Batcher:
             batch, pending = self._take(pending)
             if batch:
                 self._run(batch)
+        self._fail_queued(pending)
+
+    def _fail_queued(self, pending: list) -> None:
         closed = BatcherClosed("the batcher closed before this request ran")
         while True:
             try:

@@ -54,6 +54,7 @@ class _Metric:
         return tuple(str(labels[n]) for n in self.labelnames)
 
     def header(self) -> list:
+        """The ``# HELP`` and ``# TYPE`` lines."""
         return [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} {self.kind}"]
 
 
@@ -80,6 +81,7 @@ class Counter(_Metric):
             return self._values.get(self._key(labels), 0.0)
 
     def render(self) -> list:
+        """The ``# HELP``/``# TYPE`` lines and one sample line per series."""
         with self._lock:
             items = sorted(self._values.items())
         if not items and not self.labelnames:
@@ -115,6 +117,7 @@ class Gauge(Counter):
             self._values[k] = float(value)
 
     def render(self) -> list:
+        """As :meth:`Counter.render`, reading ``fn`` first when given."""
         if self._fn is not None:
             self.set(float(self._fn()))
         return super().render()
@@ -152,6 +155,7 @@ class Histogram(_Metric):
         return sum(v[0]) if v else 0
 
     def render(self) -> list:
+        """Per series: cumulative ``_bucket{le=...}`` lines, then ``_sum`` and ``_count``."""
         with self._lock:
             items = sorted((k, (list(c), s)) for k, (c, s) in self._values.items())
         if not items and not self.labelnames:

@@ -1,0 +1,85 @@
+"""``python -m runtime serve``: the embeddings HTTP server (uvicorn, foreground).
+
+Usage::
+
+    python -m runtime serve [--backend cpu|wgpu|cuda|auto] [--host 127.0.0.1] [--port 8000]
+                            [--eager] [--max-graphs 8] [--warmup 1x16,8x32,...]
+                            [--max-batch 32] [--max-wait-ms 2]
+
+then ``curl -s localhost:8000/v1/embeddings -d '{"input": ["a text", "another"]}'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_buckets(spec: str) -> list:
+    """``"1x16,8x32"`` -> ``[(1, 16), (8, 32)]`` (batch x seq_len).
+
+    Raises: ``argparse.ArgumentTypeError`` on a malformed item.
+    """
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            b, s = part.lower().split("x")
+            out.append((int(b), int(s)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bucket {part!r} is not BATCHxSEQ, e.g. 8x32")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``serve`` argument parser."""
+    p = argparse.ArgumentParser(prog="python -m runtime serve",
+                                description="Serve all-MiniLM-L6-v2 embeddings over HTTP "
+                                "(OpenAI-compatible POST /v1/embeddings, /health, /metrics).")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
+                   help="device backend (default: cpu, the embedded default; auto = best)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one)")
+    p.add_argument("--eager", action="store_true",
+                   help="launch kernels one by one instead of replaying bucket graphs")
+    p.add_argument("--max-graphs", type=int, default=8, help="most bucket graphs held (LRU)")
+    p.add_argument("--warmup", type=parse_buckets, default=None, metavar="BxS,...",
+                   help="capture these buckets at start-up (progress bar), e.g. 1x16,8x32")
+    p.add_argument("--max-batch", type=int, default=32, help="most texts per batch")
+    p.add_argument("--max-wait-ms", type=float, default=2.0,
+                   help="how long an idle batcher waits for more texts (ms)")
+    p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the server until interrupted. Returns the exit code (2 when the model is missing)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    import uvicorn
+
+    from . import Batcher, ServingMetrics, create_app, load_model
+
+    backend = None if args.backend == "auto" else args.backend
+    try:
+        model = load_model(backend, path=args.model_dir, max_graphs=args.max_graphs)
+    except (FileNotFoundError, ImportError) as e:
+        print(f"cannot load the model: {e}", file=sys.stderr)
+        return 2
+    metrics = ServingMetrics()
+    batcher = Batcher(model, graph=not args.eager, max_batch=args.max_batch,
+                      max_wait_ms=args.max_wait_ms, metrics=metrics)
+    if args.warmup:
+        batcher.warmup(args.warmup)
+    app = create_app(batcher, metrics=metrics)
+    print(f"serving all-MiniLM-L6-v2 on {model.client.backend} "
+          f"({'eager' if args.eager else 'graph'} path) at http://{args.host}:{args.port}",
+          file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        batcher.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""``python -m runtime demo``: serve MiniLM on the embedded default (cpu) and load it.
+
+Starts the embeddings server in-process on a free loopback port (uvicorn on a thread), sends
+real sentences from several concurrent HTTP clients (httpx), checks the answers, and prints one
+table: throughput and p50/p99 request latency with the batcher replaying captured bucket graphs,
+then with the same workload launched eagerly.
+
+Checks (exit code 1 if any fails): every request answered 200 with unit-norm rows; a text
+always gets the same vector whatever it was batched with (no cross-talk); the graph and eager
+paths agree to 1e-4; a paraphrase pair is similar (cosine > 0.75) and an unrelated pair is not
+(< 0.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import numpy as np
+
+#: Demo texts: two paraphrase pairs, unrelated topics, an empty string, a one-word text, a
+#: non-English one and one far longer than the model's 256 tokens (truncated as the model does).
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A fast brown fox leaps over a sleepy dog.",
+    "How do I change the password on my account?",
+    "What are the steps to reset my account password?",
+    "The central bank raised interest rates by a quarter of a percentage point.",
+    "Fresh basil and ripe tomatoes make a simple summer salad.",
+    "The spacecraft entered orbit around Jupiter after a five-year journey.",
+    "Our train to Lyon was delayed by forty minutes because of snow.",
+    "She plays the cello in the city's youth orchestra every Thursday.",
+    "Photosynthesis turns sunlight, water and carbon dioxide into sugar.",
+    "Please send the quarterly report to the finance team by Friday.",
+    "Il pleut depuis ce matin sur toute la Bretagne.",
+    "",
+    "ok",
+    "Shipping was free, but the package arrived with a cracked screen - 2/5 stars.",
+    "Gradient descent nudges every weight a little downhill on the loss surface.",
+    " ".join(["The night ferry left the island at eleven, its deck lamps swinging as the swell "
+              "rose, and the few passengers who stayed outside watched the harbour lights "
+              "shrink into a thin gold line before the rain closed in."] * 8),
+]
+PARAPHRASE = (0, 1)          # fox / fox: ~0.85 measured
+UNRELATED = (0, 8)           # fox / cello: ~0.0 measured
+PARAPHRASE_MIN, UNRELATED_MAX = 0.75, 0.3
+#: Buckets the demo uses: short texts batch up to 16; the long text runs alone at 256 tokens.
+#: Few batch sizes keep start-up short (each capture costs about two forwards).
+BATCH_BUCKETS = (1, 4, 16)
+SEQ_BUCKETS = (16, 32, 64, 256)
+WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS] + [(1, 256)]
+
+
+def workload(clients: int, per_client: int) -> list:
+    """The request bodies of each client: ``[[texts, ...] per client]``, deterministic.
+
+    Every third request carries three texts; the others one.
+    """
+    n = len(SENTENCES)
+    out = []
+    for c in range(clients):
+        reqs = []
+        for i in range(per_client):
+            k = (c * 5 + i * 3) % n
+            reqs.append([SENTENCES[(k + j) % n] for j in range(3)] if i % 3 == 2
+                        else [SENTENCES[k]])
+        out.append(reqs)
+    return out
+
+
+async def _drive(url: str, plan: list, model_id: str) -> tuple:
+    """Send each client's requests in order, clients concurrently. Returns (latencies s,
+    [(texts, status, body)], wall s)."""
+    import httpx
+
+    lat, answers = [], []
+
+    async def one_client(http, reqs):
+        for texts in reqs:
+            t0 = time.perf_counter()
+            r = await http.post("/v1/embeddings", json={"input": texts, "model": model_id})
+            lat.append(time.perf_counter() - t0)
+            answers.append((texts, r.status_code, r.json()))
+
+    limits = httpx.Limits(max_connections=len(plan) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client(http, reqs) for reqs in plan))
+        wall = time.perf_counter() - t0
+    return lat, answers, wall
+
+
+def run_phase(model, graph: bool, plan: list, warm_plan: list, quiet: bool) -> dict:
+    """Serve ``model`` on a fresh loopback server (graph or eager path), send ``warm_plan``
+    untimed, then ``plan`` timed. Returns the measurements and every answer."""
+    from . import Batcher, MODEL_ID, ServerThread, ServingMetrics, create_app
+
+    metrics = ServingMetrics()
+    batcher = Batcher(model, graph=graph, max_batch=BATCH_BUCKETS[-1], metrics=metrics,
+                      batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS)
+    try:
+        if graph:
+            batcher.warmup(WARMUP, progress=not quiet)
+        with ServerThread(create_app(batcher, metrics=metrics)) as srv:
+            asyncio.run(_drive(srv.url, warm_plan, MODEL_ID))
+            b0 = batcher.batches_run
+            c0 = metrics.captures.value()
+            lat, answers, wall = asyncio.run(_drive(srv.url, plan, MODEL_ID))
+            batches = batcher.batches_run - b0
+            captures = metrics.captures.value() - c0
+    finally:
+        batcher.close()
+    texts = sum(len(t) for t, _, _ in answers)
+    lat_ms = np.array(lat) * 1e3
+    return {"path": "replayed graphs" if graph else "eager launches", "requests": len(lat),
+            "texts": texts, "wall_s": wall, "req_per_s": len(lat) / wall,
+            "texts_per_s": texts / wall, "p50_ms": float(np.percentile(lat_ms, 50)),
+            "p99_ms": float(np.percentile(lat_ms, 99)), "batches": batches,
+            "rows_per_batch": texts / max(batches, 1), "captures_in_run": int(captures),
+            "answers": answers}
+
+
+def check(results: list) -> list:
+    """The demo's checks over both phases. Returns ``[(name, ok, detail)]``."""
+    from .app import cosine
+
+    checks = []
+    vec: dict = {}
+    bad_status, bad_norm, drift = 0, 0, 0.0
+    per_path = []
+    for res in results:
+        seen: dict = {}
+        for texts, status, body in res["answers"]:
+            if status != 200 or len(body.get("data", [])) != len(texts):
+                bad_status += 1
+                continue
+            for i, t in enumerate(texts):
+                row = body["data"][i]
+                e = np.asarray(row["embedding"], np.float32)
+                if row["index"] != i or abs(float(np.linalg.norm(e)) - 1) > 1e-3:
+                    bad_norm += 1
+                if t in seen:
+                    drift = max(drift, float(np.abs(seen[t] - e).max()))
+                seen[t] = e
+        per_path.append(seen)
+    checks.append(("every request answered 200 with its own rows", bad_status == 0,
+                   f"{bad_status} bad answers"))
+    checks.append(("rows carry their index and unit norm", bad_norm == 0, f"{bad_norm} bad rows"))
+    checks.append(("a text gets the same vector in every batch", drift < 1e-5,
+                   f"max diff {drift:.1e}"))
+    if len(per_path) == 2:
+        common = set(per_path[0]) & set(per_path[1])
+        d = max((float(np.abs(per_path[0][t] - per_path[1][t]).max()) for t in common),
+                default=np.inf)
+        checks.append(("graph and eager paths agree (1e-4)", d < 1e-4, f"max diff {d:.1e}"))
+    vec = per_path[0]
+    a, b = (SENTENCES[i] for i in PARAPHRASE)
+    s = cosine(vec[a], vec[b]) if a in vec and b in vec else float("nan")
+    checks.append((f"paraphrase cosine > {PARAPHRASE_MIN}", s > PARAPHRASE_MIN,
+                   f"{s:.3f}  ({a!r} ~ {b!r})"))
+    a, b = (SENTENCES[i] for i in UNRELATED)
+    s = cosine(vec[a], vec[b]) if a in vec and b in vec else float("nan")
+    checks.append((f"unrelated cosine < {UNRELATED_MAX}", s < UNRELATED_MAX,
+                   f"{s:.3f}  ({a!r} vs {b!r})"))
+    return checks
+
+
+def print_table(results: list, title: str) -> None:
+    """One table, ``rich`` if installed, else plain text."""
+    cols = ["path", "requests", "texts", "wall s", "req/s", "texts/s", "p50 ms", "p99 ms",
+            "batches", "rows/batch"]
+    rows = [[r["path"], str(r["requests"]), str(r["texts"]), f"{r['wall_s']:.2f}",
+             f"{r['req_per_s']:.1f}", f"{r['texts_per_s']:.1f}", f"{r['p50_ms']:.1f}",
+             f"{r['p99_ms']:.1f}", str(r["batches"]), f"{r['rows_per_batch']:.1f}"]
+            for r in results]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        line = "  ".join("-" * w for w in widths)
+        print(title)
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cols,
+                                                                                    widths))))
+        print(line)
+        for r in rows:
+            print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in
+                            enumerate(zip(r, widths))))
+        return
+    t = Table(title=title)
+    for i, c in enumerate(cols):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+
+
+def main(argv=None) -> int:
+    """Run the demo. Returns 0 when every check passes, 1 when one fails, 2 without a model."""
+    p = argparse.ArgumentParser(prog="python -m runtime demo", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default="cpu", help="cpu (default), wgpu, cuda or auto")
+    p.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients")
+    p.add_argument("--requests", type=int, default=12, help="timed requests per client")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import fastapi, httpx, uvicorn  # noqa: F401,E401 - fail early with the hint
+    except ImportError as e:
+        print(f"the demo needs fastapi, uvicorn and httpx: pip install -e '.[serve]' ({e})",
+              file=sys.stderr)
+        return 2
+    from . import load_model
+
+    backend = None if args.backend == "auto" else args.backend
+    t0 = time.perf_counter()
+    try:
+        model = load_model(backend, max_graphs=len(WARMUP))
+    except (FileNotFoundError, ImportError) as e:
+        print(f"cannot load the model: {e}", file=sys.stderr)
+        return 2
+    print(f"all-MiniLM-L6-v2 on {model.client.backend} loaded in "
+          f"{time.perf_counter() - t0:.1f}s; {args.clients} concurrent clients x "
+          f"{args.requests} requests over loopback HTTP", flush=True)
+    plan = workload(args.clients, args.requests)
+    warm = workload(args.clients, 3)
+    results = [run_phase(model, True, plan, warm, args.quiet),
+               run_phase(model, False, plan, warm, args.quiet)]
+    print()
+    print_table(results, f"POST /v1/embeddings, {model.client.backend} backend, "
+                f"{args.clients} clients")
+    g, e = results
+    print(f"graph/eager: throughput x{g['texts_per_s'] / e['texts_per_s']:.2f}, "
+          f"p50 x{e['p50_ms'] / g['p50_ms']:.2f} faster, p99 x{e['p99_ms'] / g['p99_ms']:.2f} "
+          f"faster; graphs held {len(model.buckets)}, captured during the timed run "
+          f"{g['captures_in_run']}")
+    print()
+    checks = check(results)
+    for name, ok, detail in checks:
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}: {detail}")
+    failed = [c for c in checks if not c[1]]
+    print("all checks passed" if not failed else f"{len(failed)} check(s) FAILED")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -273,3 +273,69 @@ def test_synchronize_returns_a_finished_completion(be, s):
     launch(be, s, be.compile(K.fill), K.grid(N), [y], value=1.0)
     done = be.synchronize(s)
     assert done.done and done.result() is None and s.encoder is None
+
+
+# -- through the public client ---------------------------------------------------------------
+@pytest.fixture
+def client(be):
+    import runtime
+    c = runtime.client("wgpu")
+    c.set_stream(runtime.StreamId.new())
+    return c
+
+
+def test_the_client_reports_the_adapter_it_got(client):
+    assert re.fullmatch(r".+ \[\w+, \w+\]", client.device_name), client.device_name
+
+
+def test_a_kernel_is_compiled_once_however_often_it_launches(client, monkeypatch):
+    backend = client._server.backend
+    compiled = []
+    real = backend.compile
+    monkeypatch.setattr(backend, "compile", lambda k: (compiled.append(k), real(k))[1])
+    twice = K.elementwise("twice", [("x", "f32", "read"), ("y", "f32", "read_write")], "2.0 * x[i]",
+                          cpu=lambda x, y, *, n, count: None)
+    x = client.create(np.arange(N, dtype=np.float32))
+    y = client.empty((N,), np.float32)
+    for _ in range(5):
+        client.launch(twice, K.grid(N), [x, y], {"n": N})
+    np.testing.assert_array_equal(client.read(y), 2.0 * np.arange(N))
+    assert compiled == [twice]
+
+
+def test_a_client_replay_is_one_submit_past_the_batching_threshold(client):
+    backend = client._server.backend
+    x = client.create(np.ones(N, np.float32))
+    y = client.create(np.zeros(N, np.float32))
+    launches = backend.max_tasks * 2 + 1
+    client.graph_prepare()
+    for _ in range(launches):
+        client.launch(K.accumulate, K.grid(N), [x, y], {"n": N})
+    client.read(y)
+    client.start_capture()
+    for _ in range(launches):
+        client.launch(K.accumulate, K.grid(N), [x, y], {"n": N})
+    graph = client.stop_capture()
+    client.flush()
+    before = backend.submits
+    graph.replay()
+    assert backend.submits - before == 1
+    np.testing.assert_array_equal(client.read(y), np.full(N, 2.0 * launches))
+
+
+def test_an_indirect_launch_through_the_client_replays_with_new_counts(client):
+    x = client.create(np.ones(N, np.float32))
+    y = client.create(np.zeros(N, np.float32))
+    counts = client.create(np.array([2, 1, 1], np.uint32))
+    client.graph_prepare()
+    client.launch(K.accumulate, counts, [x, y], {"n": N})
+    client.read(y)
+    client.start_capture()
+    client.launch(K.accumulate, counts, [x, y], {"n": N})
+    graph = client.stop_capture()
+    client.write(counts, np.array([16, 1, 1], np.uint32))
+    graph.replay()
+    expect = np.zeros(N)
+    expect[:2 * K.WORKGROUP] += 1
+    expect[:min(N, 16 * K.WORKGROUP)] += 1
+    np.testing.assert_array_equal(client.read(y), expect)

@@ -1,0 +1,291 @@
+"""Graph replay vs the normal launch path, swept over kernel size x graph length.
+
+The analogue of CubeCL's ``cubecl-wgpu/examples/graph_bench.rs`` (research/cubecl-scenarios.md
+section E). One *pass* is ``kernels`` dependent launches of ``add_scalar`` (``y = x + 1``)
+ping-ponging between two f32 buffers ``a`` and ``b``; a pass is issued, then synced with a
+blocking ``read(a)``. Three paths run back to back in every round (interleaved, so slow drift
+hits all three alike):
+
+- normal: ``kernels`` calls of ``client.launch``;
+- replay: one ``Graph.replay()`` of the same pass captured with ``start_capture/stop_capture``;
+- floor: the same prebuilt dispatches with no runtime around them. On wgpu, a hand-written
+  wgpu-py loop over its own device (one encoder, one compute pass, ``set_pipeline`` once,
+  ``set_bind_group`` + ``dispatch_workgroups`` per kernel, one submit, then a staging read);
+  on cpu, the kernel's numpy callable called in a loop.
+
+Columns: enqueue us/pass (the issuing calls only; not a speedup: replay posts one message),
+end-to-end us/kernel (issue + sync; where a win must survive), ``x`` (normal / replay end to
+end), ``r/floor`` (replay / floor end to end; a software graph's goal is <= 1.2x), ``share``
+(normal enqueue / normal end to end: is launch overhead worth attacking at that size) and
+``capture`` (the ``stop_capture()`` call). Medians, with p10/p90 in the JSON.
+
+Usage::
+
+    python benchmarks/graph_sweep.py --backend wgpu [--quick] [--rounds-scale 0.5]
+
+Writes ``benchmarks/results/graph_sweep_<backend>.json`` and ``.png`` (gitignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import runtime  # noqa: E402
+import runtime.kernels as K  # noqa: E402
+
+#: (name, elems, kernels, rounds), as graph_bench's CONFIGS.
+CONFIGS = [
+    ("tiny x150", 64, 150, 100),
+    ("tiny x1000", 64, 1000, 50),
+    ("tiny x5000", 64, 5000, 10),
+    ("64k x1000", 65_536, 1000, 20),
+    ("256k x1000", 262_144, 1000, 10),
+    ("1m x500", 1_048_576, 500, 10),
+    ("1m x2000", 1_048_576, 2000, 5),
+]
+QUICK = ("tiny x150", "tiny x1000", "64k x1000", "1m x500")
+KERNEL = K.add_scalar
+PATHS = ("normal", "replay", "floor")
+
+
+class WgpuFloor:
+    """The same pass as hand-written wgpu-py: prebuilt pipeline and bind groups, one submit."""
+
+    def __init__(self, elems: int, kernels: int):
+        import wgpu
+        from runtime.backends.wgpu import select_adapter
+        self.wgpu = wgpu
+        adapter = select_adapter(0)
+        self.dev = adapter.request_device_sync(required_limits={
+            k: adapter.limits[k] for k in ("max-buffer-size", "max-storage-buffer-binding-size")})
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        nbytes = elems * 4
+        self.a = self.dev.create_buffer(size=nbytes, usage=usage)
+        self.b = self.dev.create_buffer(size=nbytes, usage=usage)
+        self.staging = self.dev.create_buffer(
+            size=nbytes, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        self.nbytes = nbytes
+        module = self.dev.create_shader_module(code=KERNEL.wgsl)
+        self.pipeline = self.dev.create_compute_pipeline(
+            layout="auto", compute={"module": module, "entry_point": "main"})
+        uniform = self.dev.create_buffer_with_data(
+            data=KERNEL.uniform_bytes(KERNEL.pack_params({"alpha": 1.0, "n": elems})),
+            usage=wgpu.BufferUsage.UNIFORM)
+        layout = self.pipeline.get_bind_group_layout(0)
+
+        def group(src, dst):
+            return self.dev.create_bind_group(layout=layout, entries=[
+                {"binding": 0, "resource": {"buffer": src}},
+                {"binding": 1, "resource": {"buffer": dst}},
+                {"binding": 2, "resource": {"buffer": uniform}}])
+        self.groups = [group(self.a, self.b), group(self.b, self.a)]
+        self.count = K.grid(elems)
+        self.kernels = kernels
+
+    def issue(self):
+        enc = self.dev.create_command_encoder()
+        cpass = enc.begin_compute_pass()
+        cpass.set_pipeline(self.pipeline)
+        set_bind_group, dispatch, count, groups = (cpass.set_bind_group, cpass.dispatch_workgroups,
+                                                   self.count, self.groups)
+        for i in range(self.kernels):
+            set_bind_group(0, groups[i & 1])
+            dispatch(*count)
+        cpass.end()
+        self.dev.queue.submit([enc.finish()])
+
+    def sync(self):
+        enc = self.dev.create_command_encoder()
+        enc.copy_buffer_to_buffer(self.a, 0, self.staging, 0, self.nbytes)
+        self.dev.queue.submit([enc.finish()])
+        self.staging.map_sync(self.wgpu.MapMode.READ)
+        out = np.frombuffer(self.staging.read_mapped(), np.float32).copy()
+        self.staging.unmap()
+        return out
+
+
+class CpuFloor:
+    """The same pass as the kernel's numpy callable in a loop: no queue, no server."""
+
+    def __init__(self, elems: int, kernels: int):
+        self.a, self.b = np.zeros(elems, np.float32), np.zeros(elems, np.float32)
+        self.elems, self.kernels, self.count = elems, kernels, K.grid(elems)
+
+    def issue(self):
+        fn, pair = KERNEL.cpu, ((self.a, self.b), (self.b, self.a))
+        for i in range(self.kernels):
+            fn(*pair[i & 1], alpha=1.0, n=self.elems, count=self.count)
+
+    def sync(self):
+        return self.a.copy()
+
+
+def run_pass(client, a, b, elems, kernels):
+    params, count = {"alpha": 1.0, "n": elems}, K.grid(elems)
+    for i in range(kernels):
+        src, dst = (a, b) if i % 2 == 0 else (b, a)
+        client.launch(KERNEL, count, [src, dst], params)
+
+
+def stats(xs) -> dict:
+    xs = np.asarray(xs, dtype=np.float64)
+    return {"median": float(np.median(xs)), "p10": float(np.percentile(xs, 10)),
+            "p90": float(np.percentile(xs, 90))}
+
+
+def measure_row(client, name, elems, kernels, rounds, floor_cls, bar) -> dict:
+    """One config: warm, capture, then ``rounds`` interleaved normal/replay/floor rounds."""
+    a = client.create(np.zeros(elems, np.float32))
+    b = client.create(np.zeros(elems, np.float32))
+    run_pass(client, a, b, elems, kernels)          # warm compilation and pools
+    client.read(a)
+    client.graph_prepare()
+    run_pass(client, a, b, elems, kernels)          # warm-up that primes the pool
+    client.read(a)
+    client.start_capture()
+    run_pass(client, a, b, elems, kernels)          # recorded, not executed
+    t0 = time.perf_counter()
+    graph = client.stop_capture()
+    capture_s = time.perf_counter() - t0
+    graph.replay()
+    client.read(a)
+    floor = floor_cls(elems, kernels)
+    floor.issue()
+    floor.sync()
+
+    issue = {p: [] for p in PATHS}
+    total = {p: [] for p in PATHS}
+    for _ in range(rounds):
+        for path in PATHS:
+            t0 = time.perf_counter()
+            if path == "normal":
+                run_pass(client, a, b, elems, kernels)
+            elif path == "replay":
+                graph.replay()
+            else:
+                floor.issue()
+            t1 = time.perf_counter()
+            client.read(a) if path != "floor" else floor.sync()
+            t2 = time.perf_counter()
+            issue[path].append(t1 - t0)
+            total[path].append(t2 - t0)
+        bar.update(1)
+    # correctness: every runtime pass (warm, warm-up, first replay, then normal + replay per
+    # round) adds `kernels` to a (kernels is even: the pass ends writing a)
+    expect = float((3 + 2 * rounds) * kernels)
+    got = float(client.read(a)[0])
+    if got != expect:
+        print(f"WARNING {name}: a[0] = {got}, expected {expect}: the paths disagree",
+              file=sys.stderr)
+    graph.release()
+    a.release()
+    b.release()
+
+    row = {"config": name, "elems": elems, "kernels": kernels, "rounds": rounds,
+           "capture_ms": capture_s * 1e3, "check_a0": got, "check_expected": expect}
+    for p in PATHS:
+        row[f"enqueue_us_per_pass_{p}"] = stats(np.array(issue[p]) * 1e6)
+        row[f"e2e_us_per_kernel_{p}"] = stats(np.array(total[p]) * 1e6 / kernels)
+    med = {p: float(np.median(total[p])) for p in PATHS}
+    row["speedup_replay_vs_normal"] = med["normal"] / med["replay"]
+    row["replay_vs_floor"] = med["replay"] / med["floor"]
+    row["enqueue_share_normal"] = float(np.median(issue["normal"]) / med["normal"])
+    return row
+
+
+def print_table(rows, device: str) -> None:
+    print(f"\nadapter: {device}")
+    print(f"{'config':<12} {'enqueue us/pass':^32} {'e2e us/kernel (p10-p90 replay)':^44} "
+          f"{'x':>6} {'r/floor':>8} {'share':>6} {'capture':>9}")
+    print(f"{'':<12} {'normal':>10} {'replay':>10} {'floor':>10} {'normal':>9} {'replay':>9} "
+          f"{'':>13} {'floor':>9} ")
+    for r in rows:
+        e = {p: r[f'enqueue_us_per_pass_{p}']['median'] for p in PATHS}
+        k = {p: r[f'e2e_us_per_kernel_{p}'] for p in PATHS}
+        spread = f"({k['replay']['p10']:.1f}-{k['replay']['p90']:.1f})"
+        print(f"{r['config']:<12} {e['normal']:>10.0f} {e['replay']:>10.0f} {e['floor']:>10.0f} "
+              f"{k['normal']['median']:>9.2f} {k['replay']['median']:>9.2f} {spread:>13} "
+              f"{k['floor']['median']:>9.2f}  {r['speedup_replay_vs_normal']:>5.2f}x "
+              f"{r['replay_vs_floor']:>7.2f}x {100 * r['enqueue_share_normal']:>5.0f}% "
+              f"{r['capture_ms']:>7.2f}ms")
+
+
+def plot(rows, device: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    x = np.arange(len(rows))
+    width = 0.27
+    for i, p in enumerate(PATHS):
+        k = [r[f"e2e_us_per_kernel_{p}"] for r in rows]
+        med = np.array([v["median"] for v in k])
+        err = np.array([[m - v["p10"] for m, v in zip(med, k)], [v["p90"] - m for m, v in zip(med, k)]])
+        axes[0].bar(x + (i - 1) * width, med, width, yerr=err, capsize=2, label=p)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("end-to-end us / kernel (median, p10-p90)")
+    axes[0].set_xticks(x, [r["config"] for r in rows], rotation=30)
+    axes[0].legend()
+    axes[1].bar(x - 0.2, [r["speedup_replay_vs_normal"] for r in rows], 0.4, label="replay vs normal")
+    axes[1].bar(x + 0.2, [r["replay_vs_floor"] for r in rows], 0.4, label="replay / floor")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[1].axhline(1.2, color="r", lw=0.8, ls="--", label="floor goal 1.2x")
+    axes[1].set_xticks(x, [r["config"] for r in rows], rotation=30)
+    axes[1].set_ylabel("ratio of end-to-end medians")
+    axes[1].legend()
+    fig.suptitle(f"graph_sweep: {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("cpu", "wgpu"), default="wgpu")
+    ap.add_argument("--quick", action="store_true", help=f"only the rows {', '.join(QUICK)}")
+    ap.add_argument("--rounds-scale", type=float, default=1.0, help="multiply every row's rounds")
+    ap.add_argument("--configs", help="comma-separated row names to run (overrides --quick)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    configs = CONFIGS
+    if args.configs:
+        names = [c.strip() for c in args.configs.split(",")]
+        configs = [c for c in CONFIGS if c[0] in names]
+    elif args.quick:
+        configs = [c for c in CONFIGS if c[0] in QUICK]
+    configs = [(n, e, k, max(3, round(r * args.rounds_scale))) for n, e, k, r in configs]
+
+    client = runtime.client(args.backend)
+    device = getattr(client, "device_name", None) or f"{client.backend}:{client.device}"
+    floor_cls = WgpuFloor if args.backend == "wgpu" else CpuFloor
+    rows = []
+    with tqdm(total=sum(c[3] for c in configs), unit="round", desc="graph_sweep") as bar:
+        for name, elems, kernels, rounds in configs:
+            bar.set_postfix_str(name)
+            rows.append(measure_row(client, name, elems, kernels, rounds, floor_cls, bar))
+    print_table(rows, device)
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"graph_sweep_{args.backend}")
+    meta = {"backend": args.backend, "device": device, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(), "kernel": KERNEL.name,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    plot(rows, device, stem + ".png")
+    print(f"\nwrote {stem}.json and {stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

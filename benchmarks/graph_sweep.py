@@ -4,7 +4,7 @@ The analogue of CubeCL's ``cubecl-wgpu/examples/graph_bench.rs`` (research/cubec
 section E). One *pass* is ``kernels`` dependent launches of ``add_scalar`` (``y = x + 1``)
 ping-ponging between two f32 buffers ``a`` and ``b``; a pass is issued, then synced with a
 blocking ``read(a)``. Three paths run back to back in every round (interleaved, so slow drift
-hits all three alike):
+hits all three alike; their order rotates from round to round):
 
 - normal: ``kernels`` calls of ``client.launch``;
 - replay: one ``Graph.replay()`` of the same pass captured with ``start_capture/stop_capture``;
@@ -164,8 +164,8 @@ def measure_row(client, name, elems, kernels, rounds, floor_cls, bar) -> dict:
 
     issue = {p: [] for p in PATHS}
     total = {p: [] for p in PATHS}
-    for _ in range(rounds):
-        for path in PATHS:
+    for r in range(rounds):
+        for path in PATHS[r % 3:] + PATHS[:r % 3]:   # rotate: no path always follows another
             t0 = time.perf_counter()
             if path == "normal":
                 run_pass(client, a, b, elems, kernels)
@@ -203,7 +203,7 @@ def measure_row(client, name, elems, kernels, rounds, floor_cls, bar) -> dict:
 
 
 def print_table(rows, device: str) -> None:
-    print(f"\nadapter: {device}")
+    print(f"\ndevice: {device}")
     print(f"{'config':<12} {'enqueue us/pass':^32} {'e2e us/kernel (p10-p90 replay)':^44} "
           f"{'x':>6} {'r/floor':>8} {'share':>6} {'capture':>9}")
     print(f"{'':<12} {'normal':>10} {'replay':>10} {'floor':>10} {'normal':>9} {'replay':>9} "

@@ -219,9 +219,9 @@ class Tensor:
             raise ValueError(f"matmul: activation must be None or 'gelu', got {activation!r}")
         if activation == "gelu" and bias is None:
             raise ValueError("matmul: activation='gelu' needs a bias (the fused kernel takes one)")
-        kern = K.matmul if bias is None else (K.matmul_bias_gelu if activation else K.matmul_bias)
+        kern, count = K.nn.matmul_for(M, N, bias is not None, activation)
         args = [self, w] + ([bias] if bias is not None else []) + [out]
-        self._launch(kern, K.matmul_count(M, N), args, {"M": M, "N": N, "K": K_})
+        self._launch(kern, count, args, {"M": M, "N": N, "K": K_})
         return out
 
     def add(self, other: "Tensor") -> "Tensor":
@@ -312,7 +312,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, heads: int,
         heads: number of heads; head dim ``hd = H / heads`` must be at most 64.
         offsets: column offsets of q, k, v inside their rows.
     Returns: ``[B, S, H]`` with ``H = W - max(offsets)`` for packed input, else ``W``.
-    Raises: ``ValueError`` on shape mismatches, ``S > 1024`` or ``hd > 64``.
+    Raises: ``ValueError`` on shape mismatches or ``hd > 64``.
     """
     if not (q.shape == k.shape == v.shape) or len(q.shape) != 3:
         raise ValueError(f"attention: q, k, v must share a [B, S, W] shape, got {q.shape}, "
@@ -329,7 +329,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, heads: int,
     out = Tensor.empty(q.client, (B, S, H))
     params = {"S": S, "heads": heads, "hd": hd, "ld_in": W, "q_off": offsets[0],
               "k_off": offsets[1], "v_off": offsets[2], "ld_out": H, "scale": 1 / math.sqrt(hd)}
-    q.client.launch(K.attention, K.attention_count(B, S, heads),
+    q.client.launch(K.nn.attention_for(hd), K.attention_count(B, S, heads),
                     [q.handle, k.handle, v.handle, mask.handle, out.handle], params)
     return out
 

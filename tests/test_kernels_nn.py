@@ -14,8 +14,9 @@ from runtime.kernels import nn
 from runtime.tensor import Arena, Tensor, attention, embedding
 
 RNG = np.random.default_rng(20261129)
-NN_KERNELS = [nn.gelu, nn.add_bias, nn.embedding, nn.matmul, nn.matmul_bias, nn.matmul_bias_gelu,
-              nn.layer_norm, nn.add_layer_norm, nn.l2_normalize, nn.mean_pool, nn.attention]
+NN_KERNELS = [nn.gelu, nn.add_bias, nn.embedding, *nn._MM.values(), nn.layer_norm,
+              nn.add_layer_norm, nn.l2_normalize, nn.mean_pool, nn.attention,
+              nn.attention_for(64), nn.attention_for(24)]
 
 
 def randn(*shape, scale=1.0):
@@ -39,7 +40,8 @@ def test_erf_approximation_is_float32_accurate():
     assert np.abs(nn.gelu_np(xf) - gelu_ref(xf)).max() < 1e-6
 
 
-@pytest.mark.parametrize("M,K_,N", [(77, 130, 99), (1, 384, 1152), (130, 17, 65)])
+@pytest.mark.parametrize("M,K_,N", [(77, 130, 99), (1, 384, 1152), (130, 17, 65), (16, 40, 129),
+                                    (17, 9, 3)])
 @pytest.mark.parametrize("variant", ["plain", "bias", "bias_gelu"])
 def test_matmul_matches_numpy_at_awkward_sizes(client, M, K_, N, variant):
     a, w, b = randn(M, K_), randn(K_, N, scale=0.2), randn(N)
@@ -97,7 +99,8 @@ def attention_ref(q, k, v, mask, heads):
     return ((e / e.sum(-1, keepdims=True)) @ split(v)).transpose(0, 2, 1, 3).reshape(B, S, H)
 
 
-@pytest.mark.parametrize("B,S,heads,hd", [(3, 37, 4, 32), (2, 1, 12, 32), (1, 70, 3, 24)])
+@pytest.mark.parametrize("B,S,heads,hd", [(3, 37, 4, 32), (2, 1, 12, 32), (1, 70, 3, 24),
+                                         (2, 300, 2, 64)])
 def test_attention_packed_qkv_matches_numpy(client, B, S, heads, hd):
     H = heads * hd
     qkv = randn(B, S, 3 * H)

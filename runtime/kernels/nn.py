@@ -22,17 +22,15 @@ from .shader import program
 
 R, RW = "read", "read_write"
 
-#: matmul tile: a workgroup of 16x16 invocations computes a 128x128 block of ``out``, 8x8 each,
-#: stepping through K by MM_BK.
+#: matmul tile columns: a workgroup of 16x16 invocations computes a (16 r) x 128 block of ``out``
+#: (r x 8 each, r = 8, 4 or 1 by the variant), stepping through K by MM_BK.
 MM_TILE = 128
-MM_BK = 8
+MM_BK = 16
 #: invocations per workgroup of the row kernels (layer norm, L2 normalise) and of attention.
 ROW_WORKGROUP = 128
 ATTN_WORKGROUP = 64
-#: largest key length attention supports (its scores live in workgroup memory).
-ATTN_MAX_SEQ = 1024
-#: largest head dimension attention supports.
-ATTN_MAX_HEAD_DIM = ATTN_WORKGROUP
+#: largest head dimension attention supports (q and the accumulators are unrolled per lane).
+ATTN_MAX_HEAD_DIM = 64
 
 # ---------------------------------------------------------------------------------------------
 # erf and GELU
@@ -156,48 +154,47 @@ def _matmul_cpu(bias: bool, act: str | None):
     return run
 
 
-def _matmul(name: str, bias: bool, act: str | None):
-    # A workgroup of 16x16 invocations computes a 128x128 block of out; invocation (x, y) owns
-    # rows y + 16 i and columns x + 16 j (i, j < 8), so neighbouring invocations load the W tile
-    # and store out contiguously. The A tile is stored k-major so the inner loop reads both tiles
-    # by k. The 8x8 accumulators are unrolled scalars (Python writes the 64 lines): indexed
-    # local arrays spill to memory on some compilers (llvmpipe: 2x slower).
-    th, per, bk = 16, MM_TILE // 16, MM_BK
-    t, loads, rng = MM_TILE, MM_BK * MM_TILE // 256, range(MM_TILE // 16)
-    accs = "\n".join(f"    var c{i}{j} = 0.0f;" for i in rng for j in rng)
-    inner = "\n".join([f"            let a{i} = As[kk * {t}u + lid.y + {th * i}u];" for i in rng]
-                       + [f"            let w{j} = Ws[kk * {t}u + lid.x + {th * j}u];" for j in rng]
-                       + [f"            c{i}{j} += a{i} * w{j};" for i in rng for j in rng])
-    stores = []
-    for i in rng:
-        stores.append(f"    let row{i} = m0 + lid.y + {th * i}u;")
-    for j in rng:
+def _matmul(name: str, bias: bool, act: str | None, rows: int = 8):
+    # A workgroup of 16x16 invocations computes a (16 rows) x 128 block of out; invocation (x, y)
+    # owns rows y + 16 i (i < rows) and columns x + 16 j (j < 8), so neighbouring invocations
+    # load the W tile and store out contiguously. The A tile is stored k-major so the inner loop
+    # reads both tiles by k. The accumulators are unrolled scalars (Python writes the lines):
+    # indexed local arrays spill to memory on some compilers (llvmpipe: 2x slower).
+    th, bk, tn, tm = 16, MM_BK, MM_TILE, 16 * rows
+    ri, cj = range(rows), range(tn // th)
+    accs = "\n".join(f"    var c{i}{j} = 0.0f;" for i in ri for j in cj)
+    inner = "\n".join([f"            let a{i} = As[kk * {tm}u + lid.y + {th * i}u];" for i in ri]
+                       + [f"            let w{j} = Ws[kk * {tn}u + lid.x + {th * j}u];" for j in cj]
+                       + [f"            c{i}{j} += a{i} * w{j};" for i in ri for j in cj])
+    stores = [f"    let row{i} = m0 + lid.y + {th * i}u;" for i in ri]
+    for j in cj:
         stores.append(f"    let col{j} = n0 + lid.x + {th * j}u;")
         if bias:
             stores.append(f"    var b{j} = 0.0f;")
             stores.append(f"    if (col{j} < p.N) {{ b{j} = bias[col{j}]; }}")
-    for i in rng:
-        for j in rng:
+    for i in ri:
+        for j in cj:
             v = f"c{i}{j}" + (f" + b{j}" if bias else "")
             v = f"gelu_erf({v})" if act == "gelu" else v
             stores.append(f"    if (row{i} < p.M && col{j} < p.N) {{ out[row{i} * p.N + col{j}] = {v}; }}")
     body = f"""
-    let m0 = wg.y * {t}u;
-    let n0 = wg.x * {t}u;
+    let m0 = wg.y * {tm}u;
+    let n0 = wg.x * {tn}u;
 {accs}
     for (var k0 = 0u; k0 < p.K; k0 += {bk}u) {{
-        for (var r = 0u; r < {loads}u; r++) {{
-            let e = lidx + 256u * r;
+        for (var e = lidx; e < {bk * tm}u; e += 256u) {{
             let am = e / {bk}u;
             let ak = e % {bk}u;
             var x = 0.0f;
             if (m0 + am < p.M && k0 + ak < p.K) {{ x = a[(m0 + am) * p.K + k0 + ak]; }}
-            As[ak * {t}u + am] = x;
-            let wk = e / {t}u;
-            let wn = e % {t}u;
+            As[ak * {tm}u + am] = x;
+        }}
+        for (var e = lidx; e < {bk * tn}u; e += 256u) {{
+            let wk = e / {tn}u;
+            let wn = e % {tn}u;
             var y = 0.0f;
             if (k0 + wk < p.K && n0 + wn < p.N) {{ y = w[(k0 + wk) * p.N + n0 + wn]; }}
-            Ws[wk * {t}u + wn] = y;
+            Ws[wk * {tn}u + wn] = y;
         }}
         workgroupBarrier();
         for (var kk = 0u; kk < {bk}u; kk++) {{
@@ -208,28 +205,55 @@ def _matmul(name: str, bias: bool, act: str | None):
 """ + "\n".join(stores)
     binds = [("a", "f32", R), ("w", "f32", R)] + ([("bias", "f32", R)] if bias else [])
     return program(name, binds + [("out", "f32", RW)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
-                   (th, th, 1), body, shared=[("As", "f32", bk * t), ("Ws", "f32", bk * t)],
+                   (th, th, 1), body, shared=[("As", "f32", bk * tm), ("Ws", "f32", bk * tn)],
                    helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act))
 
 
-#: ``out[M, N] = a[M, K] @ w[K, N]``; launch over :func:`matmul_count`.
-matmul = _matmul("matmul", False, None)
-#: ``out[M, N] = a[M, K] @ w[K, N] + bias[N]``; launch over :func:`matmul_count`.
-matmul_bias = _matmul("matmul_bias", True, None)
-#: ``out[M, N] = gelu(a[M, K] @ w[K, N] + bias[N])``; launch over :func:`matmul_count`.
-matmul_bias_gelu = _matmul("matmul_bias_gelu", True, "gelu")
+_EPILOGUES = {"matmul": (False, None), "matmul_bias": (True, None),
+              "matmul_bias_gelu": (True, "gelu")}
+#: rows of out per workgroup of each matmul variant (16 x rows-per-invocation).
+MM_ROWS = (128, 64, 16)
+_MM = {(name, tm): _matmul(name if tm == MM_ROWS[0] else f"{name}_m{tm}", *ep, rows=tm // 16)
+       for name, ep in _EPILOGUES.items() for tm in MM_ROWS}
+
+#: ``out[M, N] = a[M, K] @ w[K, N]``; launch over ``matmul_count(M, N)`` (see :func:`matmul_for`).
+matmul = _MM["matmul", 128]
+#: ``out[M, N] = a[M, K] @ w[K, N] + bias[N]``; launch over ``matmul_count(M, N)``.
+matmul_bias = _MM["matmul_bias", 128]
+#: ``out[M, N] = gelu(a[M, K] @ w[K, N] + bias[N])``; launch over ``matmul_count(M, N)``.
+matmul_bias_gelu = _MM["matmul_bias_gelu", 128]
 
 
-def matmul_count(M: int, N: int) -> tuple:
-    """Workgroups ``(x, y, 1)`` for an ``[M, N]`` matmul output (``MM_TILE`` square tiles).
+def matmul_count(M: int, N: int, tile_rows: int = MM_ROWS[0]) -> tuple:
+    """Workgroups ``(x, y, 1)`` for an ``[M, N]`` matmul output in ``tile_rows x 128`` tiles.
 
     Raises:
         ValueError: more than 65,535 tiles along a dimension.
     """
-    x, y = -(-int(N) // MM_TILE), -(-int(M) // MM_TILE)
+    x, y = -(-int(N) // MM_TILE), -(-int(M) // int(tile_rows))
     if max(x, y) > 65535:
         raise ValueError(f"matmul [{M}, {N}] needs {x}x{y} tiles; at most 65,535 per dimension")
     return (max(x, 1), max(y, 1), 1)
+
+
+def matmul_for(M: int, N: int, bias: bool = False, activation: str | None = None) -> tuple:
+    """The matmul variant and workgroup count for an ``[M, N]`` output.
+
+    Small ``M`` (a batch of short sequences) gets a kernel with shorter tiles, so less of each
+    tile is padding: ``M <= 16`` -> 16-row tiles, ``M <= 64`` -> 64-row tiles, else 128.
+
+    Args:
+        M, N: output rows and columns.
+        bias: add a ``[N]`` bias; activation: ``None`` or ``"gelu"`` (needs ``bias``).
+    Returns: ``(kernel, count)``; params are ``{"M", "N", "K"}``.
+    Raises: ``ValueError`` for an unknown combination.
+    """
+    name = {(False, None): "matmul", (True, None): "matmul_bias",
+            (True, "gelu"): "matmul_bias_gelu"}.get((bool(bias), activation))
+    if name is None:
+        raise ValueError(f"no matmul with bias={bias}, activation={activation!r}")
+    tm = next((t for t in reversed(MM_ROWS) if M <= t), MM_ROWS[0])
+    return _MM[name, tm], matmul_count(M, N, tm)
 
 # ---------------------------------------------------------------------------------------------
 # Row kernels: one workgroup per row, a tree reduction in workgroup memory.
@@ -376,80 +400,106 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     o[:, :, :H] = ctx.transpose(0, 2, 1, 3).reshape(B, S, H)
 
 
-#: Multi-head scaled dot-product attention with an additive key mask, one workgroup per
-#: (query, batch x head): ``out[b, i, h*hd:(h+1)*hd] = softmax_j(scale q_i . k_j + (1 - mask[b, j])
-#: * -1e9) @ v``. Rows of ``q``/``k``/``v`` have stride ``ld_in`` elements and their heads start at
-#: column ``*_off`` (so one packed ``[B, S, 3H]`` QKV buffer can be bound three times); ``out`` rows
-#: have stride ``ld_out``. ``S <= ATTN_MAX_SEQ``, ``hd <= ATTN_MAX_HEAD_DIM``.
-#: Launch over :func:`attention_count`.
-attention = program(
-    "attention", [("q", "f32", R), ("k", "f32", R), ("v", "f32", R), ("mask", "f32", R),
-                  ("out", "f32", RW)],
-    [("S", "u32"), ("heads", "u32"), ("hd", "u32"), ("ld_in", "u32"), ("q_off", "u32"),
-     ("k_off", "u32"), ("v_off", "u32"), ("ld_out", "u32"), ("scale", "f32")],
-    (ATTN_WORKGROUP, 1, 1), f"""
-    let i = wg.x;
+def _attention(hd: int):
+    # One invocation per query, ATTN_WORKGROUP queries of one (batch, head) per workgroup. Keys
+    # and values stream through workgroup memory in tiles of `tk` rows; each invocation keeps
+    # an online softmax (running max, running sum, rescaled accumulators), so any sequence length
+    # fits and nothing of size S is stored. The head dim is a compile-time constant so q and the
+    # accumulators are unrolled scalars (registers), not indexed arrays.
+    tk, dd = max(1024 // hd, 1), range(hd)
+    qload = "\n".join(f"    let q{d} = q[qbase + {d}u] * p.scale;" for d in dd)
+    accs = "\n".join(f"    var o{d} = 0.0f;" for d in dd)
+    dot = " + ".join(f"q{d} * Ks[kb + {d}u]" for d in dd)
+    upd = "\n".join(f"            o{d} = o{d} * corr + pj * Vs[kb + {d}u];" for d in dd)
+    store = "\n".join(f"        out[obase + {d}u] = o{d} * inv;" for d in dd)
+    body = f"""
     let b = wg.y / p.heads;
     let h = wg.y % p.heads;
-    let qrow = (b * p.S + i) * p.ld_in + p.q_off + h * p.hd;
-    for (var d = lidx; d < p.hd; d += {ATTN_WORKGROUP}u) {{ qs[d] = q[qrow + d] * p.scale; }}
-    workgroupBarrier();
+    let i = wg.x * {ATTN_WORKGROUP}u + lidx;
+    let qi = min(i, p.S - 1u);
+    let qbase = (b * p.S + qi) * p.ld_in + p.q_off + h * {hd}u;
+{qload}
+{accs}
     var mx = -3.0e38f;
-    for (var j = lidx; j < p.S; j += {ATTN_WORKGROUP}u) {{
-        let krow = (b * p.S + j) * p.ld_in + p.k_off + h * p.hd;
-        var s = 0.0f;
-        for (var d = 0u; d < p.hd; d++) {{ s += qs[d] * k[krow + d]; }}
-        s += (1.0f - mask[b * p.S + j]) * -1.0e9f;
-        sc[j] = s;
-        mx = max(mx, s);
-    }}
-    red[lidx] = mx;{_reduce("max", ATTN_WORKGROUP)}
-    let m = red[0];
-    workgroupBarrier();
     var l = 0.0f;
-    for (var j = lidx; j < p.S; j += {ATTN_WORKGROUP}u) {{
-        let e = exp(sc[j] - m);
-        sc[j] = e;
-        l += e;
-    }}
-    red[lidx] = l;{_reduce("+", ATTN_WORKGROUP)}
-    let inv = 1.0f / red[0];
-    workgroupBarrier();
-    // P @ V: invocation lidx takes column d = lidx % hd of the keys j = part, part + parts, ...
-    let parts = max({ATTN_WORKGROUP}u / p.hd, 1u);
-    let part = lidx / p.hd;
-    let d = lidx % p.hd;
-    var acc = 0.0f;
-    if (part < parts) {{
-        for (var j = part; j < p.S; j += parts) {{
-            acc += sc[j] * v[(b * p.S + j) * p.ld_in + p.v_off + h * p.hd + d];
+    for (var j0 = 0u; j0 < p.S; j0 += {tk}u) {{
+        for (var e = lidx; e < {tk * hd}u; e += {ATTN_WORKGROUP}u) {{
+            let j = j0 + e / {hd}u;
+            let row = (b * p.S + min(j, p.S - 1u)) * p.ld_in + h * {hd}u + e % {hd}u;
+            Ks[e] = k[row + p.k_off];
+            Vs[e] = v[row + p.v_off];
         }}
+        for (var e = lidx; e < {tk}u; e += {ATTN_WORKGROUP}u) {{
+            var mv = 0.0f;
+            if (j0 + e < p.S) {{ mv = mask[b * p.S + j0 + e]; }}
+            Ms[e] = mv;
+        }}
+        workgroupBarrier();
+        let jn = min({tk}u, p.S - j0);
+        for (var jj = 0u; jj < jn; jj++) {{
+            let kb = jj * {hd}u;
+            let sj = {dot} + (1.0f - Ms[jj]) * -1.0e9f;
+            let mnew = max(mx, sj);
+            let corr = exp(mx - mnew);
+            let pj = exp(sj - mnew);
+            l = l * corr + pj;
+            mx = mnew;
+{upd}
+        }}
+        workgroupBarrier();
     }}
-    red[lidx] = acc;
-    workgroupBarrier();
-    if (lidx < p.hd) {{
-        var t = 0.0f;
-        for (var r = 0u; r < parts; r++) {{ t += red[r * p.hd + lidx]; }}
-        out[(b * p.S + i) * p.ld_out + h * p.hd + lidx] = t * inv;
-    }}""",
-    shared=[("qs", "f32", ATTN_MAX_HEAD_DIM), ("sc", "f32", ATTN_MAX_SEQ),
-            ("red", "f32", ATTN_WORKGROUP)], cpu=_attention_cpu)
+    if (i < p.S) {{
+        let inv = 1.0f / l;
+        let obase = (b * p.S + i) * p.ld_out + h * {hd}u;
+{store}
+    }}"""
+    return program(
+        f"attention_hd{hd}", [("q", "f32", R), ("k", "f32", R), ("v", "f32", R),
+                              ("mask", "f32", R), ("out", "f32", RW)],
+        [("S", "u32"), ("heads", "u32"), ("hd", "u32"), ("ld_in", "u32"), ("q_off", "u32"),
+         ("k_off", "u32"), ("v_off", "u32"), ("ld_out", "u32"), ("scale", "f32")],
+        (ATTN_WORKGROUP, 1, 1), body,
+        shared=[("Ks", "f32", tk * hd), ("Vs", "f32", tk * hd), ("Ms", "f32", tk)],
+        cpu=_attention_cpu)
+
+
+_ATTN: dict = {}
+
+
+def attention_for(hd: int):
+    """The attention kernel for head dimension ``hd`` (1..``ATTN_MAX_HEAD_DIM``; built once).
+
+    Multi-head scaled dot-product attention with an additive key mask:
+    ``out[b, i, h*hd:(h+1)*hd] = softmax_j(scale q_i . k_j + (1 - mask[b, j]) * -1e9) @ v_j``.
+    Rows of ``q``/``k``/``v`` have stride ``ld_in`` elements and their heads start at column
+    ``*_off`` (so one packed ``[B, S, 3H]`` QKV buffer can be bound three times); ``out`` rows have
+    stride ``ld_out``. Launch over :func:`attention_count`.
+
+    Raises: ``ValueError`` for ``hd`` out of range.
+    """
+    if not 1 <= hd <= ATTN_MAX_HEAD_DIM:
+        raise ValueError(f"attention: head dim {hd} is outside 1..{ATTN_MAX_HEAD_DIM}")
+    if hd not in _ATTN:
+        _ATTN[hd] = _attention(hd)
+    return _ATTN[hd]
+
+
+#: attention with head dim 32 (MiniLM, BERT-small); other head dims: :func:`attention_for`.
+attention = attention_for(32)
 
 
 def attention_count(batch: int, seq: int, heads: int) -> tuple:
-    """Workgroups ``(seq, batch * heads, 1)`` for :data:`attention`.
+    """Workgroups ``(ceil(seq / 64), batch * heads, 1)`` for the attention kernels.
 
     Raises:
-        ValueError: ``seq > ATTN_MAX_SEQ`` or ``batch * heads > 65535``.
+        ValueError: ``batch * heads > 65535``.
     """
-    if seq > ATTN_MAX_SEQ:
-        raise ValueError(f"attention supports sequences up to {ATTN_MAX_SEQ} tokens, got {seq}")
     if batch * heads > 65535:
         raise ValueError(f"attention: batch * heads = {batch * heads} exceeds 65,535 workgroups")
-    return (int(seq), int(batch * heads), 1)
+    return (max(1, -(-int(seq) // ATTN_WORKGROUP)), int(batch * heads), 1)
 
 
 __all__ = ["gelu", "add_bias", "embedding", "matmul", "matmul_bias", "matmul_bias_gelu",
-           "matmul_count", "layer_norm", "add_layer_norm", "l2_normalize", "rows_count",
-           "mean_pool", "attention", "attention_count", "erf_np", "gelu_np", "MM_TILE",
-           "ATTN_MAX_SEQ", "ATTN_MAX_HEAD_DIM"]
+           "matmul_count", "matmul_for", "layer_norm", "add_layer_norm", "l2_normalize", "rows_count",
+           "mean_pool", "attention", "attention_for", "attention_count", "erf_np", "gelu_np", "MM_TILE",
+           "ATTN_MAX_HEAD_DIM"]

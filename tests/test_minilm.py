@@ -146,3 +146,15 @@ def test_cli_prints_embeddings_and_the_cosine_of_two_texts(model_dir, capsys):
                        "A cat sat quietly.", "A kitten rested."]) == 0
     out = capsys.readouterr().out
     assert "backend cpu" in out and "cosine similarity: 0." in out
+
+
+def test_captured_path_passes_the_stream_checker_and_a_seeded_interleaving(model_dir, ref):
+    """Refresh, replay and read all happen on the capture stream (seed 001's safety contract):
+    the checker finds no race and the interleaving scheduler cannot reorder them."""
+    texts = [t for t, n in zip(sentences(ref), ref["lengths"]) if n <= 16]
+    want = ref["embeddings"][[i for i, n in enumerate(ref["lengths"]) if n <= 16]]
+    for options in ({"check": True}, {"scheduler": "interleave", "seed": 7}):
+        m = MiniLM.load(runtime.client("cpu", **options), model_dir)
+        for _ in range(2):
+            assert np.abs(m.embed(texts, graph=True) - want).max() < 1e-4
+        m.release()

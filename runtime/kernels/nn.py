@@ -9,7 +9,7 @@ dense row-major ``f32`` (token ids ``i32``); shapes travel as ``u32`` params. La
 wraps all of this so callers never compute counts by hand.
 
 Numerics: accumulation in ``f32``; layer norm uses two passes (mean, then centred variance);
-softmax subtracts the row maximum; GELU uses the erf form with an erf accurate to about 1.2e-7
+attention keeps an online softmax (running maximum and sum, rescaled accumulators); GELU uses the erf form with an erf accurate to about 1.2e-7
 (absolute), so results agree with a float64 reference to float32 noise.
 """
 
@@ -36,9 +36,10 @@ ATTN_MAX_HEAD_DIM = 64
 # erf and GELU
 #
 # erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z/2), z >= 0, with the degree-9 Chebyshev fit
-# P of Press et al. (Numerical Recipes, "erfcc"): fractional error below 1.2e-7 everywhere,
-# far better than the 1.5e-7-absolute / 2.5e-5 Abramowitz-Stegun forms once squashed through
-# six layers. The same coefficients feed the WGSL/CUDA helper and the numpy version.
+# P of Press et al. (Numerical Recipes, "erfcc"): fractional error of erfc below 1.2e-7
+# everywhere, so erf is good to ~1.2e-7 absolute (float32 resolution; the 5-term
+# Abramowitz-Stegun 7.1.25 form is only good to 2.5e-5). The same coefficients feed the
+# WGSL/CUDA helper and the numpy fallback; tests check it against math.erf.
 _ERFC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
          -1.13520398, 1.48851587, -0.82215223, 0.17087277)
 

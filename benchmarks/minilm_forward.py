@@ -1,6 +1,6 @@
 """Forward latency of all-MiniLM-L6-v2: eager vs graph replay, per backend, batch x seq_len.
 
-    python benchmarks/minilm_forward.py                      # cpu and wgpu, batch 1/8/32, seq 16/128
+    python benchmarks/minilm_forward.py               # cpu and wgpu, batch 1/8/32, seq 16/128
     python benchmarks/minilm_forward.py --backends cpu --batches 1 8 --out result.json
 
 One measurement is one full forward call as a server makes it: host ids/mask in, embeddings out

@@ -252,7 +252,8 @@ class Tensor:
         """
         n = self.shape[-1]
         if gamma.shape != (n,) or beta.shape != (n,):
-            raise ValueError(f"layer_norm: gamma/beta must be ({n},), got {gamma.shape}, {beta.shape}")
+            raise ValueError(f"layer_norm: gamma/beta must be ({n},), got {gamma.shape}, "
+                             f"{beta.shape}")
         rows = self.size // n
         out = self._out(self.shape)
         params = {"rows": rows, "n": n, "eps": eps}

@@ -9,8 +9,9 @@ dense row-major ``f32`` (token ids ``i32``); shapes travel as ``u32`` params. La
 wraps all of this so callers never compute counts by hand.
 
 Numerics: accumulation in ``f32``; layer norm uses two passes (mean, then centred variance);
-attention keeps an online softmax (running maximum and sum, rescaled accumulators); GELU uses the erf form with an erf accurate to about 1.2e-7
-(absolute), so results agree with a float64 reference to float32 noise.
+attention keeps an online softmax (running maximum and sum, rescaled accumulators); GELU uses
+the erf form with an erf accurate to about 1.2e-7 (absolute), so results agree with a float64
+reference to float32 noise.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def _matmul(name: str, bias: bool, act: str | None, rows: int = 8):
         for j in cj:
             v = f"c{i}{j}" + (f" + b{j}" if bias else "")
             v = f"gelu_erf({v})" if act == "gelu" else v
-            stores.append(f"    if (row{i} < p.M && col{j} < p.N) {{ out[row{i} * p.N + col{j}] = {v}; }}")
+            stores.append(f"    if (row{i} < p.M && col{j} < p.N) "
+                          f"{{ out[row{i} * p.N + col{j}] = {v}; }}")
     body = f"""
     let m0 = wg.y * {tm}u;
     let n0 = wg.x * {tn}u;
@@ -342,10 +344,14 @@ l2_normalize = program(
     let valid = row < p.rows;
     let base = row * p.n;
     var s = 0.0f;
-    if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += x[base + c] * x[base + c]; }} }}
+    if (valid) {{
+        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += x[base + c] * x[base + c]; }}
+    }}
     red[lidx] = s;{_reduce("+")}
     let inv = 1.0f / max(sqrt(red[0]), 1e-12f);
-    if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] * inv; }} }}""",
+    if (valid) {{
+        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] * inv; }}
+    }}""",
     shared=[("red", "f32", ROW_WORKGROUP)], cpu=_l2_cpu)
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +507,6 @@ def attention_count(batch: int, seq: int, heads: int) -> tuple:
 
 
 __all__ = ["gelu", "add_bias", "embedding", "matmul", "matmul_bias", "matmul_bias_gelu",
-           "matmul_count", "matmul_for", "layer_norm", "add_layer_norm", "l2_normalize", "rows_count",
-           "mean_pool", "attention", "attention_for", "attention_count", "erf_np", "gelu_np", "MM_TILE",
-           "ATTN_MAX_HEAD_DIM"]
+           "matmul_count", "matmul_for", "layer_norm", "add_layer_norm", "l2_normalize",
+           "rows_count", "mean_pool", "attention", "attention_for", "attention_count", "erf_np",
+           "gelu_np", "MM_TILE", "ATTN_MAX_HEAD_DIM"]

@@ -88,8 +88,9 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
     params = [Param(*p) for p in params]
     wgx, wgy, wgz = tuple(workgroup_size) + (1,) * (3 - len(workgroup_size))
     # WGSL: storage bindings, one uniform struct, workgroup arrays, helpers, main.
-    lines = [f"@group(0) @binding({k}) var<storage, {'read' if b.access == 'read' else 'read_write'}>"
-             f" {b.name}: array<{b.dtype}>;" for k, b in enumerate(bindings)]
+    access = {"read": "read", "read_write": "read_write"}
+    lines = [f"@group(0) @binding({k}) var<storage, {access[b.access]}> {b.name}: array<{b.dtype}>;"
+             for k, b in enumerate(bindings)]
     if params:
         lines.append("struct Params { " + ", ".join(f"{q.name}: {q.dtype}" for q in params) + " }")
         lines.append(f"@group(0) @binding({len(bindings)}) var<uniform> p: Params;")
@@ -103,11 +104,13 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(local_invocation_
 }}
 """
     # CUDA: the same body after to_cuda(); params gathered into a struct named p.
-    args = [f"{'const ' if b.access == 'read' else ''}{b.dtype}* __restrict__ {b.name}" for b in bindings]
+    args = [f"{'const ' if b.access == 'read' else ''}{b.dtype}* __restrict__ {b.name}"
+            for b in bindings]
     args += [f"{q.dtype} {q.name}" for q in params]
     struct, init = "", ""
     if params:
-        struct = f"struct {name}_params {{ " + " ".join(f"{q.dtype} {q.name};" for q in params) + " };"
+        fields = " ".join(f"{q.dtype} {q.name};" for q in params)
+        struct = f"struct {name}_params {{ {fields} }};"
         init = f"    const {name}_params p = {{{', '.join(q.name for q in params)}}};"
     smem = "\n".join(f"__shared__ {t} {n}[{s}];" for n, t, s in shared)
     cuda = f"""{_CUDA_PRELUDE}{struct}

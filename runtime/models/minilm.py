@@ -72,8 +72,9 @@ class _Layer:
     def __init__(self, up, w, i):
         p = f"encoder.layer.{i}."
         a = p + "attention."
-        self.wqkv = up(np.concatenate([w[a + f"self.{n}.weight"].T for n in ("query", "key", "value")], 1))
-        self.bqkv = up(np.concatenate([w[a + f"self.{n}.bias"] for n in ("query", "key", "value")]))
+        qkv = ("query", "key", "value")        # one [H, 3H] matmul makes q | k | v
+        self.wqkv = up(np.concatenate([w[a + f"self.{n}.weight"].T for n in qkv], 1))
+        self.bqkv = up(np.concatenate([w[a + f"self.{n}.bias"] for n in qkv]))
         self.wo, self.bo = up(w[a + "output.dense.weight"].T), up(w[a + "output.dense.bias"])
         self.g1, self.b1 = up(w[a + "output.LayerNorm.weight"]), up(w[a + "output.LayerNorm.bias"])
         self.wi = up(w[p + "intermediate.dense.weight"].T)
@@ -219,7 +220,8 @@ class MiniLM:
         ids = np.asarray(ids)
         mask = np.asarray(mask)
         if ids.ndim != 2 or ids.shape != mask.shape:
-            raise ValueError(f"ids and mask must be 2-D of one shape, got {ids.shape}, {mask.shape}")
+            raise ValueError(f"ids and mask must be 2-D of one shape, got {ids.shape}, "
+                             f"{mask.shape}")
         if ids.shape[1] > self.max_seq_length:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds {self.max_seq_length}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.word.shape[0]):

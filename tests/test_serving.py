@@ -131,6 +131,18 @@ def test_a_full_graph_cache_pads_up_to_a_captured_bucket_instead_of_evicting():
     assert choose_bucket(1, 40, (1, 4, 16), (16, 64), held, max_graphs=2) == (1, 64)
 
 
+def test_a_full_graph_cache_runs_fewer_rows_in_a_captured_bucket_rather_than_capture():
+    held = [(1, 256), (4, 16)]
+    assert choose_bucket(3, 200, (1, 4, 16), (16, 256), held, max_graphs=2) == (1, 256)
+    model = FakeModel(max_graphs=1)
+    with Batcher(model, batch_buckets=(1, 4), seq_buckets=(8, 16)) as b:
+        b.warmup([(1, 16)], progress=False)
+        e = b.embed(["a", "b c", "d e f"], timeout=10)
+    for row, t in zip(e, ["a", "b c", "d e f"]):
+        np.testing.assert_array_equal(row, expected(model, t))
+    assert model.calls == [("graph", 1, 16, 1)] * 4 and model.buckets == [(1, 16)]
+
+
 # -- batching with a fake model --------------------------------------------------------------
 def test_texts_are_grouped_by_seq_bucket_padded_and_split_back_to_their_requests():
     model = FakeModel(max_seq_length=64, max_graphs=16)

@@ -9,7 +9,9 @@ worker thread owns the model and loops:
    of simultaneous requests then shares one batch), then take everything queued;
 2. pick the oldest waiting text, and with it up to ``max_batch`` waiting texts of the same
    sequence-length bucket, in arrival order;
-3. choose the ``(batch, seq_len)`` bucket (:func:`choose_bucket`), pad to it, and run it through
+3. choose the ``(batch, seq_len)`` bucket (:func:`choose_bucket`; with the graph cache full,
+   a captured bucket is reused, even if that means running fewer texts now and the rest in the
+   next batch, rather than capturing and evicting), pad to it, and run it through
    ``model.run_bucket`` (graph path: inputs written in place, the bucket's graph replayed and the
    output read, all on the model's capture stream; the first batch of a bucket captures it) or
    ``model.forward`` (eager path: the same padded shapes, kernels launched one by one);
@@ -88,19 +90,23 @@ def bucket_up(n: int, sizes) -> int:
 
 def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
                   max_graphs=None) -> tuple:
-    """The ``(batch, seq_len)`` bucket that runs ``n`` texts of at most ``length`` tokens.
+    """The ``(batch, seq_len)`` bucket for the next ``n`` texts of at most ``length`` tokens.
 
     The exact bucket (each size rounded up to its list) when it is already captured or there is
-    room for one more graph (``len(captured) < max_graphs``, or no bound). At the bound, the
-    smallest captured bucket (fewest ``batch * seq_len`` cells) that fits, so a full cache is not
-    churned by a shape it can serve with a little more padding; if none fits, the exact bucket
-    (the model then evicts its least recently used graph).
+    room for one more graph (``len(captured) < max_graphs``, or no bound). When the bound is
+    reached, the cache is not churned (a capture costs about two forwards, and would evict a
+    bucket that is likely needed again):
+
+    1. the smallest captured bucket (fewest ``batch * seq_len`` cells) that holds all ``n``;
+    2. else the captured bucket with ``seq_len >= length`` and the most rows: it runs only its
+       first ``batch`` texts (``batch < n``; the caller keeps the rest for the next batch);
+    3. else the exact bucket (the model then evicts its least recently used graph).
 
     Args:
-        n: real rows (``1 <= n <= max(batch_buckets)``); length: longest row, in tokens.
+        n: texts waiting (``1 <= n <= max(batch_buckets)``); length: the longest, in tokens.
         batch_buckets, seq_buckets: increasing sizes; captured: ``(batch, seq_len)`` pairs held.
         max_graphs: the bound on held graphs, or ``None``.
-    Returns: ``(batch, seq_len)``.
+    Returns: ``(batch, seq_len)``; ``batch`` may be below ``n`` (case 2 only).
     Raises: ``ValueError`` when ``n`` or ``length`` exceeds the largest bucket.
     """
     exact = (bucket_up(n, batch_buckets), bucket_up(max(length, 1), seq_buckets))
@@ -108,7 +114,12 @@ def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
     if exact in captured or max_graphs is None or len(captured) < max_graphs:
         return exact
     fits = [b for b in captured if b[0] >= n and b[1] >= length]
-    return min(fits, key=lambda b: (b[0] * b[1], b)) if fits else exact
+    if fits:
+        return min(fits, key=lambda b: (b[0] * b[1], b))
+    part = [b for b in captured if b[1] >= length]
+    if part:
+        return max(part, key=lambda b: (b[0], -b[1]))
+    return exact
 
 
 class _Request:
@@ -367,7 +378,7 @@ class Batcher:
                 break
             batch, pending = self._take(pending)
             if batch:
-                self._run(batch)
+                pending[:0] = self._run(batch)       # rows a smaller bucket could not take
         self._fail_queued(pending)
 
     def _fail_queued(self, pending: list) -> None:
@@ -412,14 +423,20 @@ class Batcher:
         pad_mask[:n, :mask.shape[1]] = mask
         return self.model.forward(pad_ids, pad_mask, graph=False)[:n]
 
-    def _run(self, batch: list) -> None:
-        n = len(batch)
+    def _run(self, batch: list) -> list:
+        """Run one batch; returns the texts left over for the next one (oldest first)."""
         L = max(len(it.ids) for it in batch)
         m = self.metrics
-        captured = list(getattr(self.model, "buckets", ()))
-        bucket = choose_bucket(n, L, self.batch_buckets, self.seq_buckets, captured,
-                               getattr(self.model, "max_graphs", None))
+        captured = list(getattr(self.model, "buckets", ())) if self.graph else []
+        bucket = choose_bucket(len(batch), L, self.batch_buckets, self.seq_buckets, captured,
+                               getattr(self.model, "max_graphs", None) if self.graph else None)
         B, S = bucket
+        left = batch[B:]
+        if left:
+            batch = batch[:B]
+            self._uncount(-len(left))                # back in the queue
+        n = len(batch)
+        L = max(len(it.ids) for it in batch)
         ids = np.zeros((n, L), np.int32)
         mask = np.zeros((n, L), np.int32)
         for r, it in enumerate(batch):
@@ -441,7 +458,7 @@ class Batcher:
             err = BatchFailed(e, bucket)
             for it in batch:
                 it.req.fail(err)
-            return
+            return left
         dt = time.perf_counter() - t0
         self.batches_run += 1
         if m is not None:
@@ -462,3 +479,4 @@ class Batcher:
             done[id(it.req)] = (it.req, done.get(id(it.req), (None, 0))[1] + 1)
         for req, k in done.values():
             req.done_rows(k)
+        return left

@@ -2,8 +2,8 @@
 
 Starts the embeddings server in-process on a free loopback port (uvicorn on a thread), sends
 real sentences from several concurrent HTTP clients (httpx), checks the answers, and prints one
-table: throughput and p50/p99 request latency with the batcher replaying captured bucket graphs,
-then with the same workload launched eagerly.
+table: throughput and p50/p99 request latency with the batcher replaying captured bucket graphs
+vs the same workload launched eagerly (two servers on one model, taking turns in four rounds).
 
 Checks (exit code 1 if any fails): every request answered 200 with unit-norm rows; a text
 always gets the same vector whatever it was batched with (no cross-talk); the graph and eager
@@ -47,8 +47,8 @@ PARAPHRASE = (0, 1)          # fox / fox: ~0.85 measured
 UNRELATED = (0, 8)           # fox / cello: ~0.0 measured
 PARAPHRASE_MIN, UNRELATED_MAX = 0.75, 0.3
 #: Buckets the demo uses: short texts batch up to 16; the long text runs alone at 256 tokens.
-#: Few batch sizes keep start-up short (each capture costs about two forwards).
-BATCH_BUCKETS = (1, 4, 16)
+#: Each capture costs about two forwards of its bucket, so start-up stays short.
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
 SEQ_BUCKETS = (16, 32, 64, 256)
 WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS] + [(1, 256)]
 
@@ -56,16 +56,19 @@ WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS] + [(1, 256)]
 def workload(clients: int, per_client: int) -> list:
     """The request bodies of each client: ``[[texts, ...] per client]``, deterministic.
 
-    Every third request carries three texts; the others one.
+    Every third request carries three texts, the others one, drawn from the short sentences;
+    the first client's fifth request is the long text (real traffic has a few).
     """
-    n = len(SENTENCES)
+    short = SENTENCES[:-1]
+    n = len(short)
     out = []
     for c in range(clients):
         reqs = []
         for i in range(per_client):
             k = (c * 5 + i * 3) % n
-            reqs.append([SENTENCES[(k + j) % n] for j in range(3)] if i % 3 == 2
-                        else [SENTENCES[k]])
+            reqs.append([short[(k + j) % n] for j in range(3)] if i % 3 == 2 else [short[k]])
+        if c == 0 and per_client > 4:
+            reqs[4] = [SENTENCES[-1]]
         out.append(reqs)
     return out
 
@@ -92,34 +95,54 @@ async def _drive(url: str, plan: list, model_id: str) -> tuple:
     return lat, answers, wall
 
 
-def run_phase(model, graph: bool, plan: list, warm_plan: list, quiet: bool) -> dict:
-    """Serve ``model`` on a fresh loopback server (graph or eager path), send ``warm_plan``
-    untimed, then ``plan`` timed. Returns the measurements and every answer."""
+def run_paths(model, plan: list, warm_plan: list, rounds: int, quiet: bool) -> list:
+    """Serve ``model`` twice on loopback (graph path and eager path, one server each), send
+    ``warm_plan`` to each untimed, then ``plan`` in ``rounds`` slices, the paths taking turns
+    (order alternating) so load drift hits both alike. Returns one result dict per path."""
     from . import Batcher, MODEL_ID, ServerThread, ServingMetrics, create_app
 
-    metrics = ServingMetrics()
-    batcher = Batcher(model, graph=graph, max_batch=BATCH_BUCKETS[-1], metrics=metrics,
-                      batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS)
+    paths = []
     try:
-        if graph:
-            batcher.warmup(WARMUP, progress=not quiet)
-        with ServerThread(create_app(batcher, metrics=metrics)) as srv:
-            asyncio.run(_drive(srv.url, warm_plan, MODEL_ID))
-            b0 = batcher.batches_run
-            c0 = metrics.captures.value()
-            lat, answers, wall = asyncio.run(_drive(srv.url, plan, MODEL_ID))
-            batches = batcher.batches_run - b0
-            captures = metrics.captures.value() - c0
+        for graph in (True, False):
+            metrics = ServingMetrics()
+            b = Batcher(model, graph=graph, max_batch=BATCH_BUCKETS[-1], metrics=metrics,
+                        batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS)
+            paths.append({"graph": graph, "batcher": b, "metrics": metrics, "lat": [],
+                          "answers": [], "wall": 0.0})
+            if graph:
+                b.warmup(WARMUP, progress=not quiet)
+            p = paths[-1]
+            p["server"] = ServerThread(create_app(b, metrics=metrics))
+            p["server"].start()
+            asyncio.run(_drive(p["server"].url, warm_plan, MODEL_ID))
+            p["b0"], p["c0"] = b.batches_run, metrics.captures.value()
+        slices = [[reqs[r::rounds] for reqs in plan] for r in range(rounds)]
+        for r, part in enumerate(slices):
+            for p in (paths if r % 2 == 0 else paths[::-1]):
+                lat, answers, wall = asyncio.run(_drive(p["server"].url, part, MODEL_ID))
+                p["lat"] += lat
+                p["answers"] += answers
+                p["wall"] += wall
     finally:
-        batcher.close()
-    texts = sum(len(t) for t, _, _ in answers)
-    lat_ms = np.array(lat) * 1e3
-    return {"path": "replayed graphs" if graph else "eager launches", "requests": len(lat),
-            "texts": texts, "wall_s": wall, "req_per_s": len(lat) / wall,
-            "texts_per_s": texts / wall, "p50_ms": float(np.percentile(lat_ms, 50)),
-            "p99_ms": float(np.percentile(lat_ms, 99)), "batches": batches,
-            "rows_per_batch": texts / max(batches, 1), "captures_in_run": int(captures),
-            "answers": answers}
+        for p in paths:
+            if "server" in p:
+                p["server"].stop()
+            p["batcher"].close()
+    out = []
+    for p in paths:
+        lat_ms = np.array(p["lat"]) * 1e3
+        texts = sum(len(t) for t, _, _ in p["answers"])
+        batches = p["batcher"].batches_run - p["b0"]
+        wall = p["wall"]
+        out.append({"path": "replayed graphs" if p["graph"] else "eager launches",
+                    "requests": len(lat_ms), "texts": texts, "wall_s": wall,
+                    "req_per_s": len(lat_ms) / wall, "texts_per_s": texts / wall,
+                    "p50_ms": float(np.percentile(lat_ms, 50)),
+                    "p99_ms": float(np.percentile(lat_ms, 99)), "batches": batches,
+                    "rows_per_batch": texts / max(batches, 1),
+                    "captures_in_run": int(p["metrics"].captures.value() - p["c0"]),
+                    "answers": p["answers"]})
+    return out
 
 
 def check(results: list) -> list:
@@ -225,8 +248,7 @@ def main(argv=None) -> int:
           f"{args.requests} requests over loopback HTTP", flush=True)
     plan = workload(args.clients, args.requests)
     warm = workload(args.clients, 3)
-    results = [run_phase(model, True, plan, warm, args.quiet),
-               run_phase(model, False, plan, warm, args.quiet)]
+    results = run_paths(model, plan, warm, rounds=min(4, args.requests), quiet=args.quiet)
     print()
     print_table(results, f"POST /v1/embeddings, {model.client.backend} backend, "
                 f"{args.clients} clients")

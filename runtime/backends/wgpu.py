@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from ..errors import LaunchError, OutOfMemory, UnsupportedError
+from ..errors import InvalidHandle, LaunchError, OutOfMemory, UnsupportedError
 from .base import Backend, Completion
 
 try:
@@ -187,7 +187,7 @@ class WgpuBackend(Backend):
         self.limits = self.dev.limits
         self.max_tasks = int(max_tasks or os.environ.get("RUNTIME_WGPU_MAX_TASKS", 32))
         self._max_groups = self.limits["max-compute-workgroups-per-dimension"]
-        self._streams: list[WgpuStream] = []
+        self._open: set = set()          # streams with an encoder not yet submitted
         self._uniforms: dict = {}        # uniform bytes -> GPUBuffer (immutable once made)
         self._groups: dict = {}          # (program, uniform bytes, args) -> GPUBindGroup
         self._groups_of: dict = {}       # GPUBuffer -> keys of the bind groups using it
@@ -228,9 +228,7 @@ class WgpuBackend(Backend):
     # -- streams and events -------------------------------------------------------------
     def new_stream(self):
         """A logical stream over the one queue (its own encoder, submitted in order)."""
-        s = WgpuStream()
-        self._streams.append(s)
-        return s
+        return WgpuStream()
 
     def _submit(self, s: WgpuStream) -> None:
         """Finish and submit the stream's encoder, if it has one."""
@@ -239,6 +237,7 @@ class WgpuBackend(Backend):
             return
         s.cpass.end()
         s.encoder = s.cpass = s.pipeline = None
+        self._open.discard(s)
         n, s.tasks = s.tasks, 0
         try:
             cb = enc.finish()
@@ -248,14 +247,14 @@ class WgpuBackend(Backend):
         self.submits += 1
 
     def _submit_all(self) -> None:
-        for s in self._streams:
-            if s.encoder is not None:
-                self._submit(s)
+        for s in list(self._open):
+            self._submit(s)
 
     def _pass(self, s: WgpuStream):
         if s.cpass is None:
             s.encoder = self.dev.create_command_encoder()
             s.cpass = s.encoder.begin_compute_pass()
+            self._open.add(s)
         return s.cpass
 
     def record_event(self, stream):
@@ -308,7 +307,10 @@ class WgpuBackend(Backend):
         self._submit_all()
         if n % 4:
             data = np.concatenate([np.ravel(data).view(np.uint8), np.zeros(-n % 4, np.uint8)])
-        self.queue.write_buffer(buf, 0, data)
+        try:
+            self.queue.write_buffer(buf, 0, data)
+        except Exception as exc:  # noqa: BLE001 - GPUValidationError: destroyed or too small
+            raise InvalidHandle(f"wgpu: write of {n} bytes failed: {str(exc).strip()}") from exc
 
     def copy_out(self, stream, buf, nbytes: int) -> Completion:
         """Copy the first ``nbytes`` of ``buf`` to the host after ``stream``'s work; blocks.
@@ -523,4 +525,4 @@ class WgpuBackend(Backend):
             self._groups.clear()
             self._groups_of.clear()
             self._uniforms.clear()
-            self._streams.clear()
+            self._open.clear()

@@ -229,13 +229,15 @@ def plot(rows, device: str, path: str) -> None:
     for i, p in enumerate(PATHS):
         k = [r[f"e2e_us_per_kernel_{p}"] for r in rows]
         med = np.array([v["median"] for v in k])
-        err = np.array([[m - v["p10"] for m, v in zip(med, k)], [v["p90"] - m for m, v in zip(med, k)]])
+        err = np.array([[m - v["p10"] for m, v in zip(med, k)],
+                        [v["p90"] - m for m, v in zip(med, k)]])
         axes[0].bar(x + (i - 1) * width, med, width, yerr=err, capsize=2, label=p)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("end-to-end us / kernel (median, p10-p90)")
     axes[0].set_xticks(x, [r["config"] for r in rows], rotation=30)
     axes[0].legend()
-    axes[1].bar(x - 0.2, [r["speedup_replay_vs_normal"] for r in rows], 0.4, label="replay vs normal")
+    axes[1].bar(x - 0.2, [r["speedup_replay_vs_normal"] for r in rows], 0.4,
+                label="replay vs normal")
     axes[1].bar(x + 0.2, [r["replay_vs_floor"] for r in rows], 0.4, label="replay / floor")
     axes[1].axhline(1.0, color="k", lw=0.8)
     axes[1].axhline(1.2, color="r", lw=0.8, ls="--", label="floor goal 1.2x")
@@ -253,7 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only the rows {', '.join(QUICK)}")
     ap.add_argument("--rounds-scale", type=float, default=1.0, help="multiply every row's rounds")
     ap.add_argument("--configs", help="comma-separated row names to run (overrides --quick)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results"))
     args = ap.parse_args(argv)
     from tqdm import tqdm
 

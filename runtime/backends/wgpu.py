@@ -97,7 +97,10 @@ def select_adapter(device: int = 0, prefer: str | None = None):
 
 
 def describe(adapter) -> str:
-    """``"<adapter name> [<backend type>, <adapter type>]"``, e.g. ``"llvmpipe (...) [Vulkan, CPU]"``."""
+    """``"<adapter name> [<backend type>, <adapter type>]"``.
+
+    E.g. ``"llvmpipe (LLVM 15.0.7, 256 bits) [Vulkan, CPU]"``.
+    """
     info = adapter.info
     name = info.get("device") or info.get("description") or "unknown adapter"
     return f"{name} [{info.get('backend_type', '?')}, {info.get('adapter_type', '?')}]"
@@ -199,8 +202,9 @@ class WgpuBackend(Backend):
     # -- memory ------------------------------------------------------------------------
     def _new_buffer(self, nbytes: int, usage):
         if nbytes > self.limits["max-buffer-size"]:
-            raise OutOfMemory(f"wgpu: cannot allocate {nbytes} bytes: the adapter's max-buffer-size "
-                              f"is {self.limits['max-buffer-size']} bytes ({self.device_name})")
+            raise OutOfMemory(f"wgpu: cannot allocate {nbytes} bytes: the adapter's "
+                              f"max-buffer-size is {self.limits['max-buffer-size']} bytes "
+                              f"({self.device_name})")
         try:
             return self.dev.create_buffer(size=nbytes, usage=usage)
         except Exception as exc:  # noqa: BLE001 - GPUValidationError / GPUOutOfMemoryError
@@ -241,7 +245,7 @@ class WgpuBackend(Backend):
         n, s.tasks = s.tasks, 0
         try:
             cb = enc.finish()
-        except Exception as exc:  # noqa: BLE001 - a validation error in one of the batched dispatches
+        except Exception as exc:  # noqa: BLE001 - validation error in one batched dispatch
             raise _gpu_error(exc, f"encoding a batch of {n} dispatch(es)") from exc
         self.queue.submit([cb])
         self.submits += 1
@@ -287,6 +291,8 @@ class WgpuBackend(Backend):
 
         Returns: ``Completion.ready(None)``.
         Raises: ``LaunchError`` when the batch fails validation at submit.
+        Streams: waits for ``stream`` and, since the queue is shared, for all work submitted
+            before it.
         See also: ``GPUQueue.submit``, ``GPUBuffer.map_sync`` on a 4-byte fence buffer.
         """
         self._submit(stream)
@@ -299,6 +305,8 @@ class WgpuBackend(Backend):
 
         ``queue.write_buffer`` lands at the next submit, ahead of encoded-but-unsubmitted work,
         so every stream's pending encoder is submitted first (they share the queue).
+        Raises: ``InvalidHandle`` when the queue refuses the write (a destroyed buffer).
+        Streams: after everything issued before it on every stream.
         See also: ``GPUQueue.write_buffer`` (sizes padded to 4 bytes).
         """
         n = int(data.nbytes)
@@ -316,6 +324,7 @@ class WgpuBackend(Backend):
         """Copy the first ``nbytes`` of ``buf`` to the host after ``stream``'s work; blocks.
 
         Returns: ``Completion.ready(uint8 array of nbytes)``.
+        Streams: after ``stream``'s work (other streams' writes are ordered by ``wait_event``).
         See also: ``GPUCommandEncoder.copy_buffer_to_buffer`` into a ``MAP_READ`` staging
         buffer, then ``GPUBuffer.map_sync`` / ``read_mapped``.
         """
@@ -389,7 +398,8 @@ class WgpuBackend(Backend):
             return group
         kernel = program.kernel
         if len(args) != program.nbind:
-            raise LaunchError(f"kernel {kernel.name} takes {program.nbind} buffers, got {len(args)}")
+            raise LaunchError(f"kernel {kernel.name} takes {program.nbind} buffers, "
+                              f"got {len(args)}")
         writable = {id(buf) for (buf, _), b in zip(args, kernel.bindings) if b.access != "read"}
         for (buf, _), b in zip(args, kernel.bindings):
             if b.access == "read" and id(buf) in writable:
@@ -428,9 +438,9 @@ class WgpuBackend(Backend):
         if min(count) == 0:
             return None
         if max(count) > self._max_groups:
-            raise LaunchError(f"kernel {program.kernel.name}: workgroup count {tuple(count)} exceeds "
-                              f"the adapter's limit of {self._max_groups} per dimension; split the "
-                              f"grid over y and z")
+            raise LaunchError(f"kernel {program.kernel.name}: workgroup count {tuple(count)} "
+                              f"exceeds the adapter's limit of {self._max_groups} per dimension; "
+                              f"split the grid over y and z")
         return tuple(count), None
 
     def launch(self, stream, program: WgpuProgram, count, args, params: tuple) -> None:
@@ -439,6 +449,8 @@ class WgpuBackend(Backend):
         Args:
             count: ``(x, y, z)`` workgroups, or ``(buf, nbytes)``: three u32 read at execution.
         Raises: ``LaunchError`` (bad bindings, count over the limit, a batch failing validation).
+        Streams: after ``stream``'s earlier work; submitted at ``max_tasks`` or the next blocking
+            call, ``flush``, ``wait_event`` from another stream, or ``copy_in``.
         See also: ``GPUComputePassEncoder.set_pipeline``, ``set_bind_group``,
             ``dispatch_workgroups`` / ``dispatch_workgroups_indirect``.
         """
@@ -489,6 +501,7 @@ class WgpuBackend(Backend):
 
         The pipeline is set only when it changes from the previous dispatch; everything else
         was resolved at capture. Returns once submitted (it does not wait for the device).
+        Streams: after ``stream``'s pending work, which goes in the same command buffer.
         See also: ``GPUQueue.submit``; CubeCL ``wstream.rs`` replay.
         """
         if not graph.tasks:

@@ -32,6 +32,10 @@ import numpy as np
 from ..errors import InvalidHandle, LaunchError, OutOfMemory, UnsupportedError
 from .base import Backend, Completion
 
+# Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
+# they only need it to exist, and never write there for compute.
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
 try:
     import wgpu
 except ImportError as exc:  # pragma: no cover - depends on the environment

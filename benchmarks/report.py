@@ -1,6 +1,6 @@
 """The markdown report and matplotlib plots of a ``bench.json`` result.
 
-    python -m benchmarks.report benchmarks/results/bench.json [--out DIR]
+    python -m benchmarks.report benchmarks/results/bench.json [--out DIR | --readme]
 
 Targets (goals, not tests), each marked met or missed per backend:
 
@@ -158,7 +158,10 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False) -> st
     lines = ["# Benchmarks", ""] if title else []
     if title:
         lines += ["The latest report of `python -m runtime bench` (the latency suite, "
-                  "`benchmarks/run.py`). Regenerate with `python -m runtime bench --readme`; "
+                  "`benchmarks/run.py`). Regenerate with `python -m runtime bench --readme` "
+                  "(a full run takes about 20 minutes on 2 cores, most of it MiniLM on lavapipe; "
+                  "`--no-minilm` skips it), or from a JSON with `python -m benchmarks.report "
+                  "benchmarks/results/bench.json --readme`; "
                   "see the docstrings of `benchmarks/device_thread.py`, `benchmarks/replay.py` "
                   "and `benchmarks/run.py` for what each row measures.", ""]
     lines += [f"Run: {m['time']}, commit `{m.get('commit', '?')}`, "
@@ -169,6 +172,11 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False) -> st
               f"{m.get('loadavg', '?')} at start; {m['platform']}; Python {m['python']}, "
               f"numpy {m['numpy']}" + (f", wgpu {m['wgpu']}" if "wgpu" in m else "")
               + (f", cupy {m['cupy']}" if "cupy" in m else "") + ".", ""]
+    load, cores = (m.get("loadavg") or [0])[0], m.get("cpus_usable") or m["cpus"]
+    if load > cores:
+        lines += [f"**Noisy run:** the load average ({load}) exceeded the usable cores ({cores}) "
+                  "when it started; other processes shared the cores, so read the medians as "
+                  "rough and the p90/p99 columns as mostly that contention.", ""]
     for b, res in result["backends"].items():
         lines.append(f"- `{b}`: {res.get('device', '?')}")
     for b, why in result.get("skipped_backends", {}).items():
@@ -229,17 +237,18 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False) -> st
 
 # -- plots ------------------------------------------------------------------------------------
 def draw_plots(result: dict, folder: Path) -> list:
-    """Write the PNGs into ``folder``; returns their paths. Small (about 20-40 KB each)."""
+    """Write the PNGs into ``folder``; returns their paths. Small (about 10-40 KB each)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - used as matplotlib.ticker below
     folder.mkdir(parents=True, exist_ok=True)
     backends = list(result["backends"].items())
     written = []
 
     def save(fig, name):
         fig.tight_layout()
-        fig.savefig(folder / name, dpi=72)
+        fig.savefig(folder / name, dpi=64)
         plt.close(fig)
         written.append(folder / name)
 
@@ -260,6 +269,7 @@ def draw_plots(result: dict, folder: Path) -> list:
             ax.set(xscale="log", yscale="log", title=b, xlabel="client threads",
                    ylabel="µs per call (p50, p10–p90)")
             ax.set_xticks([int(n) for n in ns], ns)
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.legend(fontsize=7)
         save(fig, "device_thread.png")
 
@@ -293,10 +303,10 @@ def draw_plots(result: dict, folder: Path) -> list:
         for ax, (b, rp) in zip(axes[0], have):
             for size, ls in (("tiny", "-"), ("large", "--")):
                 rows = [r for r in rp["e2e"] if r["size"] == size]
-                for path in ("eager", "replay", "floor", "floor_graph"):
+                for k, path in enumerate(("eager", "replay", "floor", "floor_graph")):
                     if rows and path in rows[0]:
                         ax.plot([r["length"] for r in rows], [r[path]["e2e"]["p50"] for r in rows],
-                                marker="o", ls=ls, label=f"{size} {path}")
+                                marker="o", ls=ls, color=f"C{k}", label=f"{size} {path}")
             ax.set(xscale="log", yscale="log", title=b, xlabel="graph length (launches)",
                    ylabel="µs per pass (p50)")
             ax.legend(fontsize=7)
@@ -341,9 +351,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json")
     ap.add_argument("--out", help="folder (default: the JSON's)")
+    ap.add_argument("--readme", action="store_true",
+                    help="write benchmarks/README.md and benchmarks/img/ instead")
     a = ap.parse_args(argv)
     result = json.loads(Path(a.json).read_text())
-    print(write(result, a.out or str(Path(a.json).parent)))
+    if a.readme:
+        print(write(result, str(Path(__file__).resolve().parent), img_dir="img",
+                    name="README.md", title=True))
+    else:
+        print(write(result, a.out or str(Path(a.json).parent)))
     return 0
 
 

@@ -105,6 +105,25 @@ def measure_minilm(backend: str, quick: bool, tick=None, budget_s: float = 8.0) 
     return out
 
 
+class _NoBar:
+    """Stands in for ``tqdm`` when it is not installed (``pip install tqdm`` for the bar)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+
 def _backends(arg: str | None) -> tuple[list, dict]:
     """Backends to run and ``{name: reason}`` for the ones skipped."""
     import runtime
@@ -129,7 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-minilm", action="store_true", help="skip the MiniLM rows")
     ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     args = ap.parse_args(argv)
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:                                  # the bar is a nicety, not a need
+        tqdm = _NoBar
     import runtime
 
     backends, skipped = _backends(args.backend)

@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.serving import (MODEL_ID, Batcher, ServerThread, ServingMetrics,  # noqa: E402
-                             create_app, load_model)
+                             create_app, limit_blas_threads, load_model)
 from runtime.serving.demo import SENTENCES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -65,12 +65,15 @@ class SentenceTransformersModel:
         self.torch = torch
         self.st = SentenceTransformer(str(path), device="cpu")
         self.st.eval()
-        self.hidden = int(self.st.get_sentence_embedding_dimension())
+        dim = getattr(self.st, "get_embedding_dimension", None) or \
+            self.st.get_sentence_embedding_dimension           # the pre-6.x name
+        self.hidden = int(dim())
         self.max_seq_length = int(self.st.max_seq_length)
 
     def tokenize(self, texts):
         """``(ids, mask)``: ``int64 [n, L]`` numpy arrays, padded to the longest."""
-        f = self.st.tokenize(list(texts))
+        f = getattr(self.st, "preprocess", None) or self.st.tokenize     # tokenize: pre-6.x
+        f = f(list(texts))
         return f["input_ids"].numpy(), f["attention_mask"].numpy()
 
     def forward(self, ids, mask, graph=False):
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.requests = 64
     clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    if args.backend in ("auto", "cpu"):
+        limit_blas_threads(1)           # as `python -m runtime serve` does (numpy BLAS only)
     model = load_model(None if args.backend == "auto" else args.backend,
                        max_graphs=len(WARMUP))
     servers = {"graph": start(model, True, args.quiet), "eager": start(model, False, args.quiet)}

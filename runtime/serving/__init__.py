@@ -16,7 +16,7 @@ from .app import MODEL_ID, ServerThread, create_app
 
 __all__ = ["Batcher", "BatchFailed", "BatcherClosed", "Embeddings", "QueueFull", "bucket_up",
            "choose_bucket", "ServingMetrics", "MODEL_ID", "ServerThread", "create_app",
-           "load_model"]
+           "load_model", "limit_blas_threads"]
 
 
 def load_model(backend: str | None = "cpu", *, path=None, max_graphs: int = 8, **options):
@@ -33,3 +33,48 @@ def load_model(backend: str | None = "cpu", *, path=None, max_graphs: int = 8, *
     from runtime.models import MiniLM
 
     return MiniLM.load(runtime.client(backend, **options), path, max_graphs=max_graphs)
+
+
+def limit_blas_threads(n: int = 1) -> int | None:
+    """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
+
+    Why: the cpu backend already runs kernels on its own worker threads, and the server adds an
+    event loop and a batcher thread. Measured on a shared 2-core machine, OpenBLAS's own pool
+    (one spinning thread per core) then made a (1, 16) MiniLM replay go from ~8 ms to ~700 ms
+    of CPU-bound time once requests came from the batcher thread; with one BLAS thread it stays
+    ~8 ms. Does nothing when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is set.
+
+    Uses ``threadpoolctl`` when installed, else OpenBLAS's ``*set_num_threads*`` through ctypes.
+    Returns: ``n`` when applied, ``None`` when skipped or no OpenBLAS was found.
+    """
+    import os
+
+    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(n, user_api="blas")
+        return n
+    except ImportError:
+        pass
+    import ctypes
+
+    done = False
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line.lower()}
+    except OSError:
+        return None
+    for lib in libs:
+        try:
+            dll = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                    "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(dll, sym, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                done = True
+                break
+    return n if done else None

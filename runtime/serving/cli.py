@@ -57,9 +57,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     import uvicorn
 
-    from . import Batcher, ServingMetrics, create_app, load_model
+    from . import Batcher, ServingMetrics, create_app, limit_blas_threads, load_model
 
     backend = None if args.backend == "auto" else args.backend
+    if backend in (None, "cpu"):
+        limit_blas_threads(1)            # see limit_blas_threads: BLAS's own pool thrashes here
     try:
         model = load_model(backend, path=args.model_dir, max_graphs=args.max_graphs)
     except (FileNotFoundError, ImportError) as e:

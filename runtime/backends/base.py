@@ -35,13 +35,16 @@ class Completion:
     done; the caller polls server health between waits (never a hang).
     """
 
-    __slots__ = ("_event", "done", "value", "error")
+    __slots__ = ("_event", "done", "value", "error", "helper")
 
-    def __init__(self):
+    def __init__(self, helper=None):
         self._event = None
         self.done = False
         self.value = None
         self.error = None
+        #: optional callable the waiting thread runs first (the cpu backend lets the waiter run
+        #: its own stream's queued work instead of handing it to a worker thread and back).
+        self.helper = helper
 
     @classmethod
     def ready(cls, value=None) -> "Completion":
@@ -68,6 +71,11 @@ class Completion:
         """Block up to ``timeout`` seconds; True once done."""
         if self.done:
             return True
+        if self.helper is not None:
+            helper, self.helper = self.helper, None
+            helper()
+            if self.done:
+                return True
         if self._event is None:
             self._event = threading.Event()
             if self.done:         # finished between the check and the event's creation

@@ -12,6 +12,11 @@ next request when the previous one is answered (closed loop). Paths:
 - ``sentence-transformers``: the same batcher and HTTP server with the model run by
   sentence-transformers on torch (cpu), only when it is installed (``--no-st`` skips it).
 
+On cpu both numpy's BLAS and torch get one thread (``--st-threads``): the runtime's cpu workers,
+the event loop and the batcher already share the cores, and a per-core BLAS/OpenMP pool that
+spins between calls then slows a small forward down many times over (measured here: torch at
+its default 2 threads served 4 req/s to one client, at 1 thread 64 req/s).
+
 The paths take turns per client count (order rotated), so slow drift hits all alike. Reported
 per (path, clients): throughput (requests/s and texts/s over the run's wall time), p50/p99
 request latency, batches and mean rows per batch.
@@ -54,14 +59,17 @@ class SentenceTransformersModel:
 
     Args:
         path: the model directory (the same files the runtime loads).
+        threads: ``torch.set_num_threads`` (default: torch's own choice, one per core).
     ``tokenize`` uses the library's tokenizer (truncation at ``max_seq_length``); ``forward``
     runs its module pipeline (BERT, mean pooling, normalisation) under ``torch.inference_mode``.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, threads: int | None = None):
         import torch
         from sentence_transformers import SentenceTransformer
 
+        if threads:
+            torch.set_num_threads(threads)
         self.torch = torch
         self.st = SentenceTransformer(str(path), device="cpu")
         self.st.eval()
@@ -135,6 +143,9 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=256, help="requests per (path, clients)")
     p.add_argument("--texts", type=int, default=1, help="texts per request")
     p.add_argument("--no-st", action="store_true", help="skip sentence-transformers")
+    p.add_argument("--st-threads", type=int, default=1,
+                   help="torch threads for sentence-transformers (default 1, as numpy's BLAS "
+                   "here; 0 = torch's default, which thrashes like OpenBLAS in this setting)")
     p.add_argument("--quick", action="store_true", help="64 requests")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", default=RESULTS)
@@ -152,7 +163,8 @@ def main(argv=None) -> int:
         try:
             from runtime.models import default_model_dir
             servers["sentence-transformers"] = start(
-                SentenceTransformersModel(default_model_dir()), False, args.quiet)
+                SentenceTransformersModel(default_model_dir(), args.st_threads), False,
+                args.quiet)
         except ImportError as e:
             st_note = f"sentence-transformers not installed ({e}); skipped"
         except Exception as e:  # noqa: BLE001 - optional comparison
@@ -211,12 +223,12 @@ def main(argv=None) -> int:
         print(f"wrote {base}.json (matplotlib missing: no plot)")
         return 0
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in names:
-        rs = [r for r in rows if r["path"] == name]
-        x = [r["clients"] for r in rs]
-        a1.plot(x, [r["texts_per_s"] for r in rs], "o-", label=name)
-        a2.plot(x, [r["p50_ms"] for r in rs], "o-", label=f"{name} p50")
-        a2.plot(x, [r["p99_ms"] for r in rs], "x--", label=f"{name} p99")
+    for k, name in enumerate(names):
+        rs = sorted((r for r in rows if r["path"] == name), key=lambda r: r["clients"])
+        x, color = [r["clients"] for r in rs], f"C{k}"
+        a1.plot(x, [r["texts_per_s"] for r in rs], "o-", color=color, label=name)
+        a2.plot(x, [r["p50_ms"] for r in rs], "o-", color=color, label=f"{name} p50")
+        a2.plot(x, [r["p99_ms"] for r in rs], "x--", color=color, label=f"{name} p99")
     for a, y in ((a1, "texts / s"), (a2, "request latency (ms)")):
         a.set_xscale("log", base=2)
         a.set_xticks(clients, [str(c) for c in clients])

@@ -341,11 +341,15 @@ def minilm():
     _need_http()
     pytest.importorskip("safetensors", reason="safetensors is not installed")
     pytest.importorskip("tokenizers", reason="tokenizers is not installed")
-    from runtime.serving import load_model
+    from runtime.serving import limit_blas_threads, load_model
     try:
-        return load_model("cpu", max_graphs=6)
+        model = load_model("cpu", max_graphs=6)
     except FileNotFoundError as e:
         pytest.skip(str(e))
+    prev = limit_blas_threads(1)             # as `serve`/`demo` do; restored below
+    yield model
+    if prev is not None:
+        limit_blas_threads(prev, force=True)
 
 
 def test_concurrent_clients_get_the_reference_embeddings_and_only_their_own(minilm, ref):
@@ -408,3 +412,29 @@ def test_the_eager_path_serves_the_same_embeddings(minilm, ref):
     b.close()
     assert np.abs(got - ref["embeddings"]).max() < 1e-4
     assert json.loads(r.text)["usage"]["prompt_tokens"] == int(ref["lengths"].sum())
+
+
+def test_serve_cli_parses_warmup_buckets():
+    import argparse
+
+    from runtime.serving.cli import build_parser, parse_buckets
+
+    assert parse_buckets("1x16, 8X32") == [(1, 16), (8, 32)]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_buckets("8by32")
+    args = build_parser().parse_args(["--port", "0", "--eager", "--warmup", "4x16"])
+    assert args.port == 0 and args.eager and args.warmup == [(4, 16)]
+    assert args.host == "127.0.0.1" and args.backend == "cpu"
+
+
+@pytest.mark.slow
+def test_the_demo_command_passes_its_checks(minilm):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "runtime", "demo", "--clients", "3",
+                        "--requests", "5", "--quiet"], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "replayed graphs" in r.stdout and "eager launches" in r.stdout
+    assert "all checks passed" in r.stdout

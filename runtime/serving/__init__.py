@@ -35,46 +35,64 @@ def load_model(backend: str | None = "cpu", *, path=None, max_graphs: int = 8, *
     return MiniLM.load(runtime.client(backend, **options), path, max_graphs=max_graphs)
 
 
-def limit_blas_threads(n: int = 1) -> int | None:
+def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
     """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
 
     Why: the cpu backend already runs kernels on its own worker threads, and the server adds an
     event loop and a batcher thread. Measured on a shared 2-core machine, OpenBLAS's own pool
     (one spinning thread per core) then made a (1, 16) MiniLM replay go from ~8 ms to ~700 ms
     of CPU-bound time once requests came from the batcher thread; with one BLAS thread it stays
-    ~8 ms. Does nothing when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is set.
+    ~8 ms.
 
-    Uses ``threadpoolctl`` when installed, else OpenBLAS's ``*set_num_threads*`` through ctypes.
-    Returns: ``n`` when applied, ``None`` when skipped or no OpenBLAS was found.
+    Args:
+        n: threads (>= 1).
+        force: apply even when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is set (otherwise
+            the user's setting wins and nothing is done).
+    Returns: the previous thread count (pass it back, with ``force=True``, to restore), or
+        ``None`` when skipped or no OpenBLAS was found. Uses OpenBLAS's ``*set_num_threads*``
+        through ctypes, else ``threadpoolctl`` when installed.
     """
     import os
 
-    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
+    if not force and (os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")):
         return None
+    fns = _openblas_thread_fns()
+    if fns:
+        prev = max(int(get()) for _, get in fns)
+        for set_, _ in fns:
+            set_(int(n))
+        return prev
     try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(n, user_api="blas")
-        return n
+        from threadpoolctl import threadpool_info, threadpool_limits
     except ImportError:
-        pass
+        return None
+    prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
+               default=None)
+    threadpool_limits(n, user_api="blas")
+    return prev
+
+
+def _openblas_thread_fns() -> list:
+    """``[(set_num_threads, get_num_threads)]`` of every OpenBLAS loaded in this process."""
     import ctypes
 
-    done = False
     try:
         with open("/proc/self/maps") as f:
-            libs = {line.split()[-1] for line in f if "openblas" in line.lower()}
+            libs = sorted({line.split()[-1] for line in f if "openblas" in line.lower()})
     except OSError:
-        return None
+        return []
+    out = []
     for lib in libs:
         try:
             dll = ctypes.CDLL(lib)
         except OSError:
             continue
-        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                    "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(dll, sym, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
-                done = True
+        for pre, suf in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""),
+                         ("openblas_", "64_"), ("openblas_", "")):
+            set_ = getattr(dll, f"{pre}set_num_threads{suf}", None)
+            get = getattr(dll, f"{pre}get_num_threads{suf}", None)
+            if set_ is not None and get is not None:
+                set_.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
+                out.append((set_, get))
                 break
-    return n if done else None
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import sys
 import time
 
@@ -228,11 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=24, help="timed requests per client")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        import fastapi, httpx, uvicorn  # noqa: F401,E401 - fail early with the hint
-    except ImportError as e:
-        print(f"the demo needs fastapi, uvicorn and httpx: pip install -e '.[serve]' ({e})",
-              file=sys.stderr)
+    missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"the demo needs {', '.join(missing)}: pip install -e '.[serve]'", file=sys.stderr)
         return 2
     from . import limit_blas_threads, load_model
 

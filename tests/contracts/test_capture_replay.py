@@ -1,4 +1,5 @@
-"""Capture and replay on every backend: CubeCL scenarios 1-5 and 11-20 (cubecl-scenarios.md A, C).
+"""Capture and replay on every backend: CubeCL scenarios 1-5 (A: hardware expectations where the
+backend has hardware graphs, e.g. cuda) and 11-20 (C: software graphs), cubecl-scenarios.md.
 
 Where a scenario's expected output equals what the warm-up already wrote, a variant changes the
 inputs between warm-up and replay, so a replay that does nothing fails.
@@ -13,23 +14,7 @@ import runtime
 from runtime import kernels as K
 from runtime.errors import CaptureRefused, GraphStateError, UnknownGraph
 
-
-def add_one(c, x, y, n=4):
-    c.launch(K.add_scalar, K.grid(n), [x, y], {"alpha": 1.0, "n": n})
-
-
-def mul_two(c, x, y, n=4):
-    c.launch(K.mul_scalar, K.grid(n), [x, y], {"alpha": 2.0, "n": n})
-
-
-def prelude(c):
-    """Standard prelude: input [1,2,3,4], output empty(16 bytes), graph_prepare, warm-up, read."""
-    inp = c.create(np.array([1, 2, 3, 4], np.float32))
-    out = c.empty(4, np.float32)
-    c.graph_prepare()
-    add_one(c, inp, out)
-    np.testing.assert_array_equal(c.read(out), [2, 3, 4, 5])
-    return inp, out
+from helpers import add_one, mul_two, prelude
 
 
 def test_capture_replay_runs_the_recorded_launch_twice(client):          # scenarios 1, 11

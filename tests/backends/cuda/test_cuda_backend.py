@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import runtime
+from helpers import add_one, mul_two, prelude  # noqa: F401 - shared scenario helpers
 import runtime.kernels as K
 import runtime.server as server_mod
 from runtime.backends.base import check_interface
@@ -320,118 +321,9 @@ def client():
         yield c
 
 
-def add_one(c, x, y, n=4):
-    c.launch(K.add_scalar, K.grid(n), [x, y], {"alpha": 1.0, "n": n})
+# Scenarios A1-A5 run on cuda in tests/contracts/test_capture_replay.py (the hardware branches).
 
 
-def mul_two(c, x, y, n=4):
-    c.launch(K.mul_scalar, K.grid(n), [x, y], {"alpha": 2.0, "n": n})
-
-
-def prelude(c):
-    inp = c.create(np.array([1, 2, 3, 4], np.float32))
-    out = c.empty(4, np.float32)
-    c.graph_prepare()
-    add_one(c, inp, out)
-    np.testing.assert_array_equal(c.read(out), [2, 3, 4, 5])
-    return inp, out
-
-
-def test_a1_capture_then_two_replays_run_the_recorded_launch(client):
-    inp, out = prelude(client)
-    client.start_capture()
-    add_one(client, inp, out)
-    g = client.stop_capture()
-    assert g.is_hardware
-    client.write(out, np.zeros(4, np.float32))             # so a no-op replay would show
-    for _ in range(2):
-        g.replay()
-        np.testing.assert_array_equal(client.read(out), [2, 3, 4, 5])
-
-
-def test_a2_growing_the_pool_inside_the_window_is_refused_and_the_stream_recovers(client):
-    inp, out = prelude(client)
-    client.start_capture()
-    add_one(client, inp, out)
-    grown = client.empty(3_145_733)
-    with pytest.raises(CaptureRefused, match="allocated inside the window"):
-        client.stop_capture()
-    del grown
-    client.graph_prepare()                                # the driver left capture mode
-    add_one(client, inp, out)
-    client.read(out)
-    client.start_capture()
-    add_one(client, inp, out)
-    g = client.stop_capture()
-    client.write(inp, np.array([5, 6, 7, 8], np.float32))
-    g.replay()
-    np.testing.assert_array_equal(client.read(out), [6, 7, 8, 9])
-
-
-def test_a3_an_in_place_input_rewrite_is_seen_by_the_next_replay(client):
-    inp, out = prelude(client)
-    client.start_capture()
-    add_one(client, inp, out)
-    g = client.stop_capture()
-    g.replay()
-    np.testing.assert_array_equal(client.read(out), [2, 3, 4, 5])
-    client.write(inp, np.array([10, 20, 30, 40], np.float32))
-    g.replay()
-    np.testing.assert_array_equal(client.read(out), [11, 21, 31, 41])
-
-
-def test_a4_a_window_intermediate_stays_pinned_so_sentinels_never_land_on_it(client):
-    c = client
-    inp = c.create(np.array([1, 2, 3, 4], np.float32))
-    out = c.empty(4, np.float32)
-    c.graph_prepare()
-    tmp = c.empty(4, np.float32)
-    add_one(c, inp, tmp)
-    mul_two(c, tmp, out)
-    np.testing.assert_array_equal(c.read(out), [4, 6, 8, 10])
-    del tmp
-    c.start_capture()
-    tmp = c.empty(4, np.float32)                           # served by the warm pool
-    add_one(c, inp, tmp)
-    mul_two(c, tmp, out)
-    g = c.stop_capture()
-    del tmp
-    sentinels = [c.create(np.full(4, 999, np.float32)) for _ in range(8)]
-    c.write(out, np.zeros(4, np.float32))
-    g.replay()
-    np.testing.assert_array_equal(c.read(out), [4, 6, 8, 10])
-    for h in sentinels:
-        np.testing.assert_array_equal(c.read(h), [999] * 4)
-
-
-def test_a5_many_launches_replay_as_one_graph_and_see_rewrites(client):
-    c, n = client, 64
-    a = c.create(np.zeros(n, np.float32))
-    b = c.create(np.zeros(n, np.float32))
-
-    def one_pass():
-        for i in range(150):
-            if i % 2 == 0:
-                add_one(c, a, b, n)
-            else:
-                add_one(c, b, a, n)
-    c.graph_prepare()
-    one_pass()
-    assert np.all(c.read(a) == 150) and np.all(c.read(b) == 149)
-    c.start_capture()
-    one_pass()
-    g = c.stop_capture()
-    assert g.info()["launches"] == 150
-    g.replay()
-    g.replay()
-    assert np.all(c.read(a) == 450) and np.all(c.read(b) == 449)
-    c.write(a, np.full(n, 100, np.float32))
-    c.write(b, np.full(n, 100, np.float32))
-    g.replay()
-    assert np.all(c.read(a) == 250) and np.all(c.read(b) == 249)
-
-
-# -- why relaxed capture mode (CudaBackend.begin_graph) ----------------------------------------
 def test_other_streams_read_while_a_capture_is_open_and_stop_runs_on_another_thread(client):
     inp, out = prelude(client)
     other = client.with_stream(runtime.StreamId.new())

@@ -99,82 +99,13 @@ class CudaFloor:
         return self.a[:1].get()
 
 
-class CpuFloor:
-    """numpy: the kernel's callable ``L`` times on two arrays (used when graph_sweep is absent)."""
-
-    def __init__(self, elems: int, kernels: int):
-        self.a, self.b = np.zeros(elems, np.float32), np.zeros(elems, np.float32)
-        self.elems, self.kernels, self.count = elems, kernels, K.grid(elems)
-
-    def issue(self):
-        fn, pair = KERNEL.cpu, ((self.a, self.b), (self.b, self.a))
-        for i in range(self.kernels):
-            fn(*pair[i & 1], alpha=1.0, n=self.elems, count=self.count)
-
-    def sync(self):
-        return self.a.copy()
-
-
-class WgpuFloor:
-    """wgpu-py on its own device: one pipeline, two prebuilt bind groups, ``L`` dispatches in one
-    compute pass and one submit; sync = copy ``a`` to a staging buffer and map it (used when
-    graph_sweep is absent)."""
-
-    def __init__(self, elems: int, kernels: int):
-        import wgpu
-        from runtime.backends.wgpu import select_adapter
-        self.wgpu, adapter = wgpu, select_adapter(0)
-        self.dev = adapter.request_device_sync(required_limits={
-            k: adapter.limits[k] for k in ("max-buffer-size", "max-storage-buffer-binding-size")})
-        use = wgpu.BufferUsage
-        self.nbytes = elems * 4
-        self.a, self.b = (self.dev.create_buffer(size=self.nbytes,
-                                                 usage=use.STORAGE | use.COPY_SRC | use.COPY_DST)
-                          for _ in range(2))
-        self.staging = self.dev.create_buffer(size=self.nbytes, usage=use.MAP_READ | use.COPY_DST)
-        self.pipeline = self.dev.create_compute_pipeline(layout="auto", compute={
-            "module": self.dev.create_shader_module(code=KERNEL.wgsl), "entry_point": "main"})
-        params = self.dev.create_buffer_with_data(usage=use.UNIFORM, data=KERNEL.uniform_bytes(
-            KERNEL.pack_params({"alpha": 1.0, "n": elems})))
-        layout = self.pipeline.get_bind_group_layout(0)
-        self.groups = [self.dev.create_bind_group(layout=layout, entries=[
-            {"binding": 0, "resource": {"buffer": src}},
-            {"binding": 1, "resource": {"buffer": dst}},
-            {"binding": 2, "resource": {"buffer": params}}])
-            for src, dst in ((self.a, self.b), (self.b, self.a))]
-        self.count, self.kernels = K.grid(elems), kernels
-
-    def issue(self):
-        enc = self.dev.create_command_encoder()
-        cpass = enc.begin_compute_pass()
-        cpass.set_pipeline(self.pipeline)
-        for i in range(self.kernels):
-            cpass.set_bind_group(0, self.groups[i & 1])
-            cpass.dispatch_workgroups(*self.count)
-        cpass.end()
-        self.dev.queue.submit([enc.finish()])
-
-    def sync(self):
-        enc = self.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(self.a, 0, self.staging, 0, self.nbytes)
-        self.dev.queue.submit([enc.finish()])
-        self.staging.map_sync(self.wgpu.MapMode.READ)
-        out = np.frombuffer(self.staging.read_mapped(), np.float32).copy()
-        self.staging.unmap()
-        return out
-
-
 def floor_class(backend: str):
-    """The raw-backend pass class for ``backend``: graph_sweep's floors on cpu and wgpu when that
-    module is there (one floor for both benchmarks), else the small ones above."""
+    """The raw-backend pass class for ``backend``: graph_sweep's floors on cpu and wgpu (one floor
+    for both benchmarks), the raw cupy pass above on cuda."""
     if backend == "cuda":
         return CudaFloor
-    try:
-        from . import graph_sweep as gs
-        floors = {"cpu": gs.CpuFloor, "wgpu": gs.WgpuFloor}
-    except Exception:  # noqa: BLE001 - graph_sweep is another benchmark's file; work without it
-        floors = {"cpu": CpuFloor, "wgpu": WgpuFloor}
-    return floors[backend]
+    from . import graph_sweep as gs
+    return {"cpu": gs.CpuFloor, "wgpu": gs.WgpuFloor}[backend]
 
 
 # -- item 2 ----------------------------------------------------------------------------------

@@ -13,21 +13,17 @@ Rows (µs; median with p10/p90/p99 over interleaved repetitions):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import sys
 import time
 
 import numpy as np
 
-import runtime
-from runtime import kernels as K
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-def stats(samples) -> dict:
-    a = np.asarray(samples) * 1e6
-    return {"p50": float(np.median(a)), "p10": float(np.percentile(a, 10)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "n": len(a)}
+import runtime  # noqa: E402
+from runtime import kernels as K  # noqa: E402
+from benchmarks.common import machine, summarize as stats, write_json  # noqa: E402
 
 
 def measure(backend: str, reps: int) -> dict:
@@ -74,11 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="benchmarks/results/core_latency.json")
     a = p.parse_args(argv)
     res = measure(a.backend, a.reps)
-    res["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
-                      "numpy": np.__version__, "backend": a.backend}
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=2)
+    res["machine"] = machine()
+    write_json(a.json, res)
     print(f"backend {a.backend} ({res['device']}), µs")
     print(f"{'row':28s} {'p50':>9s} {'p10':>9s} {'p90':>9s} {'p99':>9s}")
     for k in ("sync", "numpy_call", "launch", "replay_1", "numpy_1", "replay_1000", "numpy_1000"):

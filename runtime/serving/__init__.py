@@ -49,50 +49,16 @@ def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
         force: apply even when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is set (otherwise
             the user's setting wins and nothing is done).
     Returns: the previous thread count (pass it back, with ``force=True``, to restore), or
-        ``None`` when skipped or no OpenBLAS was found. Uses OpenBLAS's ``*set_num_threads*``
-        through ctypes, else ``threadpoolctl`` when installed.
+        ``None`` when skipped or no BLAS was found. Uses ``threadpoolctl``.
     """
     import os
 
+    from threadpoolctl import threadpool_info, threadpool_limits
+
     if not force and (os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")):
-        return None
-    fns = _openblas_thread_fns()
-    if fns:
-        prev = max(int(get()) for _, get in fns)
-        for set_, _ in fns:
-            set_(int(n))
-        return prev
-    try:
-        from threadpoolctl import threadpool_info, threadpool_limits
-    except ImportError:
         return None
     prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
                default=None)
-    threadpool_limits(n, user_api="blas")
+    if prev is not None:
+        threadpool_limits(int(n), user_api="blas")
     return prev
-
-
-def _openblas_thread_fns() -> list:
-    """``[(set_num_threads, get_num_threads)]`` of every OpenBLAS loaded in this process."""
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as f:
-            libs = sorted({line.split()[-1] for line in f if "openblas" in line.lower()})
-    except OSError:
-        return []
-    out = []
-    for lib in libs:
-        try:
-            dll = ctypes.CDLL(lib)
-        except OSError:
-            continue
-        for pre, suf in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""),
-                         ("openblas_", "64_"), ("openblas_", "")):
-            set_ = getattr(dll, f"{pre}set_num_threads{suf}", None)
-            get = getattr(dll, f"{pre}get_num_threads{suf}", None)
-            if set_ is not None and get is not None:
-                set_.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
-                out.append((set_, get))
-                break
-    return out

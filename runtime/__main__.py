@@ -20,6 +20,8 @@ COMMANDS = {
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        print(f"python -m runtime: unknown command {argv[0]!r}\n", file=sys.stderr)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: python -m runtime <command> [options]\n\ncommands:")
         for name, (_, _, doc) in COMMANDS.items():
@@ -28,7 +30,12 @@ def main(argv=None) -> int:
     mod, fn, _ = COMMANDS[argv[0]]
     if mod.startswith("benchmarks"):
         sys.path.insert(0, ".")
-    return getattr(importlib.import_module(mod), fn)(argv[1:]) or 0
+    from .errors import ServerError
+    try:
+        return getattr(importlib.import_module(mod), fn)(argv[1:]) or 0
+    except (ServerError, ValueError, FileNotFoundError) as e:   # bad backend, missing model...
+        print(f"python -m runtime {argv[0]}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ class Batcher:
             try:
                 from tqdm import tqdm
                 it = tqdm(buckets, desc="capturing graphs" if self.graph else "warming up",
-                          unit="bucket")
+                          unit="bucket", disable=None)   # None: no bar when not a terminal
             except ImportError:
                 pass
         for b, s in it:

@@ -1,0 +1,21 @@
+"""The README's Python examples run as written and print what it says."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_every_python_block_of_the_readme_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2
+    outputs = []
+    for block in blocks:
+        r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                           timeout=300, env=None)
+        assert r.returncode == 0, r.stderr
+        outputs.append(r.stdout)
+    assert "[11. 11. 11. 11.]" in outputs[0]
+    assert "True False None" in outputs[1]

@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId",
-    "Kernel", "Binding", "Param", "kernels", "capture", "CapturedGraph", "StaticGraph",
+    "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
     "LivenessError", "StreamRaceError", "UnsupportedError",

@@ -157,6 +157,7 @@ class Tensor:
 
     @property
     def handle(self) -> Handle:
+        """The underlying ``runtime.Handle`` (the device buffer; pass it to ``client.launch``)."""
         return self._buf.handle
 
     @property

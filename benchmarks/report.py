@@ -159,7 +159,7 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False) -> st
     if title:
         lines += ["The latest report of `python -m runtime bench` (the latency suite, "
                   "`benchmarks/run.py`). Regenerate with `python -m runtime bench --readme` "
-                  "(a full run takes about 20 minutes on 2 cores, most of it MiniLM on lavapipe; "
+                  "(a full run takes 5-20 minutes on 2 cores, most of it MiniLM on lavapipe; "
                   "`--no-minilm` skips it), or from a JSON with `python -m benchmarks.report "
                   "benchmarks/results/bench.json --readme`; "
                   "see the docstrings of `benchmarks/device_thread.py`, `benchmarks/replay.py` "

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
                    help="device backend (default: cpu, the embedded default; auto = best)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--eager", action="store_true",
                    help="launch kernels one by one instead of replaying bucket graphs")
     p.add_argument("--max-graphs", type=int, default=8, help="most bucket graphs held (LRU)")
@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     return p
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port 0-65535."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {port}")
+    return port
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,3 +66,17 @@ capture_lock = threading.Lock()
 
 def f32(*values):
     return np.array(values, dtype=np.float32)
+
+
+#: ../shared/fixtures beside the checkout (as CI lays it out); RUNTIME_FIXTURES overrides.
+FIXTURES = Path(os.environ.get("RUNTIME_FIXTURES",
+                               Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+
+
+@pytest.fixture(scope="session")
+def ref():
+    """The all-MiniLM-L6-v2 reference arrays (``minilm_reference.npz``, used as it is)."""
+    path = FIXTURES / "minilm_reference.npz"
+    if not path.is_file():
+        pytest.skip(f"fixture {path} not found (set RUNTIME_FIXTURES to its folder)")
+    return dict(np.load(path))

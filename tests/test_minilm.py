@@ -8,7 +8,6 @@ each test is skipped with the reason when one is missing.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +22,6 @@ from runtime.models import MiniLM, default_model_dir  # noqa: E402
 from runtime.models.minilm import BATCH_BUCKETS, SEQ_BUCKETS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("RUNTIME_FIXTURES", REPO.parent / "shared" / "fixtures"))
-REF_FILE = FIXTURES / "minilm_reference.npz"
-
-
-@pytest.fixture(scope="module")
-def ref():
-    if not REF_FILE.is_file():
-        pytest.skip(f"fixture {REF_FILE} not found (set RUNTIME_FIXTURES to its folder)")
-    return dict(np.load(REF_FILE))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -25,8 +24,6 @@ from runtime.serving.batcher import (BatchFailed, Batcher, BatcherClosed, QueueF
 from runtime.serving.metrics import ServingMetrics
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(os.environ.get("RUNTIME_FIXTURES", REPO.parent / "shared" / "fixtures"))
-REF_FILE = FIXTURES / "minilm_reference.npz"
 HIDDEN = 8
 POISON = 666                                    # token id of the word "boom" in the fake model
 
@@ -327,13 +324,6 @@ def test_a_failing_batch_answers_500_to_its_requests_and_the_server_keeps_servin
         miss = httpx.get(srv.url + "/nope", timeout=10)
         _check_error(miss, 404)
     b.close()
-
-
-@pytest.fixture(scope="module")
-def ref():
-    if not REF_FILE.is_file():
-        pytest.skip(f"fixture {REF_FILE} not found (set RUNTIME_FIXTURES to its folder)")
-    return dict(np.load(REF_FILE))
 
 
 @pytest.fixture(scope="module")

@@ -59,9 +59,12 @@ class DeviceQueue:
         name: the device thread's name.
         on_async_error: called with the exception of a fire-and-forget message that raised (the
             server queues it on a stream); never called for blocking messages.
+        healthy: a callable that turns False when a worker the answers depend on died (the cpu
+            backend's stream workers); a waiting caller then gets ``ServerClosed``.
     """
 
-    def __init__(self, name: str, on_async_error):
+    def __init__(self, name: str, on_async_error, healthy=None):
+        self._healthy = healthy or (lambda: True)
         self._q = collections.deque()
         self._owner = threading.Lock()
         self._wake = threading.Event()
@@ -121,9 +124,11 @@ class DeviceQueue:
         Raises: ``ServerClosed`` when the server stopped or its thread died meanwhile.
         """
         while not waitable.wait(POLL_S):
-            if self.closed or not self._thread.is_alive():
+            if self.closed or not self._thread.is_alive() or not self._healthy():
                 if waitable.wait(0):
                     return
+                if not self.closed and not self._healthy():
+                    self.death = self.death or RuntimeError("a backend worker thread died")
                 raise ServerClosed(self._closed_message())
 
     # -- the owner ------------------------------------------------------------------------

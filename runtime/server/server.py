@@ -97,7 +97,7 @@ class ComputeServer:
         if check:
             from .checker import Checker
             self.checker = Checker(self)
-        self.queue = DeviceQueue(name, self._on_async_error)
+        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive)
         self.submit = self.queue.submit
         self.post = self.queue.post
         self.call = self.queue.call

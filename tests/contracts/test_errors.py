@@ -241,3 +241,31 @@ def test_the_device_thread_dying_wakes_every_waiter():
     assert "died" in str(results[0])
     with pytest.raises(ServerClosed):
         c.sync()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_backend_worker_wakes_the_waiting_reader():
+    """Stream workers that die (a BaseException escaping a kernel) must not leave a reader
+    waiting forever on work only they could run: it gets ServerClosed. (A reader runs its own
+    stream's work itself; here it waits on another stream's event.)"""
+    import time
+    c = runtime.client("cpu", scheduler="thread", seed=96)
+
+    def die(y, count):
+        raise SystemExit("test: kill the worker")
+    killer = runtime.Kernel("killer", [runtime.Binding("y", "f32", "read_write")], cpu=die)
+    backend = c._server.backend
+    for _ in backend.scheduler.threads:           # each worker dies on the first kernel it runs
+        k = c.with_stream(runtime.StreamId.new())
+        k.launch(killer, 1, [k.create(np.zeros(4, np.float32))])
+    deadline = time.time() + 5
+    while backend.is_alive() and time.time() < deadline:
+        time.sleep(0.01)
+    assert not backend.is_alive()
+    a = c.with_stream(runtime.StreamId.new())
+    b = c.with_stream(runtime.StreamId.new())
+    h = a.create(np.zeros(4, np.float32))        # queued on a; no worker will run it
+    b.launch(K.fill, 1, [h], {"value": 1.0, "n": 4})   # b waits on a's event
+    with pytest.raises(ServerClosed, match="worker"):
+        b.read(h)
+    c.shutdown()

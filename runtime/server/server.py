@@ -91,6 +91,7 @@ class ComputeServer:
         self.streams: dict = {}
         self.handles: dict = {}
         self.graphs: dict = {}
+        self.windows: dict = {}        # stream id -> open capture Window (frees check these)
         self.programs: dict = {}
         self.async_errors: list = []
         self.checker = None
@@ -212,12 +213,12 @@ class ComputeServer:
             return
         if self.checker is not None:
             self.checker.on_free(st)
-        for other in self.streams.values():   # a capture window that uses it keeps it alive
-            w = other.window
-            if w is not None and (w.uses(hid) or st in w.allocs):
-                if st not in w.allocs:
+        for wsid, w in self.windows.items():   # a capture window that uses it keeps it alive
+            allocated = any(a is st for a in w.allocs)
+            if allocated or w.uses(hid):
+                if not allocated:
                     w.refusals.append(f"handle {hid} was freed while the window on stream "
-                                      f"{other.id} uses it; keep it alive until stop_capture()")
+                                      f"{wsid} uses it; keep it alive until stop_capture()")
                 w.deferred.append(st)
                 return
         s = self.streams.get(sid)
@@ -396,7 +397,7 @@ class ComputeServer:
         except ServerError:
             s.state = cap.NO_CAPTURE
             raise
-        s.window = cap.Window(recording, ev, epos)
+        s.window = self.windows[sid] = cap.Window(recording, ev, epos)
         s.state = new_state
 
     def _release_primed(self, s: StreamState) -> None:
@@ -413,6 +414,7 @@ class ComputeServer:
         s = self._stream(sid)
         s.state = cap.transition(s.state, "end", sid)
         w, s.window = s.window, None
+        del self.windows[sid]
         try:
             if w.refusals or s.errors:
                 self.backend.abort_graph(w.recording)

@@ -242,7 +242,11 @@ class ComputeServer:
         self._wait_for(s, st.reads)
         if self.checker is not None:
             self.checker.on_access(s, st, "write", True)
-        self.backend.copy_in(s.raw, st.slot.buf, data)
+        try:
+            self.backend.copy_in(s.raw, st.slot.buf, data)
+        except ServerError as e:              # queued on the stream like any fire-and-forget error
+            s.errors.append(e)
+            return
         s.pos += 1
         st.writes = {sid: s.pos}
         st.reads = {}

@@ -39,7 +39,7 @@ def summarize(samples, scale: float = 1e6) -> dict:
 
 
 def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = None,
-                every: dict | None = None) -> dict:
+                every: dict | None = None, settle: Callable | None = None) -> dict:
     """Run each path once per repetition, rotating the order; collect what each returns.
 
     Args:
@@ -48,6 +48,11 @@ def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = N
         reps: repetitions (every path runs ``reps`` times).
         tick: called after each repetition (a progress bar's ``update``).
         every: name -> k: that path runs only every k-th repetition (long ones sampled less).
+        settle: called, untimed, after every sample, so that work one path leaves behind (a
+            device still finishing, deferred clean-up) is not charged to the next path. Measured
+            on lavapipe: without it, whichever path ran right after 1000 eager launches was
+            ~1.4x slower (a sync alone did not help, a 100 ms pause did: the aftermath is
+            time-based), and the rotation made that land unevenly on the paths.
     Returns: name -> list of seconds, or name -> metric -> list of seconds.
     """
     names = list(paths)
@@ -59,6 +64,8 @@ def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = N
             if r % every.get(name, 1):
                 continue
             v = paths[name]()
+            if settle is not None:
+                settle()
             if isinstance(v, dict):
                 slot = out[name] if out[name] is not None else {}
                 for m, s in v.items():

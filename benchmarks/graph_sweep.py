@@ -55,6 +55,8 @@ CONFIGS = [
 QUICK = ("tiny x150", "tiny x1000", "64k x1000", "1m x500")
 KERNEL = K.add_scalar
 PATHS = ("normal", "replay", "floor")
+#: untimed pause after every timed pass (seconds).
+SETTLE_S = 0.05
 
 
 class WgpuFloor:
@@ -178,6 +180,9 @@ def measure_row(client, name, elems, kernels, rounds, floor_cls, bar) -> dict:
             t2 = time.perf_counter()
             issue[path].append(t1 - t0)
             total[path].append(t2 - t0)
+            client.sync()                            # untimed settle: on lavapipe the aftermath
+            floor.sync()                             # of a pass slowed the next path ~1.4x, and
+            time.sleep(SETTLE_S)                     # only a pause cleared it (not a sync)
         bar.update(1)
     # correctness: every runtime pass (warm, warm-up, first replay, then normal + replay per
     # round) adds `kernels` to a (kernels is even: the pass ends writing a)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import numpy as np
 
@@ -99,6 +100,10 @@ class CudaFloor:
         return self.a[:1].get()
 
 
+#: untimed pause between wgpu samples (see ``common.interleaved``'s ``settle``).
+SETTLE_S = 0.05
+
+
 def floor_class(backend: str):
     """The raw-backend pass class for ``backend``: graph_sweep's floors on cpu and wgpu (one floor
     for both benchmarks), the raw cupy pass above on cuda."""
@@ -169,7 +174,12 @@ def measure_pass(client, backend: str, elems: int, length: int, reps: int, tick=
         paths["floor_graph"] = timed(floor.issue_graph, floor.sync)
     for p in paths.values():                       # one untimed round: every path warm
         p()
-    samples = interleaved(paths, reps, tick)
+    def settle():                                  # untimed: nothing carries over to the next path
+        client.sync()
+        floor.sync()
+        if backend == "wgpu":
+            time.sleep(SETTLE_S)
+    samples = interleaved(paths, reps, tick, settle=settle)
     row = {"elems": elems, "length": length, "reps": reps, "capture_ms": capture_s * 1e3,
            "floor_impl": f"{cls.__module__}.{cls.__name__}"}
     for name, s in samples.items():

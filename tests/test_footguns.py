@@ -1,0 +1,122 @@
+"""Known pitfalls of capture and replay, one test each, worst first (tinygrad keeps such a list).
+
+Silent mismatches (the graph replays happily and the numbers are wrong):
+  1. A new input tensor instead of an in-place refresh: the graph never sees it.
+  2. Python values read by ``fn`` (scalars, shapes, params) are baked in at capture.
+  3. Python side effects of ``fn`` happen at capture only, never on replay.
+  4. ``replay()`` returns the same output tensor every time: the next replay overwrites it.
+  5. Freeing a buffer the graph uses: the pool hands it to someone else (check=True catches it).
+  6. Refreshing an input from another stream races the replay (check=True catches it).
+Errors raised (loud, so less bad):
+  7. Reading or syncing the capturing stream inside the window.
+  8. start_capture() without graph_prepare().
+"""
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import Tensor
+from runtime import kernels as K
+
+
+@pytest.fixture
+def c():
+    c = runtime.client("cpu")
+    c.set_stream(runtime.StreamId.new())
+    return c
+
+
+def test_1_a_new_input_tensor_is_not_seen_by_the_graph(c):
+    x = Tensor.from_numpy(c, np.ones(4, np.float32))
+    g = runtime.capture(lambda: x.add(x), client=c)
+    x_new = Tensor.from_numpy(c, np.full(4, 5, np.float32))   # a different buffer ...
+    np.testing.assert_array_equal(g.replay().numpy(), [2, 2, 2, 2])   # ... the graph ignores
+    g.write(x, np.full(4, 5, np.float32))                    # refresh in place instead
+    np.testing.assert_array_equal(g.replay().numpy(), [10, 10, 10, 10])
+    del x_new
+
+
+def test_2_python_values_are_baked_in_at_capture(c):
+    x = c.create(np.zeros(4, np.float32))
+    y = c.empty(4, np.float32)
+    scale = {"alpha": 1.0}
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": scale["alpha"], "n": 4})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": scale["alpha"], "n": 4})
+    g = c.stop_capture()
+    scale["alpha"] = 100.0                                   # too late: the graph holds 1.0
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), [1, 1, 1, 1])
+
+
+def test_3_python_side_effects_run_at_capture_only(c):
+    x = Tensor.from_numpy(c, np.ones(4, np.float32))
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return x.add(x)
+    g = runtime.capture(fn, client=c, warmup=1)
+    ran_at_capture = len(calls)
+    for _ in range(5):
+        g.replay()
+    assert g.recorded and len(calls) == ran_at_capture      # replays ran no Python
+
+
+def test_4_replay_overwrites_the_output_it_returned_before(c):
+    x = Tensor.from_numpy(c, np.ones(4, np.float32))
+    g = runtime.capture(lambda: x.add(x), client=c)
+    first = g.replay()
+    g.write(x, np.full(4, 3, np.float32))
+    second = g.replay()
+    assert first is second                                   # one output buffer
+    np.testing.assert_array_equal(first.numpy(), [6, 6, 6, 6])   # "first" changed too
+
+
+def test_5_freeing_a_captured_buffer_is_caught_only_with_check():
+    c = runtime.client("cpu", check=True, seed=5)
+    x = c.create(np.ones(4, np.float32))
+    y = c.empty(4, np.float32)
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    g = c.stop_capture()
+    hid = x.id
+    del x                                                    # its buffer goes back to the pool
+    with pytest.raises(runtime.LivenessError, match=f"handle {hid}"):
+        g.replay()
+    c.shutdown()
+
+
+def test_6_a_refresh_from_another_stream_races_the_replay_and_check_says_so():
+    c = runtime.client("cpu", check=True, scheduler="interleave", seed=6)
+    x = c.create(np.ones(4, np.float32))
+    y = c.empty(4, np.float32)
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    g = c.stop_capture()
+    other = c.with_stream(runtime.StreamId.new())
+    other.write(x, np.full(4, 9, np.float32))                # not the capture stream
+    with pytest.raises(runtime.StreamRaceError):
+        g.replay()
+        c.read(y)
+    c.shutdown()
+
+
+def test_7_reading_the_capturing_stream_is_refused(c):
+    x = c.create(np.ones(4, np.float32))
+    c.graph_prepare()
+    c.start_capture()
+    with pytest.raises(runtime.CaptureRefused):
+        c.read(x)
+    c.stop_capture()
+
+
+def test_8_start_capture_needs_graph_prepare(c):
+    with pytest.raises(runtime.GraphStateError, match="graph_prepare"):
+        c.start_capture()

@@ -20,6 +20,17 @@ from runtime import Tensor
 from runtime import kernels as K
 
 
+def captured_add_one(c):
+    """``y = x + 1`` over 4 floats, warmed up and captured on ``c``'s stream: ``(x, y, graph)``."""
+    x = c.create(np.ones(4, np.float32))
+    y = c.empty(4, np.float32)
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    return x, y, c.stop_capture()
+
+
 @pytest.fixture
 def c():
     c = runtime.client("cpu")
@@ -77,13 +88,7 @@ def test_4_replay_overwrites_the_output_it_returned_before(c):
 
 def test_5_freeing_a_captured_buffer_is_caught_only_with_check():
     c = runtime.client("cpu", check=True, seed=5)
-    x = c.create(np.ones(4, np.float32))
-    y = c.empty(4, np.float32)
-    c.graph_prepare()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
-    c.start_capture()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
-    g = c.stop_capture()
+    x, y, g = captured_add_one(c)
     hid = x.id
     del x                                                    # its buffer goes back to the pool
     with pytest.raises(runtime.LivenessError, match=f"handle {hid}"):
@@ -93,13 +98,7 @@ def test_5_freeing_a_captured_buffer_is_caught_only_with_check():
 
 def test_6_a_refresh_from_another_stream_races_the_replay_and_check_says_so():
     c = runtime.client("cpu", check=True, scheduler="interleave", seed=6)
-    x = c.create(np.ones(4, np.float32))
-    y = c.empty(4, np.float32)
-    c.graph_prepare()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
-    c.start_capture()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
-    g = c.stop_capture()
+    x, y, g = captured_add_one(c)
     other = c.with_stream(runtime.StreamId.new())
     other.write(x, np.full(4, 9, np.float32))                # not the capture stream
     with pytest.raises(runtime.StreamRaceError):

@@ -62,6 +62,21 @@ class _Buf:
         self.w_sid, self.w_pos, self.w_op = None, 0, None
         self.reads: dict = {}       # stream id -> (position, op) of its latest read
 
+    def may_conflict(self, sid, is_write: bool) -> bool:
+        """Fast path: False when everything so far was on stream ``sid`` (nothing to check)."""
+        reads = self.reads
+        return (self.w_sid is not None and self.w_sid != sid) or (
+            is_write and bool(reads) and (len(reads) > 1 or sid not in reads))
+
+    def record(self, sid, pos: int, op, is_write: bool) -> None:
+        """Note an access by stream ``sid`` at position ``pos``."""
+        if is_write:
+            self.w_sid, self.w_pos, self.w_op = sid, pos, op
+            if self.reads:
+                self.reads.clear()
+        else:
+            self.reads[sid] = (pos, op)
+
 
 class _Replay:
     """The operation tag of a replay (kept instead of a string so the hot path formats nothing)."""
@@ -210,19 +225,9 @@ class Checker:
         b = self.bufs.get(st.id)
         if b is None:
             b = self.bufs[st.id] = _Buf()
-        else:
-            reads = b.reads
-            # fast path: everything so far on this stream cannot conflict
-            if (b.w_sid is not None and b.w_sid != sid) or (
-                    is_write and reads and (len(reads) > 1 or sid not in reads)):
-                self._check_access(s, st, b, vc, op, is_write)
-        pos = s.pos + 1
-        if is_write:
-            b.w_sid, b.w_pos, b.w_op = sid, pos, op
-            if b.reads:
-                b.reads.clear()
-        else:
-            b.reads[sid] = (pos, op)
+        elif b.may_conflict(sid, is_write):
+            self._check_access(s, st, b, vc, op, is_write)
+        b.record(sid, s.pos + 1, op, is_write)
 
     def _check_access(self, s, st, b: _Buf, vc: dict, op, is_write: bool) -> None:
         bad = self._conflicts(b, s.id, vc, is_write)
@@ -259,8 +264,7 @@ class Checker:
         bufs = self.bufs
         for hid, is_write in uses:
             b = bufs.get(hid)
-            if b is not None and ((b.w_sid is not None and b.w_sid != sid) or (
-                    is_write and b.reads and (len(b.reads) > 1 or sid not in b.reads))):
+            if b is not None and b.may_conflict(sid, is_write):
                 bad = self._conflicts(b, sid, vc, is_write)
                 if bad:
                     raise self._race(hid, bad[0], sid, op, is_write)
@@ -271,12 +275,7 @@ class Checker:
             b = bufs.get(hid)
             if b is None:
                 b = bufs[hid] = _Buf()
-            if is_write:
-                b.w_sid, b.w_pos, b.w_op = sid, pos, op
-                if b.reads:
-                    b.reads.clear()
-            else:
-                b.reads[sid] = (pos, op)
+            b.record(sid, pos, op, is_write)
 
     # -- lifetimes ------------------------------------------------------------------------------
     def on_free(self, st) -> None:

@@ -12,9 +12,17 @@ Numerics: accumulation in ``f32``; layer norm uses two passes (mean, then centre
 attention keeps an online softmax (running maximum and sum, rescaled accumulators); GELU uses
 the erf form with an erf accurate to about 1.2e-7 (absolute), so results agree with a float64
 reference to float32 noise.
+
+The cpu sources do the same arithmetic without allocating: matmuls are numpy's BLAS ``sgemm``
+written into the output (``out=``) with the bias/GELU epilogue applied in place, row and
+elementwise kernels are compiled loops (:mod:`runtime.kernels.cpu_loops`, numba, float64
+accumulation), and attention is batched BLAS around an in-place softmax (exact, not online) with
+its scratch owned by the worker thread.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -66,10 +74,8 @@ fn gelu_erf(x: f32) -> f32 {{
 
 
 def erf_np(x: np.ndarray) -> np.ndarray:
-    """erf of a float array with the kernels' approximation (|error| < 1.2e-7), same dtype.
-
-    The cpu kernels use ``scipy.special.erf`` instead when scipy is installed (faster, exact).
-    """
+    """erf of a float array with the WGSL/CUDA kernels' approximation (|error| < 1.2e-7), same
+    dtype. A numpy reference; the cpu kernels use :func:`runtime.kernels.cpu_loops.erf`."""
     z = np.abs(x)
     t = 1 / (1 + z * x.dtype.type(0.5))
     poly = np.full_like(t, _ERFC[-1])
@@ -79,23 +85,46 @@ def erf_np(x: np.ndarray) -> np.ndarray:
     return np.where(x >= 0, r, -r).astype(x.dtype, copy=False)
 
 
-try:
-    from scipy.special import erf as _erf_fast
-except ImportError:  # optional: numpy alone must do
-    _erf_fast = erf_np
-
-
 def gelu_np(x: np.ndarray) -> np.ndarray:
-    """``0.5 x (1 + erf(x / sqrt 2))`` in the dtype of ``x`` (exact-erf GELU, as BERT uses)."""
-    e = _erf_fast(x * x.dtype.type(0.7071067811865476)).astype(x.dtype, copy=False)
+    """``0.5 x (1 + erf(x / sqrt 2))`` in the dtype of ``x`` (exact-erf GELU, as BERT uses), with
+    :func:`erf_np`: a numpy reference (allocates; the cpu kernels do not use it)."""
+    e = erf_np(x * x.dtype.type(0.7071067811865476))
     e += 1
     e *= x
     e *= x.dtype.type(0.5)
     return e
 
 
+_LOOPS = None
+
+
+def _loops():
+    """:mod:`runtime.kernels.cpu_loops`, imported on the first cpu launch (numba loads there, not
+    when ``runtime`` is imported)."""
+    global _LOOPS
+    if _LOOPS is None:
+        from . import cpu_loops
+        _LOOPS = cpu_loops
+    return _LOOPS
+
+
+_tls = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A float32 scratch array of at least ``n`` elements owned by the calling thread.
+
+    Grows to the largest request seen and is reused by every later launch on the thread (a cpu
+    kernel runs on one thread from start to end), so a replay allocates nothing once warm.
+    """
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _tls.buf = np.empty(n, np.float32)
+    return buf
+
+
 def _gelu_cpu(x, out, *, n, count):
-    out[:n] = gelu_np(x[:n])
+    _loops().gelu(x[:n], out[:n])
 
 
 #: ``out[i] = gelu(x[i])`` over ``i < n``; launch over ``grid(n)``.
@@ -106,7 +135,9 @@ gelu = program(
 
 
 def _add_bias_cpu(x, b, out, *, N, n, count):
-    out[:n] = (x[:n].reshape(-1, N) + b[:N]).ravel()
+    rows = n // N                              # n may end inside a row (a short launch count)
+    _loops().add_bias(x[:rows * N].reshape(rows, N), b[:N], out[:rows * N].reshape(rows, N))
+    out[rows * N:n] = x[rows * N:n] + b[:n - rows * N]
 
 
 #: ``out[i] = x[i] + b[i % N]`` (a bias broadcast over the rows of an ``[*, N]`` tensor);
@@ -120,9 +151,12 @@ add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f
 
 def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
     rows = n // H
-    r = np.arange(rows)
-    out[:n] = (word.reshape(-1, H)[ids[:rows]] + pos.reshape(-1, H)[r % S]
-               + ttab.reshape(-1, H)[types[:rows]]).ravel()
+    tables = [t[:t.size - t.size % H].reshape(-1, H) for t in (word, pos, ttab)]
+    for name, idx, tab in (("ids", ids[:rows], tables[0]), ("types", types[:rows], tables[2]),
+                           ("positions", np.array([min(rows, S) - 1]), tables[1])):
+        if rows and (idx.min() < 0 or idx.max() >= tab.shape[0]):   # the loop does not check
+            raise IndexError(f"embedding: {name} outside [0, {tab.shape[0]})")
+    _loops().embedding(ids[:rows], types[:rows], *tables, S, out[:rows * H].reshape(rows, H))
 
 
 #: ``out[r, c] = word[ids[r], c] + pos[r % S, c] + ttab[types[r], c]`` for ``r < n / H`` rows
@@ -147,12 +181,10 @@ embedding = program(
 def _matmul_cpu(bias: bool, act: str | None):
     def run(a, w, *rest, M, N, K, count):
         b, out = rest if bias else (None, rest[0])
-        y = a[:M * K].reshape(M, K) @ w[:K * N].reshape(K, N)
-        if bias:
-            y += b[:N]
-        if act == "gelu":
-            y = gelu_np(y)
-        out[:M * N] = y.ravel()
+        y = out[:M * N].reshape(M, N)
+        np.matmul(a[:M * K].reshape(M, K), w[:K * N].reshape(K, N), out=y)   # BLAS sgemm
+        if bias:                               # the epilogue in place, one pass
+            _loops().bias_act(y, b[:N], 1 if act == "gelu" else 0)
     return run
 
 
@@ -280,16 +312,10 @@ def rows_count(rows: int) -> tuple:
 
 def _layer_norm_cpu(residual: bool):
     def run(x, *rest, rows, n, eps, count):
-        if residual:
-            r, g, b, out = rest
-            v = x[:rows * n].reshape(rows, n) + r[:rows * n].reshape(rows, n)
-        else:
-            g, b, out = rest
-            v = x[:rows * n].reshape(rows, n)
-        mean = v.mean(axis=1, keepdims=True)
-        d = v - mean
-        var = (d * d).mean(axis=1, keepdims=True)
-        out[:rows * n] = (d / np.sqrt(var + np.float32(eps)) * g[:n] + b[:n]).ravel()
+        r, g, b, out = rest if residual else (x, *rest)
+        xv = x[:rows * n].reshape(rows, n)
+        _loops().layer_norm(xv, r[:rows * n].reshape(rows, n), residual, g[:n], b[:n],
+                            float(eps), out[:rows * n].reshape(rows, n))
     return run
 
 
@@ -330,9 +356,7 @@ add_layer_norm = _layer_norm("add_layer_norm", True)
 
 
 def _l2_cpu(x, out, *, rows, n, count):
-    v = x[:rows * n].reshape(rows, n)
-    norm = np.sqrt((v * v).sum(axis=1, keepdims=True))
-    out[:rows * n] = (v / np.maximum(norm, np.float32(1e-12))).ravel()
+    _loops().l2_normalize(x[:rows * n].reshape(rows, n), out[:rows * n].reshape(rows, n))
 
 
 #: ``out[r] = x[r] / max(||x[r]||_2, 1e-12)`` per row of ``[rows, n]`` (torch ``F.normalize``);
@@ -360,9 +384,8 @@ l2_normalize = program(
 
 def _mean_pool_cpu(x, mask, out, *, S, H, n, count):
     B = n // H
-    m = mask[:B * S].reshape(B, S)
-    s = np.einsum("bsh,bs->bh", x[:B * S * H].reshape(B, S, H), m)
-    out[:n] = (s / np.maximum(m.sum(axis=1, keepdims=True), np.float32(1e-9))).ravel()
+    _loops().mean_pool(x[:B * S * H].reshape(B, S, H), mask[:B * S].reshape(B, S),
+                       out[:B * H].reshape(B, H))
 
 
 #: ``out[b, c] = sum_s x[b, s, c] mask[b, s] / max(sum_s mask[b, s], 1e-9)`` for ``x [B, S, H]``,
@@ -388,23 +411,51 @@ mean_pool = program(
 # Attention
 
 
+#: most attention-score elements the cpu source keeps at once (4 MiB of float32): it works
+#: through the batch in chunks of sequences whose ``[heads, S, S]`` scores fit, in thread scratch.
+ATTN_CPU_CHUNK = 1 << 20
+
+
+def _heads_view(buf, B, S, ld, off, heads, hd):
+    """``[B, heads, S, hd]`` strided view (no copy) of the heads of a ``[B, S, ld]`` row-major
+    buffer whose head columns start at ``off``.
+
+    Raises: ``ValueError`` when the view would reach past the buffer.
+    """
+    it = buf.itemsize
+    if off + heads * hd > ld or B * S * ld > buf.size:
+        raise ValueError(f"attention: heads at column {off} of rows of {ld} over {B}x{S} rows do "
+                         f"not fit a buffer of {buf.size} elements")
+    return np.lib.stride_tricks.as_strided(buf[off:], (B, heads, S, hd),
+                                           (S * ld * it, hd * it, ld * it, it))
+
+
 def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_off, ld_out,
                    scale, count):
+    # Batched BLAS for the two products, the softmax in place between them: q (copied into
+    # contiguous scratch) @ k^T (a strided view BLAS takes as transposed) -> scores in scratch;
+    # scale + mask + row max (loop), exp (numpy's SIMD exp, in place), row sums (loop); scores
+    # @ v (strided view) written straight into out's head columns. Nothing is allocated once warm.
+    L = _loops()
     B = count[1] // heads
-    H = heads * hd
-
-    def part(buf, off):
-        rows = buf[:B * S * ld_in].reshape(B, S, ld_in)[:, :, off:off + H]
-        # contiguous per-head blocks: batched matmul on strided views skips BLAS (10x slower)
-        return np.ascontiguousarray(rows.reshape(B, S, heads, hd).transpose(0, 2, 1, 3))
-
-    s = (part(q, q_off) * np.float32(scale)) @ part(k, k_off).transpose(0, 1, 3, 2)
-    s += ((1 - mask[:B * S].reshape(B, 1, 1, S)) * np.float32(-1e9))
-    s -= s.max(axis=-1, keepdims=True)
-    e = np.exp(s, out=s)
-    ctx = (e @ part(v, v_off)) / e.sum(axis=-1, keepdims=True)
-    o = out[:B * S * ld_out].reshape(B, S, ld_out)
-    o[:, :, :H] = ctx.transpose(0, 2, 1, 3).reshape(B, S, H)
+    qv, kv, vv = (_heads_view(t, B, S, ld_in, off, heads, hd)
+                  for t, off in ((q, q_off), (k, k_off), (v, v_off)))
+    ov = _heads_view(out, B, S, ld_out, 0, heads, hd)
+    m = mask[:B * S].reshape(B, S)
+    per = heads * S * S
+    nb = max(1, min(B, ATTN_CPU_CHUNK // per))
+    buf = _scratch(nb * (per + heads * S * hd))
+    for b0 in range(0, B, nb):
+        n = min(B, b0 + nb) - b0
+        s = buf[:n * per].reshape(n, heads, S, S)
+        qc = buf[nb * per:nb * per + n * heads * S * hd].reshape(n, heads, S, hd)
+        np.copyto(qc, qv[b0:b0 + n])
+        np.matmul(qc, kv[b0:b0 + n].transpose(0, 1, 3, 2), out=s)
+        s3 = s.reshape(n * heads, S, S)
+        L.scores_prepare(s3, m[b0:b0 + n], heads, float(scale))
+        np.exp(s, out=s)
+        L.rows_normalize(s3)
+        np.matmul(s, vv[b0:b0 + n], out=ov[b0:b0 + n])
 
 
 def _attention(hd: int):

@@ -1,85 +1,442 @@
-"""Forward latency of all-MiniLM-L6-v2: eager vs graph replay, per backend, batch x seq_len.
+"""all-MiniLM-L6-v2 on the cpu backend beside sentence-transformers, side by side (issue 16).
 
-    python benchmarks/minilm_forward.py               # cpu and wgpu, batch 1/8/32, seq 16/128
-    python benchmarks/minilm_forward.py --backends cpu --batches 1 8 --out result.json
+    python benchmarks/minilm_forward.py                        # the table (product alone without ST)
+    python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --plot minilm.png
+    python benchmarks/minilm_forward.py --variant blas1 OPENBLAS_NUM_THREADS=1 ...  # thread rules
+    python benchmarks/minilm_forward.py --kernels              # per-kernel µs beside numpy/torch
+    python benchmarks/minilm_forward.py --eager-vs-replay --backends cpu wgpu
 
-One measurement is one full forward call as a server makes it: host ids/mask in, embeddings out
-(``MiniLM.forward(..., graph=False)`` for eager, ``MiniLM.run_bucket`` for replay: write inputs in
-place, replay, read). The first call of each (warm-up; for replay also the capture) is not
-timed. Each configuration runs at least ``--min-reps`` times and until ``--reps`` or
-``--budget-s`` seconds are reached. Prints a table and writes JSON (milliseconds: median, p10,
-p90, reps).
+The table: sentences/s of ``MiniLM.embed(texts, batch_size=len(texts))`` (the captured, replayed
+path, tokenisation included) and of sentence-transformers' ``encode(texts,
+batch_size=len(texts))`` on the same texts, at batch x tokens 1x16 ... 32x128 (every text
+tokenises to exactly ``tokens`` ids, [CLS] and [SEP] included). Each implementation runs in a
+fresh process per round; processes alternate (the order flips every round), ``--rounds`` rounds
+(3). A round warms each row up (two calls, so capture and compile are not timed), then times
+calls until ``--reps`` or ``--budget-s`` per row. Reported: median sentences/s over every timed
+call of all rounds with p10/p90, the ratio product / sentence-transformers per row, and on every
+row the thread counts each process ran with (torch's intra-op threads, BLAS threads from
+threadpoolctl, numba's threads). JSON to ``--out``; a bar chart with ``--plot`` (matplotlib).
+
+sentence-transformers and torch are not dependencies: point ``--st-python`` at an interpreter
+that has them (a side virtualenv, see the README), or run this script with one; without either
+the product's rows are measured alone. The same interpreter runs ``--kernels`` so that torch's
+kernels can be timed beside the product's.
+
+Self-contained (only numpy, the runtime and, optionally, matplotlib/threadpoolctl): a benchmark
+package can call :func:`compare` and :func:`kernel_table`, which return the JSON-ready dicts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ((1, 16), (8, 16), (32, 16), (1, 128), (8, 128), (32, 128))
+#: single-wordpiece words the benchmark texts are made of (checked against the tokenizer).
+WORDS = ("the cat sat on a mat and the dog ran to see what it was while birds sang in tall "
+         "trees near an old house by the river where people walk every day after work").split()
 
-import runtime  # noqa: E402
-from runtime.models import MiniLM  # noqa: E402
+
+# -- helpers shared by the worker processes ---------------------------------------------------
+def _threads() -> dict:
+    """Thread counts this process runs with (torch, BLAS libraries, numba, OpenMP)."""
+    out: dict = {}
+    try:
+        from threadpoolctl import threadpool_info
+        for i in threadpool_info():
+            out[f"{i['user_api']}:{i['internal_api']}"] = i["num_threads"]
+    except ImportError:
+        pass
+    if "torch" in sys.modules:
+        out["torch"] = sys.modules["torch"].get_num_threads()
+    if "numba" in sys.modules:
+        out["numba"] = sys.modules["numba"].get_num_threads()
+    return out
 
 
-def measure(fn, reps: int, min_reps: int, budget_s: float) -> dict:
-    """Time ``fn()`` repeatedly; returns ``{"median_ms", "p10_ms", "p90_ms", "reps"}``."""
-    fn()                                            # warm-up (and capture)
+def _time_calls(fn, reps: int, budget_s: float) -> list:
+    fn()
+    fn()                                           # warm-up: capture, compile, caches
     times, start = [], time.perf_counter()
-    while len(times) < reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
+    while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
         t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    t = np.array(times)
-    return {"median_ms": float(np.median(t)), "p10_ms": float(np.percentile(t, 10)),
-            "p90_ms": float(np.percentile(t, 90)), "reps": len(times)}
+        times.append(time.perf_counter() - t0)
+    return times
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backends", nargs="+", default=["cpu", "wgpu"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--seqs", nargs="+", type=int, default=[16, 128])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--min-reps", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=10.0, help="time budget per configuration")
-    ap.add_argument("--out", default="minilm_forward.json")
-    args = ap.parse_args(argv)
+def texts_for(tokenizer_json: str, batch: int, tokens: int, seed: int = 0) -> list:
+    """``batch`` texts of :data:`WORDS` that tokenise to exactly ``tokens`` ids each.
 
+    Raises: ``ValueError`` if a word is not one wordpiece (the lengths would be off).
+    """
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(tokenizer_json)
+    tok.no_padding()
+    tok.no_truncation()
+    rng = np.random.default_rng(seed + 1000 * batch + tokens)
+    texts = [" ".join(rng.choice(WORDS, tokens - 2)) for _ in range(batch)]
+    for t in texts:
+        n = len(tok.encode(t).ids)
+        if n != tokens:
+            raise ValueError(f"benchmark text tokenises to {n} ids, not {tokens}")
+    return texts
+
+
+def _worker_product(job: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import runtime
+    from runtime.models import MiniLM
+    model = MiniLM.load(runtime.client("cpu"), max_graphs=len(job["rows"]))
+    res = {}
+    for key, texts in job["rows"].items():
+        res[key] = _time_calls(lambda: model.embed(texts, batch_size=len(texts)), job["reps"],
+                               job["budget_s"])
+    return {"samples": res, "threads": _threads()}
+
+
+def _worker_st(job: dict) -> dict:
+    from sentence_transformers import SentenceTransformer
+    model = SentenceTransformer(job["model_dir"], device="cpu")
+    res = {}
+    for key, texts in job["rows"].items():
+        res[key] = _time_calls(lambda: model.encode(texts, batch_size=len(texts)), job["reps"],
+                               job["budget_s"])
+    return {"samples": res, "threads": _threads(),
+            "versions": {"torch": sys.modules["torch"].__version__,
+                         "sentence_transformers": sys.modules["sentence_transformers"].__version__}}
+
+
+def _st_python(arg: str | None) -> str | None:
+    """The interpreter that has sentence-transformers: ``arg``, this one, or ``None``."""
+    if arg:
+        return arg
+    import importlib.util
+    return sys.executable if importlib.util.find_spec("sentence_transformers") else None
+
+
+def _run_worker(python: str, kind: str, job_file: str, env: dict) -> dict:
+    out = job_file + f".{kind}.out.json"
+    cmd = [python, str(Path(__file__).resolve()), "--worker", kind, job_file, out]
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-3000:]}")
+    return json.loads(Path(out).read_text())
+
+
+def _summary(samples: list, batch: int) -> dict:
+    rate = batch / np.asarray(samples)
+    p10, p50, p90 = np.percentile(rate, [10, 50, 90])
+    return {"sent_per_s": float(p50), "p10": float(p10), "p90": float(p90), "n": len(samples)}
+
+
+def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
+            budget_s: float = 4.0, variants: dict | None = None) -> dict:
+    """The side-by-side table; returns the JSON-ready result (see the module docstring).
+
+    Args:
+        st_python: interpreter with sentence-transformers, or ``None`` (product rows alone).
+        rows: ``(batch, tokens)`` pairs; rounds: fresh processes per implementation.
+        reps, budget_s: timed calls per row and round (at least 3), seconds per row and round.
+        variants: product name -> extra environment (thread settings); default
+            ``{"runtime": {}}``.
+    """
+    sys.path.insert(0, str(ROOT))
+    from runtime.models.minilm import default_model_dir
+    model_dir = str(default_model_dir())
+    texts = {f"{b}x{s}": texts_for(os.path.join(model_dir, "tokenizer.json"), b, s)
+             for b, s in rows}
+    impls = {name: (sys.executable, "product", env)
+             for name, env in (variants or {"runtime": {}}).items()}
+    if st_python:
+        impls["sentence-transformers"] = (st_python, "st", {})
+    samples: dict = {n: {k: [] for k in texts} for n in impls}
+    info: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        job = os.path.join(tmp, "job.json")
+        Path(job).write_text(json.dumps({"rows": texts, "reps": reps, "budget_s": budget_s,
+                                         "model_dir": model_dir}))
+        for r in range(rounds):
+            order = list(impls) if r % 2 == 0 else list(impls)[::-1]
+            for name in order:
+                python, kind, env = impls[name]
+                res = _run_worker(python, kind, job, env)
+                for k, v in res["samples"].items():
+                    samples[name][k].extend(v)
+                info[name] = {"threads": res["threads"], "env": env,
+                              **({"versions": res["versions"]} if "versions" in res else {})}
+                print(f"round {r + 1}/{rounds}: {name} done", file=sys.stderr, flush=True)
+    table = []
+    for b, s in rows:
+        k = f"{b}x{s}"
+        row = {"row": k, "batch": b, "tokens": s}
+        for name in impls:
+            row[name] = _summary(samples[name][k], b)
+        if st_python:
+            base = row["sentence-transformers"]["sent_per_s"]
+            for name in impls:
+                if name != "sentence-transformers":
+                    row[f"ratio:{name}"] = row[name]["sent_per_s"] / base
+        table.append(row)
+    return {"kind": "minilm_compare", "rounds": rounds, "impls": info, "rows": table,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "load_start": os.getloadavg()}}
+
+
+def print_table(res: dict) -> None:
+    """The comparison as a markdown table (sentences/s, median [p10-p90], ratio, threads)."""
+    names = list(res["impls"])
+    ratios = [n for n in names if n != "sentence-transformers"] if "sentence-transformers" in \
+        names else []
+    head = ["batch x tokens"] + [f"{n} sent/s" for n in names] + [f"ratio {n}" for n in ratios]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in res["rows"]:
+        cells = [row["row"]] + [f"{row[n]['sent_per_s']:.1f} [{row[n]['p10']:.1f}-"
+                                f"{row[n]['p90']:.1f}]" for n in names]
+        cells += [f"{row['ratio:' + n]:.2f}" for n in ratios]
+        print("| " + " | ".join(cells) + " |")
+    for n, i in res["impls"].items():
+        print(f"- {n}: threads {i['threads']}" + (f", env {i['env']}" if i["env"] else ""))
+    print(f"- load average at start {res['machine']['load_start']}")
+
+
+def plot(res: dict, path: str) -> None:
+    """Grouped bars: sentences/s per row and implementation (log scale), ratios on top."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(res["impls"])
+    rows = res["rows"]
+    x = np.arange(len(rows))
+    w = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, n in enumerate(names):
+        med = np.array([r[n]["sent_per_s"] for r in rows])
+        lo = med - np.array([r[n]["p10"] for r in rows])
+        hi = np.array([r[n]["p90"] for r in rows]) - med
+        ax.bar(x + i * w, med, w, yerr=[lo, hi], label=n, capsize=2)
+    for j, r in enumerate(rows):
+        rs = [v for k, v in r.items() if k.startswith("ratio:")]
+        if rs:
+            ax.text(x[j] + 0.4 - w / 2, max(r[n]["p90"] for n in names) * 1.15,
+                    " / ".join(f"{v:.2f}x" for v in rs), ha="center", fontsize=8)
+    ax.set_xticks(x + 0.4 - w / 2, [r["row"] for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("sentences / s (median, p10-p90)")
+    ax.set_xlabel("batch x tokens")
+    ax.set_title("all-MiniLM-L6-v2 on the cpu: runtime vs sentence-transformers")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- the kernel table -------------------------------------------------------------------------
+def kernel_table(batch: int = 8, seq: int = 128, reps: int = 30) -> list:
+    """Each cpu kernel of the MiniLM layer (µs, median [p10-p90]) beside numpy's and torch's
+    equivalent on the same shapes; torch columns only where torch imports.
+
+    Returns: rows ``{"kernel", "shape", "runtime", "numpy", "torch"}`` (each ``{"p50", "p10",
+    "p90"}`` in µs or ``None``).
+    """
+    sys.path.insert(0, str(ROOT))
+    from runtime.kernels import nn
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        torch = None
     rng = np.random.default_rng(0)
-    results = {"platform": platform.platform(), "python": platform.python_version(), "rows": []}
-    print(f"{'backend':8s} {'batch':>5s} {'seq':>4s} {'mode':7s} {'median ms':>10s} "
-          f"{'p10':>9s} {'p90':>9s} {'reps':>4s}")
-    for backend in args.backends:
+    H, FF, heads, hd = 384, 1536, 12, 32
+    M = batch * seq
+    f = np.float32
+    x, res = rng.standard_normal((M, H), dtype=f), rng.standard_normal((M, H), dtype=f)
+    g, bH = rng.standard_normal(H, dtype=f), rng.standard_normal(H, dtype=f)
+    wi, bi = rng.standard_normal((H, FF), dtype=f) * f(0.05), rng.standard_normal(FF, dtype=f)
+    wqkv, bqkv = rng.standard_normal((H, 3 * H), dtype=f) * f(0.05), np.zeros(3 * H, f)
+    qkv = x @ wqkv
+    mask = np.ones((batch, seq), f)
+    o_ff, o_h = np.empty(M * FF, f), np.empty(M * H, f)
+    cnt = (1, batch * heads, 1)
+
+    def t(fn):
+        fn()
+        s = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            s.append((time.perf_counter() - t0) * 1e6)
+        p10, p50, p90 = np.percentile(s, [10, 50, 90])
+        return {"p50": float(p50), "p10": float(p10), "p90": float(p90)}
+
+    def gelu_np(y):
+        return nn.gelu_np(y)
+
+    mm = nn.matmul_bias_gelu.cpu
+    ln = nn.add_layer_norm.cpu
+    at = nn.attention.cpu
+    rows = [
+        ("matmul_bias_gelu", f"[{M},{H}]@[{H},{FF}]",
+         lambda: mm(x.ravel(), wi.ravel(), bi, o_ff, M=M, N=FF, K=H, count=cnt),
+         lambda: gelu_np(x @ wi + bi),
+         (lambda: F.gelu(F.linear(tx, twi_t, tbi))) if torch else None),
+        ("matmul_bias (qkv)", f"[{M},{H}]@[{H},{3 * H}]",
+         lambda: nn.matmul_bias.cpu(x.ravel(), wqkv.ravel(), bqkv, np.empty(M * 3 * H, f), M=M,
+                                    N=3 * H, K=H, count=cnt),
+         lambda: x @ wqkv + bqkv,
+         (lambda: F.linear(tx, twq_t, tbq)) if torch else None),
+        ("add_layer_norm", f"[{M},{H}]",
+         lambda: ln(x.ravel(), res.ravel(), g, bH, o_h, rows=M, n=H, eps=1e-12, count=cnt),
+         lambda: _ln_np(x + res, g, bH),
+         (lambda: F.layer_norm(tx + tres, (H,), tg, tb, 1e-12)) if torch else None),
+        ("attention", f"B={batch} S={seq} heads={heads} hd={hd}",
+         lambda: at(qkv.ravel(), qkv.ravel(), qkv.ravel(), mask.ravel(), o_h, S=seq, heads=heads,
+                    hd=hd, ld_in=3 * H, q_off=0, k_off=H, v_off=2 * H, ld_out=H,
+                    scale=hd ** -0.5, count=cnt),
+         lambda: _attn_np(qkv, batch, seq, heads, hd),
+         (lambda: _attn_torch(tqkv, batch, seq, heads, hd)) if torch else None),
+    ]
+    if torch is not None:
+        tx, tres, tg, tb = (torch.from_numpy(a) for a in (x, res, g, bH))
+        twi_t, tbi = torch.from_numpy(np.ascontiguousarray(wi.T)), torch.from_numpy(bi)
+        twq_t, tbq = torch.from_numpy(np.ascontiguousarray(wqkv.T)), torch.from_numpy(bqkv)
+        tqkv = torch.from_numpy(qkv)
+    out = []
+    for name, shape, ours, ref_np, ref_torch in rows:
+        if torch is not None:
+            with torch.inference_mode():
+                tt = t(ref_torch)
+        else:
+            tt = None
+        out.append({"kernel": name, "shape": shape, "runtime": t(ours), "numpy": t(ref_np),
+                    "torch": tt})
+    return out
+
+
+def _ln_np(v, g, b):
+    m = v.mean(-1, keepdims=True)
+    d = v - m
+    return d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-12) * g + b
+
+
+def _attn_np(qkv, B, S, heads, hd):
+    q, k, v = (np.ascontiguousarray(a) for a in
+               qkv.reshape(B, S, 3, heads, hd).transpose(2, 0, 3, 1, 4))
+    s = q @ k.transpose(0, 1, 3, 2) * np.float32(hd ** -0.5)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    return ((s / s.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, S, heads * hd)
+
+
+def _attn_torch(tqkv, B, S, heads, hd):
+    import torch.nn.functional as F
+    q, k, v = tqkv.view(B, S, 3, heads, hd).permute(2, 0, 3, 1, 4)
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, heads * hd)
+
+
+def print_kernels(rows: list) -> None:
+    """The kernel table as markdown (µs, median [p10-p90])."""
+    def c(v):
+        return "-" if v is None else f"{v['p50']:,.0f} [{v['p10']:,.0f}-{v['p90']:,.0f}]"
+    print("| kernel | shape | runtime µs | numpy µs | torch µs | runtime/torch |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['runtime']['p50'] / r['torch']['p50']:.2f}" if r["torch"] else "-"
+        print(f"| {r['kernel']} | {r['shape']} | {c(r['runtime'])} | {c(r['numpy'])} | "
+              f"{c(r['torch'])} | {ratio} |")
+    print(f"- threads {_threads()}; load average {os.getloadavg()}")
+
+
+# -- the earlier per-backend eager vs replay latency ------------------------------------------
+def eager_vs_replay(backends, batches, seqs, reps: int, budget_s: float) -> list:
+    """Forward latency (ms) per backend, eager (``forward(graph=False)``) vs ``run_bucket``."""
+    sys.path.insert(0, str(ROOT))
+    import runtime
+    from runtime.models import MiniLM
+    rng = np.random.default_rng(0)
+    out = []
+    for backend in backends:
         try:
             model = MiniLM.load(runtime.client(backend), max_graphs=2)
         except Exception as e:  # noqa: BLE001 - report and go on with the other backends
             print(f"{backend}: skipped ({type(e).__name__}: {e})")
             continue
-        results.setdefault("devices", {})[backend] = model.client.device_name
-        for batch in args.batches:
-            for seq in args.seqs:
+        for batch in batches:
+            for seq in seqs:
                 ids = rng.integers(1000, 29000, (batch, seq))
-                ids[:, 0], ids[:, -1] = 101, 102           # [CLS] ... [SEP]
+                ids[:, 0], ids[:, -1] = 101, 102
                 mask = np.ones((batch, seq), np.int64)
-                runs = {"eager": lambda: model.forward(ids, mask, graph=False),
-                        "replay": lambda: model.run_bucket(batch, seq, ids, mask)}
-                for mode, fn in runs.items():
-                    r = measure(fn, args.reps, args.min_reps, args.budget_s)
-                    row = {"backend": backend, "batch": batch, "seq": seq, "mode": mode, **r}
-                    results["rows"].append(row)
-                    print(f"{backend:8s} {batch:5d} {seq:4d} {mode:7s} {r['median_ms']:10.2f} "
-                          f"{r['p10_ms']:9.2f} {r['p90_ms']:9.2f} {r['reps']:4d}", flush=True)
-                model.release()                            # one bucket's buffers at a time
-        model.release()
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+                for mode, fn in (("eager", lambda: model.forward(ids, mask, graph=False)),
+                                 ("replay", lambda: model.run_bucket(batch, seq, ids, mask))):
+                    ms = np.array(_time_calls(fn, reps, budget_s)) * 1e3
+                    r = {"backend": backend, "batch": batch, "seq": seq, "mode": mode,
+                         "median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
+                         "p90_ms": float(np.percentile(ms, 90)), "reps": len(ms)}
+                    out.append(r)
+                    print(f"{backend:6s} {batch:3d}x{seq:<4d} {mode:7s} {r['median_ms']:9.2f} ms "
+                          f"[{r['p10_ms']:.2f}-{r['p90_ms']:.2f}] n={r['reps']}", flush=True)
+                model.release()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--st-python", help="interpreter with sentence-transformers (side venv)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=4.0, help="seconds per row and round")
+    ap.add_argument("--rows", nargs="+", default=[f"{b}x{s}" for b, s in ROWS])
+    ap.add_argument("--variant", nargs="+", action="append", metavar=("NAME", "ENV=VAL"),
+                    help="a product variant: name and environment settings (repeatable)")
+    ap.add_argument("--kernels", action="store_true", help="the kernel table instead")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--eager-vs-replay", action="store_true")
+    ap.add_argument("--backends", nargs="+", default=["cpu", "wgpu"])
+    ap.add_argument("--out", default="minilm_forward.json")
+    ap.add_argument("--plot", help="write a bar chart (png) of the comparison")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        kind, job, out = args.worker
+        res = (_worker_product if kind == "product" else _worker_st)(json.loads(Path(job).read_text()))
+        Path(out).write_text(json.dumps(res))
+        return 0
+    if args.kernels:
+        st = _st_python(args.st_python)
+        if st and st != sys.executable:      # torch lives there: time the kernels in that process
+            return subprocess.call([st, str(Path(__file__).resolve()), "--kernels", "--batch",
+                                    str(args.batch), "--seq", str(args.seq), "--out", args.out])
+        rows = kernel_table(args.batch, args.seq)
+        print_kernels(rows)
+        Path(args.out).write_text(json.dumps({"kind": "minilm_kernels", "batch": args.batch,
+                                              "seq": args.seq, "rows": rows}, indent=2))
+        return 0
+    if args.eager_vs_replay:
+        res = eager_vs_replay(args.backends, [1, 8, 32], [16, 128], args.reps, args.budget_s)
+        Path(args.out).write_text(json.dumps({"kind": "minilm_eager_vs_replay", "rows": res},
+                                             indent=2))
+        return 0
+    rows = [tuple(int(v) for v in r.split("x")) for r in args.rows]
+    variants = ({v[0]: dict(kv.split("=", 1) for kv in v[1:]) for v in args.variant}
+                if args.variant else None)
+    res = compare(_st_python(args.st_python), rows, args.rounds, args.reps, args.budget_s,
+                  variants)
+    print_table(res)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    if args.plot:
+        plot(res, args.plot)
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
 

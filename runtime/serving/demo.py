@@ -221,6 +221,30 @@ def print_table(results: list, title: str) -> None:
     Console().print(t)
 
 
+def print_anchor(graph_result: dict, plan: list, python: str | None = None) -> None:
+    """Print sentence-transformers' throughput on the demo's texts beside the served graph path
+    (:func:`runtime.serving.anchor.anchor_throughput`); one line saying why when it is absent."""
+    from runtime.models.minilm import default_model_dir
+
+    from .anchor import anchor_throughput
+    texts = [t for client in plan for req in client for t in req]
+    try:
+        a = anchor_throughput(texts, str(default_model_dir()), python=python)
+    except (RuntimeError, FileNotFoundError, OSError) as e:
+        print(f"sentence-transformers comparison failed: {e}")
+        return
+    if a is None:
+        print("sentence-transformers not importable (pass --st-python or set RUNTIME_ST_PYTHON "
+              "to compare)")
+        return
+    print(f"sentence-transformers {a['versions']['sentence_transformers']} (torch "
+          f"{a['versions']['torch']}, {a['threads']['torch']} threads), encode(batch_size=32) "
+          f"of the same {len(texts)} texts in one process: {a['texts_per_s']:.1f} texts/s "
+          f"[{a['min']:.1f}-{a['max']:.1f}]; runtime served over HTTP: "
+          f"{graph_result['texts_per_s']:.1f} texts/s "
+          f"({graph_result['texts_per_s'] / a['texts_per_s']:.2f}x)")
+
+
 def main(argv=None) -> int:
     """Run the demo. Returns 0 when every check passes, 1 when one fails, 2 without a model."""
     p = argparse.ArgumentParser(prog="python -m runtime demo", description=__doc__.split("\n")[0])
@@ -228,6 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients")
     p.add_argument("--requests", type=int, default=24, help="timed requests per client")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--st-python", help="interpreter with sentence-transformers for the "
+                   "comparison line (default: $RUNTIME_ST_PYTHON, or this one if it has it)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
     if missing:
@@ -258,6 +284,7 @@ def main(argv=None) -> int:
           f"p50 {g['p50_ms'] / e['p50_ms']:.2f}x, p99 {g['p99_ms'] / e['p99_ms']:.2f}x (latency "
           f"below 1x: graphs faster); {len(model.buckets)} graphs held, "
           f"{g['captures_in_run']} captured while timed")
+    print_anchor(g, plan, args.st_python)
     print()
     checks = check(results)
     for name, ok, detail in checks:

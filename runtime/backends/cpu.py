@@ -12,6 +12,21 @@ enqueued by the server and executed by a scheduler, never by the caller. Two sch
 
 The graph is a software graph: the resolved launch list (callable, views, params), replayed in
 order as one queue item.
+
+Threads (the rule; measured in ``benchmarks/minilm_forward.py``, README "cpu threads"): a stream's
+kernels run one after another on one worker thread, and each kernel may fan out into a library
+pool: OpenBLAS (numpy's matmuls) or numba (the compiled loops of ``runtime.kernels.cpu_loops``).
+
+- OpenBLAS gets **one thread** (:func:`limit_blas_threads`, applied when the first backend
+  starts, unless ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` is set or
+  ``blas_threads=None``). Its pool spins between calls; whenever the cores are shared (our own
+  worker, batcher and event-loop threads, numba's pool, or other processes) the spinning threads
+  and the stragglers they wait for cost far more than the second core gives: MiniLM 8x128 on 2
+  busy cores took 1.9 s per forward with 1 BLAS thread against 10-11 s with 2, and a lone
+  [1024, 384] x [384, 1536] sgemm 38 ms against 60 ms.
+- numba keeps its default, all cores (``NUMBA_NUM_THREADS``): its pool sleeps between loops, and
+  at 2 threads it was as fast or faster than at 1 in the same runs.
+- Parallelism between requests comes from the worker threads (one per runnable stream).
 """
 
 from __future__ import annotations
@@ -27,6 +42,34 @@ from ..kernel import DTYPES
 from .base import Backend, Completion
 
 _RUN, _WAIT, _SIGNAL = 0, 1, 2
+
+
+def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
+    """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
+
+    The thread rule of this module (see its docstring for the measurements).
+
+    Args:
+        n: threads (>= 1).
+        force: apply even when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
+            is set (otherwise the user's setting wins and nothing is done).
+    Returns: the previous thread count (pass it back, with ``force=True``, to restore), or
+        ``None`` when skipped, when no BLAS was found or ``threadpoolctl`` is missing.
+    """
+    import os
+
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+    except ImportError:
+        return None
+    if not force and any(os.environ.get(v) for v in
+                         ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        return None
+    prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
+               default=None)
+    if prev is not None and prev != n:
+        threadpool_limits(int(n), user_api="blas")
+    return prev
 
 
 class CpuEvent:
@@ -256,14 +299,19 @@ class CpuBackend(Backend):
         device: ignored (one cpu device).
         scheduler: a ``Scheduler``, ``"thread"`` (default) or ``"interleave"``.
         seed: the ``InterleavingScheduler`` seed when ``scheduler="interleave"``.
+        blas_threads: the OpenBLAS thread count to set for the process (default 1, the thread
+            rule in the module docstring; the user's ``OPENBLAS_NUM_THREADS`` etc. win), or
+            ``None`` to leave BLAS alone.
     """
 
     name = "cpu"
     hardware_graphs = False
     device_name = "numpy " + np.__version__
 
-    def __init__(self, device: int = 0, scheduler=None, seed: int = 0):
+    def __init__(self, device: int = 0, scheduler=None, seed: int = 0, blas_threads: int | None = 1):
         super().__init__(device)
+        if blas_threads is not None:
+            limit_blas_threads(blas_threads)
         if scheduler is None or scheduler == "thread":
             scheduler = ThreadScheduler()
         elif scheduler == "interleave":

@@ -193,3 +193,29 @@ def rows_normalize(s):
         inv = np.float32(1.0 / tot)
         for j in range(T):
             row[j] *= inv
+
+
+def warm() -> None:
+    """Compile every loop for the argument types the cpu kernels pass (and fill numba's disk
+    cache), so the first launches later load machine code instead of compiling (~15 s of CPU on
+    2 cores, once per checkout). ``setup.sh`` runs it; ``python -m runtime.kernels.cpu_loops``
+    does the same."""
+    f, i = np.float32, np.int32
+    x = np.ones((4, 8), f)
+    v, b = np.ones(8, f), np.ones(8, f)
+    s = np.ones((2, 4, 4), f)
+    erf_array(np.zeros(4), np.zeros(4))
+    gelu(v, v)
+    bias_act(x, b, 1)
+    add_bias(x, b, x)
+    layer_norm(x, x, True, b, b, 1e-12, x)
+    l2_normalize(x, x)
+    mean_pool(x.reshape(2, 2, 8), np.ones((2, 2), f), np.ones((2, 8), f))
+    embedding(np.zeros(4, i), np.zeros(4, i), x, x, x, 2, x)
+    scores_prepare(s, np.ones((1, 4), f), 2, 0.5)
+    rows_normalize(s)
+
+
+if __name__ == "__main__":
+    from runtime.kernels import cpu_loops    # the package module, so the cache keys match
+    cpu_loops.warm()

@@ -13,6 +13,7 @@ from .batcher import (BatchFailed, BatcherClosed, Batcher, Embeddings, QueueFull
                       choose_bucket)
 from .metrics import ServingMetrics
 from .app import MODEL_ID, ServerThread, create_app
+from ..backends.cpu import limit_blas_threads   # the cpu thread rule; re-exported for callers
 
 __all__ = ["Batcher", "BatchFailed", "BatcherClosed", "Embeddings", "QueueFull", "bucket_up",
            "choose_bucket", "ServingMetrics", "MODEL_ID", "ServerThread", "create_app",
@@ -33,32 +34,3 @@ def load_model(backend: str | None = "cpu", *, path=None, max_graphs: int = 8, *
     from runtime.models import MiniLM
 
     return MiniLM.load(runtime.client(backend, **options), path, max_graphs=max_graphs)
-
-
-def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
-    """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
-
-    Why: the cpu backend already runs kernels on its own worker threads, and the server adds an
-    event loop and a batcher thread. Measured on a shared 2-core machine, OpenBLAS's own pool
-    (one spinning thread per core) then made a (1, 16) MiniLM replay go from ~8 ms to ~700 ms
-    of CPU-bound time once requests came from the batcher thread; with one BLAS thread it stays
-    ~8 ms.
-
-    Args:
-        n: threads (>= 1).
-        force: apply even when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is set (otherwise
-            the user's setting wins and nothing is done).
-    Returns: the previous thread count (pass it back, with ``force=True``, to restore), or
-        ``None`` when skipped or no BLAS was found. Uses ``threadpoolctl``.
-    """
-    import os
-
-    from threadpoolctl import threadpool_info, threadpool_limits
-
-    if not force and (os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")):
-        return None
-    prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
-               default=None)
-    if prev is not None:
-        threadpool_limits(int(n), user_api="blas")
-    return prev

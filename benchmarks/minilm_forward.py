@@ -2,7 +2,8 @@
 
     python benchmarks/minilm_forward.py                        # the table (product alone without ST)
     python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --plot minilm.png
-    python benchmarks/minilm_forward.py --variant blas1 OPENBLAS_NUM_THREADS=1 ...  # thread rules
+    python benchmarks/minilm_forward.py --variant blas2 OPENBLAS_NUM_THREADS=2 --variant now
+    python benchmarks/minilm_forward.py --variant before RUNTIME_BENCH_ROOT=/tmp/old --variant now
     python benchmarks/minilm_forward.py --kernels              # per-kernel µs beside numpy/torch
     python benchmarks/minilm_forward.py --eager-vs-replay --backends cpu wgpu
 
@@ -94,7 +95,9 @@ def texts_for(tokenizer_json: str, batch: int, tokens: int, seed: int = 0) -> li
 
 
 def _worker_product(job: dict) -> dict:
-    sys.path.insert(0, str(ROOT))
+    # RUNTIME_BENCH_ROOT (a variant's environment) times another checkout, e.g. the code before
+    # a change, in the same alternating run
+    sys.path.insert(0, os.environ.get("RUNTIME_BENCH_ROOT", str(ROOT)))
     import runtime
     from runtime.models import MiniLM
     model = MiniLM.load(runtime.client("cpu"), max_graphs=len(job["rows"]))

@@ -105,6 +105,11 @@ def _worker_product(job: dict) -> dict:
     for key, texts in job["rows"].items():
         res[key] = _time_calls(lambda: model.embed(texts, batch_size=len(texts)), job["reps"],
                                job["budget_s"])
+    try:               # numba's count is per thread: report what the kernels' threads use
+        from runtime.kernels.cpu_loops import use_threads
+        use_threads()
+    except ImportError:                            # a checkout before the numba kernels
+        pass
     return {"samples": res, "threads": _threads()}
 
 

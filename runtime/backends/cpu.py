@@ -24,9 +24,13 @@ pool: OpenBLAS (numpy's matmuls) or numba (the compiled loops of ``runtime.kerne
   and the stragglers they wait for cost far more than the second core gives: MiniLM 8x128 on 2
   busy cores took 1.9 s per forward with 1 BLAS thread against 10-11 s with 2, and a lone
   [1024, 384] x [384, 1536] sgemm 38 ms against 60 ms.
-- numba keeps its default, all cores (``NUMBA_NUM_THREADS``): its pool sleeps between loops, and
-  at 2 threads it was as fast or faster than at 1 in the same runs.
-- Parallelism between requests comes from the worker threads (one per runnable stream).
+- numba's loops run on the worker thread alone (``runtime.kernels.cpu_loops.use_threads``,
+  unless ``NUMBA_NUM_THREADS`` is set): a parallel region waits for every pool thread, and one
+  descheduled thread stalls it; add + layer norm of [16, 384] took 10 ms median with 2 numba
+  threads against 20 µs with 1 on the same busy machine.
+- Parallelism comes from the worker threads instead (one per runnable stream: concurrent
+  models, requests or clients). On a machine whose cores are idle and reserved for one stream,
+  ``OPENBLAS_NUM_THREADS=<cores>`` and ``NUMBA_NUM_THREADS=<cores>`` let one forward use them.
 """
 
 from __future__ import annotations

@@ -98,17 +98,19 @@ def gelu_np(x: np.ndarray) -> np.ndarray:
 _LOOPS = None
 
 
+_tls = threading.local()
+
+
 def _loops():
     """:mod:`runtime.kernels.cpu_loops`, imported on the first cpu launch (numba loads there, not
-    when ``runtime`` is imported)."""
+    when ``runtime`` is imported), with the thread rule applied to the calling thread."""
     global _LOOPS
     if _LOOPS is None:
         from . import cpu_loops
         _LOOPS = cpu_loops
+    if not getattr(_tls, "threads", 0):
+        _tls.threads = _LOOPS.use_threads()
     return _LOOPS
-
-
-_tls = threading.local()
 
 
 def _scratch(n: int) -> np.ndarray:

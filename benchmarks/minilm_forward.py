@@ -1,6 +1,6 @@
 """all-MiniLM-L6-v2 on the cpu backend beside sentence-transformers, side by side (issue 16).
 
-    python benchmarks/minilm_forward.py                        # the table (product alone without ST)
+    python benchmarks/minilm_forward.py                # the table (product alone without ST)
     python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --plot minilm.png
     python benchmarks/minilm_forward.py --variant blas2 OPENBLAS_NUM_THREADS=2 --variant now
     python benchmarks/minilm_forward.py --variant before RUNTIME_BENCH_ROOT=/tmp/old --variant now
@@ -417,7 +417,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         kind, job, out = args.worker
-        res = (_worker_product if kind == "product" else _worker_st)(json.loads(Path(job).read_text()))
+        work = _worker_product if kind == "product" else _worker_st
+        res = work(json.loads(Path(job).read_text()))
         Path(out).write_text(json.dumps(res))
         return 0
     if args.kernels:

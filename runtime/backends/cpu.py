@@ -312,7 +312,8 @@ class CpuBackend(Backend):
     hardware_graphs = False
     device_name = "numpy " + np.__version__
 
-    def __init__(self, device: int = 0, scheduler=None, seed: int = 0, blas_threads: int | None = 1):
+    def __init__(self, device: int = 0, scheduler=None, seed: int = 0,
+                 blas_threads: int | None = 1):
         super().__init__(device)
         if blas_threads is not None:
             limit_blas_threads(blas_threads)

@@ -96,8 +96,6 @@ def gelu_np(x: np.ndarray) -> np.ndarray:
 
 
 _LOOPS = None
-
-
 _tls = threading.local()
 
 
@@ -315,9 +313,9 @@ def rows_count(rows: int) -> tuple:
 def _layer_norm_cpu(residual: bool):
     def run(x, *rest, rows, n, eps, count):
         r, g, b, out = rest if residual else (x, *rest)
-        xv = x[:rows * n].reshape(rows, n)
-        _loops().layer_norm(xv, r[:rows * n].reshape(rows, n), residual, g[:n], b[:n],
-                            float(eps), out[:rows * n].reshape(rows, n))
+        m = rows * n
+        _loops().layer_norm(x[:m].reshape(rows, n), r[:m].reshape(rows, n), residual, g[:n],
+                            b[:n], float(eps), out[:m].reshape(rows, n))
     return run
 
 

@@ -40,7 +40,8 @@ def anchor_throughput(texts: list, model_dir: str, batch_size: int = 32, rounds:
         batch_size: ``encode``'s batch size (32 is its default); rounds: timed passes over all
             ``texts`` after one untimed warm-up pass (the median pass is reported).
         python: the interpreter (see :func:`st_python`); timeout_s: limit for the whole run.
-    Returns: ``{"texts_per_s", "min", "max", "threads", "versions"}`` (median, slowest and fastest pass) or ``None``.
+    Returns: ``{"texts_per_s", "min", "max", "threads", "versions"}`` (the median, slowest and
+        fastest pass) or ``None``.
     Raises: ``RuntimeError`` when the worker fails or times out.
     """
     py = st_python(python)

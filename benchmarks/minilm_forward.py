@@ -253,13 +253,17 @@ def plot(res: dict, path: str) -> None:
 # -- the kernel table -------------------------------------------------------------------------
 def kernel_table(batch: int = 8, seq: int = 128, reps: int = 30) -> list:
     """Each cpu kernel of the MiniLM layer (µs, median [p10-p90]) beside numpy's and torch's
-    equivalent on the same shapes; torch columns only where torch imports.
+    equivalent on the same shapes; torch columns only where torch imports. Runs on the calling
+    thread with the cpu backend's thread rule (BLAS and numba at one thread, unless the user's
+    environment says otherwise); torch keeps its default threads.
 
     Returns: rows ``{"kernel", "shape", "runtime", "numpy", "torch"}`` (each ``{"p50", "p10",
     "p90"}`` in µs or ``None``).
     """
     sys.path.insert(0, str(ROOT))
+    from runtime.backends.cpu import limit_blas_threads
     from runtime.kernels import nn
+    limit_blas_threads(1)            # the cpu backend's rule (numpy's column runs under it too)
     try:
         import torch
         import torch.nn.functional as F

@@ -9,7 +9,8 @@ sentence-transformers; otherwise nothing is measured.
 
 The worker half (``python -m runtime.serving.anchor``) reads ``{"texts", "model_dir",
 "batch_size", "rounds"}`` as JSON on stdin and writes ``{"texts_per_s", "threads", ...}`` on
-stdout; it imports neither numpy's BLAS settings nor anything of the runtime beyond this file.
+stdout; it starts no runtime backend, so the cpu thread rule (one BLAS thread) is not applied
+there and torch keeps its own defaults.
 """
 
 from __future__ import annotations

@@ -238,13 +238,20 @@ class LaunchFailure:
         written: the raw buffers its ``read_write`` bindings would have written.
         error: the ``ServerError`` to report on its stream.
         graph: the backend graph it belongs to (a replay), or None (an eager launch).
+        reported: True when the backend already reports ``error`` on its stream (cpu: the
+            stream's next completion fails with it); the server then only marks.
     """
 
-    __slots__ = ("stream", "kernel", "written", "error", "graph")
+    __slots__ = ("stream", "kernel", "written", "error", "graph", "reported")
 
-    def __init__(self, stream, kernel, written, error, graph=None):
+    def __init__(self, stream, kernel, written, error, graph=None, reported=False):
         self.stream, self.kernel, self.written = stream, kernel, written
-        self.error, self.graph = error, graph
+        self.error, self.graph, self.reported = error, graph, reported
+
+
+def written_buffers(kernel, args) -> tuple:
+    """The raw buffers a launch of ``kernel`` over ``args`` writes (its read_write bindings)."""
+    return tuple(buf for (buf, _), b in zip(args, kernel.bindings) if b.access != "read")
 
 
 VERBS = ("alloc", "free", "new_stream", "record_event", "wait_event", "synchronize", "copy_in",

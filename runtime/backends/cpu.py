@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
-from .base import Backend, Completion
+from .base import Backend, Completion, LaunchFailure, written_buffers
 
 _RUN, _WAIT, _SIGNAL = 0, 1, 2
 
@@ -412,9 +412,21 @@ class CpuBackend(Backend):
             count = count[0].data
         return kernel.cpu, views, kwargs, count, kernel.name
 
+    def _failed(self, stream, kernel, args, err, graph=None) -> None:
+        """Record a launch that raised, so the server marks what it would have written."""
+        self.failures.append(LaunchFailure(stream, kernel, written_buffers(kernel, args), err,
+                                           graph, reported=True))
+
     def launch(self, stream, program, count, args, params):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name))
+
+        def run():
+            try:
+                _run_launch(fn, views, kwargs, count, name)
+            except LaunchError as err:
+                self._failed(stream, program, args, err)
+                raise
+        self._enqueue(stream, _RUN, run)
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):

@@ -51,7 +51,7 @@ import threading
 import numpy as np
 
 from ..errors import InvalidHandle, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
-from .base import Backend, Completion, LaunchFailure
+from .base import Backend, Completion, LaunchFailure, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
 # they only need it to exist, and never write there for compute.
@@ -88,11 +88,6 @@ def _gpu_error(exc: BaseException, what: str):
     if isinstance(exc, getattr(wgpu, "GPUOutOfMemoryError", ())):
         return OutOfMemory(msg)
     return LaunchError(msg)
-
-
-def _written(kernel, args) -> tuple:
-    """The raw buffers a launch of ``kernel`` over ``args`` writes (its read_write bindings)."""
-    return tuple(buf for (buf, _), b in zip(args, kernel.bindings) if b.access != "read")
 
 
 def _rank(adapter) -> tuple:
@@ -727,7 +722,7 @@ class WgpuBackend(Backend):
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
         stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   _written(program.kernel, args)),)))
+                                   written_buffers(program.kernel, args)),)))
         stream.tasks += 1
         if stream.tasks >= self.max_tasks:
             self._submit(stream)
@@ -746,7 +741,7 @@ class WgpuBackend(Backend):
         resolved = self._count(program, count)
         if resolved is not None:
             recording.tasks.append((program.pipeline, self._bind_group(program, args, params))
-                                   + resolved + (program.kernel, _written(program.kernel, args)))
+                                   + resolved + (program.kernel, written_buffers(program.kernel, args)))
 
     def end_graph(self, recording: WgpuGraph) -> WgpuGraph:
         """The finished graph (the recording itself; no device work)."""

@@ -164,7 +164,9 @@ class ComputeServer:
             if gid is not None:
                 err = type(err)(f"{err} (in a replay of graph {gid}: the dispatch did not run)")
             s = by_raw.get(id(f.stream))
-            if s is not None:
+            if f.reported:
+                pass                      # the backend raises it on its stream itself
+            elif s is not None:
                 s.errors.append(err)
             else:
                 self.async_errors.append(err)

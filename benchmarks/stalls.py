@@ -11,11 +11,12 @@ Three measurements per backend, in one run:
   (four threads looping fire-and-forget ``launch(add_scalar)`` with no sync), taking turns.
   Target on cpu: p99 during the flood <= 20 ms.
 - ``rss_flood`` (c): process RSS sampled every 0.5 s while four threads loop unsynced
-  {``empty``, ``launch``, ``release``} for ``seconds`` (60; ``--quick``: 10). Target: flat,
+  {``empty``, ``launch``, ``release``} for ``seconds`` (60; ``--quick``: 5). Target: flat,
   growth <= +100 MB. A safety stop ends the phase early past +2 GB (``stopped_early``).
 
 Latencies are in ms (median, p10, p90, p99); RSS in MB. Plugs into ``python -m runtime bench``
-as a section: ``measure(backend, quick, tick)`` with ``units(quick)`` progress units; also
+as the section ``stalls``: ``measure(backend, quick, tick)`` with ``units(quick)`` progress
+units (``--quick`` runs it on cpu only, as MiniLM); also
 ``python -m benchmarks.stalls [--backend cpu,wgpu] [--quick] [--out FILE]`` on its own (JSON).
 Uses only the public client API, so the same file measures an older checkout (before/after).
 """
@@ -54,7 +55,7 @@ def _plan(backend: str, quick: bool) -> dict:
     queues behind them, so it takes fewer samples."""
     slow = backend == "wgpu"
     if quick:
-        return {"rounds": 2, "b_samples": 4 if slow else 20, "flood_s": 0.5, "rss_s": 10.0}
+        return {"rounds": 2, "b_samples": 4 if slow else 20, "flood_s": 0.3, "rss_s": 5.0}
     return {"rounds": 4, "b_samples": 8 if slow else 50, "flood_s": 1.0, "rss_s": 60.0}
 
 
@@ -272,6 +273,62 @@ def measure(backend: str, quick: bool = False, tick=None) -> dict:
     return out
 
 
+# -- report: targets, markdown, plot (called by benchmarks/report.py) ---------------------------
+def targets(backend: str, res: dict | None) -> list:
+    """``[{"backend", "target", "value", "met"}]`` of the section's three goals on ``backend``."""
+    if not res or "replay_under_read" not in res:
+        return []
+    ru, rf, rs = res["replay_under_read"], res["read_under_flood"], res["rss_flood"]
+    out = [{"backend": backend, "target": "replay() p99 while another client reads <= 3x alone",
+            "value": f"{ru['with_a']['p99']:.3g} vs {ru['alone']['p99']:.3g} ms "
+                     f"({ru['p99_ratio']:.2f}x)", "met": ru["met"]}]
+    if backend == "cpu":
+        out.append({"backend": backend, "target": "16-byte read p99 during a launch flood <= 20 ms",
+                    "value": f"{rf['flood']['p99']:.3g} ms", "met": rf["met"]})
+    out.append({"backend": backend, "target": "RSS flat under unsynced churn (<= +100 MB)",
+                "value": f"{rs['growth_mb']:+.1f} MB over {rs['seconds']:g} s", "met": rs["met"]})
+    return out
+
+
+def markdown(result: dict) -> list:
+    """The section's markdown lines (empty when no backend measured it)."""
+    have = [(b, r["stalls"]) for b, r in result["backends"].items()
+            if "replay_under_read" in r.get("stalls", {})]
+    if not have:
+        return []
+    lines = ["", "## 5. Stalls and growth (ms; `benchmarks/stalls.py`)", "",
+             "| backend | measurement | phase | p50 | p10 | p90 | p99 | n |",
+             "|---|---|---|---|---|---|---|---|"]
+    for b, res in have:
+        for key, phases in (("replay_under_read", ("alone", "with_a")),
+                            ("read_under_flood", ("idle", "flood"))):
+            for ph in phases:
+                x = res[key][ph]
+                lines.append(f"| {b} | {key} | {ph} | {x['p50']:.3g} | {x['p10']:.3g} | "
+                             f"{x['p90']:.3g} | {x['p99']:.3g} | {x['n']} |")
+    lines += ["", "| backend | RSS start (MB) | peak | growth | seconds | iterations |",
+              "|---|---|---|---|---|---|"]
+    for b, res in have:
+        rs = res["rss_flood"]
+        lines.append(f"| {b} | {rs['rss_start_mb']} | {rs['rss_peak_mb']} | "
+                     f"{rs['growth_mb']:+.1f} | {rs['seconds']} | {rs['iterations']} |")
+    return lines
+
+
+def plot(result: dict, ax) -> bool:
+    """Draw RSS over time of (c) per backend on a matplotlib ``ax``; False when nothing to draw."""
+    drawn = False
+    for b, r in result["backends"].items():
+        series = r.get("stalls", {}).get("rss_flood", {}).get("series")
+        if series:
+            ax.plot([t for t, _ in series], [m for _, m in series], label=b)
+            drawn = True
+    ax.set(xlabel="s", ylabel="RSS (MB)", title="RSS under unsynced empty+launch+release")
+    if drawn:
+        ax.legend(fontsize=7)
+    return drawn
+
+
 def _line(name: str, s: dict) -> str:
     return (f"  {name:8s} p50 {s['p50']:9.3f}  p10 {s['p10']:9.3f}  p90 {s['p90']:9.3f}  "
             f"p99 {s['p99']:9.3f} ms  (n={s['n']})")
@@ -280,7 +337,7 @@ def _line(name: str, s: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="cpu", help="comma-separated: cpu, wgpu, cuda")
-    ap.add_argument("--quick", action="store_true", help="fewer samples, a 10 s growth phase")
+    ap.add_argument("--quick", action="store_true", help="fewer samples, a 5 s growth phase")
     ap.add_argument("--out", default=None, help="write the JSON here")
     a = ap.parse_args(argv)
     result = {"suite": "stalls", "quick": a.quick, "machine": machine(), "backends": {}}
@@ -296,7 +353,7 @@ def main(argv=None) -> int:
         print(_line("idle", rf["idle"]))
         print(_line("flood", rf["flood"]))
         print(f"{b}: (c) RSS {rs['rss_start_mb']} -> peak {rs['rss_peak_mb']} MB "
-              f"(+{rs['growth_mb']} MB) over {rs['seconds']} s, {rs['iterations']} iterations, "
+              f"({rs['growth_mb']:+.1f} MB) over {rs['seconds']} s, {rs['iterations']} iterations, "
               f"drain {rs['drain_s']} s, stopped_early={rs['stopped_early']}, met={rs['met']}")
     if a.out:
         write_json(a.out, result)

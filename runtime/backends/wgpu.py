@@ -522,6 +522,12 @@ class WgpuBackend(Backend):
             self._open.add(s)
         return s.cpass
 
+    def release_stream(self, stream) -> bool:
+        """Submit ``stream``'s batch and forget it (True): on the one queue, submitted work is
+        ordered before anything any stream submits later."""
+        self._submit(stream)
+        return True
+
     def record_event(self, stream):
         """A token for "everything enqueued on ``stream`` so far" (the stream itself: on one
         queue, submitting its pending work is what orders later work after it)."""

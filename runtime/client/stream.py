@@ -9,17 +9,21 @@ import weakref
 _ids = itertools.count(1)
 _local = threading.local()
 _watchers: "weakref.WeakSet" = weakref.WeakSet()
+_watchers_lock = threading.Lock()
 
 
 def watch_thread_ends(server) -> None:
     """Call ``server.thread_ended(sid)`` whenever a thread whose default stream ``sid`` was
     minted ends (held weakly; ``ComputeServer`` registers itself). The call runs on the ending
     thread and must not block."""
-    _watchers.add(server)
+    with _watchers_lock:
+        _watchers.add(server)
 
 
 def _thread_ended(sid) -> None:
-    for server in list(_watchers):
+    with _watchers_lock:
+        servers = list(_watchers)
+    for server in servers:
         try:
             server.thread_ended(sid)
         except Exception:  # noqa: BLE001 - a closed server, interpreter shutdown
@@ -56,7 +60,7 @@ class StreamId(int):
         if sid is None:
             sid = _local.sid = cls(next(_ids))
             end = _local.end = _ThreadEnd()
-            weakref.finalize(end, _thread_ended, sid)
+            weakref.finalize(end, _thread_ended, sid).atexit = False
         return sid
 
     def __repr__(self):

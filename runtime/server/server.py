@@ -143,7 +143,7 @@ class ComputeServer:
                 self.ended.discard(sid)
                 continue
             if (sid in busy or s.state != cap.NO_CAPTURE or s.window is not None or s.primed
-                    or s.errors or not self.backend.release_stream(s.raw)):
+                    or not self.backend.release_stream(s.raw)):
                 continue
             del self.streams[sid]
             self.ended.discard(sid)
@@ -605,6 +605,8 @@ class ComputeServer:
                 f = dict(slot.fences)
                 f.update(fence)
                 self.pool.give(slot, f)
+        if self.pool.idle_bytes > self.pool.max_idle:
+            self._trim(self.pool.max_idle)
         if self.checker is not None:
             self.checker.on_graph_destroy(g)
         if self.ended:

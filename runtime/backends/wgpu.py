@@ -426,13 +426,21 @@ class WgpuBackend(Backend):
         return (qt.items, qt.bytes)
 
     def _queue_error(self, op, exc) -> None:
-        """An operation of the queue thread failed: a submit's dispatches did not run."""
+        """An operation of the queue thread failed. A read fails its completion; a refused
+        submit or write is reported unattributed (the next blocking call on any stream raises
+        it): never dropped silently."""
         kind, obj, _ = op
-        if kind == _SUBMIT:
-            for failure in getattr(obj, "_runtime_log", ()):
-                self.failures.append(failure)
-        elif kind == _MAP:
+        if kind == _MAP:
             obj.fail(LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}"))
+            obj.issued.set()
+        elif kind in (_SUBMIT, _WRITE):
+            what = "a submit" if kind == _SUBMIT else "a write_buffer"
+            self.failures.append(LaunchFailure(None, None, (), _gpu_error(exc, what)))
+
+    def is_alive(self) -> bool:
+        """False once the queue thread stopped or died (waiting callers get ``ServerClosed``)."""
+        qt = self.qt
+        return not qt.closed and qt._thread.is_alive()
 
     # -- memory ------------------------------------------------------------------------
     def _new_buffer(self, nbytes: int, usage):

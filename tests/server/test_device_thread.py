@@ -22,6 +22,7 @@ from runtime import kernels as K
 from runtime.errors import OutOfMemory, ServerClosed
 from runtime.server import get_server
 from runtime.server.queue import DeviceQueue
+from helpers import captured_add_one
 
 LIMIT_S = 20.0
 
@@ -36,7 +37,7 @@ def _until(pred, what: str, limit_s: float = LIMIT_S) -> None:
 
 
 def _wgpu_or_skip():
-    from tests.conftest import backend_unavailable
+    from conftest import backend_unavailable
     why = backend_unavailable("wgpu")
     if why:
         pytest.skip(why)
@@ -173,13 +174,7 @@ def test_wgpu_replay_loop_without_reads_blocks_on_the_submission_backlog():
     _wgpu_or_skip()
     srv = get_server("wgpu", max_idle_bytes=(1 << 30) + 1)   # a private server: bounds changed
     c = runtime.client("wgpu", max_idle_bytes=(1 << 30) + 1)
-    x = c.create(np.ones(64, np.float32))
-    y = c.empty(64, np.float32)
-    c.graph_prepare()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 64})
-    c.start_capture()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 64})
-    g = c.stop_capture()
+    x, y, g = captured_add_one(c)
     qt = srv.backend.qt
     gate, done = threading.Event(), []
     run = qt._run
@@ -193,7 +188,7 @@ def test_wgpu_replay_loop_without_reads_blocks_on_the_submission_backlog():
         gate.set()
         t.join(LIMIT_S)
         assert len(done) == 40
-        np.testing.assert_array_equal(c.read(y), np.full(64, 2, np.float32))
+        np.testing.assert_array_equal(c.read(y), np.full(4, 2, np.float32))
     finally:
         gate.set()
         del qt._run

@@ -116,6 +116,9 @@ class Backend:
         self.on_room = _nothing
         #: failures found after enqueue that the server attributes (see ``take_failures``).
         self.failures: collections.deque = collections.deque()
+        #: set by the server before ``launch``/``launch_graph``: the stream position of the
+        #: work being enqueued; a ``LaunchFailure`` carries it (``pos``).
+        self.issue_pos = None
 
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int):
@@ -240,13 +243,15 @@ class LaunchFailure:
         graph: the backend graph it belongs to (a replay), or None (an eager launch).
         reported: True when the backend already reports ``error`` on its stream (cpu: the
             stream's next completion fails with it); the server then only marks.
+        pos: the server's stream position of the launch (``Backend.issue_pos`` when it was
+            enqueued); a buffer written again after it is not marked. None: always marked.
     """
 
-    __slots__ = ("stream", "kernel", "written", "error", "graph", "reported")
+    __slots__ = ("stream", "kernel", "written", "error", "graph", "reported", "pos")
 
-    def __init__(self, stream, kernel, written, error, graph=None, reported=False):
+    def __init__(self, stream, kernel, written, error, graph=None, reported=False, pos=None):
         self.stream, self.kernel, self.written = stream, kernel, written
-        self.error, self.graph, self.reported = error, graph, reported
+        self.error, self.graph, self.reported, self.pos = error, graph, reported, pos
 
 
 def written_buffers(kernel, args) -> tuple:

@@ -412,19 +412,16 @@ class CpuBackend(Backend):
             count = count[0].data
         return kernel.cpu, views, kwargs, count, kernel.name
 
-    def _failed(self, stream, kernel, args, err, graph=None) -> None:
-        """Record a launch that raised, so the server marks what it would have written."""
-        self.failures.append(LaunchFailure(stream, kernel, written_buffers(kernel, args), err,
-                                           graph, reported=True))
-
     def launch(self, stream, program, count, args, params):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
+        pos = self.issue_pos
 
         def run():
             try:
                 _run_launch(fn, views, kwargs, count, name)
-            except LaunchError as err:
-                self._failed(stream, program, args, err)
+            except LaunchError as err:   # the server marks what it would have written
+                self.failures.append(LaunchFailure(stream, program, written_buffers(
+                    program, args), err, reported=True, pos=pos))
                 raise
         self._enqueue(stream, _RUN, run)
 

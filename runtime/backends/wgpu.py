@@ -151,8 +151,8 @@ class WgpuProgram:
 class WgpuStream:
     """A logical stream: an open command encoder and compute pass not yet submitted.
 
-    ``log`` lists what the open batch holds, ``(graph or None, tasks)``, so a batch that fails
-    validation can be split into its dispatches.
+    ``log`` lists what the open batch holds, ``(graph or None, tasks, server position)``, so a
+    batch that fails validation can be split into its dispatches.
     """
 
     __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log")
@@ -501,7 +501,7 @@ class WgpuBackend(Backend):
         """Encode each dispatch of a refused batch alone, in order: the valid ones become
         command buffers, each invalid one a ``LaunchFailure`` naming its kernel (and graph)."""
         cbs = []
-        for graph, tasks in log:
+        for graph, tasks, pos in log:
             for pipeline, group, xyz, indirect, kernel, written in tasks:
                 enc = self.dev.create_command_encoder()
                 cpass = enc.begin_compute_pass()
@@ -516,7 +516,7 @@ class WgpuBackend(Backend):
                     cbs.append(enc.finish())
                 except Exception as exc:  # noqa: BLE001 - GPUValidationError
                     err = _gpu_error(exc, f"dispatch of kernel {kernel.name}")
-                    self.failures.append(LaunchFailure(s, kernel, written, err, graph))
+                    self.failures.append(LaunchFailure(s, kernel, written, err, graph, pos=pos))
         return cbs
 
     def _submit_all(self) -> None:
@@ -736,7 +736,7 @@ class WgpuBackend(Backend):
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
         stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   written_buffers(program.kernel, args)),)))
+                                   written_buffers(program.kernel, args)),), self.issue_pos))
         stream.tasks += 1
         if stream.tasks >= self.max_tasks:
             self._submit(stream)
@@ -790,7 +790,7 @@ class WgpuBackend(Backend):
                 indirect_dispatch(indirect, 0)
         stream.pipeline = last
         stream.tasks += len(graph.tasks)
-        stream.log.append((graph, graph.tasks))
+        stream.log.append((graph, graph.tasks, self.issue_pos))
         self._submit(stream)
 
     def destroy_graph(self, stream, graph: WgpuGraph) -> None:

@@ -171,9 +171,14 @@ class ComputeServer:
             else:
                 self.async_errors.append(err)
             written = {id(b) for b in f.written}
+            fsid = s.id if s is not None else None
             for st in self.handles.values():
-                if id(st.slot.buf) in written:
-                    st.error = (gid, err)
+                if id(st.slot.buf) not in written:
+                    continue
+                if f.pos is not None and (st.writes.get(fsid, -1) > f.pos or (
+                        gid is None and st.writes.get(fsid) != f.pos)):
+                    continue                  # a later write was enqueued after it
+                st.error = (gid, err)
 
     def _on_async_error(self, exc) -> None:
         # a fire-and-forget handler raised past its own error handling: report at the next drain
@@ -421,6 +426,7 @@ class ComputeServer:
             if self.checker is not None:
                 for b, st in zip(kernel.bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
+            self.backend.issue_pos = s.pos + 1      # carried by a LaunchFailure, if any
             self.backend.launch(s.raw, prog, count, args, params)
         except ServerError as e:
             s.errors.append(e)
@@ -436,6 +442,7 @@ class ComputeServer:
             else:
                 st.writes = {sid: pos}
                 st.reads = {}
+                st.error = None               # a later write replaces a failed one's mark
         if cst is not None:
             cst.reads[sid] = pos
 
@@ -566,6 +573,7 @@ class ComputeServer:
                                      "recording a graph; replay after stop_capture()")
             if self.checker is not None:
                 self.checker.on_replay(s, g)
+            self.backend.issue_pos = s.pos + 1
             self.backend.launch_graph(s.raw, g.graph)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(

@@ -11,7 +11,7 @@ Three measurements per backend, in one run:
   (four threads looping fire-and-forget ``launch(add_scalar)`` with no sync), taking turns.
   Target on cpu: p99 during the flood <= 20 ms.
 - ``rss_flood`` (c): process RSS sampled every 0.5 s while four threads loop unsynced
-  {``empty``, ``launch``, ``release``} for ``seconds`` (60; ``--quick``: 5). Target: flat,
+  {``empty``, ``launch``, ``release``} for ``seconds`` (60; ``--quick``: 3). Target: flat,
   growth <= +100 MB. A safety stop ends the phase early past +2 GB (``stopped_early``).
 
 Latencies are in ms (median, p10, p90, p99); RSS in MB. Plugs into ``python -m runtime bench``
@@ -55,8 +55,8 @@ def _plan(backend: str, quick: bool) -> dict:
     queues behind them, so it takes fewer samples."""
     slow = backend == "wgpu"
     if quick:
-        return {"rounds": 2, "b_samples": 4 if slow else 20, "flood_s": 0.3, "rss_s": 5.0}
-    return {"rounds": 4, "b_samples": 8 if slow else 50, "flood_s": 1.0, "rss_s": 60.0}
+        return {"rounds": 2, "b_samples": 4 if slow else 20, "flood_s": 0.3, "rss_s": 3.0}
+    return {"rounds": 4, "b_samples": 16 if slow else 50, "flood_s": 1.0, "rss_s": 60.0}
 
 
 def units(quick: bool) -> int:
@@ -337,7 +337,7 @@ def _line(name: str, s: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="cpu", help="comma-separated: cpu, wgpu, cuda")
-    ap.add_argument("--quick", action="store_true", help="fewer samples, a 5 s growth phase")
+    ap.add_argument("--quick", action="store_true", help="fewer samples, a 3 s growth phase")
     ap.add_argument("--out", default=None, help="write the JSON here")
     a = ap.parse_args(argv)
     result = {"suite": "stalls", "quick": a.quick, "machine": machine(), "backends": {}}

@@ -16,7 +16,7 @@ show what the device work costs when nothing is shared. Paths take turns in roun
 threads run a batch of one path between two barriers, then the next path, the order rotated
 each round. Launch batches end with an untimed sync, so queues never grow across a batch.
 
-    python -m benchmarks.device_thread [--backend cpu] [--quick]
+    python -m runtime.bench.device_thread [--backend cpu] [--quick]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import runtime
 import runtime.kernels as K
 from runtime.server import backend_class
 
-from .common import clock, summarize
+from .timing import clock, summarize
 
 THREADS = (1, 2, 4, 8)
 N = 64                                        # floats in the noop's one binding

@@ -40,8 +40,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runtime  # noqa: E402
-import runtime.kernels as K  # noqa: E402
-from runtime.bench.floors import CpuFloor, WgpuFloor  # noqa: E402
+from runtime.bench.floors import KERNEL, CpuFloor, WgpuFloor  # noqa: E402
+from runtime.bench.replay import capture, run_pass  # noqa: E402
 
 #: (name, elems, kernels, rounds), as graph_bench's CONFIGS.
 CONFIGS = [
@@ -54,17 +54,9 @@ CONFIGS = [
     ("1m x2000", 1_048_576, 2000, 5),
 ]
 QUICK = ("tiny x150", "tiny x1000", "64k x1000", "1m x500")
-KERNEL = K.add_scalar
 PATHS = ("normal", "replay", "floor")
 #: untimed pause after every timed pass (seconds).
 SETTLE_S = 0.05
-
-
-def run_pass(client, a, b, elems, kernels):
-    params, count = {"alpha": 1.0, "n": elems}, K.grid(elems)
-    for i in range(kernels):
-        src, dst = (a, b) if i % 2 == 0 else (b, a)
-        client.launch(KERNEL, count, [src, dst], params)
 
 
 def stats(xs) -> dict:
@@ -77,16 +69,7 @@ def measure_row(client, name, elems, kernels, rounds, floor_cls, bar) -> dict:
     """One config: warm, capture, then ``rounds`` interleaved normal/replay/floor rounds."""
     a = client.create(np.zeros(elems, np.float32))
     b = client.create(np.zeros(elems, np.float32))
-    run_pass(client, a, b, elems, kernels)          # warm compilation and pools
-    client.read(a)
-    client.graph_prepare()
-    run_pass(client, a, b, elems, kernels)          # warm-up that primes the pool
-    client.read(a)
-    client.start_capture()
-    run_pass(client, a, b, elems, kernels)          # recorded, not executed
-    t0 = time.perf_counter()
-    graph = client.stop_capture()
-    capture_s = time.perf_counter() - t0
+    graph, capture_s = capture(client, a, b, elems, kernels)   # warm, warm-up, record
     graph.replay()
     client.read(a)
     floor = floor_cls(elems, kernels)

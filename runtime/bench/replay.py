@@ -14,12 +14,11 @@ f32 buffers ``a`` and ``b`` (the workload of CubeCL's ``graph_bench``, research 
   prebuilt pipeline and bind groups, one submit, on wgpu; raw cupy launches on cuda, plus
   ``floor_graph``, one raw cupy graph launch).
 
-    python -m runtime.bench.replay [--backend cpu] [--quick]
+    python -m runtime bench --sections replay [--backend cpu] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -60,7 +59,7 @@ def capture(client, a, b, elems: int, length: int):
     return g, clock() - t
 
 
-#: untimed pause between wgpu samples (see :func:`runtime.bench.timing.interleaved`'s ``settle``).
+#: untimed pause between wgpu samples (the ``settle`` of :func:`runtime.bench.timing.interleaved`).
 SETTLE_S = 0.05
 
 
@@ -178,25 +177,3 @@ def measure(backend: str, quick: bool = False, tick=None) -> dict:
         row = measure_pass(client, backend, elems, length, reps, tick)
         out["e2e"].append(dict(row, size=size))
     return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    res = measure(a.backend, a.quick)
-    print(f"replay enqueue, µs ({res['device']})")
-    for L, s in res["enqueue"].items():
-        print(f"  L={L:<6} p50 {s['p50']:9.2f}  p10 {s['p10']:9.2f}  p90 {s['p90']:9.2f}  "
-              f"p99 {s['p99']:9.2f}")
-    print("end to end, µs per pass (p50)")
-    for r in res["e2e"]:
-        cols = "  ".join(f"{p} {r[p]['e2e']['p50']:10.1f}" for p in ("eager", "replay", "floor"))
-        print(f"  {r['size']:5s} L={r['length']:<6} {cols}")
-    runtime.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

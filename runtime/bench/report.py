@@ -303,17 +303,22 @@ def _err(ss):
     return [[s["p50"] - s["p10"] for s in ss], [s["p90"] - s["p50"] for s in ss]]
 
 
+def _have(result: dict, section: str, field: str) -> list:
+    """``[(backend, result of section)]`` for the backends whose section result has ``field``."""
+    return [(b, r[section]) for b, r in result["backends"].items()
+            if field in r.get(section, {})]
+
+
 def plot_device_thread(result: dict, folder: Path) -> list:
     """``device_thread.png`` (µs per call vs client threads) into ``folder``; the paths written.
 
     Raises: ``ImportError`` without matplotlib.
     """
-    plt = _pyplot()
-    import matplotlib.ticker
-    backends, written = list(result["backends"].items()), []
-    have = [(b, r["device_thread"]) for b, r in backends if "threads" in r.get("device_thread", {})]
+    have = _have(result, "device_thread", "threads")
     if not have:
         return []
+    plt = _pyplot()
+    import matplotlib.ticker
     fig, axes = plt.subplots(1, len(have), figsize=(5 * len(have), 3.6), squeeze=False)
     for ax, (b, dt) in zip(axes[0], have):
         ns = list(dt["threads"])
@@ -328,8 +333,7 @@ def plot_device_thread(result: dict, folder: Path) -> list:
         ax.set_xticks([int(n) for n in ns], ns)
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
-    written.append(_save(plt, fig, folder, "device_thread.png"))
-    return written
+    return [_save(plt, fig, folder, "device_thread.png")]
 
 
 def plot_replay(result: dict, folder: Path) -> list:
@@ -337,11 +341,10 @@ def plot_replay(result: dict, folder: Path) -> list:
 
     Raises: ``ImportError`` without matplotlib.
     """
-    plt = _pyplot()
-    backends, written = list(result["backends"].items()), []
-    have = [(b, r["replay"]) for b, r in backends if "enqueue" in r.get("replay", {})]
+    have = _have(result, "replay", "enqueue")
     if not have:
         return []
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for b, rp in have:
         Ls = [int(L) for L in rp["enqueue"]]
@@ -364,7 +367,7 @@ def plot_replay(result: dict, folder: Path) -> list:
     axes[1].set(xscale="log", yscale="log", xlabel="graph length (launches)",
                 ylabel="replay / raw backend, end to end", title="replay vs floor")
     axes[1].legend(fontsize=7)
-    written.append(_save(plt, fig, folder, "replay_enqueue.png"))
+    written = [_save(plt, fig, folder, "replay_enqueue.png")]
 
     fig, axes = plt.subplots(1, len(have), figsize=(5 * len(have), 3.6), squeeze=False)
     for ax, (b, rp) in zip(axes[0], have):
@@ -377,8 +380,7 @@ def plot_replay(result: dict, folder: Path) -> list:
         ax.set(xscale="log", yscale="log", title=b, xlabel="graph length (launches)",
                ylabel="µs per pass (p50)")
         ax.legend(fontsize=7)
-    written.append(_save(plt, fig, folder, "e2e.png"))
-    return written
+    return written + [_save(plt, fig, folder, "e2e.png")]
 
 
 def plot_minilm(result: dict, folder: Path) -> list:
@@ -386,11 +388,10 @@ def plot_minilm(result: dict, folder: Path) -> list:
 
     Raises: ``ImportError`` without matplotlib.
     """
-    plt = _pyplot()
-    backends, written = list(result["backends"].items()), []
-    have = [(b, r["minilm"]["rows"]) for b, r in backends if "rows" in r.get("minilm", {})]
+    have = [(b, mm["rows"]) for b, mm in _have(result, "minilm", "rows")]
     if not have:
         return []
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.4))
     labels, x = [], 0
     for b, rows in have:
@@ -405,8 +406,7 @@ def plot_minilm(result: dict, folder: Path) -> list:
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set(yscale="log", ylabel="ms per forward (p50)", title="MiniLM forward")
     ax.legend(fontsize=7)
-    written.append(_save(plt, fig, folder, "minilm.png"))
-    return written
+    return [_save(plt, fig, folder, "minilm.png")]
 
 
 def draw_plots(result: dict, folder: Path, sections=None) -> list:

@@ -145,7 +145,8 @@ def main(argv=None) -> int:
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--backend", help="comma-separated: cpu, wgpu, cuda (default: all that answer)")
     ap.add_argument("--quick", action="store_true", help="the CI smoke run: few reps, L <= 1000")
-    ap.add_argument("--out", help=f"folder for bench.json, bench.md, PNGs (default: {default_out()})")
+    ap.add_argument("--out", help=f"folder for bench.json, bench.md, PNGs "
+                                  f"(default: {default_out()})")
     ap.add_argument("--readme", action="store_true",
                     help="also write the checkout's benchmarks/README.md and benchmarks/img/*.png")
     names = ",".join(s.name for s in SECTIONS)

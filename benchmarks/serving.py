@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         order = names[k % len(names):] + names[:k % len(names)]
         for name in order:
             b, srv, m = servers[name]
-            b0, c0 = b.batches_run, m.captures.value()
+            b0, c0 = b.batches_run, m.value("graph_captures_total")
             lat, wall, fails = asyncio.run(drive(srv.url, plan(n, args.requests, args.texts)))
             ms = np.array(lat) * 1e3
             batches = b.batches_run - b0
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
                          "p50_ms": float(np.percentile(ms, 50)),
                          "p99_ms": float(np.percentile(ms, 99)), "batches": batches,
                          "rows_per_batch": len(lat) * args.texts / max(batches, 1),
-                         "captures": int(m.captures.value() - c0), "failures": fails})
+                         "captures": int(m.value("graph_captures_total") - c0), "failures": fails})
             if not args.quiet:
                 r = rows[-1]
                 print(f"{name:22s} clients={n:3d}  {r['req_per_s']:7.1f} req/s  "

@@ -234,7 +234,7 @@ def test_warmup_runs_each_bucket_once_and_respects_the_graph_bound():
     m = ServingMetrics()
     b = Batcher(model, batch_buckets=(1, 4), seq_buckets=(8, 16), metrics=m)
     assert b.warmup([(1, 8), (4, 16)], progress=False) == [(1, 8), (4, 16)]
-    assert model.buckets == [(1, 8), (4, 16)] and m.captures.value() == 2
+    assert model.buckets == [(1, 8), (4, 16)] and m.value("graph_captures_total") == 2
     with pytest.raises(ValueError, match="max_graphs"):
         b.warmup([(1, 8), (4, 8), (1, 16)], progress=False)
     with pytest.raises(ValueError):

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..client import StreamId
 from ..tensor import Arena, Tensor, embedding
+from .tokens import encode_truncated, ids_batch
 
 #: sequence-length buckets of the captured path (tokens, padded up to the next one).
 SEQ_BUCKETS = (16, 32, 64, 128, 256)
@@ -184,11 +185,14 @@ class MiniLM:
         Args:
             texts: a string or a list of strings.
         Returns: ``(ids, mask)``, both ``int64 [n, L]`` with ``L <= max_seq_length``
-            (``[CLS] ... [SEP]``, truncated on the right keeping ``[SEP]``).
+            (``[CLS] ... [SEP]``, truncated on the right keeping ``[SEP]``). A long text is
+            truncated while it is tokenized (:func:`runtime.models.tokens.encode_truncated`):
+            its cost is bounded by a few times ``max_seq_length`` tokens, whatever its length.
+        Raises: what the tokenizer raises for text it cannot take (e.g. a lone surrogate).
         """
         if isinstance(texts, str):
             texts = [texts]
-        encs = self.tokenizer.encode_batch(list(texts))
+        encs = encode_truncated(self.tokenizer, list(texts))
         L = max((len(e.ids) for e in encs), default=0)
         ids = np.zeros((len(encs), L), np.int64)
         mask = np.zeros((len(encs), L), np.int64)
@@ -196,6 +200,25 @@ class MiniLM:
             ids[i, :len(e.ids)] = e.ids
             mask[i, :len(e.ids)] = e.attention_mask
         return ids, mask
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the word-embedding table: token ids lie in ``[0, vocab_size)``."""
+        return int(self.word.shape[0])
+
+    def encode_ids(self, seqs) -> tuple:
+        """Token-id inputs (lists of this model's token ids) as padded ``(ids, mask)``.
+
+        ``[CLS]``/``[SEP]`` are added where missing and the content truncated to
+        ``max_seq_length`` as :meth:`tokenize` does (:func:`runtime.models.tokens.ids_batch`),
+        so ``encode_ids([tokenizer.encode(t).ids])`` embeds exactly as ``tokenize([t])``.
+        Returns: ``(ids, mask)``, ``int64 [n, L]``.
+        Raises: ``ValueError`` (an id outside ``[0, vocab_size)``, naming ``input[i]``);
+            ``TypeError`` (not a list of lists).
+        """
+        tok = self.tokenizer
+        return ids_batch(seqs, cls_id=tok.token_to_id("[CLS]"), sep_id=tok.token_to_id("[SEP]"),
+                         vocab_size=self.vocab_size, max_length=self.max_seq_length)
 
     # -- the network --------------------------------------------------------------------------
     def _encode(self, ids: Tensor, types: Tensor, mask: Tensor, output: str = "embeddings"):

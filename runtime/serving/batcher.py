@@ -12,9 +12,9 @@ and queues the request. One worker thread owns the model and loops:
    texts of that bucket give one text each, in ring order, round after round, until the row
    cap is reached: ``min(max_batch, the largest batch bucket b with b * seq_len <=
    max_batch_tokens)`` (a padded-token budget, as text-embeddings-inference's
-   ``--max-batch-tokens``). The head then moves to the back of the ring. A big request is thus
-   split into sub-batches interleaved with everyone else's, and a 1-text request waits for at
-   most the batch in flight and one more;
+   ``--max-batch-tokens``). A head that led the previous batch moves to the back of the ring
+   first when others wait. A big request is thus split into sub-batches interleaved with
+   everyone else's, and a new 1-text request waits only for the batch in flight;
 3. choose the ``(batch, seq_len)`` bucket (:func:`choose_bucket`; with the graph cache full, a
    captured bucket within the token budget is reused, even if that means running fewer texts
    now and the rest in the next batch, rather than capturing and evicting), pad to it, and run
@@ -263,6 +263,7 @@ class Batcher:
         self._deadline = 0.0                 # perf_counter time after which queued work fails
         self._thread = None
         self._s_per_text = None              # running estimate of compute seconds per text
+        self._last_head = None               # the request that led the last batch
         self.batches_run = 0
         self.last_error = None
         if start:
@@ -558,8 +559,11 @@ class Batcher:
 
     def _take(self, ring: deque) -> list:
         """The next batch: the head request picks the seq bucket; requests holding texts of it
-        give one each, in ring order, round after round, up to the row cap; the head then
-        moves to the back of the ring."""
+        give one each, in ring order, round after round, up to the row cap. A head that led
+        the previous batch first moves to the back of the ring when others wait."""
+        if len(ring) > 1 and ring[0] is self._last_head:
+            ring.rotate(-1)
+        self._last_head = ring[0]
         seq = ring[0].first_seq()
         cap = self.row_cap(seq)
         batch: list = []
@@ -573,7 +577,6 @@ class Batcher:
                 if seq in r.pending:
                     nxt.append(r)
             active = nxt
-        ring.rotate(-1)
         emptied = [r for r in ring if not r.n_pending]
         for r in emptied:
             ring.remove(r)

@@ -33,7 +33,7 @@ _TIMEOUT_BODY = json.dumps({"error": {"message": "the request headers did not ar
 
 
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening-ready TCP socket bound to ``(host, port)`` (``port=0``: a free one).
+    """A listening TCP socket bound to ``(host, port)`` (``port=0``: a free one).
 
     ``proto=IPPROTO_TCP`` explicitly: asyncio sets ``TCP_NODELAY`` on accepted connections only
     when the socket says it is TCP; with proto 0, Nagle + delayed ACK add ~40 ms to every
@@ -46,6 +46,7 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)           # connections queue from here on, before uvicorn starts
     except OSError:
         sock.close()
         raise

@@ -14,7 +14,8 @@ and queues the request. One worker thread owns the model and loops:
    max_batch_tokens)`` (a padded-token budget, as text-embeddings-inference's
    ``--max-batch-tokens``). A head that led the previous batch moves to the back of the ring
    first when others wait. A big request is thus split into sub-batches interleaved with
-   everyone else's, and a new 1-text request waits only for the batch in flight;
+   everyone else's: a new request joins the next batch of its sequence bucket, and waits for
+   at most one batch per other waiting request;
 3. choose the ``(batch, seq_len)`` bucket (:func:`choose_bucket`; with the graph cache full, a
    captured bucket within the token budget is reused, even if that means running fewer texts
    now and the rest in the next batch, rather than capturing and evicting), pad to it, and run

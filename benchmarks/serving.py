@@ -17,9 +17,10 @@ loopback port; the load generator is an ``httpx.AsyncClient`` here too. Sections
 - ``largest``: the cost of the largest legal request. ``python -m runtime serve`` runs in a
   child process; after a warm-up, its peak RSS is reset (``/proc/PID/clear_refs``), one request
   is sent, and the child's peak RSS above its resident size before the request (``VmHWM``) and
-  its CPU time (``utime + stime``) are read. Requests: ``--max-inputs`` texts of 256 tokens
-  (the reference), and ``--max-inputs`` texts as long as the body limit allows (the largest
-  legal request). Linux only.
+  its CPU time (``utime + stime``) are read. Requests (``--largest-requests``): texts of 256
+  tokens (the reference), texts as long as the body limit allows (the largest legal request),
+  and texts of ``--max-input-chars`` characters, as many as the body limit allows; each
+  ``--largest-inputs`` texts at most (default ``--max-inputs``). Linux only.
 
 Paths: ``graph`` (the batcher replays each ``(batch, seq_len)`` bucket's captured graph,
 captured at start-up before anything is timed), ``eager`` (the same batcher and padded shapes,
@@ -273,8 +274,15 @@ def largest_rows(args) -> list:
                 time.sleep(0.2)
             http.post("/v1/embeddings", json={"input": [ref_text] * 64})        # warm-up
             n = args.largest_inputs or args.max_inputs
-            for name, text in (("256-token texts", ref_text), ("largest legal", long_text)):
-                body = json.dumps({"input": [text] * n}).encode()
+            longest = (" ".join(words) + " ") * (args.max_input_chars // len(" ".join(words)) + 1)
+            n_longest = min(n, (args.max_body_bytes - 1000) // (args.max_input_chars + 6))
+            plan = {"ref": ("256-token texts", ref_text, n),
+                    "body": ("largest legal", long_text, n),
+                    "longest": (f"{args.max_input_chars}-char texts",
+                                longest[:args.max_input_chars], n_longest)}
+            for key in args.largest_requests.split(","):
+                name, text, count = plan[key.strip()]
+                body = json.dumps({"input": [text] * count}).encode()
                 with open(f"/proc/{child.pid}/clear_refs", "w") as f:
                     f.write("5")                                   # peak RSS := current RSS
                 before = _proc(child.pid)
@@ -283,7 +291,7 @@ def largest_rows(args) -> list:
                               headers={"content-type": "application/json"})
                 wall = time.perf_counter() - t0
                 after = _proc(child.pid)
-                rows.append({"request": name, "inputs": n, "chars": len(text),
+                rows.append({"request": name, "inputs": count, "chars": len(text),
                              "body_bytes": len(body), "status": r.status_code, "wall_s": wall,
                              "cpu_s": after["cpu_s"] - before["cpu_s"],
                              "peak_rss_mb": (after["peak"] - before["rss"]) / 2**20})
@@ -354,10 +362,13 @@ def print_tables(closed: list, mixed: list, largest: list) -> None:
         for r in largest:
             print(f"{r['request'] + ' x' + str(r['inputs']):24s} {r['body_bytes'] / 2**20:6.1f} "
                   f"{r['status']:6d} {r['peak_rss_mb']:9.1f} {r['cpu_s']:7.1f} {r['wall_s']:7.1f}")
-        if len(largest) == 2 and largest[0]["cpu_s"] > 0:
-            a, b = largest
-            print(f"largest / 256-token request: memory {b['peak_rss_mb'] / max(a['peak_rss_mb'], 1):.2f}x, "
-                  f"CPU {b['cpu_s'] / a['cpu_s']:.2f}x")
+        a = largest[0]
+        for b in largest[1:]:
+            if a["request"] == "256-token texts" and a["cpu_s"] > 0:
+                mem = b["peak_rss_mb"] / max(a["peak_rss_mb"], 1)
+                print(f"{b['request']} / 256-token texts, per text: memory "
+                      f"{mem * a['inputs'] / b['inputs']:.2f}x, CPU "
+                      f"{b['cpu_s'] / b['inputs'] / (a['cpu_s'] / a['inputs']):.2f}x")
 
 
 def main(argv=None) -> int:
@@ -380,6 +391,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-body-bytes", type=int, default=16 << 20,
                    help="the server's body limit: with --max-inputs, sizes the largest legal "
                    "request's texts")
+    p.add_argument("--max-input-chars", type=int, default=100_000,
+                   help="the server's characters-per-text limit")
+    p.add_argument("--largest-requests", default="ref,body,longest",
+                   help="largest section: ref (256-token texts), body (--max-inputs texts "
+                   "filling the body limit), longest (--max-input-chars texts, as many as the "
+                   "body limit allows)")
     p.add_argument("--largest-inputs", type=int, default=None,
                    help="texts sent in the largest section (default --max-inputs; fewer "
                    "scales the measurement down, each text keeping its size)")

@@ -257,7 +257,9 @@ def largest_rows(args) -> list:
            str(port), "--log-level", "warning", "--warmup", "32x256"]
     env = dict(os.environ)
     env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    # cwd: this folder, so `-m runtime` imports the checkout on PYTHONPATH, not the current dir's
+    child = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
     url = f"http://127.0.0.1:{port}"
     rows = []
     try:

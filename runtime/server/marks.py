@@ -44,12 +44,14 @@ class Mark:
             return f"replay of graph {op[1]}"
         if op[0] == "launch":
             return f"launch of {op[1]} on stream {int(op[2])}"
+        if op[0] == "write":
+            return f"host write to handle {op[1]} on stream {int(op[2])}"
         return str(op[1])
 
     def stale(self, hid: int, queued=None) -> ReplayFailed:
         """The error a read of handle ``hid`` raises: ``ReplayFailed`` (``.cause`` = the failure),
-        combined with the stream's other ``queued`` errors (a list, a ``ServerUnhealthy`` or one
-        error)."""
+        combined with the stream's ``queued`` errors (a list, a ``ServerUnhealthy`` or one error)
+        into one ``ServerUnhealthy`` that is also an instance of each of their classes."""
         cause = self.error
         err = ReplayFailed(f"read of handle {hid}: its last writer, the {self.describe()}, failed "
                            f"({type(cause).__name__}: {cause}); the buffer holds stale data until "
@@ -61,7 +63,6 @@ class Mark:
             others = queued.errors
         else:
             others = list(queued) if isinstance(queued, list) else [queued]
-        others = [e for e in others if e is not cause]
         return unhealthy([err] + others) if others else err
 
 

@@ -175,10 +175,11 @@ class ComputeServer:
         else:
             self.pool.give(slot, fences)
 
-    def _mark(self, states, err) -> None:
-        """Mark ``states`` as written by a failed operation (``err``)."""
+    @staticmethod
+    def _mark(states, op: tuple, err) -> None:
+        """Mark ``states`` as written by the failed operation ``op`` (``Mark.op``)."""
         if states:
-            m = Mark(("error", f"failed operation ({type(err).__name__})"), err)
+            m = Mark(op, err)
             for st in states:
                 st.mark = m
 
@@ -221,7 +222,7 @@ class ComputeServer:
             self.backend.copy_in(s.raw, st.slot.buf, data)
         except ServerError as e:              # queued on the stream like any fire-and-forget error
             s.errors.append(e)
-            self._mark((st,), e)
+            self._mark((st,), ("write", hid, sid), e)
             return
         s.pos += 1
         st.writes = {sid: s.pos}
@@ -282,12 +283,12 @@ class ComputeServer:
                                 f"server {self.name}; keep the Handle alive while it is in use")
             s.errors.append(err)
             if w is None:
-                self._mark(outs, err)
+                self._mark(outs, ("launch", kernel.name, sid), err)
             return
         prog = self._program(s, kernel)
         if prog is None:
             if w is None:
-                self._mark(outs, s.errors[-1])
+                self._mark(outs, ("launch", kernel.name, sid), s.errors[-1])
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
@@ -316,7 +317,7 @@ class ComputeServer:
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
             if w is None:
-                self._mark(outs, err)
+                self._mark(outs, ("launch", kernel.name, sid), err)
             return
         s.pos += 1
         pos = s.pos

@@ -51,6 +51,21 @@ def other(c):
     return c.with_stream(runtime.StreamId.new())
 
 
+@pytest.fixture(params=["backend", *(f"interleave-{k}" for k in range(4))])
+def fresh(request, client):
+    """``client``, then the cpu backend's seeded interleavings (a server of its own each, with
+    the checker: a fresh pool, so the reuse is the test's, and every ordering is tried)."""
+    if request.param == "backend":
+        yield client
+        return
+    if client.backend != "cpu":
+        pytest.skip("the interleaving variants run once, with the cpu backend")
+    c = runtime.client("cpu", scheduler="interleave", seed=int(request.param[11:]), check=True)
+    yield c.with_stream(runtime.StreamId.new())
+    assert c._server.checker.violations == []
+    c.shutdown()
+
+
 # -- case 1 and its kind: a buffer changing owner carries the fences of its pending work --------
 def test_a_window_allocation_is_ordered_after_the_buffers_previous_owner(client):   # case 1
     a, b = client, other(client)
@@ -84,10 +99,10 @@ def test_a_window_allocation_is_ordered_under_every_interleaving(seed):       # 
 
 
 @pytest.mark.parametrize("graph_first", [True, False])
-def test_a_buffer_freed_with_a_replay_pending_waits_for_it(client, graph_first):
+def test_a_buffer_freed_with_a_replay_pending_waits_for_it(fresh, graph_first):
     """Release the graph and a handle it writes, in either order, while its replay is pending:
     the next owner of the buffer, on another stream, is ordered after the replay."""
-    a, b = client, other(client)
+    a, b = fresh, other(fresh)
     gate = Gate()
     x = a.create(np.ones(N, np.float32))
     y = a.empty(N, np.float32)
@@ -97,16 +112,18 @@ def test_a_buffer_freed_with_a_replay_pending_waits_for_it(client, graph_first):
     gate.close_on(a, y)                           # recorded: every replay waits for the gate
     add(a, x, y, 4.0)
     g = a.stop_capture()
+    b.wait_event(a.record_event())                # an event of a's stream *before* the replay
     g.replay()                                    # pending behind the gate
     for release in ((g.release, y.release) if graph_first else (y.release, g.release)):
         release()
     z = b.create(np.full(N, 9.0, np.float32))     # may take y's buffer
     gate.open()
+    a.sync()                                      # the replay ran: it must not have hit z
     np.testing.assert_array_equal(b.read(z), np.full(N, 9.0, np.float32))
 
 
-def test_a_graph_destroyed_with_a_replay_pending_hands_its_buffers_on_fenced(client):
-    a, b = client, other(client)
+def test_a_graph_destroyed_with_a_replay_pending_hands_its_buffers_on_fenced(fresh):
+    a, b = fresh, other(fresh)
     gate = Gate()
     x = a.create(np.ones(N, np.float32))
     a.graph_prepare()
@@ -116,10 +133,12 @@ def test_a_graph_destroyed_with_a_replay_pending_hands_its_buffers_on_fenced(cli
     add(a, x, tmp, 2.0)
     g = a.stop_capture()
     tmp.release()
+    b.wait_event(a.record_event())                # an event of a's stream *before* the replay
     g.replay()
     g.release()                                   # tmp's buffer goes back to the pool now
     z = b.create(np.full(N, -5.0, np.float32))
     gate.open()
+    a.sync()                                      # the replay ran: it must not have hit z
     np.testing.assert_array_equal(b.read(z), np.full(N, -5.0, np.float32))
 
 
@@ -344,10 +363,11 @@ def test_static_graph_keeps_the_weights_its_body_used_alive(client):          # 
     sg = runtime.StaticGraph(c, inputs={"x": ((4,), "f32")}, outputs={"y": ((4,), "f32")},
                              body=lambda x, y: {"y": x.add(b)})
     del b
-    w = Tensor.from_numpy(c, np.full(4, -9.0, np.float32))
+    ws = [Tensor.from_numpy(c, np.full(4, -9.0, np.float32)) for _ in range(8)]   # one may reuse
     np.testing.assert_array_equal(sg(x=np.arange(4, dtype=np.float32))["y"],
                                   np.arange(4, dtype=np.float32) + 1.5)
-    np.testing.assert_array_equal(w.numpy(), np.full(4, -9.0, np.float32))
+    for w in ws:
+        np.testing.assert_array_equal(w.numpy(), np.full(4, -9.0, np.float32))
     sg.release()
 
 

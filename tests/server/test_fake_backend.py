@@ -142,6 +142,25 @@ def test_the_window_records_launches_and_replay_is_one_launch_graph(fake):
     assert len(verbs(backend, "destroy_graph")) == 1
 
 
+def test_a_graph_destroyed_while_its_stream_captures_waits_for_the_window_to_end(fake):
+    """No event may be recorded on a capturing stream: the server holds the graph (once for
+    every backend; it was cuda's graveyard)."""
+    backend, c = fake
+    x = c.create(np.zeros(4, np.float32))
+    c.graph_prepare()
+    c.start_capture()
+    c.launch(K.fill, 1, [x], {"value": 1.0, "n": 4})
+    g = c.stop_capture()
+    c.graph_prepare()
+    c.start_capture()
+    g.release()
+    c.memory_usage()                                 # the destroy message ran
+    assert verbs(backend, "destroy_graph") == []
+    c.stop_capture().release()
+    c.memory_usage()
+    assert len(verbs(backend, "destroy_graph")) == 2  # the held one, then the empty window's
+
+
 def test_a_hardware_graph_refuses_a_window_that_grew_the_pool():
     backend = FakeBackend(hardware=True)
     srv = ComputeServer(backend, "runtime-fake-hw:0")

@@ -263,20 +263,27 @@ def test_a_failure_found_at_enqueue_marks_what_the_launch_would_write(client):
     np.testing.assert_array_equal(c.read(y), np.full(N, 6.0, np.float32))
 
 
-def test_a_launch_reading_a_marked_buffer_marks_its_output(client):
-    c = client
-    z = c.create(np.zeros(N, np.float32))
+def refused_replay(c, x0):
+    """A graph ``y = x + 1`` (x = ``x0``) whose replay was refused (its stream was capturing):
+    ``y`` is marked. Returns ``(x, y, graph)``."""
+    x = c.create(np.full(N, x0, np.float32))
     y = c.empty(N, np.float32)
     c.graph_prepare()
-    add(c, z, y, 1.0)
+    add(c, x, y, 1.0)
     c.start_capture()
-    add(c, z, y, 1.0)
+    add(c, x, y, 1.0)
     g = c.stop_capture()
     c.graph_prepare()
     c.start_capture()
     with pytest.raises(CaptureRefused):
         g.replay()                                # refused: marks y
     c.abort_capture()
+    return x, y, g
+
+
+def test_a_launch_reading_a_marked_buffer_marks_its_output(client):
+    c = client
+    _, y, g = refused_replay(c, 0.0)
     out = c.empty(N, np.float32)
     add(c, y, out, 1.0)                           # computed from stale y
     with pytest.raises(ReplayFailed, match=f"handle {y.id}"):
@@ -374,18 +381,7 @@ def test_static_graph_keeps_the_weights_its_body_used_alive(client):          # 
 # -- case 7: a whole-buffer write clears the mark -----------------------------------------------
 def test_a_write_clears_the_mark_of_a_refused_replay(client):                 # case 7
     c = client
-    x = c.create(np.ones(N, np.float32))
-    z = c.empty(N, np.float32)
-    c.graph_prepare()
-    add(c, x, z, 1.0)
-    c.start_capture()
-    add(c, x, z, 1.0)
-    g = c.stop_capture()
-    c.graph_prepare()
-    c.start_capture()
-    with pytest.raises(CaptureRefused):
-        g.replay()
-    c.abort_capture()
+    _, z, g = refused_replay(c, 1.0)
     with pytest.raises(ReplayFailed):
         c.read(z)
     c.write(z, np.zeros(N, np.float32))

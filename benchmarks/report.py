@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from . import stalls
+
 GOAL_SYNC_US, GOAL_ENQUEUE_US, GOAL_FLOOR_X, GOAL_CONTROL = 5.0, 10.0, 1.2, 0.05
 PATH_NAMES = {"sync": "runtime `sync()`", "sync_floor": "backend `synchronize` (floor)",
               "launch": "runtime `launch(noop)`", "launch_floor": "backend `launch` (floor)",
@@ -81,6 +83,7 @@ def targets(result: dict) -> list:
                             "value": f"{len(ok)}/{len(ctl)} rows; "
                                      f"{min(ctl):.2f}x–{max(ctl):.2f}x",
                             "met": len(ok) == len(ctl)})
+        out += stalls.targets(b, res.get("stalls"))
     return out
 
 
@@ -232,6 +235,10 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False) -> st
             if "minilm" in res:
                 lines += [f"### {b}", ""] + _minilm_md(b, res["minilm"]) + [""]
         img("minilm.png", "MiniLM forward")
+    section = stalls.markdown(result)
+    if section:
+        lines += section
+        img("stalls.png", "RSS under unsynced churn")
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -329,6 +336,11 @@ def draw_plots(result: dict, folder: Path) -> list:
         ax.set(yscale="log", ylabel="ms per forward (p50)", title="MiniLM forward")
         ax.legend(fontsize=7)
         save(fig, "minilm.png")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    if stalls.plot(result, ax):
+        save(fig, "stalls.png")
+    else:
+        plt.close(fig)
     return written
 
 

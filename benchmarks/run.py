@@ -8,7 +8,9 @@ Per backend (default: every backend that answers here; cuda only with a GPU):
    backend verbs called with no server, for 1, 2, 4 and 8 client threads;
 2. ``Graph.replay()`` enqueue latency vs graph length (``benchmarks/replay.py``);
 3. end-to-end passes, eager vs replay vs the raw backend, tiny and large kernels (same file);
-4. the MiniLM forward, eager vs replay, and sentence-transformers where installed (here).
+4. the MiniLM forward, eager vs replay, and sentence-transformers where installed (here);
+5. stalls and growth of the device thread (``benchmarks/stalls.py``): replay latency under
+   another client's heavy read, a read under a launch flood, RSS under unsynced churn.
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
 (the CI smoke run) uses few repetitions, graph lengths up to 1000 (large kernels up to 10) and
@@ -26,7 +28,7 @@ import traceback
 
 import numpy as np
 
-from . import device_thread, replay, report
+from . import device_thread, replay, report, stalls
 from .common import HERE, RESULTS, clock, machine, summarize, write_json
 
 MINILM_FULL = [(b, s) for b in (1, 8, 32) for s in (16, 128)]
@@ -105,6 +107,14 @@ def measure_minilm(backend: str, quick: bool, tick=None, budget_s: float = 8.0) 
     return out
 
 
+def _stalls(backend: str, quick: bool, tick) -> dict:
+    """The stalls section; ``--quick`` runs it on cpu only (lavapipe's matmuls take seconds)."""
+    if quick and backend != "cpu":
+        tick(stalls.units(quick))
+        return {"skipped": "--quick runs the stalls section on cpu only"}
+    return stalls.measure(backend, quick, tick)
+
+
 class _NoBar:
     """Stands in for ``tqdm`` when it is not installed (``pip install tqdm`` for the bar)."""
 
@@ -161,6 +171,7 @@ def main(argv=None) -> int:
     sections = [("device_thread", lambda b, t: device_thread.measure(b, args.quick, t),
                  device_thread.units(args.quick)),
                 ("replay", lambda b, t: replay.measure(b, args.quick, t), replay.units(args.quick))]
+    sections.append(("stalls", lambda b, t: _stalls(b, args.quick, t), stalls.units(args.quick)))
     if not args.no_minilm:
         plan = MINILM_QUICK if args.quick else MINILM_FULL
         sections.append(("minilm", lambda b, t: measure_minilm(b, args.quick, t),

@@ -183,6 +183,7 @@ class Capture:
         """
         srv = self.server
         new_state = transition(s.state, "begin", s.id)
+        srv._collect_failures()         # failures the backend found after enqueue (submit)
         if warmup_error is not None:
             s.errors.extend(warmup_error.errors if isinstance(warmup_error, ServerUnhealthy)
                             else [warmup_error])

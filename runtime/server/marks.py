@@ -32,10 +32,14 @@ class Mark:
     def __init__(self, op, error=None):
         self.op, self.error = op, error
 
-    def fail(self, error: BaseException) -> None:
-        """Record that the operation failed (keeps the first error); any thread."""
+    def fail(self, error: BaseException):
+        """Record that the operation failed (keeps the first error); any thread. Returns the
+        error to report on the stream: for a replay, ``error`` retyped with the graph named."""
+        if self.op[0] == "replay":
+            error = type(error)(f"{error} (in a replay of graph {self.op[1]})")
         if self.error is None:
             self.error = error
+        return error
 
     def describe(self) -> str:
         """The operation in words."""

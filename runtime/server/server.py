@@ -171,8 +171,8 @@ class ComputeServer:
                 if st.mark is CLEAN:          # (a host write cannot fail later: never CLEAN)
                     st.mark = Mark(("replay", gid) if gid is not None
                                    else ("launch", f.kernel.name, fsid), err)
-                else:
-                    st.mark.fail(err)         # the mark of that launch or replay: reads see it
+                elif st.mark.error is None:   # the mark of that launch or replay: reads see it
+                    st.mark.error = err
 
     def _on_async_error(self, exc) -> None:
         # a fire-and-forget handler raised past its own error handling: report at the next drain

@@ -392,7 +392,7 @@ class CudaBackend(Backend):
         this device, but callers waiting on completions of *other* streams poll
         ``cudaEventQuery`` outside the lock, and the owner itself may ``cudaMalloc`` (a fresh
         allocation the server then refuses) or load a module: global mode would let any of those
-        invalidate the capture, and design.md promises that other streams work normally. What
+        invalidate the capture, and docs/contract.md promises that other streams work normally. What
         capture forbids regardless is enforced by the server: no read, sync or replay on the
         capturing stream, no event recorded on it.
 

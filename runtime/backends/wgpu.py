@@ -7,7 +7,7 @@ Device verbs only (see ``runtime.backends.base``); the server owns every policy.
 - Logical streams share the one ``GPUQueue``. Each stream batches its dispatches into a command
   encoder (one open compute pass) and submits it every ``max_tasks`` dispatches (default 32, as
   CubeCL's ``tasks_max``) or at the next blocking call. On one queue, submission order is the
-  execution order, so an event is "submit the recording stream's pending work" (design.md 3).
+  execution order, so an event is "submit the recording stream's pending work" (docs/contract.md 3).
 - ``queue.write_buffer`` lands at the next submit, *ahead of* anything encoded but not yet
   submitted; ``copy_in`` therefore submits every stream's pending work first, so a write issued
   after a launch or a replay never overtakes it.
@@ -543,7 +543,7 @@ class WgpuBackend(Backend):
 
     def wait_event(self, stream, event) -> None:
         """Submit the event's stream's pending work, so anything ``stream`` submits later runs
-        after it (design.md section 3: the single queue's submission order)."""
+        after it (docs/contract.md section 3: the single queue's submission order)."""
         if event is not stream:
             self._submit(event)
 

@@ -1,4 +1,4 @@
-"""ComputeClient: the thin client (design.md section 2; CubeCL ``client.rs``).
+"""ComputeClient: the thin client (docs/contract.md section 2; CubeCL ``client.rs``).
 
 Each method checks its Python arguments (``TypeError``/``ValueError``/``InvalidHandle`` at the
 call, before anything is queued), reads the stream id, and sends one message: ``submit`` for

@@ -1,4 +1,4 @@
-"""Stream ids (design.md section 3; CubeCL ``cubecl-environment/src/stream/id.rs``)."""
+"""Stream ids (docs/contract.md section 3; CubeCL ``cubecl-environment/src/stream/id.rs``)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from ..errors import ServerClosed
 POLL_S = 0.05
 #: default bounds: queued messages, bytes of pending host data, backend backlog items. Small on
 #: purpose: a blocking call waits behind at most this backlog. Measured on 2 loaded cores
-#: (benchmarks/stalls.py (b), 4 flooding threads): a 16-byte read's p99 was 10 ms with 32/256,
+#: (runtime/bench/stalls.py (b), 4 flooding threads): a 16-byte read's p99 was 10 ms with 32/256,
 #: 23 ms with 64/256, 51 ms with 128/512 and 330 ms with 256/1024, at the same launch rate.
 MAX_MESSAGES = 32
 MAX_BYTES = 256 << 20

@@ -17,7 +17,7 @@ Three measurements per backend, in one run:
 Latencies are in ms (median, p10, p90, p99); RSS in MB. Plugs into ``python -m runtime bench``
 as the section ``stalls``: ``measure(backend, quick, tick)`` with ``units(quick)`` progress
 units (``--quick`` runs it on cpu only, as MiniLM); also
-``python -m benchmarks.stalls [--backend cpu,wgpu] [--quick] [--out FILE]`` on its own (JSON).
+``python -m runtime.bench.stalls [--backend cpu,wgpu] [--quick] [--out FILE]`` on its own (JSON).
 Uses only the public client API, so the same file measures an older checkout (before/after).
 """
 
@@ -33,7 +33,8 @@ import numpy as np
 import runtime
 import runtime.kernels as K
 
-from .common import clock, machine, summarize, write_json
+from .machine import machine, write_json
+from .timing import clock, summarize
 
 MM = 384                  # A's matmul size
 FLOOD_THREADS = 4
@@ -264,7 +265,11 @@ def rss_flood(backend: str, plan: dict, tick=None) -> dict:
 
 def measure(backend: str, quick: bool = False, tick=None) -> dict:
     """All three measurements on ``backend``: ``{"replay_under_read", "read_under_flood",
-    "rss_flood", "plan"}``."""
+    "rss_flood", "plan"}``. In the suite, ``--quick`` runs the section on cpu only (lavapipe's
+    384x384 matmuls take seconds): ``{"skipped": why}`` elsewhere."""
+    if quick and tick is not None and backend != "cpu":
+        tick(units(quick))
+        return {"skipped": "--quick runs the stalls section on cpu only"}
     plan = _plan(backend, quick)
     out = {"plan": plan}
     out["replay_under_read"] = replay_under_read(backend, plan, tick)
@@ -273,8 +278,8 @@ def measure(backend: str, quick: bool = False, tick=None) -> dict:
     return out
 
 
-# -- report: targets, markdown, plot (called by benchmarks/report.py) ---------------------------
-def targets(backend: str, res: dict | None) -> list:
+# -- report: targets, markdown, plot (the Section hooks of runtime/bench/suite.py) ---------------
+def backend_targets(backend: str, res: dict | None) -> list:
     """``[{"backend", "target", "value", "met"}]`` of the section's three goals on ``backend``."""
     if not res or "replay_under_read" not in res:
         return []
@@ -290,13 +295,20 @@ def targets(backend: str, res: dict | None) -> list:
     return out
 
 
-def markdown(result: dict) -> list:
-    """The section's markdown lines (empty when no backend measured it)."""
+def suite_targets(result: dict) -> list:
+    """The section's goals for every backend of a suite ``result`` (``Section.targets``)."""
+    return [t for b, r in result["backends"].items()
+            for t in backend_targets(b, r.get("stalls"))]
+
+
+def markdown(result: dict, img=None) -> list:
+    """The section's markdown lines (empty when no backend measured it); ``img(name, alt)``
+    adds the RSS plot (``Section.markdown``)."""
     have = [(b, r["stalls"]) for b, r in result["backends"].items()
             if "replay_under_read" in r.get("stalls", {})]
     if not have:
         return []
-    lines = ["", "## 5. Stalls and growth (ms; `benchmarks/stalls.py`)", "",
+    lines = ["## Stalls and growth (ms; `runtime/bench/stalls.py`)", "",
              "| backend | measurement | phase | p50 | p10 | p90 | p99 | n |",
              "|---|---|---|---|---|---|---|---|"]
     for b, res in have:
@@ -312,11 +324,32 @@ def markdown(result: dict) -> list:
         rs = res["rss_flood"]
         lines.append(f"| {b} | {rs['rss_start_mb']} | {rs['rss_peak_mb']} | "
                      f"{rs['growth_mb']:+.1f} | {rs['seconds']} | {rs['iterations']} |")
+    if img is not None:
+        lines += [""] + img("stalls.png", "RSS under unsynced churn")
     return lines
 
 
-def plot(result: dict, ax) -> bool:
-    """Draw RSS over time of (c) per backend on a matplotlib ``ax``; False when nothing to draw."""
+def plot(result: dict, folder) -> list:
+    """``stalls.png`` in ``folder``: RSS over time of (c) per backend (``Section.plot``); ``[]``
+    when no backend measured it. Raises ``ImportError`` without matplotlib."""
+    from pathlib import Path
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    try:
+        if not _draw_rss(result, ax):
+            return []
+        path = Path(folder) / "stalls.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return [path]
+    finally:
+        plt.close(fig)
+
+
+def _draw_rss(result: dict, ax) -> bool:
     drawn = False
     for b, r in result["backends"].items():
         series = r.get("stalls", {}).get("rss_flood", {}).get("series")

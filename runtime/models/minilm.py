@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..capture import capture
 from ..client import StreamId
 from ..tensor import Arena, Tensor, embedding
 from .tokens import encode_truncated, ids_batch
@@ -86,7 +87,8 @@ class _Layer:
 
 
 class _Bucket:
-    """A captured forward for one ``(batch, seq)``: pinned inputs, arena, graph and output."""
+    """A captured forward for one ``(batch, seq)``: pinned inputs, arena, the
+    ``runtime.CapturedGraph`` and its output."""
 
     def __init__(self, model: "MiniLM", batch: int, seq: int):
         c = model.client
@@ -313,38 +315,26 @@ class MiniLM:
             self._buckets.move_to_end((batch, seq_len))
             bk.ids.write(pad_ids)           # in place, on the capture stream
             bk.mask.write(pad_mask)
-            bk.graph.replay()
-            return bk.out.numpy()[:b]
+            return bk.graph.replay().numpy()[:b]
 
     def _capture(self, batch: int, seq_len: int) -> _Bucket:
         while len(self._buckets) >= max(self.max_graphs, 1):
             _, old = self._buckets.popitem(last=False)
             old.release()
         bk = _Bucket(self, batch, seq_len)
-        c = self.client
         bk.ids.write(np.zeros((batch, seq_len), np.int32))
         bk.types.write(np.zeros((batch, seq_len), np.int32))
         bk.mask.write(np.ones((batch, seq_len), np.float32))
-        c.graph_prepare()
-        recording = False
+
+        def forward():
+            with bk.arena:               # the warm-up fills the arena; the recorded run reuses it
+                return self._encode(bk.ids, bk.types, bk.mask)
         try:
-            with bk.arena:                   # warm-up: fills the arena, compiles the kernels
-                warm = self._encode(bk.ids, bk.types, bk.mask)
-                del warm                     # back to the arena before the recorded run
-                c.start_capture()
-                recording = True
-                out = self._encode(bk.ids, bk.types, bk.mask)
-            recording = False
-            bk.graph, bk.out = c.stop_capture(), out
+            bk.graph = capture(forward, client=self.client)
         except BaseException:
-            # leave the stream out of capture (prepared -> capturing -> stopped), then re-raise
-            for step in ((c.stop_capture,) if recording else (c.start_capture, c.stop_capture)):
-                try:
-                    step()
-                except Exception:  # noqa: BLE001 - the original error matters
-                    pass
             bk.release()
             raise
+        bk.out = bk.graph.output
         self._buckets[(batch, seq_len)] = bk
         self.graph_captures += 1
         return bk

@@ -1,6 +1,6 @@
 """Command line: ``python -m runtime <command>``.
 
-Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``bench``,
+Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``embed-corpus``, ``bench``,
 ``capture-demo``. Each is imported only when asked for.
 """
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "demo": ("runtime.serving.demo", "main", "serve MiniLM on the embedded default and load it"),
     "serve": ("runtime.serving.cli", "main", "start the embeddings HTTP server"),
     "embed": ("runtime.models.cli", "embed_main", "print embeddings of texts"),
+    "embed-corpus": ("runtime.corpus.cli", "main", "embed a JSONL/CSV/Parquet file into Parquet"),
     "bench": ("benchmarks.run", "main", "run the latency benchmarks"),
     "capture-demo": ("runtime.demo", "main", "capture a launch chain and replay it"),
 }

@@ -5,6 +5,8 @@ Usage::
     python -m runtime serve [--backend cpu|wgpu|cuda|auto] [--host 127.0.0.1] [--port 8000]
                             [--eager] [--max-graphs 8] [--warmup 1x16,8x32,...]
                             [--max-batch 32] [--max-wait-ms 2]
+                            [--ray [--replicas N] [--address ray://...] [--min-replicas m]
+                                   [--max-replicas M] [--target-ongoing-requests t]]
 
 then ``curl -s localhost:8000/v1/embeddings -d '{"input": ["a text", "another"]}'``.
 """
@@ -49,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long an idle batcher waits for more texts (ms)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    # -- Ray Serve (issue 18): these flags are read by runtime/serving/ray_serve.py only --------
+    g = p.add_argument_group("Ray Serve", "with --ray: replicas of this server on a Ray cluster")
+    g.add_argument("--ray", action="store_true",
+                   help="deploy on Ray Serve (one model + batcher per replica)")
+    g.add_argument("--replicas", type=int, default=1, help="replicas (initial, when autoscaling)")
+    g.add_argument("--address", default=None,
+                   help="Ray cluster to join (ray://head:10001, head:6379, auto); default: start "
+                        "a local one on 127.0.0.1")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling lower bound")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling target of ongoing requests per replica")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="Ray CPUs per replica (--backend cuda asks one GPU each)")
     return p
 
 
@@ -63,6 +79,9 @@ def _port(text: str) -> int:
 def main(argv=None) -> int:
     """Run the server until interrupted. Returns the exit code (2 when the model is missing)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.ray:                         # Ray Serve (issue 18)
+        from .ray_serve import main_ray
+        return main_ray(args)
     import uvicorn
 
     from . import Batcher, ServingMetrics, create_app, limit_blas_threads, load_model

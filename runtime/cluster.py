@@ -18,6 +18,10 @@ LOOPBACK = "127.0.0.1"
 _SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+class NotLoopback(RuntimeError):
+    """A local cluster that should be loopback-only came up on another address."""
+
+
 def node_addresses() -> list:
     """The IP address of every live node of the connected cluster (``ray.nodes()``)."""
     import ray
@@ -37,7 +41,7 @@ def init_ray(address: str | None = None, *, num_cpus: float | None = None,
         kwargs: more ``ray.init`` arguments.
     Returns: what ``ray.init`` returns (its context). If Ray is already initialised here, that
         connection is kept and ``None`` is returned.
-    Raises: ``ImportError`` (``pip install 'runtime[ray]'``); ``RuntimeError`` when a local
+    Raises: ``ImportError`` (``pip install 'runtime[ray]'``); :class:`NotLoopback` when a local
         cluster came up with a node address other than 127.0.0.1 (it is shut down first);
         Ray's ``ConnectionError`` when ``address`` cannot be reached.
     """
@@ -57,6 +61,6 @@ def init_ray(address: str | None = None, *, num_cpus: float | None = None,
     bad = [a for a in node_addresses() if a != LOOPBACK]
     if bad:
         ray.shutdown()
-        raise RuntimeError(f"the local Ray cluster came up on {bad}, not {LOOPBACK} only; set "
+        raise NotLoopback(f"the local Ray cluster came up on {bad}, not {LOOPBACK} only; set "
                            f"{_SWITCH}=0 before starting Python")
     return ctx

@@ -5,6 +5,7 @@ Usage::
     python -m runtime embed-corpus corpus.jsonl --out corpus.parquet [--text-column text]
         [--ray [--address ray://head:10001] [--actors 2] [--actor-cpus 1]]
         [--backend cpu|wgpu|cuda|auto] [--batch-size 256] [--max-graphs 8] [--model-dir DIR]
+        [--seq-buckets 16,32,64,128,256]
 
 Exit status: 0 when every row was embedded, 1 when some rows failed (they are in the output
 with a null ``embedding`` and the reason in ``embedding_error``; the first ones are printed),
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device backend of each embedder (default: cpu)")
     p.add_argument("--batch-size", type=int, default=256, help="rows per embedder call")
     p.add_argument("--max-graphs", type=int, default=8, help="most bucket graphs per embedder")
+    p.add_argument("--seq-buckets", type=_sizes, default=None, metavar="N,N,...",
+                   help="sequence-length buckets in tokens, the last >= 256 (default "
+                        "16,32,64,128,256; add 8 for corpora of very short texts)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
     g = p.add_argument_group("Ray Data", "with --ray: an actor pool on a Ray cluster")
     g.add_argument("--ray", action="store_true", help="embed with a Ray Data actor pool")
@@ -41,13 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sizes(text: str) -> tuple:
+    """argparse type: ``"8,32,256"`` -> ``(8, 32, 256)``."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+
+
 def main(argv=None) -> int:
     """Run ``embed-corpus``; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from .run import embed_corpus
 
     settings = {"backend": None if args.backend == "auto" else args.backend,
-                "model_dir": args.model_dir, "max_graphs": args.max_graphs}
+                "model_dir": args.model_dir, "max_graphs": args.max_graphs,
+                "seq_buckets": args.seq_buckets}
     if args.ray:
         from ..cluster import init_ray
         init_ray(args.address)

@@ -83,16 +83,20 @@ def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tm
     local_out = tmp_path / "local.parquet"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH",
                                                                                  "")]))
-    # the in-process path as a user runs it; the Ray path below with the same settings
-    r = subprocess.run([sys.executable, "-m", "runtime", "embed-corpus", str(src), "--out",
-                        str(local_out), "--max-graphs", "8", "--seq-buckets", "8,32,256"],
-                       cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr           # 1: a row failed, and says which
-    assert f"row {null_row}: the text is null" in r.stderr and "1000 rows" in r.stderr
-    summary = embed_corpus(src, tmp_path / "ray.parquet", use_ray=True, actors=1,
-                           batch_size=256, actor_cpus=0.5, backend="cpu", max_graphs=8,
-                           seq_buckets=(8, 32, 256))
+    # the in-process path as a user runs it (a subprocess, meanwhile the Ray path runs here)
+    cli = subprocess.Popen([sys.executable, "-m", "runtime", "embed-corpus", str(src), "--out",
+                            str(local_out), "--max-graphs", "8", "--seq-buckets", "8,32,256"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        summary = embed_corpus(src, tmp_path / "ray.parquet", use_ray=True, actors=1,
+                               batch_size=256, actor_cpus=0.5, backend="cpu", max_graphs=8,
+                               seq_buckets=(8, 32, 256))
+        out, err = cli.communicate(timeout=300)
+    finally:
+        cli.kill()
+    assert cli.returncode == 1, out + err                   # 1: a row failed, and says which
+    assert f"row {null_row}: the text is null" in err and "1000 rows" in err
     assert (summary.rows, summary.failed) == (1000, 1)
     assert summary.failures == [(null_row, "the text is null")]
     local, remote = pq.read_table(local_out), pq.read_table(tmp_path / "ray.parquet")

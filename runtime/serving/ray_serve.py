@@ -123,19 +123,21 @@ def build_app(settings: dict | None = None, *, replicas: int = 1, min_replicas: 
     return EmbeddingsReplica.options(**opts).bind(settings)
 
 
-def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME) -> str:
+def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
+           route_prefix: str = "/") -> str:
     """Start Serve's HTTP proxy on ``host:port`` (if Serve is not running yet) and run ``app``
-    at route ``/``; returns once every replica is up.
+    under ``route_prefix``; returns once every replica is up.
 
     Args:
         app: from :func:`build_app`; host, port: where Serve's proxy listens (loopback by
-            default); name: the Serve application name.
-    Returns: the base URL, ``http://host:port``.
+            default; ignored when Serve already runs); name: the Serve application name (one
+            name per app: several apps can share the proxy under different prefixes).
+    Returns: the app's base URL, ``http://host:port`` plus the prefix.
     Raises: Serve's errors (a replica that fails to start fails the deployment).
     """
     serve.start(http_options={"host": host, "port": port})
-    serve.run(app, name=name, route_prefix="/")
-    return f"http://{host}:{port}"
+    serve.run(app, name=name, route_prefix=route_prefix)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
 def settings_from_args(args) -> dict:

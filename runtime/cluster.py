@@ -30,7 +30,7 @@ def node_addresses() -> list:
 
 
 def init_ray(address: str | None = None, *, num_cpus: float | None = None,
-             log_to_driver: bool = True, **kwargs):
+             log_to_driver: bool = True, retries: int = 1, **kwargs):
     """Connect this process to Ray: join ``address``, or start a loopback-only local cluster.
 
     Args:
@@ -38,6 +38,8 @@ def init_ray(address: str | None = None, *, num_cpus: float | None = None,
             to start a new local cluster on 127.0.0.1 (no dashboard).
         num_cpus: logical CPUs of the local cluster (default: all); ignored when joining.
         log_to_driver: forward workers' output to this process.
+        retries: further attempts to start a local cluster after a failed start (Ray gives its
+            node 30 s to register, which an overloaded machine can miss).
         kwargs: more ``ray.init`` arguments.
     Returns: what ``ray.init`` returns (its context). If Ray is already initialised here, that
         connection is kept and ``None`` is returned.
@@ -56,8 +58,15 @@ def init_ray(address: str | None = None, *, num_cpus: float | None = None,
         return None
     if address is not None:
         return ray.init(address=address, log_to_driver=log_to_driver, **kwargs)
-    ctx = ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK,
-                   include_dashboard=False, log_to_driver=log_to_driver, **kwargs)
+    for attempt in range(1 + max(0, int(retries))):
+        try:
+            ctx = ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK,
+                           include_dashboard=False, log_to_driver=log_to_driver, **kwargs)
+            break
+        except Exception:                # Ray raises a bare Exception on a start-up timeout
+            ray.shutdown()
+            if attempt >= retries:
+                raise
     bad = [a for a in node_addresses() if a != LOOPBACK]
     if bad:
         ray.shutdown()

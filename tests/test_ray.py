@@ -104,7 +104,8 @@ def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tm
         assert t.column_names == ["id", "text", "tag", "embedding", "embedding_error"]
         assert t.num_rows == 1000 and t.column("id").to_pylist() == list(range(1000))
         assert t.column("tag").to_pylist() == [f"t{i % 7}" for i in range(1000)]
-        assert str(t.schema.field("embedding").type) == "fixed_size_list<element: float>[384]"
+        kind = t.schema.field("embedding").type
+        assert kind.list_size == 384 and str(kind.value_type) == "float"
         errors = t.column("embedding_error").to_pylist()
         assert [i for i, e in enumerate(errors) if e] == [null_row]
     a, b = _rows(local), _rows(remote)
@@ -243,3 +244,21 @@ def test_a_killed_replica_is_replaced_and_no_accepted_request_is_lost(ref, serve
         if seen == tags:
             break
     assert seen == tags and victim.rsplit("#", 1)[1] not in seen
+
+
+def test_replicas_map_to_devices_and_autoscaling_passes_through():
+    from runtime.serving.ray_serve import deployment_options
+
+    gpu = deployment_options("cuda", replicas=2)
+    assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
+    assert gpu["num_replicas"] == 2 and "autoscaling_config" not in gpu
+    cpu = deployment_options("cpu", replicas=2, num_cpus=0.5, max_replicas=4,
+                             target_ongoing_requests=8)
+    assert cpu["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    assert cpu["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 4,
+                                         "initial_replicas": 2, "target_ongoing_requests": 8}
+    assert "num_replicas" not in cpu
+    for bad in ({"replicas": 0}, {"replicas": 3, "max_replicas": 2},
+                {"target_ongoing_requests": 0}):
+        with pytest.raises(ValueError):
+            deployment_options("cpu", **bad)

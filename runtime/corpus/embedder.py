@@ -23,17 +23,20 @@ class CorpusEmbedder:
     Args:
         text_column: the column holding the texts.
         timeout: seconds one batch may take before ``TimeoutError``.
+        batcher: a running :class:`runtime.serving.Batcher` to use instead of starting one
+            (``close()`` then closes it).
         settings: more ``start_batcher`` keyword arguments (``backend``, ``model_dir``,
             ``max_graphs``, ``seq_buckets``, ...).
     Raises: what ``start_batcher`` raises (model files missing, backend unavailable).
     """
 
-    def __init__(self, text_column: str = "text", timeout: float = 600.0, **settings):
+    def __init__(self, text_column: str = "text", timeout: float = 600.0, batcher=None,
+                 **settings):
         from ..serving.replica import start_batcher
 
         self.text_column = text_column
         self.timeout = float(timeout)
-        self.batcher = start_batcher(**settings)
+        self.batcher = batcher if batcher is not None else start_batcher(**settings)
 
     def __call__(self, batch):
         """Embed one batch.

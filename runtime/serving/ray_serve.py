@@ -78,27 +78,27 @@ class EmbeddingsReplica:
             batcher.close()
 
 
-def build_app(settings: dict | None = None, *, replicas: int = 1, min_replicas: int | None = None,
-              max_replicas: int | None = None, target_ongoing_requests: float | None = None,
-              num_cpus: float = 1.0, num_gpus: float | None = None,
-              max_ongoing_requests: int = 64):
-    """The embeddings deployment, bound and ready for ``serve.run``.
+def deployment_options(backend: str | None = "cpu", *, replicas: int = 1,
+                       min_replicas: int | None = None, max_replicas: int | None = None,
+                       target_ongoing_requests: float | None = None, num_cpus: float = 1.0,
+                       num_gpus: float | None = None, max_ongoing_requests: int = 64) -> dict:
+    """Serve deployment options (``Deployment.options`` keywords) for the replicas.
 
     Args:
-        settings: the replicas' :func:`~runtime.serving.replica.start_batcher` arguments.
+        backend: the replicas' backend; ``"cuda"`` makes ``num_gpus`` default to 1.
         replicas: replicas to run (the initial count when autoscaling).
         min_replicas, max_replicas, target_ongoing_requests: any of them turns on Serve's
             autoscaling (``autoscaling_config``); unset bounds default to ``replicas``.
         num_cpus: logical CPUs per replica (Ray's ``num_cpus``).
-        num_gpus: GPUs per replica; default 1 when ``settings["backend"] == "cuda"``, else 0.
+        num_gpus: GPUs per replica; default 1 with ``backend="cuda"``, else 0.
         max_ongoing_requests: requests Serve sends one replica at a time (its batcher batches
             them; more wait in Serve's router).
-    Returns: a ``ray.serve.Application``.
+    Returns: ``{"ray_actor_options", "max_ongoing_requests", "num_replicas" or
+        "autoscaling_config"}``.
     Raises: ``ValueError`` (a count below 1, ``min > replicas > max``, non-positive target).
     """
-    settings = dict(settings or {})
     if num_gpus is None:
-        num_gpus = 1 if settings.get("backend") == "cuda" else 0
+        num_gpus = 1 if backend == "cuda" else 0
     if replicas < 1 or max_ongoing_requests < 1 or num_cpus < 0 or num_gpus < 0:
         raise ValueError("replicas and max_ongoing_requests must be >= 1, num_cpus and "
                          f"num_gpus >= 0; got {replicas}, {max_ongoing_requests}, {num_cpus}, "
@@ -107,19 +107,35 @@ def build_app(settings: dict | None = None, *, replicas: int = 1, min_replicas: 
             "max_ongoing_requests": max_ongoing_requests}
     if min_replicas is None and max_replicas is None and target_ongoing_requests is None:
         opts["num_replicas"] = replicas
-    else:
-        lo = replicas if min_replicas is None else min_replicas
-        hi = max(replicas, lo) if max_replicas is None else max_replicas
-        if not 0 <= lo <= replicas <= hi or hi < 1:
-            raise ValueError(f"need 0 <= min_replicas ({lo}) <= replicas ({replicas}) <= "
-                             f"max_replicas ({hi}), max_replicas >= 1")
-        auto = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": replicas}
-        if target_ongoing_requests is not None:
-            if target_ongoing_requests <= 0:
-                raise ValueError(f"target_ongoing_requests must be > 0, got "
-                                 f"{target_ongoing_requests}")
-            auto["target_ongoing_requests"] = target_ongoing_requests
-        opts["autoscaling_config"] = auto
+        return opts
+    lo = replicas if min_replicas is None else min_replicas
+    hi = max(replicas, lo) if max_replicas is None else max_replicas
+    if not 0 <= lo <= replicas <= hi:
+        raise ValueError(f"need 0 <= min_replicas ({lo}) <= replicas ({replicas}) <= "
+                         f"max_replicas ({hi})")
+    auto = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": replicas}
+    if target_ongoing_requests is not None:
+        if target_ongoing_requests <= 0:
+            raise ValueError(f"target_ongoing_requests must be > 0, got "
+                             f"{target_ongoing_requests}")
+        auto["target_ongoing_requests"] = target_ongoing_requests
+    opts["autoscaling_config"] = auto
+    return opts
+
+
+def build_app(settings: dict | None = None, **options):
+    """The embeddings deployment, bound and ready for ``serve.run`` (or :func:`deploy`).
+
+    Args:
+        settings: the replicas' :func:`~runtime.serving.replica.start_batcher` arguments.
+        options: :func:`deployment_options` keywords (``replicas``, autoscaling bounds,
+            ``num_cpus``, ``num_gpus``, ``max_ongoing_requests``); the backend is
+            ``settings["backend"]``.
+    Returns: a ``ray.serve.Application``.
+    Raises: ``ValueError`` (from :func:`deployment_options`).
+    """
+    settings = dict(settings or {})
+    opts = deployment_options(settings.get("backend", "cpu"), **options)
     return EmbeddingsReplica.options(**opts).bind(settings)
 
 

@@ -1,7 +1,7 @@
 """Command line: ``python -m runtime <command>``.
 
-Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``embed-corpus``, ``bench``,
-``capture-demo``. Each is imported only when asked for.
+Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``embed-corpus``,
+``bench``, ``capture-demo``. Each is imported only when asked for.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ listens and talks on 127.0.0.1, as the single-process server binds 127.0.0.1 by 
 itself replaces a loopback node address with the machine's routable one unless its
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` switch is off (``ray/_private/ray_constants.py``, read
 when ``ray`` is imported), so :func:`init_ray` turns it off (the environment variable, and the
-constant it sets if ray is already imported) and then checks with ``ray.nodes()`` that it held. With an address (``ray://head:10001`` for Ray Client,
-``head:6379`` for a driver on a cluster node, or ``auto``) it joins that cluster as it is.
+constant it sets if ray is already imported) and then checks with ``ray.nodes()`` that it
+held. With an address (``ray://head:10001`` for Ray Client, ``head:6379`` for a driver on a
+cluster node, or ``auto``) it joins that cluster as it is.
 """
 
 from __future__ import annotations

@@ -14,5 +14,5 @@ from .embedder import EMBEDDING, ERROR, CorpusEmbedder
 from .files import FORMATS, ParquetSink, column_names, input_format, read_dataset, read_table
 from .run import CorpusSummary, embed_corpus
 
-__all__ = ["CorpusEmbedder", "EMBEDDING", "ERROR", "FORMATS", "ParquetSink", "column_names", "input_format",
-           "read_dataset", "read_table", "CorpusSummary", "embed_corpus"]
+__all__ = ["CorpusEmbedder", "EMBEDDING", "ERROR", "FORMATS", "ParquetSink", "column_names",
+           "input_format", "read_dataset", "read_table", "CorpusSummary", "embed_corpus"]

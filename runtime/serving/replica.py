@@ -14,8 +14,8 @@ from .batcher import Batcher
 
 def start_batcher(backend: str | None = "cpu", *, model_dir=None, max_graphs: int = 8,
                   graph: bool = True, max_batch: int = 32, max_wait_ms: float = 2.0,
-                  batch_buckets=None, seq_buckets=None, warmup=None, blas_threads: int | None = 1, metrics=None,
-                  progress: bool = False) -> Batcher:
+                  batch_buckets=None, seq_buckets=None, warmup=None,
+                  blas_threads: int | None = 1, metrics=None, progress: bool = False) -> Batcher:
     """Load all-MiniLM-L6-v2 on this process's device and start a batcher on it.
 
     Args:

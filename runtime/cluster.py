@@ -1,13 +1,16 @@
 """Joining or starting the Ray cluster that ``serve --ray`` and ``embed-corpus --ray`` run on.
 
-Without an address a one-machine cluster is started on loopback only: every Ray process of it
-listens and talks on 127.0.0.1, as the single-process server binds 127.0.0.1 by default. Ray
-itself replaces a loopback node address with the machine's routable one unless its
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` switch is off (``ray/_private/ray_constants.py``, read
-when ``ray`` is imported), so :func:`init_ray` turns it off (the environment variable, and the
-constant it sets if ray is already imported) and then checks with ``ray.nodes()`` that it
-held. With an address (``ray://head:10001`` for Ray Client, ``head:6379`` for a driver on a
-cluster node, or ``auto``) it joins that cluster as it is.
+Without an address a one-machine cluster is started on loopback: its node address is
+127.0.0.1, so its processes reach each other (and Serve's proxy its replicas) over loopback
+only, as the single-process server binds 127.0.0.1 by default. (A few Ray servers still bind
+every interface, e.g. a Serve replica's internal gRPC port; nothing of the cluster dials them
+on another address.) Ray itself replaces a loopback node address with the machine's routable
+one unless its ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` switch is off
+(``ray/_private/ray_constants.py``, read when ``ray`` is imported), so :func:`init_ray` turns
+it off (the environment variable, and the constant it sets if ray is already imported) and
+then checks with ``ray.nodes()`` that it held. With an address (``ray://head:10001`` for Ray
+Client, ``head:6379`` for a driver on a cluster node, or ``auto``) it joins that cluster as it
+is.
 """
 
 from __future__ import annotations

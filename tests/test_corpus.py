@@ -32,7 +32,6 @@ def test_a_batch_keeps_every_row_in_order_and_reports_the_failed_ones():
     emb = _embedder(model)
     texts = ["a", None, "bb cc", "boom", "one two three four five", "", "x y"]
     out = emb(pa.table({"id": list(range(7)), "body": texts}))
-    emb.close()
     assert out.column_names == ["id", "body", "embedding", ERROR]
     assert out.column("id").to_pylist() == list(range(7))
     errors = out.column(ERROR).to_pylist()
@@ -42,6 +41,9 @@ def test_a_batch_keeps_every_row_in_order_and_reports_the_failed_ones():
     assert rows[1] is None and rows[3] is None
     for i in (0, 2, 4, 5, 6):                     # each row is its own text's, nothing crossed
         np.testing.assert_array_equal(np.array(rows[i], np.float32), expected(model, texts[i]))
+    empty = emb(pa.table({"body": pa.array([], pa.string())}))
+    assert empty.num_rows == 0 and empty.column_names[-2:] == ["embedding", ERROR]
+    emb.close()
     kind = out.schema.field("embedding").type
     assert pa.types.is_fixed_size_list(kind) and kind.list_size == HIDDEN
     assert kind.value_type == pa.float32()

@@ -117,6 +117,29 @@ def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tm
     assert np.abs(b[rows] - ref["embeddings"][[where[i] for i in rows]]).max() < 1e-4
 
 
+def test_ray_data_and_pyarrow_read_every_format_alike(cluster, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    from runtime.corpus import read_dataset, read_table
+
+    texts = [f"text {i}" if i % 5 else str(i) for i in range(60)]      # "0", "5": numeric-looking
+    want = pa.table({"id": list(range(60)), "text": texts})
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in want.to_pylist()))
+    (tmp_path / "c.csv").write_text("id,text\n" + "".join(f"{i},{t}\n" for i, t in
+                                                           enumerate(texts)))
+    pq.write_table(want, tmp_path / "c.parquet", row_group_size=16)
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    for name in ("c.jsonl", "c.csv", "c.parquet"):
+        local = read_table(tmp_path / name)
+        ds = read_dataset(tmp_path / name).iter_batches(batch_size=None, batch_format="pyarrow")
+        remote = pa.concat_tables(list(ds))
+        for t in (local, remote):
+            assert t.column("id").to_pylist() == list(range(60)), name
+            assert t.column("text").to_pylist() == texts, name
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))

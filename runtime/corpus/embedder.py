@@ -75,8 +75,9 @@ class CorpusEmbedder:
                         out[i] = self._embed([values[i]])[0]
                     except (BatchFailed, ValueError) as e:
                         errors[i] = str(e)
-        failed = pa.array([e is not None for e in errors])
-        emb = pa.FixedSizeListArray.from_arrays(pa.array(out.ravel()), hidden, mask=failed)
+        failed = pa.array([e is not None for e in errors], pa.bool_())
+        emb = pa.FixedSizeListArray.from_arrays(pa.array(out.ravel(), pa.float32()), hidden,
+                                                mask=failed)
         return batch.append_column(EMBEDDING, emb).append_column(ERROR,
                                                                  pa.array(errors, pa.string()))
 

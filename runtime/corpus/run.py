@@ -42,7 +42,9 @@ def embed_corpus(input_path, output_path, *, text_column: str = "text", use_ray:
             Ray Data reads the file, a pool of ``actors`` actors (``actor_cpus`` CPUs and
             ``actor_gpus`` GPUs each; GPUs default to 1 with ``backend="cuda"``) embeds it with
             one :class:`CorpusEmbedder` each, and this process writes the batches as they come,
-            in order (Ray Data's progress bars). Otherwise one embedder here, with a tqdm bar.
+            in order (it sets Ray Data's ``preserve_order`` in this process's ``DataContext``;
+            Ray Data's progress bars). Otherwise the file is read into memory and one embedder
+            here embeds it, with a tqdm bar.
         batch_size: rows per embedder call.
         progress: show the in-process progress bar.
         settings: :func:`runtime.serving.replica.start_batcher` arguments (``backend``, ...).

@@ -19,6 +19,7 @@ are the library entry points.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -169,8 +170,8 @@ def main_ray(args) -> int:
 
     Starts a loopback-only local cluster, or joins ``--address``; deploys ``--replicas``
     replicas (autoscaling with ``--min-replicas``/``--max-replicas``/
-    ``--target-ongoing-requests``) behind Serve's proxy on ``--host``:``--port``. On Ctrl-C the
-    application is deleted (and a local cluster stopped).
+    ``--target-ongoing-requests``) behind Serve's proxy on ``--host``:``--port``. On Ctrl-C or
+    SIGTERM the application is deleted (and a local cluster stopped).
 
     Args: args: the parsed ``serve`` arguments (:func:`runtime.serving.cli.build_parser`).
     Returns: the exit status (0).
@@ -185,6 +186,7 @@ def main_ray(args) -> int:
                     target_ongoing_requests=args.target_ongoing_requests,
                     num_cpus=args.replica_cpus)
     init_ray(args.address)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # `kill` stops it like Ctrl-C
     try:
         url = deploy(app, host=args.host, port=args.port)
         print(f"serving all-MiniLM-L6-v2 on Ray Serve ({args.replicas} replica(s), "

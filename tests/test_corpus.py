@@ -81,6 +81,11 @@ def test_the_parquet_sink_casts_later_batches_and_counts_failures(tmp_path):
     t = pq.read_table(tmp_path / "sub" / "o.parquet")
     assert t.column("x").to_pylist() == ["a", "b", None, None]
     assert (sink.rows, sink.failed, sink.failures) == (4, 3, [(1, "bad"), (2, "worse")])
+    with pytest.raises(RuntimeError):                 # a failed run leaves no output file
+        with ParquetSink(tmp_path / "f.parquet") as sink:
+            sink.write(pa.table({"x": ["a"]}))
+            raise RuntimeError("the run failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
 
 
 def test_serve_cli_takes_the_ray_flags_in_one_group():

@@ -3,6 +3,7 @@ file out (pyarrow's ``ParquetWriter``), written batch by batch in input order.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 #: Input formats by file extension (JSON means JSON Lines: one object per line).
@@ -92,7 +93,9 @@ def read_dataset(path, text_column: str = "text"):
 class ParquetSink:
     """Writes ``pyarrow.Table`` batches to one Parquet file, in the order given.
 
-    The schema is the first batch's; a later batch whose types differ (a column that was all
+    The batches go to ``<path>.partial``, renamed to ``path`` by :meth:`close` (so a file at
+    ``path`` is always complete); leaving the ``with`` block on an exception deletes the
+    partial file instead. The schema is the first batch's; a later batch whose types differ (a column that was all
     null in one block, say) is cast to it. Counts rows and the rows whose ``error_column`` is
     set, keeping the first ``keep`` of those as ``(row, message)``.
 
@@ -109,6 +112,7 @@ class ParquetSink:
         self.failures: list = []
         self._writer = None
         self._schema = None
+        self._partial = self.path.with_name(self.path.name + ".partial")
 
     def write(self, table) -> None:
         """Append ``table``'s rows."""
@@ -118,7 +122,7 @@ class ParquetSink:
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._schema = table.schema
-            self._writer = parquet.ParquetWriter(self.path, self._schema)
+            self._writer = parquet.ParquetWriter(self._partial, self._schema)
         elif table.schema != self._schema:
             table = table.cast(self._schema)
         if self.error_column is not None:
@@ -131,13 +135,25 @@ class ParquetSink:
         self.rows += table.num_rows
 
     def close(self) -> None:
-        """Finish the file (idempotent). A sink that got no batch writes nothing."""
+        """Finish the file and move it to ``path`` (idempotent). A sink that got no batch
+        writes nothing."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            os.replace(self._partial, self.path)
+
+    def abort(self) -> None:
+        """Drop what was written (the partial file); ``path`` is left as it was."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._partial.unlink(missing_ok=True)
 
     def __enter__(self) -> "ParquetSink":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -42,10 +42,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS, machine, summarize, write_json  # noqa: E402
+from benchmarks.common import machine, summarize, write_json  # noqa: E402
 from benchmarks.serving import SHORT, drive, plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 WARMUP = "1x16,2x16,4x16,8x16,16x16,32x16,1x32,8x32"
 
 

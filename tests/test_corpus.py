@@ -1,7 +1,7 @@
 """embed-corpus without Ray: the batch embedder against the serving tests' fake model (rows kept
 in order, a failing text isolated and reported, nulls reported), the files (formats, column
 check, Parquet sink), bad input refused before any model loads, and the ``serve --ray`` flags.
-Needs pyarrow; about 2 s."""
+Needs pyarrow; about 3-10 s on the loaded 2-core machine (one CLI subprocess)."""
 
 from __future__ import annotations
 

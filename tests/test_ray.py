@@ -5,8 +5,8 @@ One local Ray cluster for the module, on loopback only (``runtime.cluster.init_r
 ``ray.nodes()``; Serve's HTTP proxy listens on 127.0.0.1. Every embedding is checked against the
 MiniLM reference fixture to 1e-4. Skipped, with the reason, when ray (serve, data), pyarrow,
 fastapi/httpx, the model files or the fixture are missing, or when Ray cannot start here.
-About 2.5 minutes measured on the shared 2-core machine at load 6-16 (cluster ~30 s, corpus
-~75 s, readers ~25 s, Serve ~50 s); less on a quiet one.
+About 2-2.5 minutes measured on the shared 2-core machine at load 8-16 (cluster ~25 s, corpus
+~60 s, readers ~1-25 s, Serve ~40 s); less on a quiet one.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One local Ray cluster for the module, on loopback only (``runtime.cluster.init_r
 ``ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False)``), checked with
 ``ray.nodes()``; Serve's HTTP proxy listens on 127.0.0.1. Every embedding is checked against the
 MiniLM reference fixture to 1e-4. Skipped, with the reason, when ray (serve, data), pyarrow,
-fastapi/httpx, the model files or the fixture are missing, or when Ray cannot start here.
+fastapi/httpx or the model files are missing, or when Ray cannot start here.
 About 2-2.5 minutes measured on the shared 2-core machine at load 8-16 (cluster ~25 s, corpus
 ~60 s, readers ~1-25 s, Serve ~40 s); less on a quiet one.
 """

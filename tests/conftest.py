@@ -26,10 +26,7 @@ def backend_unavailable(name: str):
     """None when ``name`` can run here, else the reason it cannot."""
     if name not in _reasons:
         try:
-            cls = backend_class(name)
-            probe = getattr(cls, "probe", None)
-            if probe is not None:
-                probe()
+            backend_class(name).probe()
             runtime.client(name)
             _reasons[name] = None
         except Exception as e:  # noqa: BLE001 - the reason is the skip message

@@ -273,7 +273,12 @@ def test_a_killed_replica_is_replaced_and_no_accepted_request_is_lost(ref, serve
 
 
 def test_replicas_map_to_devices_and_autoscaling_passes_through():
-    from runtime.serving.ray_serve import deployment_options
+    from runtime.serving.cli import build_parser
+    from runtime.serving.ray_serve import app_options_from_args, deployment_options
+
+    args = build_parser().parse_args(["--ray", "--api-key", "k", "--max-inputs", "7"])
+    opts = app_options_from_args(args)
+    assert opts["api_key"] == "k" and opts["max_inputs"] == 7      # the app's limits, per replica
 
     gpu = deployment_options("cuda", replicas=2)
     assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}

@@ -40,13 +40,16 @@ class EmbeddingsReplica:
         settings: keyword arguments of :func:`runtime.serving.replica.start_batcher`
             (``backend``, ``model_dir``, ``max_graphs``, ``graph``, ``max_batch``,
             ``max_wait_ms``, ``warmup``, ...), or ``None`` for its defaults (cpu).
+        app_options: keyword arguments of :func:`runtime.serving.create_app` (request limits,
+            ``api_key``), or ``None`` for its defaults.
     Raises: what ``start_batcher`` raises (Serve then reports the deployment unhealthy).
     """
 
-    def __init__(self, settings: dict | None = None):
+    def __init__(self, settings: dict | None = None, app_options: dict | None = None):
         from .metrics import ServingMetrics
         from .replica import start_batcher
 
+        self.app_options = dict(app_options or {})
         self.metrics = ServingMetrics()
         self.batcher = start_batcher(metrics=self.metrics, **dict(settings or {}))
         self.replica = serve.get_replica_context().replica_tag
@@ -56,7 +59,7 @@ class EmbeddingsReplica:
         single-process server's app over this replica's batcher, plus the replica header."""
         from . import create_app
 
-        app = create_app(self.batcher, metrics=self.metrics)
+        app = create_app(self.batcher, metrics=self.metrics, **self.app_options)
         replica = self.replica
 
         @app.middleware("http")
@@ -124,11 +127,12 @@ def deployment_options(backend: str | None = "cpu", *, replicas: int = 1,
     return opts
 
 
-def build_app(settings: dict | None = None, **options):
+def build_app(settings: dict | None = None, app_options: dict | None = None, **options):
     """The embeddings deployment, bound and ready for ``serve.run`` (or :func:`deploy`).
 
     Args:
         settings: the replicas' :func:`~runtime.serving.replica.start_batcher` arguments.
+        app_options: the replicas' :func:`runtime.serving.create_app` arguments.
         options: :func:`deployment_options` keywords (``replicas``, autoscaling bounds,
             ``num_cpus``, ``num_gpus``, ``max_ongoing_requests``); the backend is
             ``settings["backend"]``.
@@ -137,7 +141,7 @@ def build_app(settings: dict | None = None, **options):
     """
     settings = dict(settings or {})
     opts = deployment_options(settings.get("backend", "cpu"), **options)
-    return EmbeddingsReplica.options(**opts).bind(settings)
+    return EmbeddingsReplica.options(**opts).bind(settings, dict(app_options or {}))
 
 
 def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
@@ -155,6 +159,16 @@ def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NA
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=name, route_prefix=route_prefix)
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def app_options_from_args(args) -> dict:
+    """``create_app`` keyword arguments from ``python -m runtime serve`` arguments (the request
+    limits and the API key, ``--api-key`` or ``RUNTIME_API_KEY``)."""
+    import os
+
+    return {"max_inputs": args.max_inputs, "max_input_chars": args.max_input_chars,
+            "max_body_bytes": args.max_body_bytes, "body_timeout": args.body_timeout,
+            "api_key": args.api_key or os.environ.get("RUNTIME_API_KEY") or None}
 
 
 def settings_from_args(args) -> dict:
@@ -181,7 +195,7 @@ def main_ray(args) -> int:
 
     from ..cluster import init_ray
 
-    app = build_app(settings_from_args(args), replicas=args.replicas,
+    app = build_app(settings_from_args(args), app_options_from_args(args), replicas=args.replicas,
                     min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                     target_ongoing_requests=args.target_ongoing_requests,
                     num_cpus=args.replica_cpus)

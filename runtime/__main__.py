@@ -1,7 +1,7 @@
 """Command line: ``python -m runtime <command>``.
 
-Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``bench``,
-``capture-demo``. Each is imported only when asked for.
+Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``embed-corpus``,
+``bench``, ``capture-demo``. Each is imported only when asked for.
 
 A command that fails prints one line, ``python -m runtime <command>: <Error>: <message>``, on
 stderr and exits non-zero (2 for bad input: a runtime error, ``ValueError``, a missing file; 1
@@ -19,6 +19,7 @@ COMMANDS = {
     "demo": ("runtime.serving.demo", "main", "serve MiniLM on the embedded default and load it"),
     "serve": ("runtime.serving.cli", "main", "start the embeddings HTTP server"),
     "embed": ("runtime.models.cli", "embed_main", "print embeddings of texts"),
+    "embed-corpus": ("runtime.corpus.cli", "main", "embed a JSONL/CSV/Parquet file into Parquet"),
     "bench": ("runtime.bench.suite", "main", "run the latency benchmarks"),
     "capture-demo": ("runtime.demo", "main", "capture a launch chain and replay it"),
 }

@@ -8,6 +8,8 @@ Usage::
                             [--max-queue 4096] [--max-inputs 2048] [--max-input-chars 100000]
                             [--max-body-bytes 16777216] [--header-timeout 10]
                             [--body-timeout 30] [--grace 10] [--api-key KEY]
+                            [--ray [--replicas N] [--address ray://...] [--min-replicas m]
+                                   [--max-replicas M] [--target-ongoing-requests t]]
 
 then ``curl -s localhost:8000/v1/embeddings -d '{"input": ["a text", "another"]}'``.
 Every limit is a flag (``--help`` lists the defaults). ``RUNTIME_API_KEY`` is read when
@@ -82,6 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $RUNTIME_API_KEY; none: open)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    # -- Ray Serve (issue 18): these flags are read by runtime/serving/ray_serve.py only --------
+    g = p.add_argument_group("Ray Serve", "with --ray: replicas of this server on a Ray cluster")
+    g.add_argument("--ray", action="store_true",
+                   help="deploy on Ray Serve (one model + batcher per replica)")
+    g.add_argument("--replicas", type=int, default=1, help="replicas (initial, when autoscaling)")
+    g.add_argument("--address", default=None,
+                   help="Ray cluster to join (ray://head:10001, head:6379, auto); default: start "
+                        "a local one on 127.0.0.1")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling lower bound")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling target of ongoing requests per replica")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="Ray CPUs per replica (--backend cuda asks one GPU each)")
     return p
 
 
@@ -122,6 +138,9 @@ def _port(text: str) -> int:
 def main(argv=None) -> int:
     """Run the server until interrupted. Returns the exit code (2 when the model is missing)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.ray:                         # Ray Serve (issue 18)
+        from .ray_serve import main_ray
+        return main_ray(args)
     from . import Batcher, ServingMetrics, create_app, limit_blas_threads, load_model, serve
 
     backend = None if args.backend == "auto" else args.backend

@@ -1,0 +1,235 @@
+"""Scaling out on Ray: corpus embedding with 1 vs 2 Ray Data actors, and Ray Serve with 1 vs 2
+replicas beside the single-process server.
+
+Everything runs on one local Ray cluster on 127.0.0.1 (``runtime.cluster.init_ray``; its
+logical CPUs = this machine's cores) and on the cpu backend, each model process with one BLAS
+thread.
+
+- **Corpus** (``embed_corpus``): a JSON Lines file of ``--rows`` distinct short sentences,
+  embedded in-process, by a Ray Data pool of 1 actor and of 2 actors. The paths take turns
+  (order rotated per repetition); each sample is the whole command's wall time, actor start-up
+  and model load included, reported as texts/s.
+- **Serving**: the single-process server (``python -m runtime serve`` in its own process) and
+  two Serve applications behind one proxy, 1 replica (``/one``) and 2 replicas (``/two``), all
+  warmed up with the same buckets. For each client count (``--clients``, default 1, 8, 64) the
+  paths take turns on the same closed-loop workload (``benchmarks/serving.py``'s ``drive``:
+  ``--requests`` requests of one sentence). Reported: requests/s over the run and p10/p50/p90
+  latency. Ray's overhead per request is the 1-client p50 latency of Serve with one replica
+  minus the single-process server's (the same app and batcher, plus Serve's proxy and router).
+
+Usage::
+
+    python benchmarks/ray_scaling.py [--rows 2000] [--reps 3] [--clients 1,8,64]
+                                     [--requests 128] [--quick] [--no-plot]
+
+Writes ``benchmarks/results/ray_scaling.json`` and ``.png`` (gitignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import machine, summarize, write_json  # noqa: E402
+from benchmarks.serving import SHORT, drive, plan  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+WARMUP = "1x16,2x16,4x16,8x16,16x16,32x16,1x32,8x32"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_corpus(path: Path, rows: int) -> None:
+    """``rows`` distinct short sentences as JSON Lines (``id``, ``text``)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(rows):
+            f.write(json.dumps({"id": i, "text": f"{SHORT[i % len(SHORT)]} (#{i})"}) + "\n")
+
+
+def bench_corpus(rows: int, reps: int, cpus: int) -> dict:
+    """texts/s of in-process vs 1 vs 2 Ray Data actors, interleaved; returns the summaries."""
+    from runtime.corpus import embed_corpus
+
+    tmp = Path(tempfile.mkdtemp(prefix="ray_scaling_"))
+    src = tmp / "corpus.jsonl"
+    write_corpus(src, rows)
+    # actors take half a logical CPU each, so 2 actors leave room for Ray Data's read tasks
+    paths = {"in-process": {}, "ray 1 actor": {"use_ray": True, "actors": 1},
+             "ray 2 actors": {"use_ray": True, "actors": 2}}
+    rate: dict = {n: [] for n in paths}
+    names = list(paths)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            t0 = time.perf_counter()
+            s = embed_corpus(src, tmp / "out.parquet", actor_cpus=min(0.5, cpus / 4),
+                             progress=False, backend="cpu", **paths[name])
+            wall = time.perf_counter() - t0
+            assert s.rows == rows and s.failed == 0, s
+            rate[name].append(rows / wall)
+            print(f"  corpus {name:13s} rep {rep}: {rows / wall:7.1f} texts/s ({wall:.1f} s)",
+                  flush=True)
+    out = {n: summarize(v, scale=1.0) for n, v in rate.items()}
+    out["ratio_2_vs_1_actor"] = out["ray 2 actors"]["p50"] / out["ray 1 actor"]["p50"]
+    out["ratio_1_actor_vs_in_process"] = out["ray 1 actor"]["p50"] / out["in-process"]["p50"]
+    return out
+
+
+def _single_process_server(port: int):
+    """``python -m runtime serve`` in its own process; returns (process, url) once healthy."""
+    import httpx
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH",
+                                                                                 "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--port", str(port),
+                             "--warmup", WARMUP, "--log-level", "warning"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    t_end = time.monotonic() + 300
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the single-process server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the single-process server did not come up in 300 s")
+
+
+def bench_serving(clients: list, requests: int, reps: int, cpus: int) -> dict:
+    """Single-process vs Serve 1 vs 2 replicas, per client count; returns the summaries."""
+    from ray import serve
+
+    from runtime.serving.cli import parse_buckets
+    from runtime.serving.ray_serve import build_app, deploy
+
+    proc, single = _single_process_server(_free_port())
+    port = _free_port()
+    settings = {"backend": "cpu", "max_graphs": 8, "warmup": parse_buckets(WARMUP)}
+    urls = {"single process": single}
+    try:
+        for name, n, prefix in (("serve 1 replica", 1, "/one"), ("serve 2 replicas", 2, "/two")):
+            app = build_app(settings, replicas=n, num_cpus=min(0.5, cpus / 4))
+            urls[name] = deploy(app, port=port, name=f"bench-{n}", route_prefix=prefix)
+        for url in urls.values():                        # any capture the warm-up missed
+            asyncio.run(drive(url, plan(8, 16, 1)))
+        out: dict = {}
+        names = list(urls)
+        for c in clients:
+            lat: dict = {n: [] for n in names}
+            rps: dict = {n: [] for n in names}
+            for rep in range(reps):
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    ls, wall, fails = asyncio.run(drive(urls[name], plan(c, requests, 1)))
+                    assert fails == 0, f"{name}: {fails} failed requests"
+                    lat[name] += ls
+                    rps[name].append(requests / wall)
+                    print(f"  serving {name:16s} {c:3d} clients rep {rep}: "
+                          f"{requests / wall:7.1f} req/s, p50 {np.median(ls) * 1e3:.1f} ms",
+                          flush=True)
+            out[str(c)] = {n: {"requests_per_s": summarize(rps[n], scale=1.0),
+                               "latency_ms": summarize(lat[n], scale=1e3)} for n in names}
+            row = out[str(c)]
+            row["ratio_2_vs_1_replica"] = (row["serve 2 replicas"]["requests_per_s"]["p50"]
+                                           / row["serve 1 replica"]["requests_per_s"]["p50"])
+            row["ratio_1_replica_vs_single"] = (row["serve 1 replica"]["requests_per_s"]["p50"]
+                                                / row["single process"]["requests_per_s"]["p50"])
+        one = out.get("1")
+        if one:
+            out["ray_overhead_ms_p50"] = (one["serve 1 replica"]["latency_ms"]["p50"]
+                                          - one["single process"]["latency_ms"]["p50"])
+        return out
+    finally:
+        serve.shutdown()
+        proc.terminate()
+        proc.wait(30)
+
+
+def plot(res: dict, path: Path) -> None:
+    """Corpus texts/s (bars with p10-p90) and serving requests/s per client count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    corpus = {k: v for k, v in res["corpus"].items() if isinstance(v, dict)}
+    med = [v["p50"] for v in corpus.values()]
+    err = [[m - v["p10"] for m, v in zip(med, corpus.values())],
+           [v["p90"] - m for m, v in zip(med, corpus.values())]]
+    a1.bar(list(corpus), med, yerr=err, capsize=4)
+    a1.set_ylabel("texts/s (whole command)")
+    a1.set_title("embed-corpus")
+    serving = {k: v for k, v in res["serving"].items() if isinstance(v, dict)}
+    xs = [int(c) for c in serving]
+    for name in ("single process", "serve 1 replica", "serve 2 replicas"):
+        a2.plot(xs, [serving[str(c)][name]["requests_per_s"]["p50"] for c in xs], "o-",
+                label=name)
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("concurrent clients")
+    a2.set_ylabel("requests/s (1 sentence each)")
+    a2.set_title("serving")
+    a2.legend()
+    fig.suptitle(f"Ray scaling, load {res['machine'].get('loadavg')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    """Run both parts; returns 0."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=2000, help="corpus rows")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per path")
+    p.add_argument("--clients", default="1,8,64", help="client counts")
+    p.add_argument("--requests", type=int, default=128, help="requests per client count")
+    p.add_argument("--quick", action="store_true", help="500 rows, 1 rep, 64 requests")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--skip", choices=["corpus", "serving"], default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.reps, args.requests = 500, 1, 64
+    from runtime.cluster import init_ray
+    from runtime.serving import limit_blas_threads
+
+    limit_blas_threads(1)
+    cpus = os.cpu_count() or 2
+    init_ray(num_cpus=cpus, log_to_driver=False)
+    res = {"machine": machine(), "args": vars(args)}
+    if args.skip != "corpus":
+        res["corpus"] = bench_corpus(args.rows, args.reps, cpus)
+    if args.skip != "serving":
+        res["serving"] = bench_serving([int(c) for c in args.clients.split(",")], args.requests,
+                                       args.reps, cpus)
+    res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    path = write_json(RESULTS / "ray_scaling.json", res)
+    print(json.dumps({k: v for k, v in res.items() if k != "machine"}, indent=1))
+    print(f"wrote {path}")
+    if not args.no_plot and "corpus" in res and "serving" in res:
+        try:
+            plot(res, path.with_suffix(".png"))
+            print(f"wrote {path.with_suffix('.png')}")
+        except ImportError:
+            print("matplotlib missing: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

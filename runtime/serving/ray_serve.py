@@ -1,0 +1,217 @@
+"""The embeddings server as a Ray Serve deployment: one MiniLM and one batcher per replica.
+
+Each replica is a Ray actor that loads all-MiniLM-L6-v2 once on its device (its own device
+server and captured bucket graphs, :func:`runtime.serving.replica.start_batcher`) and serves the
+app of the single-process server (:func:`runtime.serving.create_app`) through Serve's ASGI
+ingress: ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``,
+answered by whichever replica Serve's router picked (the metrics are that replica's; Serve's own
+request metrics cover the deployment). Every answer carries the replica's id in the
+``x-runtime-replica`` header.
+
+Replicas map to devices through ``ray_actor_options``: one GPU each with ``backend="cuda"``
+(Ray sets ``CUDA_VISIBLE_DEVICES``, so the replica's device 0 is its own GPU), ``num_cpus``
+CPUs otherwise. Serve restarts a replica whose actor dies or whose :meth:`check_health` raises
+(its batcher stopped).
+
+``python -m runtime serve --ray`` runs :func:`main_ray`; :func:`build_app` and :func:`deploy`
+are the library entry points.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from ray import serve
+
+#: Response header naming the replica that answered.
+REPLICA_HEADER = "x-runtime-replica"
+#: The Serve application's default name.
+APP_NAME = "runtime-embeddings"
+
+
+@serve.deployment(name="embeddings", max_ongoing_requests=64)
+@serve.ingress()
+class EmbeddingsReplica:
+    """A Serve replica: MiniLM on this actor's device, a batcher, and the embeddings app.
+
+    Args:
+        settings: keyword arguments of :func:`runtime.serving.replica.start_batcher`
+            (``backend``, ``model_dir``, ``max_graphs``, ``graph``, ``max_batch``,
+            ``max_wait_ms``, ``warmup``, ...), or ``None`` for its defaults (cpu).
+        app_options: keyword arguments of :func:`runtime.serving.create_app` (request limits,
+            ``api_key``), or ``None`` for its defaults.
+    Raises: what ``start_batcher`` raises (Serve then reports the deployment unhealthy).
+    """
+
+    def __init__(self, settings: dict | None = None, app_options: dict | None = None):
+        from .metrics import ServingMetrics
+        from .replica import start_batcher
+
+        self.app_options = dict(app_options or {})
+        self.metrics = ServingMetrics()
+        self.batcher = start_batcher(metrics=self.metrics, **dict(settings or {}))
+        self.replica = serve.get_replica_context().replica_tag
+
+    def __serve_build_asgi_app__(self):
+        """The ASGI app this replica serves (Serve calls it after ``__init__``): the
+        single-process server's app over this replica's batcher, plus the replica header."""
+        from . import create_app
+
+        app = create_app(self.batcher, metrics=self.metrics, **self.app_options)
+        replica = self.replica
+
+        @app.middleware("http")
+        async def _name_the_replica(request, call_next):
+            response = await call_next(request)
+            response.headers[REPLICA_HEADER] = replica
+            return response
+
+        return app
+
+    def check_health(self) -> None:
+        """Serve's periodic health check. Raises ``RuntimeError`` once the batcher's worker
+        stopped (Serve then replaces this replica)."""
+        if not self.batcher.alive:
+            raise RuntimeError(f"replica {self.replica}: the batcher's worker stopped")
+
+    def __del__(self):
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.close()
+
+
+def deployment_options(backend: str | None = "cpu", *, replicas: int = 1,
+                       min_replicas: int | None = None, max_replicas: int | None = None,
+                       target_ongoing_requests: float | None = None, num_cpus: float = 1.0,
+                       num_gpus: float | None = None, max_ongoing_requests: int = 64) -> dict:
+    """Serve deployment options (``Deployment.options`` keywords) for the replicas.
+
+    Args:
+        backend: the replicas' backend; ``"cuda"`` makes ``num_gpus`` default to 1.
+        replicas: replicas to run (the initial count when autoscaling).
+        min_replicas, max_replicas, target_ongoing_requests: any of them turns on Serve's
+            autoscaling (``autoscaling_config``); unset bounds default to ``replicas``.
+        num_cpus: logical CPUs per replica (Ray's ``num_cpus``).
+        num_gpus: GPUs per replica; default 1 with ``backend="cuda"``, else 0.
+        max_ongoing_requests: requests Serve sends one replica at a time (its batcher batches
+            them; more wait in Serve's router).
+    Returns: ``{"ray_actor_options", "max_ongoing_requests", "num_replicas" or
+        "autoscaling_config"}``.
+    Raises: ``ValueError`` (a count below 1, ``min > replicas > max``, non-positive target).
+    """
+    if num_gpus is None:
+        num_gpus = 1 if backend == "cuda" else 0
+    if replicas < 1 or max_ongoing_requests < 1 or num_cpus < 0 or num_gpus < 0:
+        raise ValueError("replicas and max_ongoing_requests must be >= 1, num_cpus and "
+                         f"num_gpus >= 0; got {replicas}, {max_ongoing_requests}, {num_cpus}, "
+                         f"{num_gpus}")
+    opts = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+            "max_ongoing_requests": max_ongoing_requests}
+    if min_replicas is None and max_replicas is None and target_ongoing_requests is None:
+        opts["num_replicas"] = replicas
+        return opts
+    lo = replicas if min_replicas is None else min_replicas
+    hi = max(replicas, lo) if max_replicas is None else max_replicas
+    if not 0 <= lo <= replicas <= hi:
+        raise ValueError(f"need 0 <= min_replicas ({lo}) <= replicas ({replicas}) <= "
+                         f"max_replicas ({hi})")
+    auto = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": replicas}
+    if target_ongoing_requests is not None:
+        if target_ongoing_requests <= 0:
+            raise ValueError(f"target_ongoing_requests must be > 0, got "
+                             f"{target_ongoing_requests}")
+        auto["target_ongoing_requests"] = target_ongoing_requests
+    opts["autoscaling_config"] = auto
+    return opts
+
+
+def build_app(settings: dict | None = None, app_options: dict | None = None, **options):
+    """The embeddings deployment, bound and ready for ``serve.run`` (or :func:`deploy`).
+
+    Args:
+        settings: the replicas' :func:`~runtime.serving.replica.start_batcher` arguments.
+        app_options: the replicas' :func:`runtime.serving.create_app` arguments.
+        options: :func:`deployment_options` keywords (``replicas``, autoscaling bounds,
+            ``num_cpus``, ``num_gpus``, ``max_ongoing_requests``); the backend is
+            ``settings["backend"]``.
+    Returns: a ``ray.serve.Application``.
+    Raises: ``ValueError`` (from :func:`deployment_options`).
+    """
+    settings = dict(settings or {})
+    opts = deployment_options(settings.get("backend", "cpu"), **options)
+    return EmbeddingsReplica.options(**opts).bind(settings, dict(app_options or {}))
+
+
+def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
+           route_prefix: str = "/") -> str:
+    """Start Serve's HTTP proxy on ``host:port`` (if Serve is not running yet) and run ``app``
+    under ``route_prefix``; returns once every replica is up.
+
+    Args:
+        app: from :func:`build_app`; host, port: where Serve's proxy listens (loopback by
+            default; ignored when Serve already runs); name: the Serve application name (one
+            name per app: several apps can share the proxy under different prefixes).
+    Returns: the app's base URL, ``http://host:port`` plus the prefix.
+    Raises: Serve's errors (a replica that fails to start fails the deployment).
+    """
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=name, route_prefix=route_prefix)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def app_options_from_args(args) -> dict:
+    """``create_app`` keyword arguments from ``python -m runtime serve`` arguments (the request
+    limits and the API key, ``--api-key`` or ``RUNTIME_API_KEY``)."""
+    import os
+
+    return {"max_inputs": args.max_inputs, "max_input_chars": args.max_input_chars,
+            "max_body_bytes": args.max_body_bytes, "body_timeout": args.body_timeout,
+            "api_key": args.api_key or os.environ.get("RUNTIME_API_KEY") or None}
+
+
+def settings_from_args(args) -> dict:
+    """``start_batcher`` keyword arguments from ``python -m runtime serve`` arguments."""
+    return {"backend": None if args.backend == "auto" else args.backend,
+            "model_dir": args.model_dir, "max_graphs": args.max_graphs, "graph": not args.eager,
+            "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
+            "warmup": args.warmup}
+
+
+def main_ray(args) -> int:
+    """``python -m runtime serve --ray``: deploy on Ray and serve until interrupted.
+
+    Starts a loopback-only local cluster, or joins ``--address``; deploys ``--replicas``
+    replicas (autoscaling with ``--min-replicas``/``--max-replicas``/
+    ``--target-ongoing-requests``) behind Serve's proxy on ``--host``:``--port``. On Ctrl-C or
+    SIGTERM the application is deleted (and a local cluster stopped).
+
+    Args: args: the parsed ``serve`` arguments (:func:`runtime.serving.cli.build_parser`).
+    Returns: the exit status (0).
+    Raises: ``ValueError`` (bad counts); Ray's errors (cluster unreachable).
+    """
+    import ray
+
+    from ..cluster import init_ray
+
+    app = build_app(settings_from_args(args), app_options_from_args(args), replicas=args.replicas,
+                    min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                    target_ongoing_requests=args.target_ongoing_requests,
+                    num_cpus=args.replica_cpus)
+    init_ray(args.address)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # `kill` stops it like Ctrl-C
+    try:
+        url = deploy(app, host=args.host, port=args.port)
+        print(f"serving all-MiniLM-L6-v2 on Ray Serve ({args.replicas} replica(s), "
+              f"{args.backend}) at {url}; Ctrl-C stops", file=sys.stderr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)
+        if args.address is None:
+            serve.shutdown()
+            ray.shutdown()
+    return 0

@@ -1,0 +1,295 @@
+"""Scaling out on Ray: corpus embedding with Ray Data, the server as a Ray Serve deployment.
+
+One local Ray cluster for the module, on loopback only (``runtime.cluster.init_ray``:
+``ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False)``), checked with
+``ray.nodes()``; Serve's HTTP proxy listens on 127.0.0.1. Every embedding is checked against the
+MiniLM reference fixture to 1e-4. Skipped, with the reason, when ray (serve, data), pyarrow,
+fastapi/httpx or the model files are missing, or when Ray cannot start here.
+About 2-2.5 minutes measured on the shared 2-core machine at load 8-16 (cluster ~25 s, corpus
+~60 s, readers ~1-25 s, Serve ~40 s); less on a quiet one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+for _mod in ("ray", "ray.serve", "ray.data", "pyarrow", "fastapi", "httpx", "safetensors",
+             "tokenizers"):
+    pytest.importorskip(_mod, reason=f"{_mod} is not installed (pip install 'runtime[ray]')")
+
+REPO = Path(__file__).resolve().parents[1]
+LOOPBACK = "127.0.0.1"
+# small bucket lists keep the captures few: batches of 1, 4 or 16
+SERVE_SETTINGS = {"backend": "cpu", "max_graphs": 6, "batch_buckets": (1, 4, 16),
+                  "seq_buckets": (16, 32, 256), "max_wait_ms": 5}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local 2-CPU Ray cluster on 127.0.0.1 for this module."""
+    import ray
+
+    from runtime.cluster import NotLoopback, init_ray, node_addresses
+    from runtime.models.minilm import default_model_dir
+    try:
+        if not (default_model_dir() / "model.safetensors").is_file():
+            pytest.skip(f"no MiniLM model files in {default_model_dir()}")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    try:
+        init_ray(num_cpus=2, log_to_driver=False)
+    except NotLoopback:
+        raise
+    except Exception as e:  # noqa: BLE001 - the reason is the skip message
+        pytest.skip(f"ray cannot start here: {type(e).__name__}: {e}")
+    addresses = node_addresses()
+    assert addresses and all(a == LOOPBACK for a in addresses), addresses
+    yield
+    ray.shutdown()
+
+
+def _rows(table, column="embedding") -> np.ndarray:
+    """A fixed-size-list column as float32 [n, 384], NaN rows where null."""
+    col = table.column(column)
+    out = np.full((table.num_rows, 384), np.nan, np.float32)
+    valid = np.asarray(col.is_valid())
+    out[valid] = np.asarray(col.drop_null().combine_chunks().flatten(), np.float32).reshape(-1,
+                                                                                          384)
+    return out
+
+
+def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tmp_path):
+    import pyarrow.parquet as pq
+
+    from runtime.corpus import embed_corpus
+
+    sents = [str(s) for s in ref["sentences"]]
+    where = {i * 83 + 5: k for k, i in enumerate(range(12))}       # reference rows, spread out
+    null_row = 500
+    src = tmp_path / "corpus.jsonl"
+    with open(src, "w", encoding="utf-8") as f:
+        for i in range(1000):
+            text = sents[where[i]] if i in where else None if i == null_row else f"item {i}"
+            f.write(json.dumps({"id": i, "text": text, "tag": f"t{i % 7}"}) + "\n")
+    local_out = tmp_path / "local.parquet"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH",
+                                                                                 "")]))
+    # the in-process path as a user runs it (a subprocess, meanwhile the Ray path runs here)
+    cli = subprocess.Popen([sys.executable, "-m", "runtime", "embed-corpus", str(src), "--out",
+                            str(local_out), "--max-graphs", "8", "--seq-buckets", "8,32,256"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        summary = embed_corpus(src, tmp_path / "ray.parquet", use_ray=True, actors=1,
+                               batch_size=256, actor_cpus=0.5, backend="cpu", max_graphs=8,
+                               seq_buckets=(8, 32, 256))
+        out, err = cli.communicate(timeout=300)
+    finally:
+        cli.kill()
+    assert cli.returncode == 1, out + err                   # 1: a row failed, and says which
+    assert f"row {null_row}: the text is null" in err and "1000 rows" in err
+    assert (summary.rows, summary.failed) == (1000, 1)
+    assert summary.failures == [(null_row, "the text is null")]
+    local, remote = pq.read_table(local_out), pq.read_table(tmp_path / "ray.parquet")
+    for t in (local, remote):
+        assert t.column_names == ["id", "text", "tag", "embedding", "embedding_error"]
+        assert t.num_rows == 1000 and t.column("id").to_pylist() == list(range(1000))
+        assert t.column("tag").to_pylist() == [f"t{i % 7}" for i in range(1000)]
+        kind = t.schema.field("embedding").type
+        assert kind.list_size == 384 and str(kind.value_type) == "float"
+        errors = t.column("embedding_error").to_pylist()
+        assert [i for i, e in enumerate(errors) if e] == [null_row]
+    a, b = _rows(local), _rows(remote)
+    assert np.isnan(a[null_row]).all() and np.isnan(b[null_row]).all()
+    keep = np.arange(1000) != null_row
+    assert np.abs(a[keep] - b[keep]).max() < 1e-5
+    assert np.abs(np.linalg.norm(b[keep], axis=1) - 1).max() < 1e-4
+    rows = sorted(where)
+    assert np.abs(b[rows] - ref["embeddings"][[where[i] for i in rows]]).max() < 1e-4
+
+
+def test_ray_data_and_pyarrow_read_every_format_alike(cluster, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    from runtime.corpus import read_dataset, read_table
+
+    texts = [f"text {i}" if i % 5 else str(i) for i in range(60)]      # "0", "5": numeric-looking
+    want = pa.table({"id": list(range(60)), "text": texts})
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in want.to_pylist()))
+    (tmp_path / "c.csv").write_text("id,text\n" + "".join(f"{i},{t}\n" for i, t in
+                                                           enumerate(texts)))
+    pq.write_table(want, tmp_path / "c.parquet", row_group_size=16)
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    for name in ("c.jsonl", "c.csv", "c.parquet"):
+        tables = [read_table(tmp_path / name)]
+        if name == "c.csv":          # its text column read as strings; JSON Lines: corpus test
+            ds = read_dataset(tmp_path / name)
+            tables.append(pa.concat_tables(list(ds.iter_batches(batch_size=None,
+                                                                batch_format="pyarrow"))))
+        for t in tables:
+            assert t.column("id").to_pylist() == list(range(60)), name
+            assert t.column("text").to_pylist() == texts, name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(cluster):
+    """The embeddings deployment with 2 replicas behind Serve's proxy on 127.0.0.1."""
+    from ray import serve
+
+    from runtime.serving.ray_serve import build_app, deploy
+
+    url = deploy(build_app(SERVE_SETTINGS, replicas=2, num_cpus=0.25), host=LOOPBACK,
+                 port=_free_port())
+    assert url.startswith(f"http://{LOOPBACK}:")
+    yield url
+    serve.shutdown()
+
+
+async def _post_all(url: str, bodies: list, timeout: float = 120.0) -> list:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=timeout) as c:
+        return await asyncio.gather(*[c.post(url + "/v1/embeddings", json=b) for b in bodies])
+
+
+def _check_rows(r, want: np.ndarray) -> None:
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    got = np.array([d["embedding"] for d in data], np.float32)
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-4
+
+
+def _replica_names() -> list:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::runtime-embeddings#"))
+
+
+def test_two_replicas_answer_concurrent_requests_with_the_reference(ref, served):
+    import httpx
+
+    from runtime.serving import MODEL_ID
+    from runtime.serving.ray_serve import REPLICA_HEADER
+
+    sents = [str(s) for s in ref["sentences"]]
+    want = ref["embeddings"]
+    plan = [[i] for i in range(12)] + [[0, 5, 3, 1], [2, 2, 7], [9, 4, 8, 10, 6]]
+    rs = asyncio.run(_post_all(served, [{"input": [sents[i] for i in p], "model": MODEL_ID}
+                                        for p in plan] + [{"input": []}]))
+    for p, r in zip(plan, rs):
+        _check_rows(r, want[p])
+        assert r.json()["usage"]["prompt_tokens"] == int(ref["lengths"][p].sum())
+    assert rs[-1].status_code == 400 and rs[-1].json()["error"]["message"]
+    seen = {r.headers[REPLICA_HEADER] for r in rs}
+    for _ in range(5):                       # bounded: Serve's router picks 2 of 2 at random
+        if len(seen) == 2:
+            break
+        more = asyncio.run(_post_all(served, [{"input": sents[i]} for i in range(8)]))
+        seen |= {r.headers[REPLICA_HEADER] for r in more}
+    names = _replica_names()
+    assert len(names) == 2 and seen == {n.rsplit("#", 1)[1] for n in names}
+    assert httpx.get(served + "/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_ID
+    health = httpx.get(served + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["backend"] == "cpu"
+    metrics = httpx.get(served + "/metrics", timeout=30)
+    assert 'runtime_serving_requests_total{code="200"}' in metrics.text
+    assert metrics.headers[REPLICA_HEADER] in seen
+
+
+def _wait_for_replicas(gone: str, timeout: float = 180.0) -> list:
+    """Bounded wait until Serve runs 2 healthy replicas again, ``gone`` not among them."""
+    from ray import serve
+
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        app = serve.status().applications.get("runtime-embeddings")
+        states = app.deployments["embeddings"].replica_states if app else {}
+        names = _replica_names()
+        if states == {"RUNNING": 2} and len(names) == 2 and gone not in names:
+            return names
+        time.sleep(0.5)
+    raise AssertionError(f"Serve did not replace the killed replica in {timeout} s: {states}")
+
+
+def test_a_killed_replica_is_replaced_and_no_accepted_request_is_lost(ref, served):
+    import httpx
+    import ray
+
+    from runtime.serving.ray_serve import REPLICA_HEADER
+
+    sents = [str(s) for s in ref["sentences"]]
+    want = ref["embeddings"]
+    victim = _replica_names()[0]
+    plan = [[i % 12, (5 * i) % 12] for i in range(24)]
+
+    async def load_and_kill():
+        async with httpx.AsyncClient(timeout=120) as c:
+            tasks = [asyncio.ensure_future(c.post(served + "/v1/embeddings",
+                                                  json={"input": [sents[i] for i in p]}))
+                     for p in plan]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            return await asyncio.gather(*tasks)
+
+    rs = asyncio.run(load_and_kill())
+    answered = 0
+    for p, r in zip(plan, rs):                 # every request answered: right rows or an error
+        if r.status_code == 200:
+            _check_rows(r, want[p])
+            answered += 1
+        else:
+            assert r.status_code >= 500 and r.text, (r.status_code, r.text)
+    assert answered >= 1
+    names = _wait_for_replicas(victim)
+    tags = {n.rsplit("#", 1)[1] for n in names}
+    seen = set()
+    for _ in range(5):                         # bounded: until both replicas have answered
+        rs = asyncio.run(_post_all(served, [{"input": [sents[i]]} for i in range(12)]))
+        for i, r in enumerate(rs):
+            _check_rows(r, want[[i]])
+            seen.add(r.headers[REPLICA_HEADER])
+        if seen == tags:
+            break
+    assert seen == tags and victim.rsplit("#", 1)[1] not in seen
+
+
+def test_replicas_map_to_devices_and_autoscaling_passes_through():
+    from runtime.serving.cli import build_parser
+    from runtime.serving.ray_serve import app_options_from_args, deployment_options
+
+    args = build_parser().parse_args(["--ray", "--api-key", "k", "--max-inputs", "7"])
+    opts = app_options_from_args(args)
+    assert opts["api_key"] == "k" and opts["max_inputs"] == 7      # the app's limits, per replica
+
+    gpu = deployment_options("cuda", replicas=2)
+    assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
+    assert gpu["num_replicas"] == 2 and "autoscaling_config" not in gpu
+    cpu = deployment_options("cpu", replicas=2, num_cpus=0.5, max_replicas=4,
+                             target_ongoing_requests=8)
+    assert cpu["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    assert cpu["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 4,
+                                         "initial_replicas": 2, "target_ongoing_requests": 8}
+    assert "num_replicas" not in cpu
+    for bad in ({"replicas": 0}, {"replicas": 3, "max_replicas": 2},
+                {"target_ongoing_requests": 0}):
+        with pytest.raises(ValueError):
+            deployment_options("cpu", **bad)

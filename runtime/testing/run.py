@@ -90,7 +90,7 @@ class ProgramRun:
         notes.update({i: f"skipped: {s.skipped}" for i, s in enumerate(self.steps) if s.skipped})
         head = [f"runtime.testing: the run on {self.backend}"
                 + (f" with seed {self.seed}" if self.backend == "cpu" else "")
-                + f" disagrees with the sequential model at {len(self.mismatches)} call(s)"]
+                + f" disagrees with the sequential model "]
         if self.mismatches:
             head.append(f"first: call {self.mismatches[0][0]}: {self.mismatches[0][1]}")
         if self.trace is not None:
@@ -158,8 +158,9 @@ def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = F
                 break
             bad = model.step(op, value, error)
             run.steps.append(Step(op, value, error, bad, None))
-            if bad is not None:
+            if bad is not None:           # the model and the runtime part here: stop
                 run.mismatches.append((i, bad))
+                break
     finally:
         for g in objs.graphs.values():
             g.release()

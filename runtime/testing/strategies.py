@@ -362,9 +362,12 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             may race or replay freed buffers (what ``check=True`` must flag).
         refusals: include calls a capture window refuses (read, sync, record_event at once; a
             write at ``stop_capture``).
-        failures: include the failure shapes the design promises but main does not keep yet
-            (issue 13): a replay refused inside a window (its write set is marked), a
-            ``wait_event`` inside a window. Kernels whose cpu body raises are always modelled.
+        failures: include the shapes whose answers design.md promises but the server does not
+            give yet (issue 13): a replay refused inside a window (its write set is marked
+            until a later write lands), a ``wait_event`` inside a window, the free of a buffer
+            two open windows use. Kernels whose cpu body raises are always modelled (a failed
+            launch marks what it writes, a failed warm-up makes ``start_capture`` raise): pass
+            such kernels only with ``failures=True`` until then.
     Returns: a strategy of ``Program``.
     Raises: ``TypeError``/``ValueError`` for bad kernels or params (at the call).
     """

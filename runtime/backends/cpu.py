@@ -253,8 +253,8 @@ def decode_trace(trace) -> list:
                         f"{type(trace).__name__}")
     picks: list = []
     for entry in filter(None, trace.replace(" ", "").split(",")):
-        k, _, n = entry.partition("*")
-        if not k.isdigit() or not (n.isdigit() if n else True):
+        k, star, n = entry.partition("*")
+        if not k.isdigit() or (star and not n.isdigit()):
             raise ValueError(f"bad trace entry {entry!r} in {trace[:80]!r}: write index or "
                              "index*count")
         picks.extend([int(k)] * (int(n) if n else 1))

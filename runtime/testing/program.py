@@ -8,6 +8,7 @@ numbered in the order the program makes them. Buffers are 1-D with ``program.siz
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -260,7 +261,8 @@ class Release(NamedTuple):
         return f"g{self.graph}.release()"
 
 
-class Program(NamedTuple):
+@dataclass(frozen=True, repr=False)
+class Program:
     """A generated program: ``ops`` then ``final`` (a sync of every stream and a read of every
     live buffer, the end-of-program check).
 
@@ -273,7 +275,7 @@ class Program(NamedTuple):
             read must match the sequential model); False for programs that may race.
 
     ``len(program)`` is the number of calls in ``ops``; ``repr`` (and ``to_python()``) prints it
-    as Python calls you can paste.
+    as Python calls you can paste; ``dataclasses.replace`` makes a variant.
     """
 
     ops: tuple
@@ -306,7 +308,7 @@ class Program(NamedTuple):
         lines = ["import numpy as np", "import runtime"]
         if any(getattr(library, k.name, None) is k for k in kernels):
             lines.append("from runtime import kernels as K")
-        if copy32 in kernels:
+        if any(isinstance(op, Launch) and kernels[op.kernel] is copy32 for op in self.ops):
             lines.append("from runtime.testing import copy32")
         own = sorted({k.name for k in kernels if _kernel_expr(k) == k.name and k is not copy32})
         if own:

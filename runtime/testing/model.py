@@ -20,6 +20,10 @@ NONE, CERTAIN, MAYBE = 0, 1, 2          # a stream's queued errors: none, some, 
 IDLE, PREPARED, CAPTURING = "no capture", "prepared", "capturing"
 
 
+class _Misdeclared(Exception):
+    """A kernel's cpu body wrote a binding declared ``read`` (the message says which)."""
+
+
 class _Buf:
     __slots__ = ("value", "failed")
 
@@ -81,7 +85,9 @@ class Model:
         return bool(np.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True))
 
     def _apply(self, launch) -> str:
-        """Run one launch on the model's arrays: ``"ok"``, ``"failed"`` or ``"unknown"``."""
+        """Run one launch on the model's arrays: ``"ok"``, ``"failed"``, ``"unknown"``, or a
+        sentence when the body wrote a binding declared ``read`` (the server orders launches
+        by the declared access, so such a kernel races)."""
         spec = self.p.kernels[launch.kernel]
         bufs = [self.bufs[b] for b in launch.bufs]
         outs = [b for b, bind in zip(launch.bufs, spec.kernel.bindings) if bind.access != "read"]
@@ -99,9 +105,15 @@ class Model:
         for b, bind, w in zip(launch.bufs, spec.kernel.bindings, work):
             if bind.access != "read":
                 self.bufs[b].value, self.bufs[b].failed = w, False
+            elif not np.array_equal(w, self.bufs[b].value, equal_nan=w.dtype.kind == "f"):
+                return (f"kernel {spec.kernel.name} wrote binding {bind.name}, declared 'read': "
+                        "declare it 'read_write' (the server orders launches by the declared "
+                        "access)")
         return "ok"
 
     def _error(self, s: int, status: str) -> None:
+        if status not in ("ok", "failed", "unknown"):
+            raise _Misdeclared(status)
         if status == "failed":
             self.pending[s] = CERTAIN
         elif status == "unknown" and self.pending[s] == NONE:
@@ -134,7 +146,10 @@ class Model:
     def step(self, op, value, error):
         """Check the runtime's answer to ``op`` (``value`` returned, or ``error`` raised) and
         advance the model. Returns a mismatch sentence or None."""
-        return getattr(self, "_" + type(op).__name__.lower())(op, value, error)
+        try:
+            return getattr(self, "_" + type(op).__name__.lower())(op, value, error)
+        except _Misdeclared as e:
+            return str(e)
 
     def _refused(self, op, error):
         """Calls refused at once on a capturing stream (design.md section 4)."""

@@ -178,7 +178,8 @@ def describe_failure(item, v: Variant) -> str:
     if trace is not None:
         path = _trace_path(config, item, v)
         path.write_text(trace + "\n")
-        lines.append(f"schedule (trace): {trace if len(trace) <= 200 else trace[:200] + ' ...'}")
+        shown = trace if len(trace) <= 200 else trace[:200] + " ..."
+        lines.append(f"schedule (trace): {shown or '(no deferred work ran)'}")
         lines.append(f"trace saved to: {path}")
     if v.trace is None:
         lines.append(f"reproduce: pytest{plugin} --runtime-seed {v.seed} {test}")

@@ -328,6 +328,9 @@ class Program:
             lines.append(f"{text}  # {notes[i]}" if i in notes else text)
         return "\n".join(lines)
 
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))          # hypothesis prints a falsifying Program as Python
+
     def __repr__(self):
         return "\n# a Program (runtime.testing); the failing seed is in the error message\n" \
             + self.to_python()

@@ -90,11 +90,11 @@ class ProgramRun:
         notes.update({i: f"skipped: {s.skipped}" for i, s in enumerate(self.steps) if s.skipped})
         head = [f"runtime.testing: the run on {self.backend}"
                 + (f" with seed {self.seed}" if self.backend == "cpu" else "")
-                + f" disagrees with the sequential model "]
+                + " disagrees with the sequential model"]
         if self.mismatches:
             head.append(f"first: call {self.mismatches[0][0]}: {self.mismatches[0][1]}")
         if self.trace is not None:
-            head.append(f"schedule (trace): {self.trace}")
+            head.append(f"schedule (trace): {self.trace or '(no deferred work ran)'}")
         head.append(f"program ({len(self.program)} calls), paste to reproduce:")
         return "\n".join(head) + "\n\n" + self.program.to_python(
             self.backend, self.seed, self.check, notes) + "\n"

@@ -64,8 +64,20 @@ def pytest_addoption(parser):
                 help="run the cpu schedule recorded in FILE instead of seeds")
 
 
+def _backends(config) -> list:
+    names = config.getoption("runtime_backends")
+    return [b.strip() for b in names.split(",") if b.strip()] if names else list(BACKENDS)
+
+
 def pytest_configure(config):
-    """Register the ``interleavings`` marker."""
+    """Register the ``interleavings`` marker; check ``--runtime-backends``.
+
+    Raises: ``pytest.UsageError`` (an unknown backend name).
+    """
+    unknown = set(_backends(config)) - set(BACKENDS)
+    if unknown:
+        raise pytest.UsageError(f"--runtime-backends: unknown {sorted(unknown)}; choose from "
+                                f"{list(BACKENDS)}")
     config.addinivalue_line(
         "markers", "interleavings(n, check=True): run a test that uses the runtime_client "
         "fixture on n cpu interleaving seeds (and once per other backend)")
@@ -74,7 +86,7 @@ def pytest_configure(config):
 def variants(config, marker) -> list:
     """The ``Variant`` s a test runs as, from the options and its ``interleavings`` marker.
 
-    Raises: ``pytest.UsageError`` (unknown backend, unreadable trace file, n < 1).
+    Raises: ``pytest.UsageError`` (unreadable trace file, n < 1).
     """
     check = bool(marker.kwargs.get("check", True)) if marker is not None else True
     trace_file = config.getoption("runtime_trace")
@@ -91,12 +103,7 @@ def variants(config, marker) -> list:
         n = marker.args[0] if marker is not None and marker.args else DEFAULT_SEEDS
     if not isinstance(n, int) or n < 1:
         raise pytest.UsageError(f"interleavings: the number of seeds must be >= 1, got {n!r}")
-    names = config.getoption("runtime_backends")
-    backends = [b.strip() for b in names.split(",") if b.strip()] if names else list(BACKENDS)
-    unknown = set(backends) - set(BACKENDS)
-    if unknown:
-        raise pytest.UsageError(f"--runtime-backends: unknown {sorted(unknown)}; choose from "
-                                f"{list(BACKENDS)}")
+    backends = _backends(config)
     out = [Variant("cpu", seed=s, check=check) for s in range(n)] if "cpu" in backends else []
     return out + [Variant(b, check=check) for b in backends if b != "cpu"]
 

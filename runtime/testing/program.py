@@ -92,10 +92,10 @@ class Create(NamedTuple):
     dtype: str
     values: tuple
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         objs.bufs[self.buf] = c.create(np.array(self.values, DTYPES[self.dtype]))
 
-    def code(self):
+    def _code(self):
         return f"b{self.buf} = c{self.client}.create({_values(self.values, self.dtype)})"
 
 
@@ -105,10 +105,10 @@ class Empty(NamedTuple):
     buf: int
     dtype: str
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         objs.bufs[self.buf] = c.empty(objs.size, DTYPES[self.dtype])
 
-    def code(self):
+    def _code(self):
         return f"b{self.buf} = c{self.client}.empty(SIZE, np.{DTYPES[self.dtype].name})"
 
 
@@ -119,10 +119,10 @@ class Write(NamedTuple):
     dtype: str
     values: tuple
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         c.write(objs.bufs[self.buf], np.array(self.values, DTYPES[self.dtype]))
 
-    def code(self):
+    def _code(self):
         return f"c{self.client}.write(b{self.buf}, {_values(self.values, self.dtype)})"
 
 
@@ -133,11 +133,11 @@ class Launch(NamedTuple):
     bufs: tuple
     params: tuple
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         spec = objs.kernels[self.kernel]
         c.launch(spec.kernel, spec.count, [objs.bufs[b] for b in self.bufs], dict(self.params))
 
-    def code(self, kernels):
+    def _code(self, kernels):
         spec = kernels[self.kernel]
         bufs = ", ".join(f"b{b}" for b in self.bufs)
         params = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.params) + "}"
@@ -149,10 +149,10 @@ class Read(NamedTuple):
     client: int
     buf: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         return c.read(objs.bufs[self.buf])
 
-    def code(self):
+    def _code(self):
         return f"c{self.client}.read(b{self.buf})"
 
 
@@ -161,10 +161,10 @@ class Free(NamedTuple):
     client: int
     buf: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         objs.bufs.pop(self.buf).release()
 
-    def code(self):
+    def _code(self):
         return f"b{self.buf}.release()"
 
 
@@ -172,10 +172,10 @@ class Sync(NamedTuple):
     """``c.sync()``."""
     client: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         c.sync()
 
-    def code(self):
+    def _code(self):
         return f"c{self.client}.sync()"
 
 
@@ -184,10 +184,10 @@ class RecordEvent(NamedTuple):
     client: int
     event: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         objs.events[self.event] = c.record_event()
 
-    def code(self):
+    def _code(self):
         return f"e{self.event} = c{self.client}.record_event()"
 
 
@@ -196,10 +196,10 @@ class WaitEvent(NamedTuple):
     client: int
     event: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         c.wait_event(objs.events[self.event])
 
-    def code(self):
+    def _code(self):
         return f"c{self.client}.wait_event(e{self.event})"
 
 
@@ -207,10 +207,10 @@ class Prepare(NamedTuple):
     """``c.graph_prepare()``."""
     client: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         c.graph_prepare()
 
-    def code(self):
+    def _code(self):
         return f"c{self.client}.graph_prepare()"
 
 
@@ -218,10 +218,10 @@ class StartCapture(NamedTuple):
     """``c.start_capture()``."""
     client: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         c.start_capture()
 
-    def code(self):
+    def _code(self):
         return f"c{self.client}.start_capture()"
 
 
@@ -230,10 +230,10 @@ class StopCapture(NamedTuple):
     client: int
     graph: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         objs.graphs[self.graph] = c.stop_capture()
 
-    def code(self):
+    def _code(self):
         return f"g{self.graph} = c{self.client}.stop_capture()"
 
 
@@ -242,10 +242,10 @@ class Replay(NamedTuple):
     client: int
     graph: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         objs.graphs[self.graph].replay()
 
-    def code(self):
+    def _code(self):
         return f"g{self.graph}.replay()"
 
 
@@ -254,10 +254,10 @@ class Release(NamedTuple):
     client: int
     graph: int
 
-    def run(self, c, objs):
+    def _run(self, c, objs):
         objs.graphs.pop(self.graph).release()
 
-    def code(self):
+    def _code(self):
         return f"g{self.graph}.release()"
 
 
@@ -291,7 +291,7 @@ class Program:
 
     def line(self, op) -> str:
         """One op as a line of Python."""
-        return op.code(self.kernels) if isinstance(op, Launch) else op.code()
+        return op._code(self.kernels) if isinstance(op, Launch) else op._code()
 
     def to_python(self, backend="cpu", seed=0, check=False, notes=None) -> str:
         """The program as Python calls on a fresh server.

@@ -182,7 +182,7 @@ def _call(pool, op, client, objs):
     """Issue ``op`` on its client's thread; ``(value, error)``."""
     def issue():
         try:
-            return op.run(client, objs), None
+            return op._run(client, objs), None
         except (ServerError, TypeError, ValueError) as e:
             return None, e
     if pool is None:

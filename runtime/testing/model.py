@@ -14,10 +14,10 @@ import numpy as np
 
 from ..errors import CaptureRefused, GraphStateError, ServerError
 from ..kernel import DTYPES, normalize_count
+from ..server import capture as cap
 from . import program as P
 
 NONE, CERTAIN, MAYBE = 0, 1, 2          # a stream's queued errors: none, some, perhaps some
-IDLE, PREPARED, CAPTURING = "no capture", "prepared", "capturing"
 
 
 class _Misdeclared(Exception):
@@ -60,7 +60,7 @@ class Model:
         self.bufs: dict = {}
         self.live: set = set()
         self.pending = [NONE] * program.streams
-        self.state = [IDLE] * program.streams
+        self.state = [cap.NO_CAPTURE] * program.streams
         self.windows: dict = {}
         self.graphs: dict = {}           # graph -> (stream, launches, write set)
         self.events: set = set()
@@ -236,30 +236,35 @@ class Model:
             return self._refused(op, error)
         return self._expect_ok(error, "wait_event")
 
-    def _prepare(self, op, value, error):
+    def _transition(self, op, step: str, error, what: str):
+        """The capture state machine (``runtime.server.capture``): ``(stream, None)`` when
+        ``step`` is in order, else ``(None, the check of the GraphStateError)``."""
         s = self.stream(op)
-        if self.state[s] != IDLE:
-            return self._expect_raise(error, GraphStateError, "graph_prepare")
-        self.state[s] = PREPARED
-        return self._expect_ok(error, "graph_prepare")
+        try:
+            self.state[s] = cap.transition(self.state[s], step, s)
+        except GraphStateError:
+            return None, self._expect_raise(error, GraphStateError, what)
+        return s, None
+
+    def _prepare(self, op, value, error):
+        s, bad = self._transition(op, "prepare", error, "graph_prepare")
+        return bad if s is None else self._expect_ok(error, "graph_prepare")
 
     def _startcapture(self, op, value, error):
-        s = self.stream(op)
-        if self.state[s] != PREPARED:
-            return self._expect_raise(error, GraphStateError, "start_capture")
+        s, bad = self._transition(op, "begin", error, "start_capture")
+        if s is None:
+            return bad
         drained, bad = self._drain(s, error, "start_capture after a failed warm-up")
         if drained:
-            self.state[s] = IDLE
+            self.state[s] = cap.NO_CAPTURE
             return bad
-        self.state[s] = CAPTURING
         self.windows[s] = _Window()
         return self._expect_ok(error, "start_capture")
 
     def _stopcapture(self, op, value, error):
-        s = self.stream(op)
-        if self.state[s] != CAPTURING:
-            return self._expect_raise(error, GraphStateError, "stop_capture")
-        self.state[s] = IDLE
+        s, bad = self._transition(op, "end", error, "stop_capture")
+        if s is None:
+            return bad
         w = self.windows.pop(s)
         if w.refused:
             return self._expect_raise(error, CaptureRefused, "stop_capture of a window with "

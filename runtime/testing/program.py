@@ -144,121 +144,47 @@ class Launch(NamedTuple):
         return f"c{self.client}.launch({_kernel_expr(spec.kernel)}, {spec.count!r}, [{bufs}], {params})"
 
 
-class Read(NamedTuple):
-    """``c.read(b)``: the only op that returns data."""
-    client: int
-    buf: int
-
-    def _run(self, c, objs):
-        return c.read(objs.bufs[self.buf])
-
-    def _code(self):
-        return f"c{self.client}.read(b{self.buf})"
+def _simple_op(name: str, fields: str, code: str, run, doc: str):
+    """An op type whose line is ``code`` formatted with its fields and whose call is ``run``."""
+    base = NamedTuple(name, [(f, int) for f in fields.split()])
+    return type(name, (base,), {"__slots__": (), "__doc__": doc, "__module__": __name__,
+                                "_run": lambda self, c, objs: run(self, c, objs),
+                                "_code": lambda self: code.format(**self._asdict())})
 
 
-class Free(NamedTuple):
-    """``b.release()`` (freed on the stream that created it)."""
-    client: int
-    buf: int
-
-    def _run(self, c, objs):
-        objs.bufs.pop(self.buf).release()
-
-    def _code(self):
-        return f"b{self.buf}.release()"
+def _record(op, c, objs):
+    objs.events[op.event] = c.record_event()
 
 
-class Sync(NamedTuple):
-    """``c.sync()``."""
-    client: int
-
-    def _run(self, c, objs):
-        c.sync()
-
-    def _code(self):
-        return f"c{self.client}.sync()"
+def _stop(op, c, objs):
+    objs.graphs[op.graph] = c.stop_capture()
 
 
-class RecordEvent(NamedTuple):
-    """``e = c.record_event()``."""
-    client: int
-    event: int
-
-    def _run(self, c, objs):
-        objs.events[self.event] = c.record_event()
-
-    def _code(self):
-        return f"e{self.event} = c{self.client}.record_event()"
-
-
-class WaitEvent(NamedTuple):
-    """``c.wait_event(e)``."""
-    client: int
-    event: int
-
-    def _run(self, c, objs):
-        c.wait_event(objs.events[self.event])
-
-    def _code(self):
-        return f"c{self.client}.wait_event(e{self.event})"
-
-
-class Prepare(NamedTuple):
-    """``c.graph_prepare()``."""
-    client: int
-
-    def _run(self, c, objs):
-        c.graph_prepare()
-
-    def _code(self):
-        return f"c{self.client}.graph_prepare()"
-
-
-class StartCapture(NamedTuple):
-    """``c.start_capture()``."""
-    client: int
-
-    def _run(self, c, objs):
-        c.start_capture()
-
-    def _code(self):
-        return f"c{self.client}.start_capture()"
-
-
-class StopCapture(NamedTuple):
-    """``g = c.stop_capture()``."""
-    client: int
-    graph: int
-
-    def _run(self, c, objs):
-        objs.graphs[self.graph] = c.stop_capture()
-
-    def _code(self):
-        return f"g{self.graph} = c{self.client}.stop_capture()"
-
-
-class Replay(NamedTuple):
-    """``g.replay()`` (issued from ``client``'s thread; it runs on the capture stream)."""
-    client: int
-    graph: int
-
-    def _run(self, c, objs):
-        objs.graphs[self.graph].replay()
-
-    def _code(self):
-        return f"g{self.graph}.replay()"
-
-
-class Release(NamedTuple):
-    """``g.release()``."""
-    client: int
-    graph: int
-
-    def _run(self, c, objs):
-        objs.graphs.pop(self.graph).release()
-
-    def _code(self):
-        return f"g{self.graph}.release()"
+Read = _simple_op("Read", "client buf", "c{client}.read(b{buf})",
+                  lambda op, c, objs: c.read(objs.bufs[op.buf]),
+                  "``c.read(b)``: the only op that returns data.")
+Free = _simple_op("Free", "client buf", "b{buf}.release()",
+                  lambda op, c, objs: objs.bufs.pop(op.buf).release(),
+                  "``b.release()`` (freed on the stream that created it).")
+Sync = _simple_op("Sync", "client", "c{client}.sync()", lambda op, c, objs: c.sync(),
+                  "``c.sync()``.")
+RecordEvent = _simple_op("RecordEvent", "client event", "e{event} = c{client}.record_event()",
+                         _record, "``e = c.record_event()``.")
+WaitEvent = _simple_op("WaitEvent", "client event", "c{client}.wait_event(e{event})",
+                       lambda op, c, objs: c.wait_event(objs.events[op.event]),
+                       "``c.wait_event(e)``.")
+Prepare = _simple_op("Prepare", "client", "c{client}.graph_prepare()",
+                     lambda op, c, objs: c.graph_prepare(), "``c.graph_prepare()``.")
+StartCapture = _simple_op("StartCapture", "client", "c{client}.start_capture()",
+                          lambda op, c, objs: c.start_capture(), "``c.start_capture()``.")
+StopCapture = _simple_op("StopCapture", "client graph", "g{graph} = c{client}.stop_capture()",
+                         _stop, "``g = c.stop_capture()``.")
+Replay = _simple_op("Replay", "client graph", "g{graph}.replay()",
+                    lambda op, c, objs: objs.graphs[op.graph].replay(),
+                    "``g.replay()`` (issued from ``client``'s thread; it runs on the capture "
+                    "stream).")
+Release = _simple_op("Release", "client graph", "g{graph}.release()",
+                     lambda op, c, objs: objs.graphs.pop(op.graph).release(), "``g.release()``.")
 
 
 @dataclass(frozen=True, repr=False)

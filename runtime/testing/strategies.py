@@ -253,7 +253,7 @@ class Builder:
             if b in w.uses and b not in w.allocs:
                 w.refused = True
         if self.cfg["contract"]:          # a graph whose input is gone is never replayed again
-            for g in [g for g, info in self.graphs.items() if b in info.required]:
+            for g in [g for g, info in self.graphs.items() if b in (info.required or ())]:
                 self.graphs[g].required = None
 
     def event(self):

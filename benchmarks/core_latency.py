@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import runtime  # noqa: E402
 from runtime import kernels as K  # noqa: E402
-from benchmarks.common import machine, summarize as stats, write_json  # noqa: E402
+from runtime.bench import machine, summarize as stats, write_json  # noqa: E402
 
 
 def measure(backend: str, reps: int) -> dict:

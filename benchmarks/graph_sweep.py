@@ -40,7 +40,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runtime  # noqa: E402
-import runtime.kernels as K  # noqa: E402
+from runtime.bench.floors import KERNEL, CpuFloor, WgpuFloor  # noqa: E402
+from runtime.bench.replay import capture, run_pass  # noqa: E402
 
 #: (name, elems, kernels, rounds), as graph_bench's CONFIGS.
 CONFIGS = [
@@ -53,89 +54,9 @@ CONFIGS = [
     ("1m x2000", 1_048_576, 2000, 5),
 ]
 QUICK = ("tiny x150", "tiny x1000", "64k x1000", "1m x500")
-KERNEL = K.add_scalar
 PATHS = ("normal", "replay", "floor")
 #: untimed pause after every timed pass (seconds).
 SETTLE_S = 0.05
-
-
-class WgpuFloor:
-    """The same pass as hand-written wgpu-py: prebuilt pipeline and bind groups, one submit."""
-
-    def __init__(self, elems: int, kernels: int):
-        import wgpu
-        from runtime.backends.wgpu import select_adapter
-        self.wgpu = wgpu
-        adapter = select_adapter(0)
-        self.dev = adapter.request_device_sync(required_limits={
-            k: adapter.limits[k] for k in ("max-buffer-size", "max-storage-buffer-binding-size")})
-        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-        nbytes = elems * 4
-        self.a = self.dev.create_buffer(size=nbytes, usage=usage)
-        self.b = self.dev.create_buffer(size=nbytes, usage=usage)
-        self.staging = self.dev.create_buffer(
-            size=nbytes, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        self.nbytes = nbytes
-        module = self.dev.create_shader_module(code=KERNEL.wgsl)
-        self.pipeline = self.dev.create_compute_pipeline(
-            layout="auto", compute={"module": module, "entry_point": "main"})
-        uniform = self.dev.create_buffer_with_data(
-            data=KERNEL.uniform_bytes(KERNEL.pack_params({"alpha": 1.0, "n": elems})),
-            usage=wgpu.BufferUsage.UNIFORM)
-        layout = self.pipeline.get_bind_group_layout(0)
-
-        def group(src, dst):
-            return self.dev.create_bind_group(layout=layout, entries=[
-                {"binding": 0, "resource": {"buffer": src}},
-                {"binding": 1, "resource": {"buffer": dst}},
-                {"binding": 2, "resource": {"buffer": uniform}}])
-        self.groups = [group(self.a, self.b), group(self.b, self.a)]
-        self.count = K.grid(elems)
-        self.kernels = kernels
-
-    def issue(self):
-        enc = self.dev.create_command_encoder()
-        cpass = enc.begin_compute_pass()
-        cpass.set_pipeline(self.pipeline)
-        set_bind_group, dispatch, count, groups = (cpass.set_bind_group, cpass.dispatch_workgroups,
-                                                   self.count, self.groups)
-        for i in range(self.kernels):
-            set_bind_group(0, groups[i & 1])
-            dispatch(*count)
-        cpass.end()
-        self.dev.queue.submit([enc.finish()])
-
-    def sync(self):
-        enc = self.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(self.a, 0, self.staging, 0, self.nbytes)
-        self.dev.queue.submit([enc.finish()])
-        self.staging.map_sync(self.wgpu.MapMode.READ)
-        out = np.frombuffer(self.staging.read_mapped(), np.float32).copy()
-        self.staging.unmap()
-        return out
-
-
-class CpuFloor:
-    """The same pass as the kernel's numpy callable in a loop: no queue, no server."""
-
-    def __init__(self, elems: int, kernels: int):
-        self.a, self.b = np.zeros(elems, np.float32), np.zeros(elems, np.float32)
-        self.elems, self.kernels, self.count = elems, kernels, K.grid(elems)
-
-    def issue(self):
-        fn, pair = KERNEL.cpu, ((self.a, self.b), (self.b, self.a))
-        for i in range(self.kernels):
-            fn(*pair[i & 1], alpha=1.0, n=self.elems, count=self.count)
-
-    def sync(self):
-        return self.a.copy()
-
-
-def run_pass(client, a, b, elems, kernels):
-    params, count = {"alpha": 1.0, "n": elems}, K.grid(elems)
-    for i in range(kernels):
-        src, dst = (a, b) if i % 2 == 0 else (b, a)
-        client.launch(KERNEL, count, [src, dst], params)
 
 
 def stats(xs) -> dict:
@@ -148,16 +69,7 @@ def measure_row(client, name, elems, kernels, rounds, floor_cls, bar) -> dict:
     """One config: warm, capture, then ``rounds`` interleaved normal/replay/floor rounds."""
     a = client.create(np.zeros(elems, np.float32))
     b = client.create(np.zeros(elems, np.float32))
-    run_pass(client, a, b, elems, kernels)          # warm compilation and pools
-    client.read(a)
-    client.graph_prepare()
-    run_pass(client, a, b, elems, kernels)          # warm-up that primes the pool
-    client.read(a)
-    client.start_capture()
-    run_pass(client, a, b, elems, kernels)          # recorded, not executed
-    t0 = time.perf_counter()
-    graph = client.stop_capture()
-    capture_s = time.perf_counter() - t0
+    graph, capture_s = capture(client, a, b, elems, kernels)   # warm, warm-up, record
     graph.replay()
     client.read(a)
     floor = floor_cls(elems, kernels)

@@ -1,7 +1,8 @@
 """runtime: a device-thread compute runtime with graph capture and replay.
 
 One server per device on its own thread owns every buffer, stream and graph; clients on any
-thread talk to it through a queue. See ``design.md`` for the contracts and README.md to start.
+thread talk to it through a queue. See ``docs/contract.md`` for the contracts and README.md to
+start.
 
     import numpy as np, runtime
     from runtime import kernels as K

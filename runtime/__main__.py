@@ -2,23 +2,35 @@
 
 Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``bench``,
 ``capture-demo``. Each is imported only when asked for.
+
+A command that fails prints one line, ``python -m runtime <command>: <Error>: <message>``, on
+stderr and exits non-zero (2 for bad input: a runtime error, ``ValueError``, a missing file; 1
+for anything else; 130 on Ctrl-C), never a traceback. ``RUNTIME_TRACEBACK=1`` shows the
+traceback instead (for a bug report).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
     "demo": ("runtime.serving.demo", "main", "serve MiniLM on the embedded default and load it"),
     "serve": ("runtime.serving.cli", "main", "start the embeddings HTTP server"),
     "embed": ("runtime.models.cli", "embed_main", "print embeddings of texts"),
-    "bench": ("benchmarks.run", "main", "run the latency benchmarks"),
+    "bench": ("runtime.bench.suite", "main", "run the latency benchmarks"),
     "capture-demo": ("runtime.demo", "main", "capture a launch chain and replay it"),
 }
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 def main(argv=None) -> int:
+    """Run one command; returns its exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         print(f"python -m runtime: unknown command {argv[0]!r}\n", file=sys.stderr)
@@ -28,14 +40,18 @@ def main(argv=None) -> int:
             print(f"  {name:13s} {doc}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     mod, fn, _ = COMMANDS[argv[0]]
-    if mod.startswith("benchmarks"):
-        sys.path.insert(0, ".")
     from .errors import ServerError
     try:
         return getattr(importlib.import_module(mod), fn)(argv[1:]) or 0
-    except (ServerError, ValueError, FileNotFoundError) as e:   # bad backend, missing model...
-        print(f"python -m runtime {argv[0]}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"python -m runtime {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback (see the docstring)
+        if os.environ.get("RUNTIME_TRACEBACK") == "1":
+            raise
+        print(f"python -m runtime {argv[0]}: {_first_line(e)}", file=sys.stderr)
+        bad_input = isinstance(e, (ServerError, ValueError, FileNotFoundError))
+        return 2 if bad_input else 1
 
 
 if __name__ == "__main__":

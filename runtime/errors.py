@@ -1,4 +1,4 @@
-"""The runtime's error classes (design.md section 5).
+"""The runtime's error classes (docs/contract.md section 5).
 
 Every error the server raises is a :class:`ServerError`. Wrong Python types raise the
 standard ``TypeError``/``ValueError`` at the call, before anything is queued. Each message
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 class ServerError(Exception):
-    """Base of every error a runtime server raises (design.md section 5)."""
+    """Base of every error a runtime server raises (docs/contract.md section 5)."""
 
 
 class GraphStateError(ServerError):

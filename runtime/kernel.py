@@ -1,4 +1,4 @@
-"""Backend-neutral kernel descriptions (design.md section 2).
+"""Backend-neutral kernel descriptions (docs/contract.md section 2).
 
 A :class:`Kernel` names its buffer :class:`Binding` s and scalar :class:`Param` s once and carries
 one source per backend: a WGSL compute shader, a CUDA C function, and a numpy callable.

@@ -1,9 +1,32 @@
 """Helpers shared by test modules: the CubeCL scenario kernels and the standard prelude
-(cubecl-scenarios.md: ``add_one``, ``mul_two``, input [1,2,3,4] -> output)."""
+(cubecl-scenarios.md: ``add_one``, ``mul_two``, input [1,2,3,4] -> output), and the import of a
+backend module that skips its test module when the backend's library is missing."""
+
+import importlib
+import pkgutil
 
 import numpy as np
+import pytest
 
 from runtime import kernels as K
+from runtime.errors import UnsupportedError
+from runtime.kernel import Kernel
+from runtime.server import backend_class
+
+
+def backend_module_or_skip(name: str, hint: str):
+    """The module of backend ``name`` (e.g. ``runtime.backends.cuda``), or skip the calling test
+    module with the reason and ``hint`` when its library is missing or broken.
+
+    ``pytest.importorskip`` is not used: a backend module raises ``ImportError`` (not
+    ``ModuleNotFoundError``) for a missing library, which pytest >= 9.1 reports as a collection
+    error, and wgpu's raises ``UnsupportedError``; ``backend_class`` turns both into
+    ``UnsupportedError``.
+    """
+    try:
+        return importlib.import_module(backend_class(name).__module__)
+    except UnsupportedError as e:
+        pytest.skip(f"{e} ({hint})", allow_module_level=True)
 
 
 def add_one(c, x, y, n=4):
@@ -24,3 +47,33 @@ def prelude(c):
     add_one(c, inp, out)
     np.testing.assert_array_equal(c.read(out), [2, 3, 4, 5])
     return inp, out
+
+
+def captured_add_one(c):
+    """``y = x + 1`` over 4 floats, warmed up and captured on ``c``'s stream: ``(x, y, graph)``."""
+    x = c.create(np.ones(4, np.float32))
+    y = c.empty(4, np.float32)
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    return x, y, c.stop_capture()
+
+
+def library_kernels() -> dict:
+    """Every Kernel of ``runtime.kernels``, by qualified name: each module's Kernel attributes and
+    the Kernels in its dict attributes (the matmul tile variants), plus the attention kernels for
+    head dims 24 and 64 (``attention_for`` builds them on demand; 32 is ``attention``)."""
+    found = {}
+    for info in pkgutil.walk_packages(K.__path__, K.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for attr, value in vars(module).items():
+            values = value.items() if isinstance(value, dict) else [(None, value)]
+            for key, v in values:
+                if isinstance(v, Kernel):
+                    name = f"{info.name}.{attr}" + ("" if key is None else f"[{key!r}]")
+                    found.setdefault(id(v), (name, v))
+    for hd in (24, 64):
+        k = K.nn.attention_for(hd)
+        found.setdefault(id(k), (f"runtime.kernels.nn.attention_for({hd})", k))
+    return dict(found.values())

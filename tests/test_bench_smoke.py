@@ -1,4 +1,6 @@
-"""Smoke run of the latency suite: ``python -m runtime bench --quick`` in a subprocess.
+"""Smoke run of the latency suite: ``python -m runtime bench --quick`` in a subprocess, started
+in an empty temporary folder (the suite ships in the package, not in the checkout's
+``benchmarks/``), with ``PYTHONPATH`` pointing at this checkout so this copy is what runs.
 
 Not a timed test: it checks that the run exits 0 and writes a JSON with every expected row and
 sane numbers (positive, finite, percentiles in order), on cpu and on wgpu where it answers.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,19 +35,24 @@ def _sane(s: dict, what: str) -> None:
 def quick_run(tmp_path_factory):
     avail = runtime.available_backends()
     backends = [b for b in ("cpu", "wgpu") if avail.get(b) is None]
-    out = tmp_path_factory.mktemp("bench")
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    out = cwd / "results"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     proc = subprocess.run(
         [sys.executable, "-m", "runtime", "bench", "--quick", "--backend", ",".join(backends),
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+         "--out", "results"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     return backends, out, proc
 
 
 def test_quick_bench_exits_zero_and_writes_json_and_report(quick_run):
     backends, out, proc = quick_run
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     data = json.loads((out / "bench.json").read_text())
     assert data["quick"] is True
+    assert data["sections"] == ["device_thread", "replay", "minilm", "stalls"]
     assert sorted(data["backends"]) == sorted(backends)
     assert data["machine"]["cpus"] > 0
     md = (out / "bench.md").read_text()
@@ -93,3 +101,14 @@ def test_quick_bench_has_a_minilm_row_on_cpu(quick_run):
     assert (row["batch"], row["seq"]) == (1, 16)
     _sane(row["eager"], "minilm eager")
     _sane(row["replay"], "minilm replay")
+
+
+def test_quick_bench_has_stalls_rows_on_cpu(quick_run):
+    _, out, _ = quick_run
+    st = json.loads((out / "bench.json").read_text())["backends"]["cpu"]["stalls"]
+    for key, phases in (("replay_under_read", ("alone", "with_a")),
+                        ("read_under_flood", ("idle", "flood"))):
+        for ph in phases:
+            s = st[key][ph]
+            assert s["n"] > 0 and 0 < s["p50"] <= s["p99"], (key, ph, s)
+    assert st["rss_flood"]["iterations"] > 0 and st["rss_flood"]["series"]

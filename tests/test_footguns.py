@@ -19,16 +19,7 @@ import runtime
 from runtime import Tensor
 from runtime import kernels as K
 
-
-def captured_add_one(c):
-    """``y = x + 1`` over 4 floats, warmed up and captured on ``c``'s stream: ``(x, y, graph)``."""
-    x = c.create(np.ones(4, np.float32))
-    y = c.empty(4, np.float32)
-    c.graph_prepare()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
-    c.start_capture()
-    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
-    return x, y, c.stop_capture()
+from helpers import captured_add_one
 
 
 @pytest.fixture

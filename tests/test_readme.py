@@ -10,7 +10,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def test_every_python_block_of_the_readme_runs():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) >= 2
+    assert len(blocks) >= 3
     outputs = []
     for block in blocks:
         r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
@@ -19,3 +19,4 @@ def test_every_python_block_of_the_readme_runs():
         outputs.append(r.stdout)
     assert "[11. 11. 11. 11.]" in outputs[0]
     assert "True False None" in outputs[1]
+    assert "['eager', 'replay'] True" in outputs[2]

@@ -2,9 +2,8 @@
 
 The fake-model tests need numpy only. The end-to-end tests start the real server on a free
 loopback port (uvicorn on a thread) with MiniLM on the cpu backend and check every embedding
-against ``../shared/fixtures/minilm_reference.npz`` (``RUNTIME_FIXTURES`` overrides the folder)
-to 1e-4; they skip with the reason when fastapi/uvicorn/httpx, the model files or the fixture
-are missing.
+against ``tests/fixtures/minilm_reference.npz`` (``RUNTIME_FIXTURES`` overrides the folder)
+to 1e-4; they skip with the reason when fastapi/uvicorn/httpx or the model files are missing.
 """
 
 from __future__ import annotations

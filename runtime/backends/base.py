@@ -19,6 +19,7 @@ Terms:
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
@@ -110,6 +111,14 @@ class Backend:
 
     def __init__(self, device: int = 0, **options: Any):
         self.device = device
+        #: set by the server: called (from any thread) when ``load()`` shrank, so producers
+        #: waiting for room in the device queue re-check (design.md section 1).
+        self.on_room = _nothing
+        #: failures found after enqueue that the server attributes (see ``take_failures``).
+        self.failures: collections.deque = collections.deque()
+        #: set by the server before ``launch``/``launch_graph``: the stream position of the
+        #: work being enqueued; a ``LaunchFailure`` carries it (``pos``).
+        self.issue_pos = None
 
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int):
@@ -117,13 +126,36 @@ class Backend:
         raise NotImplementedError
 
     def free(self, buf) -> None:
-        """Return ``buf`` to the device (the server only calls this once no stream uses it)."""
+        """Return ``buf`` to the device. The server calls it for a buffer no *later* work uses;
+        work already enqueued on it may still be pending, so a backend whose allocator reuses
+        memory at once must defer the release until that work ran (wgpu: ``destroy`` after the
+        pending submits; cpu: numpy keeps the array while queued work references it)."""
         raise NotImplementedError
+
+    def load(self) -> tuple:
+        """The backlog ``(items, bytes)``: work enqueued on streams and not yet run (or
+        submitted), and the host bytes it holds. The device queue bounds it (design.md
+        section 1). Default ``(0, 0)``: the device API bounds its own queue (cuda)."""
+        return (0, 0)
+
+    def take_failures(self) -> list:
+        """Failures found after enqueue, as ``LaunchFailure`` records, emptied; the server
+        reports each on its stream and marks what the failed launch would have written."""
+        out = []
+        failures = self.failures
+        while failures:
+            out.append(failures.popleft())
+        return out
 
     # -- streams and events -----------------------------------------------------------------
     def new_stream(self):
         """A new in-order device queue (CUDA stream; a logical stream on WebGPU's one queue)."""
         raise NotImplementedError
+
+    def release_stream(self, stream) -> bool:
+        """Forget ``stream`` if its work is done (True); False: work is pending, ask again
+        later. The server calls it for the default stream of a thread that ended."""
+        return True
 
     def record_event(self, stream):
         """An event that completes once everything enqueued on ``stream`` so far has run."""
@@ -193,6 +225,38 @@ class Backend:
 
     def close(self) -> None:
         """Stop workers and fail every pending completion; called once, by the server."""
+
+
+def _nothing() -> None:
+    return None
+
+
+class LaunchFailure:
+    """One launch that did not run, found after it was enqueued (wgpu: a dispatch its batch
+    failed validation on at submit).
+
+    Attributes:
+        stream: the backend stream it was enqueued on.
+        kernel: its ``runtime.Kernel`` (the message names it).
+        written: the raw buffers its ``read_write`` bindings would have written.
+        error: the ``ServerError`` to report on its stream.
+        graph: the backend graph it belongs to (a replay), or None (an eager launch).
+        reported: True when the backend already reports ``error`` on its stream (cpu: the
+            stream's next completion fails with it); the server then only marks.
+        pos: the server's stream position of the launch (``Backend.issue_pos`` when it was
+            enqueued); a buffer written again after it is not marked. None: always marked.
+    """
+
+    __slots__ = ("stream", "kernel", "written", "error", "graph", "reported", "pos")
+
+    def __init__(self, stream, kernel, written, error, graph=None, reported=False, pos=None):
+        self.stream, self.kernel, self.written = stream, kernel, written
+        self.error, self.graph, self.reported, self.pos = error, graph, reported, pos
+
+
+def written_buffers(kernel, args) -> tuple:
+    """The raw buffers a launch of ``kernel`` over ``args`` writes (its read_write bindings)."""
+    return tuple(buf for (buf, _), b in zip(args, kernel.bindings) if b.access != "read")
 
 
 VERBS = ("alloc", "free", "new_stream", "record_event", "wait_event", "synchronize", "copy_in",

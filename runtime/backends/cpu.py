@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
-from .base import Backend, Completion
+from .base import Backend, Completion, LaunchFailure, written_buffers
 
 _RUN, _WAIT, _SIGNAL = 0, 1, 2
 
@@ -384,11 +384,43 @@ class CpuBackend(Backend):
                              f"got {scheduler!r}")
         self.streams: list[CpuStream] = []
         self.scheduler = scheduler
+        self.enqueued = 0                    # items enqueued (by the server's owner only)
+        self.executed = 0                    # items run (any thread; see load())
+        self._executed = itertools.count(1)  # next() is atomic under the GIL
+        self._bytes = 0                      # host bytes held by queued writes
+        self._bytes_lock = threading.Lock()
         scheduler.attach(self)
         self.closed = False
 
+    def load(self) -> tuple:
+        """``(items, bytes)`` enqueued on the streams and not yet run (design.md section 1).
+        ``(0, 0)`` under the interleaving scheduler, which runs nothing until someone waits."""
+        if not isinstance(self.scheduler, ThreadScheduler):
+            return (0, 0)
+        return (self.enqueued - self.executed, self._bytes)
+
+    def release_stream(self, stream) -> bool:
+        """Drop ``stream`` from the scheduler's list once its queue is empty (True), so a pick
+        is linear in live streams only; False while it has work."""
+        lock = getattr(self.scheduler, "cv", None) or threading.Lock()
+        with lock:
+            if not self.scheduler.is_idle(stream):
+                return False
+            try:
+                self.streams.remove(stream)
+            except ValueError:
+                pass
+        return True
+
     # -- execution (scheduler side) ----------------------------------------------------------
     def execute(self, s: CpuStream, kind, payload) -> None:
+        self.executed = next(self._executed)
+        try:
+            self._execute(s, kind, payload)
+        finally:
+            self.on_room()
+
+    def _execute(self, s: CpuStream, kind, payload) -> None:
         if kind == _RUN:
             try:
                 payload()
@@ -409,6 +441,7 @@ class CpuBackend(Backend):
     def _enqueue(self, s: CpuStream, kind, payload) -> None:
         if self.closed:
             raise ServerClosed("cpu backend is closed")
+        self.enqueued += 1
         self.scheduler.push(s, (kind, payload))
 
     # -- memory -------------------------------------------------------------------------------
@@ -451,7 +484,13 @@ class CpuBackend(Backend):
         n, dst = data.nbytes, buf.data
 
         def write():
-            dst[:n] = data
+            try:
+                dst[:n] = data
+            finally:
+                with self._bytes_lock:
+                    self._bytes -= n
+        with self._bytes_lock:
+            self._bytes += n
         self._enqueue(stream, _RUN, write)
 
     def copy_out(self, stream, buf, nbytes):
@@ -486,7 +525,16 @@ class CpuBackend(Backend):
 
     def launch(self, stream, program, count, args, params):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name))
+        pos = self.issue_pos
+
+        def run():
+            try:
+                _run_launch(fn, views, kwargs, count, name)
+            except LaunchError as err:   # the server marks what it would have written
+                self.failures.append(LaunchFailure(stream, program, written_buffers(
+                    program, args), err, reported=True, pos=pos))
+                raise
+        self._enqueue(stream, _RUN, run)
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -517,7 +565,7 @@ class CpuBackend(Backend):
     def close(self):
         self.closed = True
         self.scheduler.close()
-        err = ServerClosed("the cpu backend closed before this work ran")
+        err = ServerClosed("the cpu server was shut down before this work ran")
         for s in self.streams:
             while s.q:
                 kind, payload = s.q.popleft()

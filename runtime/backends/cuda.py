@@ -213,6 +213,7 @@ class CudaBackend(Backend):
             self._pool = cupy.cuda.MemoryPool()     # private: the user's cupy pool stays theirs
             self._pinned = cupy.cuda.PinnedMemoryPool()
         self._streams: list[CudaStream] = []
+        self._freed: collections.deque = collections.deque()   # (events, buffer) awaiting them
         self.closed = False
 
     # -- helpers -----------------------------------------------------------------------------
@@ -243,6 +244,7 @@ class CudaBackend(Backend):
 
         Raises: ``OutOfMemory``.
         """
+        self._reap_freed()
         try:
             with _OnDevice(self.device):
                 return self._pool.malloc(max(int(nbytes), 1))
@@ -251,8 +253,35 @@ class CudaBackend(Backend):
                               f"{self.device}: {e}") from e
 
     def free(self, buf):
-        """Return ``buf`` to the private CuPy pool when the server drops its last reference (no
-        ``cudaFree``: that synchronizes the device)."""
+        """Return ``buf`` to the private CuPy pool once the work already enqueued on it ran:
+        it is held behind an event recorded now on every stream not capturing (CuPy's pool would
+        hand the memory out again at once). No ``cudaFree``: that synchronizes the device."""
+        with _OnDevice(self.device):
+            events = [self._event(cs) for cs in self._streams if not cs.capturing]
+        self._freed.append((events, buf))
+        self._reap_freed()
+
+    def _reap_freed(self) -> None:
+        freed = self._freed
+        try:
+            while freed and all(ev.done for ev in freed[0][0]):
+                freed.popleft()
+        except Exception:  # noqa: BLE001 - a sticky error: keep them; the next sync reports it
+            pass
+
+    def release_stream(self, stream):
+        """Forget ``stream`` once its queued work ran (``cudaStreamQuery``); False before."""
+        self._reap(stream)
+        try:
+            idle = not stream.capturing and not stream.retire and stream.stream.done
+        except Exception:  # noqa: BLE001 - a sticky error: keep it
+            return False
+        if idle:
+            try:
+                self._streams.remove(stream)
+            except ValueError:
+                pass
+        return idle
 
     # -- streams and events -------------------------------------------------------------------
     def new_stream(self):
@@ -362,7 +391,7 @@ class CudaBackend(Backend):
         this device, but callers waiting on completions of *other* streams poll
         ``cudaEventQuery`` outside the lock, and the owner itself may ``cudaMalloc`` (a fresh
         allocation the server then refuses) or load a module: global mode would let any of those
-        invalidate the capture, and design.md promises that other streams work normally. What
+        invalidate the capture, and docs/contract.md promises that other streams work normally. What
         capture forbids regardless is enforced by the server: no read, sync or replay on the
         capturing stream, no event recorded on it.
 
@@ -474,3 +503,4 @@ class CudaBackend(Backend):
                 pass
             cs.retire.clear()
             cs.graveyard.clear()
+        self._freed.clear()

@@ -7,7 +7,7 @@ Device verbs only (see ``runtime.backends.base``); the server owns every policy.
 - Logical streams share the one ``GPUQueue``. Each stream batches its dispatches into a command
   encoder (one open compute pass) and submits it every ``max_tasks`` dispatches (default 32, as
   CubeCL's ``tasks_max``) or at the next blocking call. On one queue, submission order is the
-  execution order, so an event is "submit the recording stream's pending work" (design.md 3).
+  execution order, so an event is "submit the recording stream's pending work" (docs/contract.md 3).
 - ``queue.write_buffer`` lands at the next submit, *ahead of* anything encoded but not yet
   submitted; ``copy_in`` therefore submits every stream's pending work first, so a write issued
   after a launch or a replay never overtakes it.
@@ -19,18 +19,39 @@ Device verbs only (see ``runtime.backends.base``); the server owns every policy.
   re-encodes the list into the stream's encoder, setting the pipeline only when it changes, and
   submits once.
 
-wgpu-py objects are only touched by the server's single owner. ``queue.on_submitted_work_done``
-is not used (broken in wgpu 0.32.0): waiting maps a 4-byte buffer after a copy instead.
+- The ``GPUQueue`` belongs to one queue thread (:class:`QueueThread`): every ``submit``,
+  ``write_buffer``, ``map_async``, ``unmap`` and ``destroy`` runs there, in the order the server
+  issued them. Measured on lavapipe: ``queue.submit`` blocks until the previous submission has
+  finished (1.2-1.6 s behind three 384x384 matmuls), and ``destroy``, ``map_async`` and
+  ``create_buffer_with_data`` block as long while another thread is inside a submit; so none of
+  them may run in a server handler (design.md section 2: no handler waits for the device). The
+  owner only encodes and hands finished command buffers over.
+- Reads and ``synchronize`` return a :class:`MapCompletion`: the queue thread maps a staging
+  buffer asynchronously after the copy; the *caller's* thread waits for the map and copies the
+  bytes out (``Completion.wait``), never the server.
+- Submission load: at most ``max_inflight`` submits are unfinished; the queue thread then waits
+  for a fence before the next one (CubeCL's submission load). ``load()`` reports the dispatches
+  and bytes queued on that thread, which the device queue bounds.
+- One invalid dispatch does not fail its batch: when ``finish()`` refuses a batch, each dispatch
+  is encoded alone, the valid ones are submitted in order and each invalid one becomes a
+  ``LaunchFailure`` for the server (issue 13 case 3).
+
+wgpu-py objects other than the queue are only touched by the server's single owner, except a
+mapped staging buffer, which belongs to the one reader waiting on it until it is handed back.
+``queue.on_submitted_work_done`` is not used (broken in wgpu 0.32.0): a fence maps a 4-byte
+buffer after a copy instead.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError, OutOfMemory, UnsupportedError
-from .base import Backend, Completion
+from ..errors import InvalidHandle, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
+from .base import Backend, Completion, LaunchFailure, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
 # they only need it to exist, and never write there for compute.
@@ -52,6 +73,9 @@ _LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size",
            "max-compute-workgroup-size-y", "max-compute-workgroup-size-z",
            "max-compute-workgroups-per-dimension", "max-bind-groups")
 _CACHE_MAX = 4096   # uniform buffers and bind groups kept before a cache is cleared
+_STAGING_KEEP = 4   # idle staging buffers kept per size class
+_SUBMIT, _WRITE, _MAP, _UNMAP, _DESTROY = range(5)
+_CLOSED_MSG = "the wgpu server was shut down before this work completed"
 
 
 def _align4(n: int) -> int:
@@ -125,17 +149,203 @@ class WgpuProgram:
 
 
 class WgpuStream:
-    """A logical stream: an open command encoder and compute pass not yet submitted."""
+    """A logical stream: an open command encoder and compute pass not yet submitted.
 
-    __slots__ = ("encoder", "cpass", "pipeline", "tasks")
+    ``log`` lists what the open batch holds, ``(graph or None, tasks, server position)``, so a
+    batch that fails validation can be split into its dispatches.
+    """
+
+    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log")
 
     def __init__(self):
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
+        self.log: list = []
+
+
+class MapCompletion(Completion):
+    """A read (or a fence) whose staging buffer the queue thread maps asynchronously.
+
+    ``wait`` runs on the caller's thread: it waits until the queue thread has issued the map,
+    then for the map itself (``GPUPromise``, resolved by wgpu-py's poll thread), copies the
+    first ``nbytes`` out (``read_mapped``) and hands the buffer back to the queue thread for
+    ``unmap``. Value: a ``uint8`` array of ``nbytes``, or None for a fence. Fails with
+    ``LaunchError`` when the map fails and ``ServerClosed`` when the server shuts down first.
+    """
+
+    __slots__ = ("qt", "staging", "size", "nbytes", "issued", "promise", "_lock")
+
+    def __init__(self, qt, staging, size: int, nbytes):
+        super().__init__()
+        self.qt, self.staging, self.size, self.nbytes = qt, staging, size, nbytes
+        self.issued = threading.Event()     # set once map_async was called (or it failed)
+        self.promise = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block up to ``timeout`` seconds (None: until done); True once done."""
+        if self.done:
+            return True
+        if not self.issued.wait(timeout):
+            return False
+        promise = self.promise
+        if not self.done and promise is not None:
+            if not promise._thread_event.wait(timeout):   # set by wgpu-py's poll thread
+                return False
+            self._collect()
+        return True
+
+    def _collect(self) -> None:
+        with self._lock:
+            if self.done:
+                return
+            staging = self.staging
+            try:
+                self.promise.sync_wait()      # resolved already; raises if the map failed
+                value = None
+                if self.nbytes is not None:
+                    value = np.frombuffer(staging.read_mapped(0, self.size), np.uint8)[:self.nbytes]
+            except Exception as exc:  # noqa: BLE001 - a failed map (device lost, closed)
+                self.qt.push((_UNMAP, staging, 0))
+                self.fail(ServerClosed(_CLOSED_MSG) if self.qt.closed
+                          else LaunchError(f"wgpu: reading back {self.size} bytes failed: {exc}"))
+                return
+            self.qt.push((_UNMAP, staging, 0))
+            self.set(value)
+
+
+class QueueThread:
+    """The thread that owns the ``GPUQueue``: runs queue operations in issue order.
+
+    Operations: submit a command buffer, ``write_buffer``, ``map_async`` of a staging buffer
+    (a :class:`MapCompletion`), ``unmap`` (the staging buffer goes back to the free list) and
+    ``destroy``. Before a submit, when ``max_inflight`` submits are unfinished, it waits for a
+    fence (submission load). Never a hang: ``close`` fails what is queued with ``ServerClosed``
+    and joins the thread for at most 1 s (it may be inside a submit that waits for the device).
+    """
+
+    def __init__(self, backend: "WgpuBackend", max_inflight: int):
+        self.backend = backend
+        self.queue = backend.queue
+        self.max_inflight = max_inflight
+        self.ops: collections.deque = collections.deque()
+        self.cv = threading.Condition(threading.Lock())
+        self.closed = False
+        self.items = 0           # dispatches (or 1 per other op) queued here, for load()
+        self.bytes = 0           # host bytes of queued writes
+        self.inflight = 0        # submits since the last fence completed
+        self.submits = 0         # command buffers handed over (counted at push, by the owner)
+        self.free_staging: dict = {}     # size -> idle MAP_READ buffers
+        self._thread = threading.Thread(target=self._loop, name="runtime-wgpu-queue", daemon=True)
+        self._thread.start()
+
+    def push(self, op) -> None:
+        """Queue ``(kind, obj, arg)``; ``arg`` is the dispatch count of a submit, the data of a
+        write. Raises ``ServerClosed`` once closed (the op's completion is failed)."""
+        with self.cv:
+            if self.closed:
+                if op[0] == _MAP:
+                    _fail_closed(op[1])
+                    return
+                if op[0] == _UNMAP:
+                    return
+                raise ServerClosed(_CLOSED_MSG)
+            self.items += _weight(op)
+            if op[0] == _SUBMIT:
+                self.submits += 1
+            elif op[0] == _WRITE:
+                self.bytes += op[2].nbytes
+            self.ops.append(op)
+            self.cv.notify()
+
+    def _loop(self) -> None:
+        cv, ops = self.cv, self.ops
+        while True:
+            with cv:
+                while not ops and not self.closed:
+                    cv.wait()
+                if self.closed:
+                    return
+                op = ops.popleft()
+            try:
+                self._run(op)
+            except Exception as exc:  # noqa: BLE001 - reported, the thread goes on
+                self.backend._queue_error(op, exc)
+            finally:
+                with cv:
+                    self.items -= _weight(op)
+                    if op[0] == _WRITE:
+                        self.bytes -= op[2].nbytes
+                self.backend.on_room()
+
+    def _run(self, op) -> None:
+        kind, obj, arg = op
+        if kind == _SUBMIT:
+            if self.inflight >= self.max_inflight:
+                self._fence()
+            self.queue.submit([obj])
+            self.inflight += 1
+        elif kind == _WRITE:
+            self.queue.write_buffer(obj, 0, arg)
+        elif kind == _MAP:
+            try:
+                obj.promise = obj.staging.map_async(wgpu.MapMode.READ, 0, obj.size)
+            finally:
+                obj.issued.set()
+            self.inflight = 0            # the map resolves after every earlier submission
+        elif kind == _UNMAP:
+            state = obj.map_state
+            if state == "mapped":
+                obj.unmap()
+            keep = self.free_staging.setdefault(obj.size, [])
+            if state != "pending" and len(keep) < _STAGING_KEEP and not self.closed:
+                keep.append(obj)
+            else:
+                obj.destroy()
+        elif kind == _DESTROY:
+            obj.destroy()
+
+    def _fence(self) -> None:
+        """Wait (on this thread) until every submission so far has finished."""
+        be = self.backend
+        enc = be.dev.create_command_encoder()
+        enc.copy_buffer_to_buffer(be._fence_src, 0, be._fence_dst, 0, 4)
+        self.queue.submit([enc.finish()])
+        promise = be._fence_dst.map_async(wgpu.MapMode.READ, 0, 4)
+        while not promise._thread_event.wait(0.05):
+            if self.closed:
+                return
+        promise.sync_wait()
+        be._fence_dst.unmap()
+        self.inflight = 0
+
+    def close(self) -> None:
+        """Fail what is queued with ``ServerClosed`` and stop the thread (joined <= 1 s)."""
+        with self.cv:
+            self.closed = True
+            ops, self.ops = list(self.ops), collections.deque()
+            self.items = self.bytes = 0
+            self.cv.notify_all()
+        for kind, obj, _ in ops:
+            if kind == _MAP:
+                _fail_closed(obj)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=1.0)
+
+
+def _weight(op) -> int:
+    return op[2] if op[0] == _SUBMIT else 1
+
+
+def _fail_closed(comp: MapCompletion) -> None:
+    if not comp.done:
+        comp.fail(ServerClosed(_CLOSED_MSG))
+    comp.issued.set()
 
 
 class WgpuGraph:
-    """A software graph: resolved dispatches ``(pipeline, bind_group, count, indirect_buf)``.
+    """A software graph: resolved dispatches ``(pipeline, bind_group, count, indirect_buf,
+    kernel, written buffers)``.
 
     Holding the bind groups keeps their buffers and uniform buffers alive on the device side;
     the server retains the runtime handles (CubeCL ``cubecl-wgpu/src/compute/graph.rs``).
@@ -158,6 +368,8 @@ class WgpuBackend(Backend):
         adapter: optional substring preferring an adapter by name or backend (``"vulkan"``).
         max_tasks: dispatches batched per stream before a submit (default 32, or
             ``RUNTIME_WGPU_MAX_TASKS``).
+        max_inflight: submits allowed unfinished before the queue thread waits for a fence
+            (default 8, or ``RUNTIME_WGPU_MAX_INFLIGHT``).
     Raises:
         UnsupportedError: no adapter (with the hint ``apt-get install -y mesa-vulkan-drivers``).
     Backends: software graphs (``hardware_graphs = False``); fresh allocations inside a capture
@@ -180,7 +392,7 @@ class WgpuBackend(Backend):
                 "device": describe(adapter)}
 
     def __init__(self, device: int = 0, adapter: str | None = None, max_tasks: int | None = None,
-                 **options):
+                 max_inflight: int | None = None, **options):
         super().__init__(device, **options)
         self.adapter = select_adapter(device, adapter)
         self.device_name = describe(self.adapter)
@@ -198,10 +410,37 @@ class WgpuBackend(Backend):
         self._uniforms: dict = {}        # uniform bytes -> GPUBuffer (immutable once made)
         self._groups: dict = {}          # (program, uniform bytes, args) -> GPUBindGroup
         self._groups_of: dict = {}       # GPUBuffer -> keys of the bind groups using it
-        self._staging = None             # MAP_READ buffer reused by copy_out
         self._fence_src = self._new_buffer(4, _STORAGE)
         self._fence_dst = self._new_buffer(4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        self.submits = 0                 # queue.submit calls so far (tests and benchmarks read it)
+        self.qt = QueueThread(self, int(max_inflight
+                                        or os.environ.get("RUNTIME_WGPU_MAX_INFLIGHT", 8)))
+
+    @property
+    def submits(self) -> int:
+        """``queue.submit`` calls so far (tests and benchmarks read it)."""
+        return self.qt.submits
+
+    def load(self) -> tuple:
+        """``(dispatches + other operations, bytes of writes)`` queued on the queue thread."""
+        qt = self.qt
+        return (qt.items, qt.bytes)
+
+    def _queue_error(self, op, exc) -> None:
+        """An operation of the queue thread failed. A read fails its completion; a refused
+        submit or write is reported unattributed (the next blocking call on any stream raises
+        it): never dropped silently."""
+        kind, obj, _ = op
+        if kind == _MAP:
+            obj.fail(LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}"))
+            obj.issued.set()
+        elif kind in (_SUBMIT, _WRITE):
+            what = "a submit" if kind == _SUBMIT else "a write_buffer"
+            self.failures.append(LaunchFailure(None, None, (), _gpu_error(exc, what)))
+
+    def is_alive(self) -> bool:
+        """False once the queue thread stopped or died (waiting callers get ``ServerClosed``)."""
+        qt = self.qt
+        return not qt.closed and qt._thread.is_alive()
 
     # -- memory ------------------------------------------------------------------------
     def _new_buffer(self, nbytes: int, usage):
@@ -225,13 +464,14 @@ class WgpuBackend(Backend):
     def free(self, buf) -> None:
         """Destroy ``buf`` and forget the bind groups that use it (``GPUBuffer.destroy``).
 
-        Pending encoders are submitted first: an encoded dispatch on a destroyed buffer would
-        fail validation at submit; submitted work keeps the memory until it completes.
+        Pending encoders are submitted first and the destroy runs on the queue thread after
+        those submits: an encoded dispatch on a destroyed buffer would fail validation at
+        submit; submitted work keeps the memory until it completes.
         """
         for key in self._groups_of.pop(buf, ()):
             self._groups.pop(key, None)
         self._submit_all()
-        buf.destroy()
+        self.qt.push((_DESTROY, buf, 0))
 
     # -- streams and events -------------------------------------------------------------
     def new_stream(self):
@@ -239,7 +479,8 @@ class WgpuBackend(Backend):
         return WgpuStream()
 
     def _submit(self, s: WgpuStream) -> None:
-        """Finish and submit the stream's encoder, if it has one."""
+        """Finish the stream's encoder, if it has one, and hand it to the queue thread. A batch
+        that fails validation is split (see :meth:`_split`); this never raises for it."""
         enc = s.encoder
         if enc is None:
             return
@@ -247,12 +488,36 @@ class WgpuBackend(Backend):
         s.encoder = s.cpass = s.pipeline = None
         self._open.discard(s)
         n, s.tasks = s.tasks, 0
+        log, s.log = s.log, []
         try:
-            cb = enc.finish()
-        except Exception as exc:  # noqa: BLE001 - validation error in one batched dispatch
-            raise _gpu_error(exc, f"encoding a batch of {n} dispatch(es)") from exc
-        self.queue.submit([cb])
-        self.submits += 1
+            cbs = [enc.finish()]
+        except Exception:  # noqa: BLE001 - validation error of one batched dispatch
+            cbs = self._split(s, log)
+            n = 1
+        for cb in cbs:
+            self.qt.push((_SUBMIT, cb, n))
+
+    def _split(self, s: WgpuStream, log) -> list:
+        """Encode each dispatch of a refused batch alone, in order: the valid ones become
+        command buffers, each invalid one a ``LaunchFailure`` naming its kernel (and graph)."""
+        cbs = []
+        for graph, tasks, pos in log:
+            for pipeline, group, xyz, indirect, kernel, written in tasks:
+                enc = self.dev.create_command_encoder()
+                cpass = enc.begin_compute_pass()
+                cpass.set_pipeline(pipeline)
+                cpass.set_bind_group(0, group)
+                if indirect is None:
+                    cpass.dispatch_workgroups(*xyz)
+                else:
+                    cpass.dispatch_workgroups_indirect(indirect, 0)
+                cpass.end()
+                try:
+                    cbs.append(enc.finish())
+                except Exception as exc:  # noqa: BLE001 - GPUValidationError
+                    err = _gpu_error(exc, f"dispatch of kernel {kernel.name}")
+                    self.failures.append(LaunchFailure(s, kernel, written, err, graph, pos=pos))
+        return cbs
 
     def _submit_all(self) -> None:
         for s in list(self._open):
@@ -265,6 +530,12 @@ class WgpuBackend(Backend):
             self._open.add(s)
         return s.cpass
 
+    def release_stream(self, stream) -> bool:
+        """Submit ``stream``'s batch and forget it (True): on the one queue, submitted work is
+        ordered before anything any stream submits later."""
+        self._submit(stream)
+        return True
+
     def record_event(self, stream):
         """A token for "everything enqueued on ``stream`` so far" (the stream itself: on one
         queue, submitting its pending work is what orders later work after it)."""
@@ -272,7 +543,7 @@ class WgpuBackend(Backend):
 
     def wait_event(self, stream, event) -> None:
         """Submit the event's stream's pending work, so anything ``stream`` submits later runs
-        after it (design.md section 3: the single queue's submission order)."""
+        after it (docs/contract.md section 3: the single queue's submission order)."""
         if event is not stream:
             self._submit(event)
 
@@ -280,28 +551,31 @@ class WgpuBackend(Backend):
         """Submit ``stream``'s batched dispatches now (``GPUQueue.submit``)."""
         self._submit(stream)
 
-    def _wait_idle(self) -> None:
-        # Maps complete in queue order: once this copy's map resolves, every earlier submission
-        # has finished (the documented way to wait; no on_submitted_work_done).
+    def _readback(self, src, size: int, nbytes):
+        """Copy ``size`` bytes of ``src`` into a staging buffer and map them, on the queue
+        thread; returns the :class:`MapCompletion` (``nbytes`` None: a fence, no value)."""
+        cls = 4 if size == 4 else 1 << max(12, (size - 1).bit_length())
+        lst = self.qt.free_staging.get(cls)
+        staging = lst.pop() if lst else None
+        if staging is None:
+            staging = self._new_buffer(cls, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         enc = self.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(self._fence_src, 0, self._fence_dst, 0, 4)
-        self.queue.submit([enc.finish()])
-        self.submits += 1
-        self._fence_dst.map_sync(wgpu.MapMode.READ)
-        self._fence_dst.unmap()
+        enc.copy_buffer_to_buffer(src, 0, staging, 0, size)
+        comp = MapCompletion(self.qt, staging, size, nbytes)
+        self.qt.push((_SUBMIT, enc.finish(), 1))
+        self.qt.push((_MAP, comp, 0))
+        return comp
 
     def synchronize(self, stream) -> Completion:
-        """Submit ``stream``'s work and wait until the device finished it; blocks.
+        """Submit ``stream``'s work; the completion finishes once the device ran it.
 
-        Returns: ``Completion.ready(None)``.
-        Raises: ``LaunchError`` when the batch fails validation at submit.
+        Returns: a :class:`MapCompletion` of a 4-byte fence (value None); the caller waits.
         Streams: waits for ``stream`` and, since the queue is shared, for all work submitted
             before it.
-        See also: ``GPUQueue.submit``, ``GPUBuffer.map_sync`` on a 4-byte fence buffer.
+        See also: ``GPUQueue.submit``, ``GPUBuffer.map_async`` on a 4-byte fence buffer.
         """
         self._submit(stream)
-        self._wait_idle()
-        return Completion.ready(None)
+        return self._readback(self._fence_src, 4, None)
 
     # -- copies -------------------------------------------------------------------------
     def copy_in(self, stream, buf, data: np.ndarray) -> None:
@@ -309,50 +583,35 @@ class WgpuBackend(Backend):
 
         ``queue.write_buffer`` lands at the next submit, ahead of encoded-but-unsubmitted work,
         so every stream's pending encoder is submitted first (they share the queue).
-        Raises: ``InvalidHandle`` when the queue refuses the write (a destroyed buffer).
-        Streams: after everything issued before it on every stream.
+        Raises: ``InvalidHandle`` when the data does not fit.
+        Streams: after everything issued before it on every stream (``write_buffer`` runs on
+            the queue thread, after the submits issued before it).
         See also: ``GPUQueue.write_buffer`` (sizes padded to 4 bytes).
         """
         n = int(data.nbytes)
         if n == 0:
             return
+        if n > buf.size:
+            raise InvalidHandle(f"wgpu: write of {n} bytes into a buffer of {buf.size} bytes")
         self._submit_all()
         if n % 4:
             data = np.concatenate([np.ravel(data).view(np.uint8), np.zeros(-n % 4, np.uint8)])
-        try:
-            self.queue.write_buffer(buf, 0, data)
-        except Exception as exc:  # noqa: BLE001 - GPUValidationError: destroyed or too small
-            raise InvalidHandle(f"wgpu: write of {n} bytes failed: {str(exc).strip()}") from exc
+        self.qt.push((_WRITE, buf, data))
 
     def copy_out(self, stream, buf, nbytes: int) -> Completion:
-        """Copy the first ``nbytes`` of ``buf`` to the host after ``stream``'s work; blocks.
+        """Copy the first ``nbytes`` of ``buf`` to the host after ``stream``'s work.
 
-        Returns: ``Completion.ready(uint8 array of nbytes)``.
+        Returns: a :class:`MapCompletion` (value: ``uint8`` array of ``nbytes``); returns at
+            once, the caller's thread waits for the map (never the server).
         Streams: after ``stream``'s work (other streams' writes are ordered by ``wait_event``).
         See also: ``GPUCommandEncoder.copy_buffer_to_buffer`` into a ``MAP_READ`` staging
-        buffer, then ``GPUBuffer.map_sync`` / ``read_mapped``.
+        buffer, then ``GPUBuffer.map_async`` / ``read_mapped`` / ``unmap``.
         """
         nbytes = int(nbytes)
         if nbytes == 0:
             return Completion.ready(np.zeros(0, np.uint8))
         self._submit(stream)
-        size = _align4(nbytes)
-        if self._staging is None or self._staging.size < size:
-            if self._staging is not None:
-                self._staging.destroy()
-            grown = 1 << max(12, (size - 1).bit_length())
-            self._staging = self._new_buffer(
-                grown, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        enc = self.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(buf, 0, self._staging, 0, size)
-        self.queue.submit([enc.finish()])
-        self.submits += 1
-        self._staging.map_sync(wgpu.MapMode.READ, 0, size)
-        try:
-            out = np.frombuffer(self._staging.read_mapped(0, size), np.uint8)[:nbytes]
-        finally:
-            self._staging.unmap()
-        return Completion.ready(out)
+        return self._readback(buf, _align4(nbytes), nbytes)
 
     # -- kernels ------------------------------------------------------------------------
     def compile(self, kernel) -> WgpuProgram:
@@ -389,7 +648,10 @@ class WgpuBackend(Backend):
         if ubuf is None:
             if len(self._uniforms) >= _CACHE_MAX:
                 self._uniforms.clear()   # bind groups and graphs keep their own references
-            ubuf = self.dev.create_buffer_with_data(data=data, usage=wgpu.BufferUsage.UNIFORM)
+            # not create_buffer_with_data: it blocks while the queue thread is in a submit
+            ubuf = self.dev.create_buffer(size=len(data),
+                                          usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
+            self.qt.push((_WRITE, ubuf, np.frombuffer(data, np.uint8)))
             self._uniforms[data] = ubuf
         return ubuf
 
@@ -452,7 +714,8 @@ class WgpuBackend(Backend):
 
         Args:
             count: ``(x, y, z)`` workgroups, or ``(buf, nbytes)``: three u32 read at execution.
-        Raises: ``LaunchError`` (bad bindings, count over the limit, a batch failing validation).
+        Raises: ``LaunchError`` (bad bindings, count over the limit). A dispatch that fails
+            validation when its batch is finished becomes a ``LaunchFailure`` (``failures``).
         Streams: after ``stream``'s earlier work; submitted at ``max_tasks`` or the next blocking
             call, ``flush``, ``wait_event`` from another stream, or ``copy_in``.
         See also: ``GPUComputePassEncoder.set_pipeline``, ``set_bind_group``,
@@ -472,6 +735,8 @@ class WgpuBackend(Backend):
             cpass.dispatch_workgroups(*xyz)
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
+        stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
+                                   written_buffers(program.kernel, args)),), self.issue_pos))
         stream.tasks += 1
         if stream.tasks >= self.max_tasks:
             self._submit(stream)
@@ -490,7 +755,7 @@ class WgpuBackend(Backend):
         resolved = self._count(program, count)
         if resolved is not None:
             recording.tasks.append((program.pipeline, self._bind_group(program, args, params))
-                                   + resolved)
+                                   + resolved + (program.kernel, written_buffers(program.kernel, args)))
 
     def end_graph(self, recording: WgpuGraph) -> WgpuGraph:
         """The finished graph (the recording itself; no device work)."""
@@ -514,7 +779,7 @@ class WgpuBackend(Backend):
         set_pipeline, set_bind_group = cpass.set_pipeline, cpass.set_bind_group
         dispatch, indirect_dispatch = cpass.dispatch_workgroups, cpass.dispatch_workgroups_indirect
         last = stream.pipeline
-        for pipeline, group, xyz, indirect in graph.tasks:
+        for pipeline, group, xyz, indirect, _, _ in graph.tasks:
             if pipeline is not last:
                 set_pipeline(pipeline)
                 last = pipeline
@@ -525,6 +790,7 @@ class WgpuBackend(Backend):
                 indirect_dispatch(indirect, 0)
         stream.pipeline = last
         stream.tasks += len(graph.tasks)
+        stream.log.append((graph, graph.tasks, self.issue_pos))
         self._submit(stream)
 
     def destroy_graph(self, stream, graph: WgpuGraph) -> None:
@@ -535,9 +801,10 @@ class WgpuBackend(Backend):
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
-        """Submit what is pending and drop the caches (the device is released with them)."""
+        """Stop the queue thread (what it still holds fails with ``ServerClosed``; joined for
+        at most 1 s) and drop the caches (the device is released with them)."""
         try:
-            self._submit_all()
+            self.qt.close()
         finally:
             self._groups.clear()
             self._groups_of.clear()

@@ -1,4 +1,5 @@
-"""The client side: ``ComputeClient``, ``Handle``, ``Graph``, ``StreamId`` (design.md section 2)."""
+"""The client side: ``ComputeClient``, ``Handle``, ``Graph``, ``StreamId`` (docs/contract.md
+section 2)."""
 
 from .client import ComputeClient, client
 from .graph import Graph

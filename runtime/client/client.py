@@ -1,4 +1,4 @@
-"""ComputeClient: the thin client (design.md section 2; CubeCL ``client.rs``).
+"""ComputeClient: the thin client (docs/contract.md section 2; CubeCL ``client.rs``).
 
 Each method checks its Python arguments (``TypeError``/``ValueError``/``InvalidHandle`` at the
 call, before anything is queued), reads the stream id, and sends one message: ``submit`` for
@@ -88,7 +88,9 @@ class ComputeClient:
         Returns: a ``Handle`` with the array's ``nbytes``, ``dtype`` and ``shape``; returns at
             once (fire-and-forget).
         Raises: ``TypeError`` (not an array/bytes); ``ServerClosed``. Allocation failures
-            (``OutOfMemory``) are queued on the stream and raised by its next blocking call.
+            (``OutOfMemory``, after the idle pool was given back and the allocation retried once)
+            are queued on the stream and raised by its next blocking call.
+        Backpressure: waits for room while the device queue is full (design.md section 1).
         Streams: the copy is ordered on this client's stream.
         Capture: inside a window on this stream the copy is a host write: ``stop_capture``
             refuses the window.
@@ -98,7 +100,7 @@ class ComputeClient:
         sid = self.stream
         h = Handle(srv, sid, arr.nbytes, arr.dtype, arr.shape)
         payload = arr.reshape(-1).view(np.uint8).copy() if isinstance(data, np.ndarray) else arr
-        srv.submit(srv.h_alloc, sid, h.id, arr.nbytes, payload)
+        srv.submit(srv.h_alloc, sid, h.id, arr.nbytes, payload, nbytes=payload.nbytes)
         return h
 
     def empty(self, shape, dtype=None) -> Handle:
@@ -133,8 +135,10 @@ class ComputeClient:
             handle: the target.
             data: a numpy array with ``handle.size`` elements (cast to ``handle.dtype`` with
                 ``same_kind`` casting), or bytes-like of exactly ``handle.nbytes`` bytes.
-        Returns: at once (fire-and-forget); the copy is taken now.
-        Raises: ``InvalidHandle`` (released, foreign, or a size mismatch); ``TypeError``.
+        Returns: at once (fire-and-forget); the copy is taken now. Waits for room while the
+            device queue is full (its bytes of pending host data count; design.md section 1).
+        Raises: ``InvalidHandle`` (released, foreign, or a size mismatch); ``TypeError``;
+            ``ServerClosed`` (also while waiting for room).
         Streams: ordered on this client's stream after earlier work on it, and after earlier
             uses of the buffer on other streams (the server inserts event waits).
         Capture: inside a window on this stream it is refused late: ``stop_capture`` raises
@@ -155,7 +159,7 @@ class ComputeClient:
                 raise InvalidHandle(f"write to handle {hid}: {payload.nbytes} bytes given, the "
                                     f"handle holds {handle.nbytes}")
         srv = self._server
-        srv.submit(srv.h_write, self.stream, hid, payload)
+        srv.submit(srv.h_write, self.stream, hid, payload, nbytes=payload.nbytes)
 
     def read(self, handle: Handle) -> np.ndarray:
         """Copy ``handle``'s buffer to the host.
@@ -189,10 +193,11 @@ class ComputeClient:
                 A zero count is a no-op.
             handles: one ``Handle`` per binding, in order.
             params: a mapping or sequence of the kernel's params.
-        Returns: at once (fire-and-forget).
+        Returns: at once (fire-and-forget); waits for room while the device queue is full.
         Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count or
             dtype mismatch), ``InvalidHandle``, at the call. Compile and device failures are queued
-            on the stream and raised by its next blocking call.
+            on the stream and raised by its next blocking call; a launch that did not run also
+            marks the buffers it writes (``ReplayFailed`` on read).
         Streams: on this client's stream, after the last writes of its inputs on other streams.
         Capture: inside a window on this stream it is recorded, not executed.
         """
@@ -311,9 +316,22 @@ class ComputeClient:
 
     # -- misc ---------------------------------------------------------------------------------
     def memory_usage(self) -> dict:
-        """``{"bytes_reserved", "bytes_in_use", "handles", "graphs"}`` of the server (bytes)."""
+        """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams"}``
+        of the server (bytes, counts). Blocks (one round trip)."""
         srv = self._server
         return srv.call(srv.h_memory_usage)
+
+    def empty_cache(self) -> int:
+        """Give every idle pool buffer back to the device, as ``torch.cuda.empty_cache``.
+
+        Returns: the bytes released (``memory_usage()["bytes_reserved"]`` drops by as much);
+            0 while a stream of this server is prepared or capturing (the warm pool is kept).
+        Buffers still used by enqueued work are released once it ran (wgpu: ``destroy`` after
+        the pending submits; cuda: behind events; cpu: numpy's reference count).
+        Raises: ``ServerClosed``.
+        """
+        srv = self._server
+        return srv.call(srv.h_empty_cache)
 
     def shutdown(self) -> None:
         """Stop this client's server (every client of it then raises ``ServerClosed``)."""

@@ -64,7 +64,8 @@ class Graph:
         """Replay the recorded launches on the capture stream.
 
         Blocks only until the device thread has accepted the enqueue (not until the device ran
-        it); read an output or ``sync`` on the capture stream to wait for the results.
+        it); read an output or ``sync`` on the capture stream to wait for the results. Waits for
+        room first while the device queue is full (design.md section 1).
 
         Returns: None.
         Raises:
@@ -82,6 +83,8 @@ class Graph:
         if self._released:
             raise UnknownGraph(f"replay of graph {self.id}: this clone was released")
         srv = self._owner.server
+        if srv.queue.full():             # a replay loop with no read cannot pile up work
+            srv.queue.wait_room()
         return srv.call(srv.h_replay, self.id)
 
     def clone(self) -> "Graph":

@@ -1,4 +1,4 @@
-"""Handles: client-side references to server buffers (design.md sections 1-2)."""
+"""Handles: client-side references to server buffers (docs/contract.md sections 1-2)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,39 @@
-"""Stream ids (design.md section 3; CubeCL ``cubecl-environment/src/stream/id.rs``)."""
+"""Stream ids (docs/contract.md section 3; CubeCL ``cubecl-environment/src/stream/id.rs``)."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 _ids = itertools.count(1)
 _local = threading.local()
+_watchers: "weakref.WeakSet" = weakref.WeakSet()
+_watchers_lock = threading.Lock()
+
+
+def watch_thread_ends(server) -> None:
+    """Call ``server.thread_ended(sid)`` whenever a thread whose default stream ``sid`` was
+    minted ends (held weakly; ``ComputeServer`` registers itself). The call runs on the ending
+    thread and must not block."""
+    with _watchers_lock:
+        _watchers.add(server)
+
+
+def _thread_ended(sid) -> None:
+    with _watchers_lock:
+        servers = list(_watchers)
+    for server in servers:
+        try:
+            server.thread_ended(sid)
+        except Exception:  # noqa: BLE001 - a closed server, interpreter shutdown
+            pass
+
+
+class _ThreadEnd:
+    """Lives in the thread's ``threading.local`` only: finalized when the thread ends."""
+
+    __slots__ = ("__weakref__",)
 
 
 class StreamId(int):
@@ -27,10 +54,13 @@ class StreamId(int):
 
     @classmethod
     def current(cls) -> "StreamId":
-        """The calling thread's own stream id (stable on one thread)."""
+        """The calling thread's own stream id (stable on one thread). When the thread ends,
+        servers reclaim the stream once its work is done; the id is never minted again."""
         sid = getattr(_local, "sid", None)
         if sid is None:
             sid = _local.sid = cls(next(_ids))
+            end = _local.end = _ThreadEnd()
+            weakref.finalize(end, _thread_ended, sid).atexit = False
         return sid
 
     def __repr__(self):

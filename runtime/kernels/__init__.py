@@ -1,4 +1,4 @@
-"""The standard kernel library (design.md section 2): each kernel one backend-neutral
+"""The standard kernel library (docs/contract.md section 2): each kernel one backend-neutral
 description with a numpy, a WGSL and a CUDA C source.
 
 Elementwise kernels take their element count ``n`` as the last param and are launched over

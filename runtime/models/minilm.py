@@ -7,7 +7,8 @@ Two paths give the same numbers:
 - captured: :meth:`MiniLM.run_bucket` keeps one graph per ``(batch, seq_len)`` bucket, captured on
   first use. Each bucket owns pinned input buffers (ids, token types, mask) and an :class:`Arena`
   of intermediates; a call writes its inputs in place, replays the graph and reads the output,
-  all on the model's one stream (design.md section 4: refreshes and reads on the capture stream).
+  all on the model's one stream (docs/contract.md section 4: refreshes and reads on the capture
+  stream).
   At most ``max_graphs`` buckets are kept; the least recently used one is evicted.
 
 Model files: a directory with ``model.safetensors``, ``tokenizer.json``, ``config.json`` (and

@@ -101,7 +101,8 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
     """The running server for ``(backend, device, options)``, started on first use.
 
     Options: ``check`` (bool, default from ``RUNTIME_CHECK``) turns on the stream-ordering
-    checker; the rest go to the backend (cpu: ``scheduler``, ``seed``). Servers with different
+    checker; ``max_idle_bytes`` bounds the pool's idle bytes; the rest go to the backend
+    (cpu: ``scheduler``, ``seed``). Servers with different
     options are different servers (each with its own device thread).
 
     Raises: ``ValueError`` (unknown backend, bad device index); ``UnsupportedError``.
@@ -118,7 +119,9 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
             return srv
         cls = backend_class(name)
         check = bool(options.pop("check", False))
-        srv = ComputeServer(cls(device, **options), f"runtime-{name}:{device}", check=check)
+        max_idle = options.pop("max_idle_bytes", None)
+        srv = ComputeServer(cls(device, **options), f"runtime-{name}:{device}", check=check,
+                            max_idle_bytes=max_idle)
         _servers[key] = srv
         return srv
 

@@ -28,7 +28,7 @@ Two accesses conflict when at least one writes and they come from different stre
 one must find the earlier one's position in its clock, else they race. A replay of graph G on
 stream S counts as reads of G's read set and writes of its write set at one position of S.
 
-Where the error is raised (design.md section 1: fire-and-forget errors go on the stream):
+Where the error is raised (docs/contract.md section 1: fire-and-forget errors go on the stream):
 
 - blocking calls (``read``, ``replay``) raise at the call and do not run: a racy read returns
   nothing rather than stale bytes, a refused replay is marked on the graph's write set like any

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 #: smallest size class in bytes.
 MIN_BYTES = 256
+#: default bound on the pool's idle bytes (``ComputeServer(max_idle_bytes=...)``).
+MAX_IDLE = 1 << 30
 
 
 def size_class(nbytes: int) -> int:
@@ -38,21 +40,30 @@ class Pool:
     """Size-class free lists over a backend's ``alloc``.
 
     ``take`` returns ``(slot, fresh)``: ``fresh`` is True when the backend had to allocate (a
-    hardware graph refuses that inside a capture window).
+    hardware graph refuses that inside a capture window). ``idle_bytes`` counts the free lists;
+    ``trim`` gives the oldest idle buffers of the largest classes back to the backend.
+
+    Args:
+        backend: the ``Backend`` whose ``alloc``/``free`` it calls.
+        max_idle: bound on idle bytes the server keeps (default ``MAX_IDLE``, 1 GiB).
     """
 
-    def __init__(self, backend):
+    def __init__(self, backend, max_idle: int | None = None):
         self._backend = backend
         self._free: dict[int, list[Slot]] = {}
         self.bytes_reserved = 0
         self.bytes_in_use = 0
+        self.idle_bytes = 0
+        self.max_idle = MAX_IDLE if max_idle is None else int(max_idle)
 
     def take(self, nbytes: int):
+        """A slot of ``size_class(nbytes)``: reused (LIFO) or fresh. Raises ``OutOfMemory``."""
         cls = size_class(nbytes)
         lst = self._free.get(cls)
         if lst:
             slot = lst.pop()
             self.bytes_in_use += cls
+            self.idle_bytes -= cls
             return slot, False
         slot = Slot(self._backend.alloc(cls), cls)
         self.bytes_reserved += cls
@@ -60,19 +71,32 @@ class Pool:
         return slot, True
 
     def give(self, slot: Slot, fences: dict) -> None:
+        """Put ``slot`` on its free list carrying ``fences`` (``{stream id: position}``)."""
         slot.fences = fences
         slot.orphan = False
         self.bytes_in_use -= slot.nbytes
+        self.idle_bytes += slot.nbytes
         self._free.setdefault(slot.nbytes, []).append(slot)
 
-    def cleanup(self) -> int:
-        """Free every idle buffer to the backend; returns the bytes released. The server only
-        calls it when no stream is inside a capture window."""
+    def trim(self, keep: int = 0) -> int:
+        """Free idle buffers to the backend (``Backend.free``), oldest of the largest classes
+        first, until at most ``keep`` idle bytes remain; returns the bytes released. The server
+        calls it only when no stream is prepared or capturing."""
         freed = 0
-        for lst in self._free.values():
-            for slot in lst:
+        for cls in sorted(self._free, reverse=True):
+            lst = self._free[cls]
+            while lst and self.idle_bytes > keep:
+                slot = lst.pop(0)
                 self._backend.free(slot.buf)
-                freed += slot.nbytes
-            lst.clear()
+                self.idle_bytes -= cls
+                freed += cls
+            if not lst:
+                del self._free[cls]
+            if self.idle_bytes <= keep:
+                break
         self.bytes_reserved -= freed
         return freed
+
+    def cleanup(self) -> int:
+        """Free every idle buffer (``trim(0)``); returns the bytes released."""
+        return self.trim(0)

@@ -9,6 +9,14 @@ and a thread wake-up; a few µs combined).
 Invariant that keeps a message from being stranded: whoever holds the owner lock drains until
 the queue is empty, releases, and looks again; a message appended while the lock was held is
 therefore either drained by the holder or seen by it after its release.
+
+Bounds (design.md section 1): the queue holds at most ``max_messages`` messages and
+``max_bytes`` of pending host data (writes), and the backend's own backlog (``load``: items
+enqueued on its streams but not yet run, and their bytes) at most ``max_load`` items. A
+fire-and-forget ``submit`` that finds the queue full waits on its own thread until there is
+room (or raises ``ServerClosed`` once the server stops): a flood from one client never grows
+memory without bound. Blocking calls and finalizer posts do not wait for room (each caller has
+at most one blocking call outstanding, and a finalizer may run inside a message).
 """
 
 from __future__ import annotations
@@ -22,6 +30,13 @@ from ..errors import ServerClosed
 
 #: seconds between health checks while a caller waits for an answer.
 POLL_S = 0.05
+#: default bounds: queued messages, bytes of pending host data, backend backlog items. Small on
+#: purpose: a blocking call waits behind at most this backlog. Measured on 2 loaded cores
+#: (runtime/bench/stalls.py (b), 4 flooding threads): a 16-byte read's p99 was 10 ms with 32/256,
+#: 23 ms with 64/256, 51 ms with 128/512 and 330 ms with 256/1024, at the same launch rate.
+MAX_MESSAGES = 32
+MAX_BYTES = 256 << 20
+MAX_LOAD = 256
 
 
 class Slot:
@@ -61,27 +76,77 @@ class DeviceQueue:
             server queues it on a stream); never called for blocking messages.
         healthy: a callable that turns False when a worker the answers depend on died (the cpu
             backend's stream workers); a waiting caller then gets ``ServerClosed``.
+        load: a callable returning the backend's backlog ``(items, bytes)`` (see module doc);
+            the backend calls :meth:`notify_room` when it shrinks.
+        max_messages, max_bytes, max_load: the bounds (module doc); attributes, changeable.
     """
 
-    def __init__(self, name: str, on_async_error, healthy=None):
+    def __init__(self, name: str, on_async_error, healthy=None, load=None,
+                 max_messages: int = MAX_MESSAGES, max_bytes: int = MAX_BYTES,
+                 max_load: int = MAX_LOAD):
         self._healthy = healthy or (lambda: True)
+        self._load = load or (lambda: (0, 0))
         self._q = collections.deque()
         self._owner = threading.Lock()
         self._wake = threading.Event()
         self._on_async_error = on_async_error
+        self.max_messages, self.max_bytes, self.max_load = max_messages, max_bytes, max_load
+        self.bytes = 0                  # pending host data of queued messages
+        self._room = threading.Condition(threading.Lock())
+        self.room_waiters = 0           # producers waiting for room (tests and benchmarks read it)
         self.closed = False
+        self.closing = False            # a normal shutdown is under way (not a death)
         self.death: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     # -- producers ------------------------------------------------------------------------
-    def submit(self, fn, *args) -> None:
+    def full(self) -> bool:
+        """Whether a fire-and-forget message must wait: a bound of the module doc is reached."""
+        if len(self._q) >= self.max_messages or self.bytes >= self.max_bytes:
+            return True
+        items, nbytes = self._load()
+        return items >= self.max_load or self.bytes + nbytes >= self.max_bytes
+
+    def wait_room(self) -> None:
+        """Block the calling (producer) thread until the queue has room.
+
+        Raises: ``ServerClosed`` when the server stops or dies meanwhile (checked every 50 ms).
+        """
+        with self._room:
+            self.room_waiters += 1
+            try:
+                while self.full():
+                    if self.closed or self.closing or not self._thread.is_alive():
+                        raise ServerClosed(self._closed_message())
+                    self._room.wait(POLL_S)
+            finally:
+                self.room_waiters -= 1
+
+    def notify_room(self) -> None:
+        """Wake producers waiting for room (the owner after a message, the backend when its
+        backlog shrank); cheap when nobody waits."""
+        if self.room_waiters:
+            with self._room:
+                self._room.notify_all()
+
+    def submit(self, fn, *args, nbytes: int = 0) -> None:
         """Fire-and-forget: queue ``fn(*args)``; run it now if the server is idle.
 
-        Raises: ``ServerClosed`` once the server stopped.
+        Args:
+            nbytes: bytes of host data the message carries (a write's payload), counted
+                against ``max_bytes`` until the message ran.
+        Waits for room when the queue is full (module doc).
+        Raises: ``ServerClosed`` once the server stopped (also while waiting for room).
         """
         if self.closed:
             raise ServerClosed(self._closed_message())
+        if self.full():
+            self.wait_room()
+        if nbytes:
+            with self._room:
+                self.bytes += nbytes
+            fn = _Counted(self, fn, nbytes)
         self._q.append((fn, args, None))
         if self._owner.acquire(False):
             self._drain()
@@ -127,7 +192,7 @@ class DeviceQueue:
             if self.closed or not self._thread.is_alive() or not self._healthy():
                 if waitable.wait(0):
                     return
-                if not self.closed and not self._healthy():
+                if not (self.closed or self.closing) and not self._healthy():
                     self.death = self.death or RuntimeError("a backend worker thread died")
                 raise ServerClosed(self._closed_message())
 
@@ -154,6 +219,8 @@ class DeviceQueue:
                     else:
                         if slot is not None:
                             slot.finish(value, None)
+                    if self.room_waiters:
+                        self.notify_room()
             finally:
                 self._owner.release()
             if not q or self.closed or not self._owner.acquire(False):
@@ -180,6 +247,8 @@ class DeviceQueue:
                 traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         self.closed = True
         self._fail_pending()
+        with self._room:
+            self._room.notify_all()
 
     def _fail_pending(self) -> None:
         while self._q:
@@ -191,9 +260,11 @@ class DeviceQueue:
                 slot.finish(None, ServerClosed(self._closed_message()))
 
     def _closed_message(self) -> str:
-        why = f" (the device thread died: {self.death!r})" if self.death is not None else ""
-        return (f"server {self._thread.name} is closed{why}; create a new client with "
-                "runtime.client(...)")
+        if self.death is not None:
+            why = f"closed: the device thread died ({self.death!r})"
+        else:
+            why = "shut down (runtime.shutdown(), client.shutdown() or interpreter exit)"
+        return f"server {self._thread.name} was {why}; create a new client with runtime.client(...)"
 
     def close(self, finish) -> None:
         """Stop: run what is queued, then ``finish()`` as the last message, then end the thread.
@@ -204,6 +275,9 @@ class DeviceQueue:
             return
         if threading.current_thread() is self._thread:
             raise RuntimeError("close() from the device thread")
+        self.closing = True
+        with self._room:                # producers waiting for room get ServerClosed now
+            self._room.notify_all()
         done = Slot()
 
         def last():
@@ -221,9 +295,30 @@ class DeviceQueue:
         self._wake.set()
         self._thread.join(timeout=5.0)
         self._fail_pending()
+        with self._room:
+            self._room.notify_all()
 
     def is_alive(self) -> bool:
         return not self.closed and self._thread.is_alive()
+
+
+class _Counted:
+    """A message carrying host data: takes its bytes off the queue's count once it ran."""
+
+    __slots__ = ("queue", "fn", "nbytes")
+
+    def __init__(self, queue: DeviceQueue, fn, nbytes: int):
+        self.queue, self.fn, self.nbytes = queue, fn, nbytes
+
+    def __call__(self, *args):
+        try:
+            return self.fn(*args)
+        finally:
+            q = self.queue
+            with q._room:
+                q.bytes -= self.nbytes
+                if q.room_waiters:
+                    q._room.notify_all()
 
 
 class _Fatal(BaseException):

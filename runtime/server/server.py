@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 
 from ..backends.base import Completion
-from ..errors import (CaptureRefused, InvalidHandle, LaunchError, ReplayFailed, ServerError,
-                      UnknownGraph, UnsupportedError, unhealthy)
+from ..client.stream import watch_thread_ends
+from ..errors import (CaptureRefused, InvalidHandle, LaunchError, OutOfMemory, ReplayFailed,
+                      ServerError, UnknownGraph, UnsupportedError, unhealthy)
 from . import capture as cap
 from .memory import Pool
 from .queue import DeviceQueue
@@ -82,13 +83,19 @@ class ComputeServer:
         backend: a constructed ``runtime.backends.base.Backend``.
         name: the device thread's name, e.g. ``"runtime-cpu:0"``.
         check: turn on the stream-ordering checker (``RUNTIME_CHECK=1``).
+        max_idle_bytes: bound on the pool's idle bytes (default ``memory.MAX_IDLE``); past it
+            the oldest idle buffers go back to the device.
+
+    Streams: the default stream of a thread that ended is reclaimed (server and backend) once
+    its work is done and no graph or capture uses it; stream ids are never reused.
     """
 
-    def __init__(self, backend, name: str, check: bool = False):
+    def __init__(self, backend, name: str, check: bool = False, max_idle_bytes: int | None = None):
         self.backend = backend
         self.name = name
-        self.pool = Pool(backend)
+        self.pool = Pool(backend, max_idle_bytes)
         self.streams: dict = {}
+        self.ended: set = set()        # default streams of ended threads, not yet reclaimed
         self.handles: dict = {}
         self.graphs: dict = {}
         self.windows: dict = {}        # stream id -> open capture Window (frees check these)
@@ -98,7 +105,9 @@ class ComputeServer:
         if check:
             from .checker import Checker
             self.checker = Checker(self)
-        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive)
+        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load)
+        backend.on_room = self.queue.notify_room
+        watch_thread_ends(self)
         self.submit = self.queue.submit
         self.post = self.queue.post
         self.call = self.queue.call
@@ -108,8 +117,68 @@ class ComputeServer:
     def _stream(self, sid) -> StreamState:
         s = self.streams.get(sid)
         if s is None:
+            if self.ended:
+                self._reap_streams()
             s = self.streams[sid] = StreamState(sid, self.backend.new_stream())
         return s
+
+    def thread_ended(self, sid) -> None:
+        """The thread whose default stream is ``sid`` ended (called on that thread, by
+        ``runtime.client.stream``): queue its reclamation. Never blocks."""
+        self.post(self.h_stream_ended, sid)
+
+    def h_stream_ended(self, sid) -> None:
+        """Reclaim ``sid`` now if its work is done, else at a later message."""
+        if sid in self.streams:
+            self.ended.add(sid)
+            self._reap_streams()
+
+    def _reap_streams(self) -> None:
+        """Drop every ended thread's stream whose work is done, from the server's table and the
+        backend's (``release_stream``); a stream a graph, window or warm-up still uses stays."""
+        busy = {g.stream for g in self.graphs.values()}
+        for sid in list(self.ended):
+            s = self.streams.get(sid)
+            if s is None:
+                self.ended.discard(sid)
+                continue
+            if (sid in busy or s.state != cap.NO_CAPTURE or s.window is not None or s.primed
+                    or not self.backend.release_stream(s.raw)):
+                continue
+            del self.streams[sid]
+            self.ended.discard(sid)
+            for other in self.streams.values():
+                other.synced.pop(sid, None)
+
+    def _collect_failures(self) -> None:
+        """Attribute the backend's ``LaunchFailure`` records: each error goes to the stream that
+        enqueued the launch (never another), naming the graph for a replay, and marks the
+        handles the launch would have written (``ReplayFailed`` on read)."""
+        failures = self.backend.take_failures()
+        if not failures:
+            return
+        by_raw = {id(st.raw): st for st in self.streams.values()}
+        for f in failures:
+            gid = next((g.id for g in self.graphs.values() if g.graph is f.graph), None)
+            err = f.error
+            if gid is not None:
+                err = type(err)(f"{err} (in a replay of graph {gid}: the dispatch did not run)")
+            s = by_raw.get(id(f.stream))
+            if f.reported:
+                pass                      # the backend raises it on its stream itself
+            elif s is not None:
+                s.errors.append(err)
+            else:
+                self.async_errors.append(err)
+            written = {id(b) for b in f.written}
+            fsid = s.id if s is not None else None
+            for st in self.handles.values():
+                if id(st.slot.buf) not in written:
+                    continue
+                if f.pos is not None and (st.writes.get(fsid, -1) > f.pos or (
+                        gid is None and st.writes.get(fsid) != f.pos)):
+                    continue                  # a later write was enqueued after it
+                st.error = (gid, err)
 
     def _on_async_error(self, exc) -> None:
         # a fire-and-forget handler raised past its own error handling: report at the next drain
@@ -118,6 +187,7 @@ class ComputeServer:
 
     def _drain_errors(self, s: StreamState) -> None:
         """Raise the errors queued on ``s`` (and unattributed ones) together, emptying the queue."""
+        self._collect_failures()
         if s.errors or self.async_errors:
             errs = s.errors + self.async_errors
             s.errors, self.async_errors = [], []
@@ -143,10 +213,14 @@ class ComputeServer:
         return src.event, src.pos
 
     def _wait_for(self, s: StreamState, fences: dict) -> None:
-        """Make ``s`` wait for every fence ``{stream id: position}`` of another stream."""
+        """Make ``s`` wait for every fence ``{stream id: position}`` of another stream (a
+        reclaimed stream's work is done: nothing to wait for)."""
         for sid, pos in fences.items():
             if sid != s.id and s.synced.get(sid, 0) < pos:
-                ev, epos = self._event_at(self.streams[sid], pos)
+                src = self.streams.get(sid)
+                if src is None:
+                    continue
+                ev, epos = self._event_at(src, pos)
                 self.backend.wait_event(s.raw, ev)
                 s.synced[sid] = epos
                 if self.checker is not None:
@@ -185,13 +259,35 @@ class ComputeServer:
             slot.fences = fences
         else:
             self.pool.give(slot, fences)
+            if self.pool.idle_bytes > self.pool.max_idle:
+                self._trim(self.pool.max_idle)
 
     # -- memory ---------------------------------------------------------------------------------
+    def _trim(self, keep: int) -> int:
+        """Give idle pool buffers back to the device until at most ``keep`` idle bytes remain;
+        returns the bytes freed. Nothing while a stream is prepared or capturing (the warm pool
+        is what the recorded run allocates from)."""
+        if self.windows or any(st.state != cap.NO_CAPTURE for st in self.streams.values()):
+            return 0
+        return self.pool.trim(keep)
+
+    def h_empty_cache(self) -> int:
+        """Free every idle pool buffer to the device (``torch.cuda.empty_cache``); returns the
+        bytes given back (0 while a stream is prepared or capturing)."""
+        return self._trim(0)
+
     def h_alloc(self, sid, hid: int, nbytes: int, data) -> None:
-        """``create`` / ``empty``: reserve a pooled buffer for ``hid``; write ``data`` if given."""
+        """``create`` / ``empty``: reserve a pooled buffer for ``hid``; write ``data`` if given.
+        On ``OutOfMemory`` the idle pool is given back to the device and the allocation retried
+        once before the error is queued on the stream."""
         s = self._stream(sid)
         try:
-            slot, fresh = self.pool.take(nbytes)
+            try:
+                slot, fresh = self.pool.take(nbytes)
+            except OutOfMemory:
+                if not self._trim(0):
+                    raise
+                slot, fresh = self.pool.take(nbytes)
         except ServerError as e:
             s.errors.append(e)
             return
@@ -264,6 +360,12 @@ class ComputeServer:
         st = self.handles.get(hid)
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
+        self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
+        self._collect_failures()
+        if st.error is not None and st.error[0] is None:
+            raise ReplayFailed(f"read of handle {hid}: the last launch that writes it did not run "
+                               f"({st.error[1]}); it holds stale data until a later write lands",
+                               st.error[1])
         if st.error is not None:
             gid, cause = st.error
             raise ReplayFailed(f"read of handle {hid}: the last replay of graph {gid}, which writes "
@@ -324,6 +426,7 @@ class ComputeServer:
             if self.checker is not None:
                 for b, st in zip(kernel.bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
+            self.backend.issue_pos = s.pos + 1      # carried by a LaunchFailure, if any
             self.backend.launch(s.raw, prog, count, args, params)
         except ServerError as e:
             s.errors.append(e)
@@ -339,6 +442,7 @@ class ComputeServer:
             else:
                 st.writes = {sid: pos}
                 st.reads = {}
+                st.error = None               # a later write replaces a failed one's mark
         if cst is not None:
             cst.reads[sid] = pos
 
@@ -349,6 +453,7 @@ class ComputeServer:
         if s.window is not None:
             raise CaptureRefused(f"sync on stream {sid}: the stream is recording a graph; "
                                  "sync after stop_capture()")
+        self.backend.flush(s.raw)
         self._drain_errors(s)
         if self.checker is not None:
             self.checker.on_sync(s)
@@ -468,6 +573,7 @@ class ComputeServer:
                                      "recording a graph; replay after stop_capture()")
             if self.checker is not None:
                 self.checker.on_replay(s, g)
+            self.backend.issue_pos = s.pos + 1
             self.backend.launch_graph(s.raw, g.graph)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
@@ -481,6 +587,7 @@ class ComputeServer:
             for st in g.handles:
                 if st.error is not None and st.error[0] == gid:
                     st.error = None
+        self._collect_failures()       # dispatches of this replay refused at submit
 
     def _mark_failed(self, g: GraphState, err) -> None:
         g.failed = True
@@ -506,14 +613,22 @@ class ComputeServer:
                 f = dict(slot.fences)
                 f.update(fence)
                 self.pool.give(slot, f)
+        if self.pool.idle_bytes > self.pool.max_idle:
+            self._trim(self.pool.max_idle)
         if self.checker is not None:
             self.checker.on_graph_destroy(g)
+        if self.ended:
+            self._reap_streams()
 
     # -- introspection --------------------------------------------------------------------------
     def h_memory_usage(self) -> dict:
-        """Pool bytes reserved from the device and bytes handed to live handles."""
+        """Pool bytes reserved from the device, handed to live handles and idle; counts of
+        handles, graphs and streams (reclaims ended threads' streams first)."""
+        if self.ended:
+            self._reap_streams()
         return {"bytes_reserved": self.pool.bytes_reserved, "bytes_in_use": self.pool.bytes_in_use,
-                "handles": len(self.handles), "graphs": len(self.graphs)}
+                "bytes_idle": self.pool.idle_bytes, "handles": len(self.handles),
+                "graphs": len(self.graphs), "streams": len(self.streams)}
 
     def h_graph_info(self, gid: int) -> dict:
         g = self.graphs.get(gid)

@@ -1,5 +1,5 @@
 """Bad input gets a typed error, the server keeps serving, other clients are unaffected
-(design.md section 5)."""
+(docs/contract.md section 5)."""
 
 import threading
 

@@ -1,4 +1,4 @@
-"""Streams: identity (CubeCL D6), cross-stream ordering of ordinary operations (design.md
+"""Streams: identity (CubeCL D6), cross-stream ordering of ordinary operations (docs/contract.md
 section 3), and stream-ordered reuse of pooled buffers."""
 
 import threading

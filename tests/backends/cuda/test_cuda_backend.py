@@ -20,15 +20,14 @@ import numpy as np
 import pytest
 
 import runtime
-from helpers import add_one, mul_two, prelude  # noqa: F401 - shared scenario helpers
+from helpers import add_one, backend_module_or_skip, mul_two, prelude
 import runtime.kernels as K
 import runtime.server as server_mod
 from runtime.backends.base import check_interface
 from runtime.errors import CaptureRefused, LaunchError, UnsupportedError
 from runtime.kernel import Binding, Kernel, Param
 
-cuda_backend = pytest.importorskip("runtime.backends.cuda", reason="cupy is not installed "
-                                   "(pip install cupy-cuda12x)")
+cuda_backend = backend_module_or_skip("cuda", "bash setup.sh --test installs cupy-cuda12x")
 try:
     INFO = cuda_backend.CudaBackend.probe()
     NO_DEVICE = None

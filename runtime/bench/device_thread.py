@@ -16,12 +16,11 @@ show what the device work costs when nothing is shared. Paths take turns in roun
 threads run a batch of one path between two barriers, then the next path, the order rotated
 each round. Launch batches end with an untimed sync, so queues never grow across a batch.
 
-    python -m benchmarks.device_thread [--backend cpu] [--quick]
+    python -m runtime bench --sections device_thread [--backend cpu] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import threading
 
 import numpy as np
@@ -30,7 +29,7 @@ import runtime
 import runtime.kernels as K
 from runtime.server import backend_class
 
-from .common import clock, summarize
+from .timing import clock, summarize
 
 THREADS = (1, 2, 4, 8)
 N = 64                                        # floats in the noop's one binding
@@ -160,21 +159,3 @@ def measure(backend: str, quick: bool = False, tick=None, threads=THREADS) -> di
 def units(quick: bool, threads=THREADS) -> int:
     """Progress-bar units ``measure`` reports (one per round per thread count)."""
     return (8 if quick else 40) * len(threads)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    res = measure(a.backend, a.quick)
-    print(f"{'threads':>7} {'path':14s} {'p50':>9s} {'p10':>9s} {'p90':>9s} {'p99':>9s}  (µs)")
-    for n, rows in res["threads"].items():
-        for p, s in rows.items():
-            print(f"{n:>7} {p:14s} {s['p50']:9.2f} {s['p10']:9.2f} {s['p90']:9.2f} {s['p99']:9.2f}")
-    runtime.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,12 +14,11 @@ f32 buffers ``a`` and ``b`` (the workload of CubeCL's ``graph_bench``, research 
   prebuilt pipeline and bind groups, one submit, on wgpu; raw cupy launches on cuda, plus
   ``floor_graph``, one raw cupy graph launch).
 
-    python -m benchmarks.replay [--backend cpu] [--quick]
+    python -m runtime bench --sections replay [--backend cpu] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -28,9 +27,9 @@ import numpy as np
 import runtime
 import runtime.kernels as K
 
-from .common import clock, interleaved, summarize
+from .floors import KERNEL, floor_class
+from .timing import clock, interleaved, summarize
 
-KERNEL = K.add_scalar
 LENGTHS = (1, 10, 100, 1000, 10000)
 QUICK_LENGTHS = (1, 10, 100, 1000)
 SIZES = {"tiny": 64, "large": 1 << 20}
@@ -60,57 +59,8 @@ def capture(client, a, b, elems: int, length: int):
     return g, clock() - t
 
 
-# -- floors: the same pass with no runtime -----------------------------------------------------
-class CudaFloor:
-    """Raw cupy: the kernel's CUDA C as a ``RawKernel``, launched ``L`` times on one stream."""
-
-    def __init__(self, elems: int, kernels: int):
-        import cupy
-        self.cp = cupy
-        self.a = cupy.zeros(elems, cupy.float32)
-        self.b = cupy.zeros(elems, cupy.float32)
-        self.fn = cupy.RawKernel(KERNEL.cuda, KERNEL.name)
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.grid, self.block = K.grid(elems), KERNEL.workgroup_size
-        self.args = [(self.a, self.b, np.float32(1.0), np.uint32(elems)),
-                     (self.b, self.a, np.float32(1.0), np.uint32(elems))]
-        self.kernels = kernels
-        self.graph = None
-
-    def issue(self):
-        fn, grid, block, args = self.fn, self.grid, self.block, self.args
-        with self.stream:
-            for i in range(self.kernels):
-                fn(grid, block, args[i & 1])
-
-    def capture_graph(self):
-        """Record ``issue`` as one cupy graph (stream capture), once."""
-        self.issue()
-        self.stream.synchronize()
-        self.stream.begin_capture()
-        self.issue()
-        self.graph = self.stream.end_capture()
-        self.graph.upload(self.stream)
-
-    def issue_graph(self):
-        self.graph.launch(self.stream)
-
-    def sync(self):
-        self.stream.synchronize()
-        return self.a[:1].get()
-
-
-#: untimed pause between wgpu samples (see ``common.interleaved``'s ``settle``).
+#: untimed pause between wgpu samples (the ``settle`` of :func:`runtime.bench.timing.interleaved`).
 SETTLE_S = 0.05
-
-
-def floor_class(backend: str):
-    """The raw-backend pass class for ``backend``: graph_sweep's floors on cpu and wgpu (one floor
-    for both benchmarks), the raw cupy pass above on cuda."""
-    if backend == "cuda":
-        return CudaFloor
-    from . import graph_sweep as gs
-    return {"cpu": gs.CpuFloor, "wgpu": gs.WgpuFloor}[backend]
 
 
 # -- item 2 ----------------------------------------------------------------------------------
@@ -227,25 +177,3 @@ def measure(backend: str, quick: bool = False, tick=None) -> dict:
         row = measure_pass(client, backend, elems, length, reps, tick)
         out["e2e"].append(dict(row, size=size))
     return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    res = measure(a.backend, a.quick)
-    print(f"replay enqueue, µs ({res['device']})")
-    for L, s in res["enqueue"].items():
-        print(f"  L={L:<6} p50 {s['p50']:9.2f}  p10 {s['p10']:9.2f}  p90 {s['p90']:9.2f}  "
-              f"p99 {s['p99']:9.2f}")
-    print("end to end, µs per pass (p50)")
-    for r in res["e2e"]:
-        cols = "  ".join(f"{p} {r[p]['e2e']['p50']:10.1f}" for p in ("eager", "replay", "floor"))
-        print(f"  {r['size']:5s} L={r['length']:<6} {cols}")
-    runtime.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""The MiniLM forward section: eager vs replay (vs sentence-transformers where installed), in ms.
+
+Host token ids in, embeddings out, as the embeddings server calls the model: ``eager`` launches
+every kernel (``MiniLM.forward(..., graph=False)``), ``replay`` writes the inputs of the bucket's
+captured graph and replays it (``MiniLM.run_bucket``), ``sentence_transformers`` runs the same
+model files in torch on the cpu rows. ``--quick`` runs batch 1, sequence 16 on cpu only (a
+forward on lavapipe takes seconds).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .timing import clock, summarize
+
+MINILM_FULL = [(b, s) for b in (1, 8, 32) for s in (16, 128)]
+MINILM_QUICK = [(1, 16)]
+
+
+def _sentence_transformer():
+    """The same model in sentence-transformers (torch), or ``(None, reason)``."""
+    try:
+        import torch
+        from sentence_transformers import SentenceTransformer
+        from runtime.models.minilm import default_model_dir
+        st = SentenceTransformer(str(default_model_dir()), device="cpu")
+
+        def fwd(ids, mask):
+            feats = {"input_ids": torch.as_tensor(ids), "attention_mask": torch.as_tensor(mask),
+                     "token_type_ids": torch.zeros_like(torch.as_tensor(ids))}
+            with torch.inference_mode():
+                return st(feats)["sentence_embedding"].numpy()
+        return fwd, None
+    except Exception as e:  # noqa: BLE001 - optional: report why it is absent
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0) -> dict:
+    """MiniLM forward per ``(batch, seq)``: eager vs replay (+ sentence-transformers), in ms.
+
+    Each configuration takes turns between the paths until ``min_reps`` and ``budget_s`` seconds
+    are both reached, or ``max_reps``. Host ids in, embeddings out, as a server calls it.
+
+    Returns: ``{"rows": [{"batch", "seq", "reps", "eager", "replay"[, "sentence_transformers"]}],
+    "sentence_transformers": "measured" or why not}`` (summaries in ms), or ``{"skipped": why}``
+    (model files missing, or ``quick`` on a backend other than cpu).
+    """
+    import runtime
+    from runtime.models import MiniLM
+    plan = MINILM_QUICK if quick else MINILM_FULL
+    min_reps, max_reps = (3, 3) if quick else (3, 20)
+    if quick and backend != "cpu":
+        if tick:
+            tick(len(plan) * max_reps)
+        return {"skipped": "--quick runs MiniLM on cpu only"}
+    try:
+        model = MiniLM.load(runtime.client(backend), max_graphs=2)
+    except Exception as e:  # noqa: BLE001 - model files missing: a reported skip
+        if tick:
+            tick(len(plan) * max_reps)
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    st, st_reason = _sentence_transformer() if backend == "cpu" else (None, "cpu rows only")
+    rng = np.random.default_rng(0)
+    out = {"rows": [], "sentence_transformers": st_reason or "measured"}
+    for batch, seq in plan:
+        ids = rng.integers(1000, 29000, (batch, seq))
+        ids[:, 0], ids[:, -1] = 101, 102                 # [CLS] ... [SEP]
+        mask = np.ones((batch, seq), np.int64)
+        paths = {"eager": lambda: model.forward(ids, mask, graph=False),
+                 "replay": lambda: model.run_bucket(batch, seq, ids, mask)}
+        if st is not None:
+            paths["sentence_transformers"] = lambda: st(ids, mask)
+        for fn in paths.values():                        # warm-up, and the capture
+            fn()
+        samples = {p: [] for p in paths}
+        start, r = clock(), 0
+        while r < max_reps and (r < min_reps or clock() - start < budget_s):
+            names = list(paths)[r % len(paths):] + list(paths)[:r % len(paths)]
+            for name in names:
+                t = clock()
+                paths[name]()
+                samples[name].append(clock() - t)
+            r += 1
+            if tick:
+                tick()
+        if tick and r < max_reps:
+            tick(max_reps - r)
+        row = {"batch": batch, "seq": seq, "reps": r}
+        row.update({p: summarize(v, 1e3) for p, v in samples.items()})
+        out["rows"].append(row)
+        model.release()                                  # one bucket's buffers at a time
+    model.release()
+    return out
+
+
+def units(quick: bool) -> int:
+    """Progress-bar units :func:`measure` reports (one per repetition, at most)."""
+    return len(MINILM_QUICK if quick else MINILM_FULL) * (3 if quick else 20)

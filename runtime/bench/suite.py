@@ -1,0 +1,207 @@
+"""``python -m runtime bench``: the latency suite, one JSON file and a markdown report.
+
+    python -m runtime bench [--backend cpu,wgpu] [--quick] [--out DIR] [--readme]
+                            [--sections a,b] [--skip minilm] [--no-plots]
+
+Per backend (default: every backend that answers here; cuda only with a GPU), the sections of
+:data:`SECTIONS` in order:
+
+1. ``device_thread`` (:mod:`runtime.bench.device_thread`): blocking no-op and empty launch vs
+   the backend verbs called with no server, for 1, 2, 4 and 8 client threads;
+2. ``replay`` (:mod:`runtime.bench.replay`): ``Graph.replay()`` enqueue latency vs graph
+   length, and end-to-end passes, eager vs replay vs the raw backend, tiny and large kernels;
+3. ``minilm`` (:mod:`runtime.bench.minilm`): the MiniLM forward, eager vs replay, and
+   sentence-transformers where installed;
+4. ``stalls`` (:mod:`runtime.bench.stalls`): one client's replay/read latency while another
+   reads a heavy result or floods launches, and RSS under unsynced churn (cpu only in
+   ``--quick``).
+
+Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
+(the CI smoke run) uses few repetitions, graph lengths up to 1000 (large kernels up to 10) and
+MiniLM batch 1, sequence 16, on cpu only. Results go to ``bench.json`` and ``bench.md`` (+ PNGs)
+in ``--out`` (default: ``benchmarks/results`` of the checkout this package runs from, else
+``./bench-results``); ``--readme`` also writes the report to the checkout's
+``benchmarks/README.md`` with its plots under ``benchmarks/img/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import device_thread, minilm, replay, report, stalls
+from .machine import machine, write_json
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of the suite: what it measures per backend and how the report shows it.
+
+    Attributes:
+        name: the key of its results (``result["backends"][backend][name]``) and its name for
+            ``--sections`` / ``--skip``.
+        measure: ``measure(backend, quick, tick) -> dict``: JSON-able results for one backend
+            name (``"cpu"``, ``"wgpu"``, ``"cuda"``); ``quick`` is ``--quick``; call ``tick(n=1)``
+            per unit of progress. Raising fails the run (exit 1) after the other sections ran;
+            return ``{"skipped": why}`` for a backend it does not apply to.
+        units: ``units(quick) -> int``: how many ticks ``measure`` makes per backend.
+        markdown: ``markdown(result, img) -> list[str]``: the report's lines for the whole run
+            (every backend); ``## `` headings are numbered by the report; ``img(name, alt)``
+            returns the lines that show a PNG ``plot`` wrote (empty when it did not).
+        plot: ``plot(result, folder) -> list[Path]``: PNGs written into ``folder``
+            (matplotlib; ``ImportError`` without it).
+        targets: ``targets(result) -> list[dict]``: goals (not tests) for the targets table,
+            each ``{"backend", "target", "value", "met"}``.
+    """
+
+    name: str
+    measure: Callable[[str, bool, Callable], dict]
+    units: Callable[[bool], int]
+    markdown: Callable[[dict, Callable], list] | None = None
+    plot: Callable[[dict, Path], list] | None = None
+    targets: Callable[[dict], list] | None = None
+
+
+#: the suite, in run and report order. Add a section here (see ``runtime.bench``'s docstring).
+SECTIONS: list[Section] = [
+    Section("device_thread", device_thread.measure, device_thread.units,
+            report.device_thread_section, report.plot_device_thread,
+            report.device_thread_targets),
+    Section("replay", replay.measure, replay.units, report.replay_section, report.plot_replay,
+            report.replay_targets),
+    Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm),
+    Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
+            stalls.suite_targets),
+]
+
+
+def default_out() -> Path:
+    """``benchmarks/results`` of the checkout this package runs from, else ``./bench-results``."""
+    try:
+        return report.checkout_benchmarks() / "results"
+    except FileNotFoundError:
+        return Path("bench-results")
+
+
+class _NoBar:
+    """Stands in for ``tqdm`` when it is not installed (``pip install tqdm`` for the bar)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+
+def _backends(arg: str | None) -> tuple[list, dict]:
+    """Backends to run and ``{name: reason}`` for the ones skipped.
+
+    Raises: ``ValueError`` for a name that is not a backend.
+    """
+    import runtime
+    avail = runtime.available_backends()
+    skipped = {n: r for n, r in avail.items() if r is not None}
+    wanted = [b.strip() for b in arg.split(",")] if arg else [n for n in avail if avail[n] is None]
+    for b in wanted:
+        if b not in avail:
+            raise ValueError(f"unknown backend {b!r}; choose from {sorted(avail)}")
+    run = [b for b in ("cpu", "wgpu", "cuda") if b in wanted and avail[b] is None]
+    return run, {b: skipped[b] for b in skipped if b in wanted or not arg}
+
+
+def select(only: str | None = None, skip: str | None = None) -> list[Section]:
+    """The sections to run: ``only`` (comma list; default all) minus ``skip`` (comma list).
+
+    Raises: ``ValueError`` for a name that is not a section of :data:`SECTIONS`.
+    """
+    names = [s.name for s in SECTIONS]
+
+    def parse(arg):
+        got = [n.strip() for n in (arg or "").split(",") if n.strip()]
+        bad = [n for n in got if n not in names]
+        if bad:
+            raise ValueError(f"unknown section(s) {bad}; the suite has {names}")
+        return got
+    keep, drop = parse(only) or names, parse(skip)
+    return [s for s in SECTIONS if s.name in keep and s.name not in drop]
+
+
+def main(argv=None) -> int:
+    """Run the suite (``python -m runtime bench --help`` lists the options).
+
+    Returns: 0; 1 when a section failed (its error is in the JSON, the others ran); 2 when no
+    backend can run. Raises: ``ValueError`` (unknown backend or section), ``OSError`` (the
+    output folder cannot be written), ``FileNotFoundError`` (``--readme`` outside a checkout).
+    """
+    ap = argparse.ArgumentParser(prog="python -m runtime bench",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", help="comma-separated: cpu, wgpu, cuda (default: all that answer)")
+    ap.add_argument("--quick", action="store_true", help="the CI smoke run: few reps, L <= 1000")
+    ap.add_argument("--out", help=f"folder for bench.json, bench.md, PNGs "
+                                  f"(default: {default_out()})")
+    ap.add_argument("--readme", action="store_true",
+                    help="also write the checkout's benchmarks/README.md and benchmarks/img/*.png")
+    names = ",".join(s.name for s in SECTIONS)
+    ap.add_argument("--sections", help=f"comma-separated sections to run (default: {names})")
+    ap.add_argument("--skip", help="comma-separated sections not to run")
+    ap.add_argument("--no-minilm", action="store_true", help="the same as --skip minilm")
+    ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")
+    args = ap.parse_args(argv)
+    sections = select(args.sections, ",".join(filter(None, [args.skip,
+                                                            "minilm" if args.no_minilm else ""])))
+    out_dir = Path(args.out) if args.out else default_out()
+    readme_dir = report.checkout_benchmarks() if args.readme else None
+    try:
+        from tqdm import tqdm
+    except ImportError:                                  # the bar is a nicety, not a need
+        tqdm = _NoBar
+    import runtime
+
+    backends, skipped = _backends(args.backend)
+    if not backends:
+        print(f"python -m runtime bench: no backend to run: {skipped}", file=sys.stderr)
+        return 2
+    result = {"suite": "runtime bench", "quick": args.quick, "machine": machine(),
+              "sections": [s.name for s in sections], "skipped_backends": skipped,
+              "backends": {}}
+    t0 = time.time()
+    failed = []
+    with tqdm(total=len(backends) * sum(s.units(args.quick) for s in sections), unit="rep",
+              desc="bench", file=sys.stderr, mininterval=0.5) as bar:
+        for b in backends:
+            res = result["backends"].setdefault(b, {})
+            res["device"] = runtime.client(b).device_name
+            for sec in sections:
+                bar.set_postfix_str(f"{b} {sec.name}")
+                try:
+                    res[sec.name] = sec.measure(b, args.quick, bar.update)
+                except Exception as e:  # noqa: BLE001 - keep the other rows; fail at the end
+                    failed.append(f"{b} {sec.name}: {type(e).__name__}: {e}")
+                    res[sec.name] = {"error": f"{type(e).__name__}: {e}"}
+    result["wall_s"] = round(time.time() - t0, 1)
+    runtime.shutdown()
+
+    out = write_json(out_dir / "bench.json", result)
+    md = report.write(result, out_dir, plots=not args.no_plots, sections=sections)
+    print(f"wrote {out} and {md} ({result['wall_s']} s)")
+    if readme_dir is not None:
+        readme = report.write(result, readme_dir, plots=not args.no_plots, img_dir="img",
+                              name="README.md", title=True, sections=sections)
+        print(f"wrote {readme}")
+    print(report.summary(result, sections))
+    for line in failed:
+        print(f"python -m runtime bench: section failed: {line}", file=sys.stderr)
+    return 1 if failed else 0

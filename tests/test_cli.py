@@ -1,0 +1,63 @@
+"""``python -m runtime <command>``: a failing command prints one line and exits non-zero, never
+a traceback (``runtime/__main__.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import __main__ as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_line(err: str, command: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"python -m runtime {command}: "), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["bench", "--backend", "nope"], "ValueError: unknown backend 'nope'"),
+    (["bench", "--sections", "nope"], "ValueError: unknown section(s) ['nope']"),
+    (["embed", "--backend", "nope", "a text"], "ValueError: unknown backend 'nope'"),
+    (["capture-demo", "--backend", "nope"], "ValueError: unknown backend 'nope'"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, expect, capsys):
+    assert cli.main(argv) == 2
+    assert expect in _one_line(capsys.readouterr().err, argv[0])
+
+
+def test_any_other_failure_is_one_line_and_exit_1(monkeypatch, capsys):
+    def broken(argv):
+        raise RuntimeError("the device fell over\nsecond line of detail")
+    monkeypatch.setitem(cli.COMMANDS, "bench", (__name__, "_broken", "x"))
+    monkeypatch.setitem(globals(), "_broken", broken)
+    monkeypatch.delenv("RUNTIME_TRACEBACK", raising=False)
+    assert cli.main(["bench"]) == 1
+    assert _one_line(capsys.readouterr().err, "bench") == \
+        "python -m runtime bench: RuntimeError: the device fell over"
+    monkeypatch.setenv("RUNTIME_TRACEBACK", "1")         # the opt-in for a bug report
+    with pytest.raises(RuntimeError, match="fell over"):
+        cli.main(["bench"])
+
+
+def test_unknown_command_exits_2_with_the_usage(capsys):
+    assert cli.main(["nope"]) == 2
+    out = capsys.readouterr()
+    assert "unknown command 'nope'" in out.err and "bench" in out.out
+
+
+def test_a_failing_command_in_a_subprocess_from_another_folder(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("RUNTIME_TRACEBACK", None)
+    r = subprocess.run([sys.executable, "-m", "runtime", "bench", "--readme", "--out", "x",
+                        "--backend", "nope"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert "unknown backend 'nope'" in _one_line(r.stderr, "bench")

@@ -1,30 +1,46 @@
 """Embeddings serving under load: N concurrent HTTP clients, replayed graphs vs eager launches.
 
 The server (``runtime.serving``: batcher + FastAPI app on uvicorn) runs in this process on a
-loopback port; the load generator is an ``httpx.AsyncClient`` here too. For each client count
-(default 1, 8, 64) every path serves the same fixed workload: ``--requests`` requests in total,
-each ``--texts`` short sentences, spread round-robin over the clients, each client sending its
-next request when the previous one is answered (closed loop). Paths:
+loopback port; the load generator is an ``httpx.AsyncClient`` here too. Sections
+(``--sections``, default all three):
 
-- ``graph``: the batcher replays the captured graph of each ``(batch, seq_len)`` bucket
-  (captured at start-up, with a progress bar, before anything is timed);
-- ``eager``: the same batcher and padded shapes, kernels launched one by one;
-- ``sentence-transformers``: the same batcher and HTTP server with the model run by
-  sentence-transformers on torch (cpu), only when it is installed (``--no-st`` skips it).
+- ``closed``: for each client count (default 1, 8, 64) every path serves the same fixed
+  workload: ``--requests`` requests in total, each ``--texts`` short sentences, spread
+  round-robin over the clients, each client sending its next request when the previous one is
+  answered (closed loop). Reported per (path, clients): throughput, p50/p99 request latency,
+  batches and mean rows per batch.
+- ``mixed``: head-of-line blocking. 8 clients send 1-text requests (closed loop, at most
+  ``--mixed-requests`` each or ``--mixed-seconds``), first alone (``idle``), then while one more
+  client sends max-size requests (``--max-inputs`` short sentences each) back to back
+  (``mixed``). Reported per path: the short requests' p50/p90/p99 in both phases and their
+  ratio, and the big requests completed.
+- ``largest``: the cost of the largest legal request. ``python -m runtime serve`` runs in a
+  child process; after a warm-up, its peak RSS is reset (``/proc/PID/clear_refs``), one request
+  is sent, and the child's peak RSS above its resident size before the request (``VmHWM``) and
+  its CPU time (``utime + stime``) are read. Requests (``--largest-requests``): texts of 256
+  tokens (the reference), texts as long as the body limit allows (the largest legal request),
+  and texts of ``--max-input-chars`` characters, as many as the body limit allows; each
+  ``--largest-inputs`` texts at most (default ``--max-inputs``). Linux only.
 
-On cpu both numpy's BLAS and torch get one thread (``--st-threads``): the runtime's cpu workers,
-the event loop and the batcher already share the cores, and a per-core BLAS/OpenMP pool that
-spins between calls then slows a small forward down many times over (measured here: torch at
-its default 2 threads served 4 req/s to one client, at 1 thread 64 req/s).
+Paths: ``graph`` (the batcher replays each ``(batch, seq_len)`` bucket's captured graph,
+captured at start-up before anything is timed), ``eager`` (the same batcher and padded shapes,
+kernels launched one by one) and ``sentence-transformers`` (the same batcher and HTTP server
+with the model run by sentence-transformers on torch, cpu), only when it is installed
+(``--no-st`` skips it; run this script with ``/work/venv-st/bin/python`` or any environment
+that has it). numpy's BLAS gets one thread (``limit_blas_threads``, as ``serve`` does: the cpu
+backend's workers are the parallelism); torch keeps its default threads unless ``--st-threads``
+says otherwise. The paths take turns (order rotated), so slow drift hits all alike.
 
-The paths take turns per client count (order rotated), so slow drift hits all alike. Reported
-per (path, clients): throughput (requests/s and texts/s over the run's wall time), p50/p99
-request latency, batches and mean rows per batch.
+The script only uses APIs an older checkout also has, so the same file measures before and
+after a change: ``PYTHONPATH=/path/to/old/checkout python benchmarks/serving.py`` imports that
+checkout's ``runtime`` (``python -m runtime serve`` in the child too).
 
 Usage::
 
-    python benchmarks/serving.py [--backend cpu] [--clients 1,8,64] [--requests 256]
-                                 [--texts 1] [--no-st] [--quick]
+    python benchmarks/serving.py [--backend cpu] [--sections closed,mixed,largest]
+                                 [--clients 1,8,64] [--requests 256] [--texts 1] [--no-st]
+                                 [--st-threads 0] [--mixed-requests 16] [--mixed-seconds 60]
+                                 [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
 
 Writes ``benchmarks/results/serving_<backend>.json`` and ``.png`` (gitignored).
 """
@@ -36,12 +52,15 @@ import asyncio
 import json
 import os
 import platform
+import socket
+import subprocess
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# appended, not prepended: a ``runtime`` on PYTHONPATH (another checkout) wins
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.serving import (MODEL_ID, Batcher, ServerThread, ServingMetrics,  # noqa: E402
                              create_app, limit_blas_threads, load_model)
@@ -136,85 +155,315 @@ def start(model, graph: bool, quiet: bool):
     return b, srv, m
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--backend", default="cpu")
-    p.add_argument("--clients", default="1,8,64", help="comma list of concurrent clients")
-    p.add_argument("--requests", type=int, default=256, help="requests per (path, clients)")
-    p.add_argument("--texts", type=int, default=1, help="texts per request")
-    p.add_argument("--no-st", action="store_true", help="skip sentence-transformers")
-    p.add_argument("--st-threads", type=int, default=1,
-                   help="torch threads for sentence-transformers (default 1, as numpy's BLAS "
-                   "here; 0 = torch's default, which thrashes like OpenBLAS in this setting)")
-    p.add_argument("--quick", action="store_true", help="64 requests")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--out", default=RESULTS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.requests = 64
-    clients = [int(c) for c in args.clients.split(",") if c.strip()]
-    if args.backend in ("auto", "cpu"):
-        limit_blas_threads(1)           # as `python -m runtime serve` does (numpy BLAS only)
-    model = load_model(None if args.backend == "auto" else args.backend,
-                       max_graphs=len(WARMUP))
-    servers = {"graph": start(model, True, args.quiet), "eager": start(model, False, args.quiet)}
-    st_note = None
-    if not args.no_st:
+def captures(m) -> float:
+    """Graph captures recorded in ``m`` (prometheus-client metrics, or an older checkout's)."""
+    value = getattr(m, "value", None)
+    return value("graph_captures_total") if value else m.captures.value()
+
+
+def pct(ms, q) -> float:
+    """Percentile ``q`` of the samples ``ms`` (0 when empty)."""
+    return float(np.percentile(ms, q)) if len(ms) else 0.0
+
+
+async def mixed_load(url: str, clients: int, per_client: int, seconds: float,
+                     big_inputs: int) -> dict:
+    """``clients`` closed-loop 1-text clients (``per_client`` requests each, none started after
+    ``seconds``), plus, when ``big_inputs``, one client sending ``big_inputs``-text requests
+    back to back until the short clients finish. Returns the short latencies (ms) and the big
+    requests completed."""
+    import httpx
+
+    short_ms, big_done, fails = [], [0], [0]
+    stop = asyncio.Event()
+    t_end = time.perf_counter() + seconds
+    big_body = {"input": [SHORT[i % len(SHORT)] for i in range(big_inputs)], "model": MODEL_ID}
+
+    async def short(http, c):
+        for r in range(per_client):
+            if time.perf_counter() > t_end:
+                break
+            t0 = time.perf_counter()
+            resp = await http.post("/v1/embeddings", json={"input": SHORT[(c * 5 + r * 3) %
+                                                                          len(SHORT)]})
+            short_ms.append((time.perf_counter() - t0) * 1e3)
+            fails[0] += resp.status_code != 200
+
+    async def big(http):
+        while not stop.is_set():
+            resp = await http.post("/v1/embeddings", json=big_body)
+            big_done[0] += resp.status_code == 200
+            fails[0] += resp.status_code != 200
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=900.0, limits=limits) as http:
+        bg = asyncio.ensure_future(big(http)) if big_inputs else None
+        if bg is not None:
+            await asyncio.sleep(0.5)                 # the big request is being computed
+        await asyncio.gather(*(short(http, c) for c in range(clients)))
+        stop.set()
+        if bg is not None:
+            await bg                                  # let the last one finish: a clean server
+    return {"short_ms": short_ms, "big_done": big_done[0], "failures": fails[0]}
+
+
+def mixed_rows(servers: dict, args) -> list:
+    """The ``mixed`` section: idle vs mixed short-request latency, per path."""
+    rows = []
+    for name, (b, srv, m) in servers.items():
+        out = {}
+        for phase, big in (("idle", 0), ("mixed", args.max_inputs)):
+            r = asyncio.run(mixed_load(srv.url, 8, args.mixed_requests, args.mixed_seconds, big))
+            ms = np.array(r["short_ms"])
+            out[phase] = {"requests": len(ms), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90),
+                          "p99_ms": pct(ms, 99), "p10_ms": pct(ms, 10),
+                          "big_requests_done": r["big_done"], "failures": r["failures"]}
+        rows.append({"path": name, "big_inputs": args.max_inputs, **out,
+                     "p50_ratio": out["mixed"]["p50_ms"] / max(out["idle"]["p50_ms"], 1e-9),
+                     "p99_ratio": out["mixed"]["p99_ms"] / max(out["idle"]["p99_ms"], 1e-9)})
+        if not args.quiet:
+            i, x = out["idle"], out["mixed"]
+            print(f"mixed {name:22s} idle p50 {i['p50_ms']:7.1f} p99 {i['p99_ms']:7.1f} ms | "
+                  f"beside {args.max_inputs}-text requests p50 {x['p50_ms']:7.1f} p99 "
+                  f"{x['p99_ms']:7.1f} ms ({x['big_requests_done']} big done)",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def _proc(pid: int) -> dict:
+    """RSS, peak RSS (bytes) and CPU seconds of process ``pid``, from ``/proc``."""
+    status = open(f"/proc/{pid}/status").read().split("\n")
+    kb = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in status
+          if ln.startswith(("VmRSS", "VmHWM"))}
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+    return {"rss": kb["VmRSS"], "peak": kb["VmHWM"], "cpu_s": cpu}
+
+
+def largest_rows(args) -> list:
+    """The ``largest`` section: one ``serve`` child, the reference request (256-token texts)
+    and the largest legal request, each measured for peak RSS and CPU time."""
+    import httpx
+
+    words = " ".join(SHORT).split()
+    ref_text = " ".join(words[i % len(words)] for i in range(254))        # >= 254 word pieces
+    per_text = (args.max_body_bytes - 1000) // args.max_inputs - 6         # JSON quotes, commas
+    long_text = (" ".join(words) + " ") * (per_text // len(" ".join(words)) + 1)
+    long_text = long_text[:per_text]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "runtime", "serve", "--backend", args.backend, "--port",
+           str(port), "--log-level", "warning", "--warmup", "32x256"]
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # cwd: this folder, so `-m runtime` imports the checkout on PYTHONPATH, not the current dir's
+    child = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        with httpx.Client(base_url=url, timeout=1800.0) as http:
+            t_end = time.monotonic() + 300
+            while True:
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if child.poll() is not None or time.monotonic() > t_end:
+                    raise RuntimeError("the serve child did not start")
+                time.sleep(0.2)
+            http.post("/v1/embeddings", json={"input": [ref_text] * 64})        # warm-up
+            n = args.largest_inputs or args.max_inputs
+            longest = (" ".join(words) + " ") * (args.max_input_chars // len(" ".join(words)) + 1)
+            n_longest = min(n, (args.max_body_bytes - 1000) // (args.max_input_chars + 6))
+            plan = {"ref": ("256-token texts", ref_text, n),
+                    "body": ("largest legal", long_text, n),
+                    "longest": (f"{args.max_input_chars}-char texts",
+                                longest[:args.max_input_chars], n_longest)}
+            for key in args.largest_requests.split(","):
+                name, text, count = plan[key.strip()]
+                body = json.dumps({"input": [text] * count}).encode()
+                with open(f"/proc/{child.pid}/clear_refs", "w") as f:
+                    f.write("5")                                   # peak RSS := current RSS
+                before = _proc(child.pid)
+                t0 = time.perf_counter()
+                r = http.post("/v1/embeddings", content=body,
+                              headers={"content-type": "application/json"})
+                wall = time.perf_counter() - t0
+                after = _proc(child.pid)
+                rows.append({"request": name, "inputs": count, "chars": len(text),
+                             "body_bytes": len(body), "status": r.status_code, "wall_s": wall,
+                             "cpu_s": after["cpu_s"] - before["cpu_s"],
+                             "peak_rss_mb": (after["peak"] - before["rss"]) / 2**20})
+                if not args.quiet:
+                    x = rows[-1]
+                    print(f"largest {name:16s} {x['body_bytes'] / 2**20:6.1f} MiB -> "
+                          f"{x['status']}  +{x['peak_rss_mb']:7.1f} MB peak RSS  "
+                          f"{x['cpu_s']:6.1f} CPU-s  {x['wall_s']:6.1f} s",
+                          file=sys.stderr, flush=True)
+    finally:
+        child.terminate()
         try:
-            from runtime.models import default_model_dir
-            servers["sentence-transformers"] = start(
-                SentenceTransformersModel(default_model_dir(), args.st_threads), False,
-                args.quiet)
-        except ImportError as e:
-            st_note = f"sentence-transformers not installed ({e}); skipped"
-        except Exception as e:  # noqa: BLE001 - optional comparison
-            st_note = f"sentence-transformers failed to load: {type(e).__name__}: {e}"
-    if st_note and not args.quiet:
-        print(st_note, file=sys.stderr)
-    for _, srv, _ in servers.values():                    # one untimed round each
-        asyncio.run(drive(srv.url, plan(8, 16, args.texts)))
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return rows
+
+
+def closed_rows(servers: dict, clients: list, args) -> list:
+    """The ``closed`` section: throughput and latency per (path, clients)."""
     rows = []
     names = list(servers)
     for k, n in enumerate(clients):
         order = names[k % len(names):] + names[:k % len(names)]
         for name in order:
             b, srv, m = servers[name]
-            b0, c0 = b.batches_run, m.captures.value()
+            b0, c0 = b.batches_run, captures(m)
             lat, wall, fails = asyncio.run(drive(srv.url, plan(n, args.requests, args.texts)))
             ms = np.array(lat) * 1e3
             batches = b.batches_run - b0
             rows.append({"path": name, "clients": n, "requests": len(lat),
                          "texts": len(lat) * args.texts, "wall_s": wall,
                          "req_per_s": len(lat) / wall, "texts_per_s": len(lat) * args.texts / wall,
-                         "p50_ms": float(np.percentile(ms, 50)),
-                         "p99_ms": float(np.percentile(ms, 99)), "batches": batches,
+                         "p10_ms": pct(ms, 10), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90),
+                         "p99_ms": pct(ms, 99), "batches": batches,
                          "rows_per_batch": len(lat) * args.texts / max(batches, 1),
-                         "captures": int(m.captures.value() - c0), "failures": fails})
+                         "captures": int(captures(m) - c0), "failures": fails})
             if not args.quiet:
                 r = rows[-1]
                 print(f"{name:22s} clients={n:3d}  {r['req_per_s']:7.1f} req/s  "
                       f"p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  "
                       f"rows/batch {r['rows_per_batch']:.1f}", file=sys.stderr, flush=True)
-    for b, srv, _ in servers.values():
-        srv.stop()
-        b.close()
+    return rows
 
-    print(f"\n{'path':22s} {'clients':>7s} {'req/s':>8s} {'texts/s':>8s} {'p50 ms':>9s} "
-          f"{'p99 ms':>9s} {'batches':>7s} {'rows/b':>6s}")
-    for r in rows:
-        print(f"{r['path']:22s} {r['clients']:7d} {r['req_per_s']:8.1f} {r['texts_per_s']:8.1f} "
-              f"{r['p50_ms']:9.1f} {r['p99_ms']:9.1f} {r['batches']:7d} "
-              f"{r['rows_per_batch']:6.1f}")
+
+def print_tables(closed: list, mixed: list, largest: list) -> None:
+    """Plain-text tables of each section's rows."""
+    if closed:
+        print(f"\n{'path':22s} {'clients':>7s} {'req/s':>8s} {'texts/s':>8s} {'p50 ms':>9s} "
+              f"{'p99 ms':>9s} {'batches':>7s} {'rows/b':>6s}")
+        for r in closed:
+            print(f"{r['path']:22s} {r['clients']:7d} {r['req_per_s']:8.1f} "
+                  f"{r['texts_per_s']:8.1f} {r['p50_ms']:9.1f} {r['p99_ms']:9.1f} "
+                  f"{r['batches']:7d} {r['rows_per_batch']:6.1f}")
+    if mixed:
+        print(f"\n1-text requests from 8 clients, idle vs beside one client's "
+              f"{mixed[0]['big_inputs']}-text requests (ms)")
+        print(f"{'path':22s} {'idle p50':>9s} {'idle p99':>9s} {'mixed p50':>10s} "
+              f"{'mixed p90':>10s} {'mixed p99':>10s} {'p50 x':>6s} {'p99 x':>6s} {'big':>4s}")
+        for r in mixed:
+            i, x = r["idle"], r["mixed"]
+            print(f"{r['path']:22s} {i['p50_ms']:9.1f} {i['p99_ms']:9.1f} {x['p50_ms']:10.1f} "
+                  f"{x['p90_ms']:10.1f} {x['p99_ms']:10.1f} {r['p50_ratio']:6.1f} "
+                  f"{r['p99_ratio']:6.1f} {x['big_requests_done']:4d}")
+    if largest:
+        print(f"\n{'request (serve child)':24s} {'MiB':>6s} {'status':>6s} {'+peak MB':>9s} "
+              f"{'CPU s':>7s} {'wall s':>7s}")
+        for r in largest:
+            print(f"{r['request'] + ' x' + str(r['inputs']):24s} {r['body_bytes'] / 2**20:6.1f} "
+                  f"{r['status']:6d} {r['peak_rss_mb']:9.1f} {r['cpu_s']:7.1f} {r['wall_s']:7.1f}")
+        a = largest[0]
+        for b in largest[1:]:
+            if a["request"] == "256-token texts" and a["cpu_s"] > 0:
+                mem = b["peak_rss_mb"] / max(a["peak_rss_mb"], 1)
+                print(f"{b['request']} / 256-token texts, per text: memory "
+                      f"{mem * a['inputs'] / b['inputs']:.2f}x, CPU "
+                      f"{b['cpu_s'] / b['inputs'] / (a['cpu_s'] / a['inputs']):.2f}x")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default="cpu")
+    p.add_argument("--sections", default="closed,mixed,largest",
+                   help="comma list of closed, mixed, largest")
+    p.add_argument("--clients", default="1,8,64", help="comma list of concurrent clients")
+    p.add_argument("--requests", type=int, default=256, help="requests per (path, clients)")
+    p.add_argument("--texts", type=int, default=1, help="texts per request")
+    p.add_argument("--no-st", action="store_true", help="skip sentence-transformers")
+    p.add_argument("--st-threads", type=int, default=0,
+                   help="torch threads for sentence-transformers (default 0: torch's default)")
+    p.add_argument("--mixed-requests", type=int, default=16,
+                   help="1-text requests per short client and phase (mixed section)")
+    p.add_argument("--mixed-seconds", type=float, default=60.0,
+                   help="no short request starts after this many seconds of a phase")
+    p.add_argument("--max-inputs", type=int, default=2048,
+                   help="inputs of the big requests (the server's limit)")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20,
+                   help="the server's body limit: with --max-inputs, sizes the largest legal "
+                   "request's texts")
+    p.add_argument("--max-input-chars", type=int, default=100_000,
+                   help="the server's characters-per-text limit")
+    p.add_argument("--largest-requests", default="ref,body,longest",
+                   help="largest section: ref (256-token texts), body (--max-inputs texts "
+                   "filling the body limit), longest (--max-input-chars texts, as many as the "
+                   "body limit allows)")
+    p.add_argument("--largest-inputs", type=int, default=None,
+                   help="texts sent in the largest section (default --max-inputs; fewer "
+                   "scales the measurement down, each text keeping its size)")
+    p.add_argument("--quick", action="store_true", help="64 requests, 8 per mixed client")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--out", default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.mixed_requests = 64, 8
+    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
+    clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    closed, mixed, largest, st_note, names = [], [], [], None, []
+    backend = args.backend
+    if sections & {"closed", "mixed"}:
+        if args.backend in ("auto", "cpu"):
+            limit_blas_threads(1)       # as `python -m runtime serve` does (numpy BLAS only)
+        model = load_model(None if args.backend == "auto" else args.backend,
+                           max_graphs=len(WARMUP))
+        backend = model.client.backend
+        servers = {"graph": start(model, True, args.quiet),
+                   "eager": start(model, False, args.quiet)}
+        if not args.no_st:
+            try:
+                from runtime.models import default_model_dir
+                servers["sentence-transformers"] = start(
+                    SentenceTransformersModel(default_model_dir(), args.st_threads or None),
+                    False, args.quiet)
+            except ImportError as e:
+                st_note = f"sentence-transformers not installed ({e}); skipped"
+            except Exception as e:  # noqa: BLE001 - optional comparison
+                st_note = f"sentence-transformers failed to load: {type(e).__name__}: {e}"
+        if st_note and not args.quiet:
+            print(st_note, file=sys.stderr)
+        names = list(servers)
+        for _, srv, _ in servers.values():                    # one untimed round each
+            asyncio.run(drive(srv.url, plan(8, 16, args.texts)))
+        if "closed" in sections:
+            closed = closed_rows(servers, clients, args)
+        if "mixed" in sections:
+            mixed = mixed_rows(servers, args)
+        for b, srv, _ in servers.values():
+            srv.stop()
+            b.close()
+    if "largest" in sections:
+        largest = largest_rows(args)
+    print_tables(closed, mixed, largest)
     if st_note:
         print(st_note)
     os.makedirs(args.out, exist_ok=True)
-    meta = {"backend": model.client.backend, "requests": args.requests, "texts": args.texts,
+    meta = {"backend": backend, "requests": args.requests, "texts": args.texts,
             "clients": clients, "batch_buckets": BATCH_BUCKETS, "seq_buckets": SEQ_BUCKETS,
+            "max_inputs": args.max_inputs, "max_body_bytes": args.max_body_bytes,
+            "largest_inputs": args.largest_inputs or args.max_inputs,
+            "st_threads": args.st_threads or "torch default",
             "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "sentence_transformers": st_note or "included"}
-    base = os.path.join(args.out, f"serving_{model.client.backend}")
+            "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+            "sentence_transformers": st_note or "included"}
+    base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": closed, "mixed": mixed, "largest": largest}, f,
+                  indent=1)
+    if not closed:
+        print(f"wrote {base}.json")
+        return 0
+    rows = closed
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -237,7 +486,7 @@ def main(argv=None) -> int:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     a2.set_yscale("log")
-    fig.suptitle(f"POST /v1/embeddings on {model.client.backend}: {args.requests} requests x "
+    fig.suptitle(f"POST /v1/embeddings on {backend}: {args.requests} requests x "
                  f"{args.texts} text(s)")
     fig.tight_layout()
     fig.savefig(base + ".png", dpi=110)

@@ -53,9 +53,9 @@ launches** happen on a replay; ``fn``'s Python code does not run again. Concrete
 Inputs: ``fn`` must read its inputs from, and write its outputs to, stable tensors held across the
 loop (closure variables). Refresh inputs **in place** before each replay (``g.write(x, array)`` or
 ``x.write(array)`` from a client on the capture stream); a new tensor made by
-``Tensor.from_numpy`` is a different buffer the graph never sees. The graph keeps ``fn`` (and so
-the tensors its closure owns) alive; tensors it borrows from elsewhere are the caller's to keep
-alive while replaying (seed 000 safety contract; ``runtime.client(..., check=True)`` verifies it).
+``Tensor.from_numpy`` is a different buffer the graph never sees. The graph keeps every buffer its
+recording touched alive (``stop_capture(retain=True)``): rebinding or deleting a tensor ``fn``
+used never hands its buffer to another tensor while the graph lives (seed 000 safety contract).
 For a graph that owns its inputs and outputs and checks every call, see ``runtime.StaticGraph``.
 """
 
@@ -82,18 +82,6 @@ def _leaves(obj):
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _leaves(v)
-
-
-def _end_window(client: ComputeClient, recording: bool) -> None:
-    """Bring the client's stream back to ``no capture`` whatever state the window is in."""
-    steps = (client.stop_capture,) if recording else (client.start_capture, client.stop_capture)
-    for step in steps:
-        try:
-            g = step()
-            if g is not None:
-                g.release()
-        except Exception:  # noqa: BLE001 - leaving the state machine is all that matters here
-            pass
 
 
 class CapturedGraph:
@@ -270,7 +258,7 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
             _check_output(out, pinned)
             del out
     except BaseException:
-        _end_window(c, recording=False)
+        c.abort_capture()
         raise
     try:
         c.start_capture()
@@ -281,15 +269,15 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
     try:
         out = fn()
     except CaptureRefused as e:
-        _end_window(c, recording=True)
+        c.abort_capture()
         return CapturedGraph(fn, fn(), pinned, None,
                              f"fn reads to the host or syncs inside the capture window ({e}); "
                              "fn is re-run on every replay")
     except BaseException:
-        _end_window(c, recording=True)
+        c.abort_capture()
         raise
     try:
-        graph = c.stop_capture()
+        graph = c.stop_capture(retain=True)
     except CaptureRefused as e:
         out = None      # the refused run's output: never computed
         return CapturedGraph(fn, fn(), pinned, None,

@@ -29,8 +29,10 @@ class UnknownGraph(ServerError):
 
 
 class ReplayFailed(ServerError):
-    """Read of a buffer in the write set of a graph whose last replay failed; ``.cause`` is the
-    original error. Cleared when a replay of that graph lands."""
+    """Read of a buffer whose last writer failed (found at enqueue, at submit or while it
+    executed): a replay of a graph (its write set), a launch, a host write; ``.cause`` is the
+    original error. Raised on every read until a later write to the buffer lands (a successful
+    replay or launch writing it, or a host ``write``); see ``runtime.server.marks``."""
 
     def __init__(self, message: str, cause: BaseException | None = None):
         super().__init__(message)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
+import socket
 import threading
 import time
 from pathlib import Path
@@ -36,10 +38,13 @@ class FakeModel:
 
     hidden = HIDDEN
 
-    def __init__(self, max_seq_length: int = 16, max_graphs: int = 4, delay: float = 0.0):
+    def __init__(self, max_seq_length: int = 16, max_graphs: int = 4, delay: float = 0.0,
+                 gate: threading.Event | None = None):
         self.max_seq_length = max_seq_length
         self.max_graphs = max_graphs
         self.delay = delay
+        self.gate = gate                         # when given, every batch waits for it
+        self.entered = threading.Event()         # set once the first batch has started
         self.calls = []                          # (path, batch, seq, rows)
         self._buckets: list = []
         self.lock = threading.Lock()
@@ -61,6 +66,9 @@ class FakeModel:
         return ids, mask
 
     def _compute(self, ids, mask):
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(30), "the test never opened the gate"
         if (ids == POISON).any():
             raise RuntimeError("boom")
         out = np.full((ids.shape[0], HIDDEN), np.nan, np.float32)
@@ -233,7 +241,7 @@ def test_warmup_runs_each_bucket_once_and_respects_the_graph_bound():
     m = ServingMetrics()
     b = Batcher(model, batch_buckets=(1, 4), seq_buckets=(8, 16), metrics=m)
     assert b.warmup([(1, 8), (4, 16)], progress=False) == [(1, 8), (4, 16)]
-    assert model.buckets == [(1, 8), (4, 16)] and m.captures.value() == 2
+    assert model.buckets == [(1, 8), (4, 16)] and m.value("graph_captures_total") == 2
     with pytest.raises(ValueError, match="max_graphs"):
         b.warmup([(1, 8), (4, 8), (1, 16)], progress=False)
     with pytest.raises(ValueError):
@@ -241,20 +249,121 @@ def test_warmup_runs_each_bucket_once_and_respects_the_graph_bound():
     b.close()
 
 
-def test_metrics_render_in_the_prometheus_text_format():
+def samples(text: str) -> dict:
+    """``{(name, ((label, value), ...)): value}`` of a Prometheus exposition, parsed by
+    ``prometheus_client.parser`` (so the text is valid as well as right)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_parse_as_prometheus_text_with_the_recorded_values():
     model = FakeModel()
-    m = ServingMetrics(queue_depth=lambda: 0)
-    with Batcher(model, metrics=m) as b:
+    m = ServingMetrics(queue_depth=lambda: 3)
+    with Batcher(model, metrics=m, batch_buckets=(1, 2, 4), seq_buckets=(4, 8, 16)) as b:
         b.embed(["a", "b c"], timeout=10)
-    text = m.render()
-    assert text.endswith("\n")
-    assert 'runtime_serving_batches_total{path="graph"} 1' in text
-    assert 'runtime_serving_batch_size_bucket{path="graph",le="2"} 1' in text
-    assert 'runtime_serving_queue_wait_seconds_bucket{le="+Inf"} 2' in text
-    assert "runtime_serving_queue_wait_seconds_count 2" in text
-    assert "# TYPE runtime_serving_replay_seconds histogram" in text
-    for line in text.splitlines():
-        assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
+    got = samples(m.render())
+    g = (("path", "graph"),)
+    assert got[("runtime_serving_batches_total", g)] == 1
+    assert got[("runtime_serving_batch_size_bucket", (("le", "2.0"), ("path", "graph")))] == 1
+    assert got[("runtime_serving_batch_size_bucket", (("le", "1.0"), ("path", "graph")))] == 0
+    assert got[("runtime_serving_queue_wait_seconds_count", ())] == 2
+    assert got[("runtime_serving_inputs_total", ())] == 2
+    assert got[("runtime_serving_tokens_total", ())] == 3 + 4      # [CLS] words [SEP]
+    assert got[("runtime_serving_queue_depth", ())] == 3
+    assert m.value("batches_total", path="graph") == 1
+
+
+# -- fairness, token budget, cancellation ----------------------------------------------------
+def _completion_order(model, futs: dict) -> list:
+    """Record ``(name, batches run so far)`` as each future completes."""
+    order = []
+    for name, f in futs.items():
+        f.add_done_callback(lambda _, n=name: order.append((n, len(model.calls))))
+    return order
+
+
+def test_a_small_request_finishes_before_a_big_one_started_earlier():
+    gate = threading.Event()
+    model = FakeModel(max_graphs=8, gate=gate)
+    with Batcher(model, max_batch=4, batch_buckets=(1, 2, 4), seq_buckets=(4, 16)) as b:
+        big_texts = [f"w{i}" for i in range(40)]                 # 3 tokens: seq bucket 4
+        big = b.submit(big_texts)
+        assert model.entered.wait(10)                            # its first batch is running
+        small = b.submit(["a b c d e f g"])                      # 9 tokens: seq bucket 16
+        order = _completion_order(model, {"big": big, "small": small})
+        gate.set()
+        np.testing.assert_array_equal(small.result(10).embeddings[0],
+                                      expected(model, "a b c d e f g"))
+        res = big.result(10)
+    for row, t in zip(res.embeddings, big_texts):
+        np.testing.assert_array_equal(row, expected(model, t))
+    # oldest-first batching would run all 10 of big's batches first; fair batching runs the
+    # small one right after the batch that was in flight
+    assert [n for n, _ in order] == ["small", "big"]
+    assert order[0][1] == 2 and order[1][1] == 11
+
+
+def test_requests_take_turns_within_a_batch_and_batches_keep_the_token_budget():
+    model = FakeModel(max_seq_length=16, max_graphs=16)
+    b = Batcher(model, max_batch=8, max_batch_tokens=32, batch_buckets=(1, 2, 4, 8),
+                seq_buckets=(4, 8, 16), start=False)
+    assert [b.row_cap(s) for s in (4, 8, 16)] == [8, 4, 2]
+    short = [b.submit([f"s{i}" for i in range(12)]), b.submit(["x", "y"])]
+    long = b.submit(["a b c d e f g h i j"] * 5)                 # 12 tokens: seq bucket 16
+    b.start()
+    for f in short + [long]:
+        f.result(10)
+    b.close()
+    assert all(batch * seq <= 32 for _, batch, seq, _ in model.calls)
+    # the first batch took both short requests' texts in turn: all of the 2-text request
+    assert model.calls[0] == ("graph", 8, 4, 8)
+    assert short[1].done() and [c[3] for c in model.calls if c[2] == 16] == [2, 2, 1]
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        Batcher(FakeModel(), max_batch_tokens=8, seq_buckets=(16,), start=False)
+
+
+def test_a_cancelled_request_drops_its_texts_not_yet_batched():
+    gate = threading.Event()
+    model = FakeModel(gate=gate)
+    m = ServingMetrics()
+    with Batcher(model, max_batch=4, batch_buckets=(1, 2, 4), seq_buckets=(4, 16),
+                 metrics=m) as b:
+        big = b.submit([f"w{i}" for i in range(40)])
+        assert model.entered.wait(10)
+        assert big.cancel()
+        gate.set()
+        np.testing.assert_array_equal(b.embed(["a"], timeout=10)[0], expected(model, "a"))
+        assert b.queued == 0 and b.queued_requests == 0
+    assert [c[3] for c in model.calls] == [4, 1]           # big's first batch, then "a" only
+    assert m.value("cancelled_inputs_total") == 36
+
+
+def test_drain_finishes_queued_work_then_fails_the_rest_and_refuses_new_work():
+    gate = threading.Event()
+    model = FakeModel(gate=gate)
+    b = Batcher(model, max_batch=1, batch_buckets=(1,), seq_buckets=(4, 16))
+    first = b.submit(["a"])
+    assert model.entered.wait(10)
+    later = b.submit(["b", "c"])
+    b.drain(grace=0.0)                                       # no time for queued work
+    with pytest.raises(BatcherClosed):
+        b.submit(["d"])
+    gate.set()
+    np.testing.assert_array_equal(first.result(10).embeddings[0], expected(model, "a"))
+    with pytest.raises(BatcherClosed):
+        later.result(10)
+    b.close()
+    gate2 = threading.Event()
+    model2 = FakeModel(gate=gate2)
+    b2 = Batcher(model2, max_batch=1, batch_buckets=(1,), seq_buckets=(4, 16))
+    f2 = b2.submit(["a", "b c"])
+    assert model2.entered.wait(10)
+    b2.drain(grace=30.0)                                     # enough time: all of it runs
+    gate2.set()
+    assert f2.result(10).embeddings.shape == (2, HIDDEN)
+    b2.close()
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -280,7 +389,11 @@ async def _post_all(url, bodies):
 MALFORMED = [
     (b"{not json", 400), (b"", 400), (b"[1, 2]", 400), ({"model": "x"}, 400),
     ({"input": 5}, 400), ({"input": ["ok", 7]}, 400), ({"input": []}, 400),
-    ({"input": [101, 2023]}, 400), ({"input": {"a": 1}}, 400), ({"input": None}, 400),
+    ({"input": [[101, "x"]]}, 400), ({"input": [-1]}, 400), ({"input": [[30522]]}, 400),
+    ({"input": ["a", [1]]}, 400), ({"input": [True]}, 400), (b"[" * 100_000, 400),
+    (b'{"input": "a", "dimensions": ' + b"9" * 5000 + b"}", 400), (b"\xff\xfe", 400),
+    (b'{"input": ["ok", "\\ud800"]}', 400), (b'{"input": NaN}', 400),
+    ({"input": {"a": 1}}, 400), ({"input": None}, 400), ({"input": "a" * 2001}, 400),
     ({"input": "hi", "model": "text-embedding-3-small"}, 404),
     ({"input": "hi", "encoding_format": "int8"}, 400), ({"input": "hi", "dimensions": 64}, 400),
     ({"input": ["x"] * 65}, 400),
@@ -293,6 +406,37 @@ def _check_error(r, status):
     assert isinstance(err["message"], str) and err["message"] and err["type"]
 
 
+def _json_values():
+    from hypothesis import strategies as st
+
+    leaf = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+            | st.text(max_size=20))
+    return st.recursive(leaf, lambda kids: st.lists(kids, max_size=4)
+                        | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+
+
+def test_any_malformed_body_gets_a_4xx_error_never_an_exception():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from runtime.serving.app import _ApiError, parse_request
+
+    keys = st.sampled_from(["input", "model", "encoding_format", "dimensions", "user", "x"])
+
+    @settings(max_examples=50, deadline=None, database=None)
+    @given(st.dictionaries(keys, _json_values(), max_size=5) | _json_values(), st.binary(max_size=40))
+    def check(value, junk):
+        for body in (json.dumps(value).encode(), junk, json.dumps(value).encode()[:-1]):
+            try:
+                p = parse_request(body, max_inputs=8, max_input_chars=30)
+            except _ApiError as e:
+                assert 400 <= e.status < 500 and e.message
+            else:                                  # valid: what the batcher will be given
+                assert p.inputs and len(p.inputs) <= 8
+                assert all(isinstance(t, str) for t in p.inputs) or p.token_ids
+    check()
+
+
 def test_a_failing_batch_answers_500_to_its_requests_and_the_server_keeps_serving():
     _need_http()
     import httpx
@@ -301,7 +445,7 @@ def test_a_failing_batch_answers_500_to_its_requests_and_the_server_keeps_servin
 
     model = FakeModel(delay=0.01)
     b = Batcher(model, batch_buckets=(1, 2, 4), seq_buckets=(4, 8, 16), max_wait_ms=20)
-    with ServerThread(create_app(b, max_inputs=64)) as srv:
+    with ServerThread(create_app(b, max_inputs=64, max_input_chars=2000)) as srv:
         bodies = [{"input": "boom"}, {"input": ["a", "b c d e f g"]}, {"input": "a b c d e"}]
         bodies += [b for b, _ in MALFORMED]
         rs = asyncio.run(_post_all(srv.url, bodies))
@@ -317,12 +461,268 @@ def test_a_failing_batch_answers_500_to_its_requests_and_the_server_keeps_servin
         np.testing.assert_array_equal(emb[1], expected(model, "a b"))
         health = httpx.get(srv.url + "/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "ok"
-        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-        assert 'runtime_serving_requests_total{code="500"}' in metrics
-        assert 'runtime_serving_failed_batches_total{path="graph"}' in metrics
+        got = samples(httpx.get(srv.url + "/metrics", timeout=10).text)
+        assert got[("runtime_serving_requests_total", (("code", "500"),))] >= 1
+        assert got[("runtime_serving_failed_batches_total", (("path", "graph"),))] >= 1
+        assert got[("runtime_serving_requests_total", (("code", "400"),))] == \
+            sum(status == 400 for _, status in MALFORMED)
         miss = httpx.get(srv.url + "/nope", timeout=10)
         _check_error(miss, 404)
     b.close()
+
+
+def _raw(url: str, data: bytes, timeout: float = 10.0) -> socket.socket:
+    """A loopback socket to the server at ``url`` that has sent ``data`` (maybe a partial
+    request)."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(data)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (bounded by the socket's timeout)."""
+    out = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def _wait_for(cond, timeout: float = 10.0) -> None:
+    """Poll ``cond()`` until true (an event the test waits for, never an assertion by itself)."""
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t_end, "timed out waiting for the server"
+        time.sleep(0.01)
+
+
+def _post_head(n_bytes: int) -> bytes:
+    return (b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % n_bytes)
+
+
+def test_a_client_that_disconnects_cancels_its_unbatched_texts_counted_as_499():
+    _need_http()
+    import httpx
+
+    from runtime.serving import ServerThread, create_app
+
+    gate = threading.Event()
+    model = FakeModel(gate=gate)
+    m = ServingMetrics()
+    b = Batcher(model, max_batch=4, batch_buckets=(1, 2, 4), seq_buckets=(4, 16), metrics=m)
+    with ServerThread(create_app(b)) as srv:
+        body = json.dumps({"input": [f"w{i}" for i in range(40)]}).encode()
+        sock = _raw(srv.url, _post_head(len(body)) + body)
+        assert model.entered.wait(10)                     # its first batch is running
+        sock.close()
+        _wait_for(lambda: m.value("requests_total", code="499") == 1)
+        gate.set()
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": "a"}, timeout=10)
+        assert r.status_code == 200
+    b.close()
+    assert [c[3] for c in model.calls] == [4, 1]          # 36 texts were never computed
+    assert m.value("cancelled_inputs_total") == 36
+
+
+def test_body_and_input_limits_answer_413_and_400():
+    _need_http()
+    import httpx
+
+    from runtime.serving import ServerThread, create_app
+
+    model = FakeModel()
+    b = Batcher(model)
+    app = create_app(b, max_inputs=4, max_input_chars=50, max_body_bytes=2000)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as http:
+        r = http.post("/v1/embeddings", json={"input": ["x" * 40] * 4})
+        assert r.status_code == 200 and len(r.json()["data"]) == 4
+        _check_error(http.post("/v1/embeddings", json={"input": ["x" * 40] * 5}), 400)
+        r = http.post("/v1/embeddings", json={"input": ["ok", "x" * 51]})
+        _check_error(r, 400)
+        assert r.json()["error"]["param"] == "input" and "input[1]" in r.json()["error"]["message"]
+        _check_error(http.post("/v1/embeddings", content=b'{"input": "' + b"x" * 3000 + b'"}'),
+                     413)
+
+        def chunks():                                      # no content-length: chunked
+            for _ in range(10):
+                yield b" " * 300
+        _check_error(http.post("/v1/embeddings", content=chunks()), 413)
+        assert http.post("/v1/embeddings", json={"input": "a"}).status_code == 200
+    b.close()
+
+
+def test_a_full_queue_answers_503_with_retry_after_from_the_drain_estimate():
+    _need_http()
+    import httpx
+
+    from runtime.serving import ServerThread, create_app
+
+    gate = threading.Event()
+    model = FakeModel(delay=0.3)
+    b = Batcher(model, max_batch=1, max_queue=4, batch_buckets=(1,), seq_buckets=(4, 16))
+    b.embed(["warm"], timeout=10)                          # ~0.3 s per text measured
+    model.gate, model.entered = gate, threading.Event()
+
+    async def scenario(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            first = asyncio.ensure_future(http.post("/v1/embeddings", json={"input": "a"}))
+            while not model.entered.is_set():
+                await asyncio.sleep(0.01)
+            queued = asyncio.ensure_future(http.post("/v1/embeddings",
+                                                     json={"input": ["b", "c", "d", "e"]}))
+            while b.queued < 4:
+                await asyncio.sleep(0.01)
+            full = await http.post("/v1/embeddings", json={"input": "f"})
+            estimate = b.drain_estimate()
+            gate.set()
+            return full, estimate, await first, await queued
+
+    with ServerThread(create_app(b)) as srv:
+        full, estimate, first, queued = asyncio.run(scenario(srv.url))
+    b.close()
+    _check_error(full, 503)
+    assert 4 * 0.25 < estimate < 4 * 5                      # 4 texts at the measured pace
+    assert int(full.headers["retry-after"]) == math.ceil(estimate)
+    assert first.status_code == 200 and queued.status_code == 200
+
+
+def test_slow_headers_and_slow_bodies_get_408_and_are_closed():
+    _need_http()
+    from runtime.serving import ServerThread, create_app
+
+    b = Batcher(FakeModel())
+    with ServerThread(create_app(b, body_timeout=0.5), header_timeout=0.5) as srv:
+        socks = [_raw(srv.url, b""),                                          # says nothing
+                 _raw(srv.url, b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\n"),  # half headers
+                 _raw(srv.url, _post_head(100) + b'{"input": ')]              # half a body
+        answers = [_read_all(s) for s in socks]                # each ends: the server closed
+        for s in socks:
+            s.close()
+        for a in answers:
+            assert a.startswith(b"HTTP/1.1 408"), a[:80]
+            assert json.loads(a.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    b.close()
+
+
+def test_models_routes_have_the_openai_shape():
+    _need_http()
+    import httpx
+
+    from runtime.serving import MODEL_ID, ServerThread, create_app
+
+    b = Batcher(FakeModel())
+    with ServerThread(create_app(b)) as srv, httpx.Client(base_url=srv.url, timeout=10) as http:
+        listed = http.get("/v1/models").json()
+        one = http.get(f"/v1/models/{MODEL_ID}").json()
+        short = http.get("/v1/models/all-MiniLM-L6-v2").json()
+        _check_error(http.get("/v1/models/text-embedding-3-small"), 404)
+    b.close()
+    assert listed["object"] == "list" and listed["data"] == [one] and short == one
+    assert set(one) == {"id", "object", "created", "owned_by"}
+    assert one["id"] == MODEL_ID and one["object"] == "model"
+    assert isinstance(one["created"], int) and abs(one["created"] - time.time()) < 3600
+
+
+def test_an_api_key_is_required_except_for_health_and_the_openai_sdk_sends_it():
+    _need_http()
+    openai = pytest.importorskip("openai", reason="the openai SDK is not installed")
+    import httpx
+
+    from runtime.serving import MODEL_ID, ServerThread, create_app
+
+    model = FakeModel()
+    b = Batcher(model)
+    key = "sk-test-key-0123"
+    with ServerThread(create_app(b, api_key=key)) as srv:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": key}):
+            for method, path in (("POST", "/v1/embeddings"), ("GET", "/v1/models"),
+                                 ("GET", "/metrics"), ("GET", "/nope")):
+                r = httpx.request(method, srv.url + path, json={"input": "a"}, timeout=10,
+                                  headers={k: v.encode() for k, v in headers.items()})
+                _check_error(r, 401)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+        res = client.embeddings.create(model=MODEL_ID, input=["a", "b c"])
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope",
+                          max_retries=0).embeddings.create(model=MODEL_ID, input="a")
+    b.close()
+    np.testing.assert_array_equal(res.data[1].embedding, expected(model, "b c"))
+
+
+def test_serve_warns_when_exposed_without_a_key():
+    from runtime.serving.cli import build_parser, exposure_warning
+
+    assert exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("::1", None) is None and exposure_warning("localhost", None) is None
+    assert "without an API key" in exposure_warning("0.0.0.0", None)
+    assert "without an API key" in exposure_warning("example.org", "")
+    assert exposure_warning("0.0.0.0", "k") is None
+    args = build_parser().parse_args(["--max-body-bytes", "100", "--grace", "2",
+                                      "--max-batch-tokens", "512", "--api-key", "k"])
+    assert (args.max_body_bytes, args.grace, args.max_batch_tokens, args.api_key) == \
+        (100, 2.0, 512, "k")
+    assert build_parser().parse_args([]).grace == 10.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--max-body-bytes", "0"])
+
+
+SIGTERM_SERVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_serving import FakeModel
+from runtime.serving import Batcher, create_app, serve
+b = Batcher(FakeModel(delay=0.2), max_batch=1, batch_buckets=(1,), seq_buckets=(4, 16))
+serve(create_app(b), host="127.0.0.1", port=0, grace={grace}, log_level="warning")
+"""
+
+
+def test_sigterm_with_queued_work_and_a_half_sent_body_exits_within_the_grace_period():
+    _need_http()
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    grace = 2.0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SERVER.format(
+        tests=str(REPO / "tests"), grace=grace)], stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        line = ""
+        t_end = time.monotonic() + 60
+        while " at http://" not in line:
+            line = proc.stderr.readline()
+            assert line and time.monotonic() < t_end, "the server did not start"
+        url = line.rsplit(" at ", 1)[1].strip()
+        body = json.dumps({"input": [f"w{i}" for i in range(60)]}).encode()   # ~12 s of work
+        queued = _raw(url, _post_head(len(body)) + body, timeout=grace + 10)
+        half = _raw(url, _post_head(1000) + b'{"input": ["', timeout=grace + 10)
+        _wait_for(lambda: b"queued\": 0" not in _health(url))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace + 2)
+        took = time.monotonic() - t0
+        answer = _read_all(queued)
+        half_answer = _read_all(half)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert took <= grace + 2
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]          # rest of the queue: 503
+    assert b"server_unavailable" in answer
+    assert half_answer == b"" or half_answer.startswith(b"HTTP/1.1 408")
+
+
+def _health(url: str) -> bytes:
+    import httpx
+
+    return httpx.get(url + "/health", timeout=10).content
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +757,7 @@ def test_concurrent_clients_get_the_reference_embeddings_and_only_their_own(mini
     bodies = [{"input": sents[p[0]] if len(p) == 1 and k % 2 else [sents[i] for i in p],
                "model": MODEL_ID} for k, p in enumerate(plan)]
     bodies += [body for body, _ in MALFORMED]
-    with ServerThread(create_app(b, max_inputs=64)) as srv:
+    with ServerThread(create_app(b, max_inputs=64, max_input_chars=2000)) as srv:
         rs = asyncio.run(_post_all(srv.url, bodies))
         for k, p in enumerate(plan):
             r = rs[k]
@@ -381,9 +781,11 @@ def test_concurrent_clients_get_the_reference_embeddings_and_only_their_own(mini
         health = httpx.get(srv.url + "/health", timeout=10).json()
         assert health["status"] == "ok" and health["backend"] == "cpu"
         assert 0 < len(health["graphs"]) <= minilm.max_graphs
-        text = httpx.get(srv.url + "/metrics", timeout=10).text
-        assert f'runtime_serving_requests_total{{code="200"}} {len(plan) + 1}' in text
-        assert "runtime_serving_replay_seconds_count" in text
+        got = samples(httpx.get(srv.url + "/metrics", timeout=10).text)
+        assert got[("runtime_serving_requests_total", (("code", "200"),))] == len(plan) + 1
+        assert got[("runtime_serving_replay_seconds_count", ())] > 0
+        assert got[("runtime_serving_graphs", ())] == len(minilm.buckets)
+        assert got[("runtime_serving_queue_depth", ())] == 0
     b.close()
 
 
@@ -414,6 +816,56 @@ def test_serve_cli_parses_warmup_buckets():
     args = build_parser().parse_args(["--port", "0", "--eager", "--warmup", "4x16"])
     assert args.port == 0 and args.eager and args.warmup == [(4, 16)]
     assert args.host == "127.0.0.1" and args.backend == "cpu"
+
+
+def test_token_id_inputs_embed_as_their_texts_and_foreign_ids_are_refused(minilm, ref):
+    import httpx
+
+    from runtime.serving import ServerThread, create_app
+
+    tok = minilm.tokenizer
+    sents = [str(s) for s in ref["sentences"]]
+    ids = [tok.encode(t).ids for t in sents[:4]]                              # [CLS] ... [SEP]
+    ids += [tok.encode(t, add_special_tokens=False).ids for t in sents[4:8]]  # bare
+    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256))
+    with ServerThread(create_app(b)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        many = http.post("/v1/embeddings", json={"input": ids})
+        one = http.post("/v1/embeddings", json={"input": ids[5]})             # one list of ints
+        foreign = http.post("/v1/embeddings", json={"input": [[101, minilm.vocab_size, 102]]})
+        surrogate = http.post("/v1/embeddings", content=b'{"input": ["ok", "\\udc80"]}')
+    b.close()
+    assert many.status_code == 200 and one.status_code == 200, many.text + one.text
+    got = np.array([d["embedding"] for d in many.json()["data"]], np.float32)
+    assert np.abs(got - ref["embeddings"][:8]).max() < 1e-4
+    assert many.json()["usage"]["prompt_tokens"] == int(ref["lengths"][:8].sum())
+    assert np.abs(np.array(one.json()["data"][0]["embedding"]) - ref["embeddings"][5]).max() < 1e-4
+    _check_error(foreign, 400)
+    assert "tokenizer" in foreign.json()["error"]["message"]
+    for r in (foreign, surrogate):
+        assert r.json()["error"]["param"] == "input"
+    _check_error(surrogate, 400)
+    assert "input[1]" in surrogate.json()["error"]["message"]
+    with pytest.raises(ValueError, match=r"input\[2\]"):           # the batcher's own check
+        Batcher(minilm, start=False).submit(["a", "b", "\ud800"])
+
+
+def test_long_texts_are_truncated_while_tokenized_as_the_whole_text_would_be(minilm):
+    from runtime.models.tokens import FIRST_CHARS, encode_truncated
+
+    tok = minilm.tokenizer
+    rng = np.random.default_rng(0)
+    words = ["the", "Ünïcödé", "東京", "naïve", "x.y,z", "e\u0301", "!!", "tokenization", "🙂",
+             "a" * 150, "\n", "   "]
+    texts = ["".join(rng.choice(words, n)) for n in (50, 400, 3000)]        # no spaces: cuts
+    texts += [" ".join(rng.choice(words, n)) for n in (50, 400, 3000)]
+    texts += [" " * 5000 + "late start " * 300, "b" * 9000, ""]
+    whole = tok.encode_batch(texts)
+    got = encode_truncated(tok, texts, first_chars=300)        # small: several passes each
+    for i, (w, g) in enumerate(zip(whole, got)):
+        assert g.ids == w.ids and g.attention_mask == w.attention_mask, i
+    huge = encode_truncated(tok, ["some words here " * 6250])[0]       # 100,000 characters
+    assert len(huge.ids) == minilm.max_seq_length
+    assert sum(len(o.ids) for o in huge.overflowing) <= FIRST_CHARS     # never the whole text
 
 
 @pytest.mark.slow

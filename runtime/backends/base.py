@@ -12,6 +12,11 @@ Terms:
 - ``buf``: a raw device buffer of at least the requested bytes (from :meth:`Backend.alloc`).
 - ``args``: a list of ``(buf, nbytes)`` pairs, one per kernel binding; ``nbytes`` is the handle's
   size in bytes (the pool may hand out a larger buffer).
+- ``fail``: ``None`` or a callable ``fail(error)`` the backend calls, from any thread, when the
+  work of this call fails after the call returned (at execution on a worker, at a later submit):
+  the server then marks what the work would have written (``runtime.server.marks``); it returns
+  the error to report on the stream (or None: report ``error``). A failure found during the call
+  is raised instead. (wgpu reports failures found at a later submit as ``LaunchFailure`` s.)
 - ``count``: a 3-tuple ``(x, y, z)`` of workgroups, or a 2-tuple ``(buf, nbytes)`` for an
   indirect dispatch whose three ``u32`` counts are read from the buffer when the launch executes
   (WebGPU ``dispatch_workgroups_indirect``); tell them apart by length.
@@ -20,6 +25,7 @@ Terms:
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 from typing import Any
 
@@ -108,6 +114,20 @@ class Backend:
     hardware_graphs = False
     #: a human-readable device description (adapter name, GPU name), set in ``__init__``.
     device_name = "unknown"
+    #: the largest workgroup count per dimension ``(x, y, z)``, or ``None`` for no limit; the
+    #: client refuses a larger count with ``LaunchError`` before anything is queued.
+    max_workgroups = None
+
+    @classmethod
+    def probe(cls) -> dict:
+        """Whether this backend can open a device here, without opening one.
+
+        Returns: ``{"hardware": bool, "device": str}`` exactly (:data:`PROBE_KEYS`):
+            ``hardware`` is True on a real GPU (``runtime.client(None)`` prefers those),
+            ``device`` describes what ``__init__`` would open.
+        Raises: ``UnsupportedError`` with the reason (no library, no device).
+        """
+        raise NotImplementedError
 
     def __init__(self, device: int = 0, **options: Any):
         self.device = device
@@ -190,8 +210,8 @@ class Backend:
         ``LaunchError`` (no source for this backend, or a compile failure)."""
         raise NotImplementedError
 
-    def launch(self, stream, program, count, args, params: tuple) -> None:
-        """Enqueue one dispatch of ``program`` on ``stream``."""
+    def launch(self, stream, program, count, args, params: tuple, fail=None) -> None:
+        """Enqueue one dispatch of ``program`` on ``stream``; ``fail``: see the module doc."""
         raise NotImplementedError
 
     # -- graphs ---------------------------------------------------------------------------
@@ -211,8 +231,9 @@ class Backend:
     def abort_graph(self, recording) -> None:
         """Drop an unfinished recording (a refused window)."""
 
-    def launch_graph(self, stream, graph) -> None:
-        """Enqueue one replay of ``graph`` on ``stream``; return once it is enqueued."""
+    def launch_graph(self, stream, graph, fail=None) -> None:
+        """Enqueue one replay of ``graph`` on ``stream``; return once it is enqueued; ``fail``:
+        see the module doc (a launch of the graph failed while it executed)."""
         raise UnsupportedError(f"graph replay is not supported by the {self.name} backend")
 
     def destroy_graph(self, stream, graph) -> None:
@@ -260,11 +281,36 @@ def written_buffers(kernel, args) -> tuple:
 
 
 VERBS = ("alloc", "free", "new_stream", "record_event", "wait_event", "synchronize", "copy_in",
-         "copy_out", "compile", "launch")
+         "copy_out", "compile", "launch", "probe")
+#: the graph verbs: a backend implements all of them or none (then capture is unsupported).
+GRAPH_VERBS = ("begin_graph", "record_launch", "end_graph", "launch_graph")
+#: the keys of ``Backend.probe()``'s answer, and their types.
+PROBE_KEYS = {"hardware": bool, "device": str}
 
 
 def check_interface(backend_cls) -> None:
-    """Raise ``TypeError`` naming the verbs a backend class leaves unimplemented."""
-    missing = [v for v in VERBS if getattr(backend_cls, v) is getattr(Backend, v)]
+    """Raise ``TypeError`` naming what a backend class leaves unimplemented: a verb, part of the
+    graph verbs, or a ``name``."""
+    if not (isinstance(backend_cls, type) and issubclass(backend_cls, Backend)):
+        raise TypeError(f"a backend must be a subclass of runtime.backends.base.Backend, got "
+                        f"{backend_cls!r}")
+    def inherited(verb):
+        return inspect.getattr_static(backend_cls, verb) is inspect.getattr_static(Backend, verb)
+    missing = [v for v in VERBS if inherited(v)]
+    graph = [v for v in GRAPH_VERBS if inherited(v)]
+    if graph and len(graph) < len(GRAPH_VERBS):
+        missing += graph
+    if backend_cls.name == Backend.name:
+        missing.append("name")
     if missing:
         raise TypeError(f"backend {backend_cls.__name__} does not implement {missing}")
+
+
+def check_probe(backend_cls, info) -> dict:
+    """``info`` if it has the declared shape of ``probe()`` (:data:`PROBE_KEYS`), else raise
+    ``TypeError`` naming the backend."""
+    if not (isinstance(info, dict) and set(info) == set(PROBE_KEYS)
+            and all(isinstance(info[k], t) for k, t in PROBE_KEYS.items())):
+        raise TypeError(f"backend {backend_cls.__name__}: probe() must return "
+                        f"{{'hardware': bool, 'device': str}}, got {info!r}")
+    return info

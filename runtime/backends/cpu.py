@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
-from .base import Backend, Completion, LaunchFailure, written_buffers
+from .base import Backend, Completion
 
 _RUN, _WAIT, _SIGNAL = 0, 1, 2
 
@@ -73,14 +73,17 @@ class CpuGraph:
         self.launches = launches
 
 
-def _run_launch(fn, views, kwargs, count, name):
+def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
     if count[0] and count[1] and count[2]:
         try:
             fn(*views, count=count, **kwargs)
         except Exception as e:  # noqa: BLE001 - kernel code is user code
-            raise LaunchError(f"kernel {name} raised on cpu: {type(e).__name__}: {e}") from e
+            err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
+            if fail is not None:
+                err = fail(err) or err
+            raise err from e
 
 
 class Scheduler:
@@ -523,18 +526,14 @@ class CpuBackend(Backend):
             count = count[0].data
         return kernel.cpu, views, kwargs, count, kernel.name
 
-    def launch(self, stream, program, count, args, params):
-        fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        pos = self.issue_pos
+    @classmethod
+    def probe(cls) -> dict:
+        """``{"hardware": False, "device": "numpy <version>"}``: always available."""
+        return {"hardware": False, "device": cls.device_name}
 
-        def run():
-            try:
-                _run_launch(fn, views, kwargs, count, name)
-            except LaunchError as err:   # the server marks what it would have written
-                self.failures.append(LaunchFailure(stream, program, written_buffers(
-                    program, args), err, reported=True, pos=pos))
-                raise
-        self._enqueue(stream, _RUN, run)
+    def launch(self, stream, program, count, args, params, fail=None):
+        fn, views, kwargs, count, name = self._resolve(program, count, args, params)
+        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, fail))
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -546,12 +545,12 @@ class CpuBackend(Backend):
     def end_graph(self, recording):
         return CpuGraph(tuple(recording))
 
-    def launch_graph(self, stream, graph):
+    def launch_graph(self, stream, graph, fail=None):
         launches = graph.launches
 
         def replay():
-            for launch in launches:
-                _run_launch(*launch)
+            for launch in launches:   # a failing launch stops the replay: the rest never runs
+                _run_launch(*launch, fail, " (in a graph replay)")
         self._enqueue(stream, _RUN, replay)
 
     def destroy_graph(self, stream, graph):

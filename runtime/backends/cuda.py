@@ -153,17 +153,16 @@ class CudaStream:
 
     ``retire`` holds ``(event, object)`` pairs (pinned staging, destroyed graphs) released once
     the event, recorded after the work that uses the object, has completed; events of one stream
-    complete in order, so only the head is checked. ``graveyard`` holds graphs destroyed while
-    the stream captures (no event may be recorded on a capturing stream).
+    complete in order, so only the head is checked. (Graphs destroyed while the stream captures
+    are held by the server until the window ends: ``runtime.server.capture``.)
     """
 
-    __slots__ = ("stream", "retire", "capturing", "graveyard")
+    __slots__ = ("stream", "retire", "capturing")
 
     def __init__(self, stream):
         self.stream = stream
         self.retire: collections.deque = collections.deque()
         self.capturing = False
-        self.graveyard: list = []
 
 
 class CudaRecording:
@@ -196,12 +195,11 @@ class CudaBackend(Backend):
     def probe(cls) -> dict:
         """Whether a CUDA (or HIP) device answers, without opening a server.
 
-        Returns: ``{"name": device 0's description, "hardware": True, "hip": bool,
-            "devices": count}``.
+        Returns: ``{"hardware": True, "device": device 0's description}`` (``Backend.probe``).
         Raises: ``UnsupportedError`` with the driver's reason (no driver, no device).
         """
-        n = device_count()
-        return {"name": describe(0), "hardware": True, "hip": bool(_rt.is_hip), "devices": n}
+        device_count()
+        return {"hardware": True, "device": describe(0)}
 
     def __init__(self, device: int = 0):
         super().__init__(device)
@@ -209,6 +207,9 @@ class CudaBackend(Backend):
         if not 0 <= device < n:
             raise UnsupportedError(f"cuda: device {device} does not exist ({n} device(s))")
         self.device_name = describe(device)
+        props = _rt.getDeviceProperties(device)
+        self.max_workgroups = (int(props["maxGridSize"][0]), int(props["maxGridSize"][1]),
+                               int(props["maxGridSize"][2]))
         with _OnDevice(self.device):
             self._pool = cupy.cuda.MemoryPool()     # private: the user's cupy pool stays theirs
             self._pinned = cupy.cuda.PinnedMemoryPool()
@@ -367,7 +368,7 @@ class CudaBackend(Backend):
         self._event(stream).synchronize()   # this event only: never the device
         return tuple(int(v) for v in view.view(np.uint32))
 
-    def launch(self, stream, program, count, args, params):
+    def launch(self, stream, program, count, args, params, fail=None):
         """``cuLaunchKernel`` on ``stream``: grid = ``count``, block = ``workgroup_size``.
 
         An indirect ``count`` is read back first (stream-ordered; blocks the owner until the
@@ -424,9 +425,6 @@ class CudaBackend(Backend):
                 return cs.stream.end_capture()
         finally:
             cs.capturing = False
-            graves, cs.graveyard = cs.graveyard, []
-            for g in graves:
-                self.destroy_graph(cs, g)
 
     def end_graph(self, recording):
         """``cudaStreamEndCapture`` + instantiate (in CuPy's ``end_capture``), then
@@ -459,7 +457,7 @@ class CudaBackend(Backend):
         except Exception:  # noqa: BLE001 - an invalidated capture still ends
             pass
 
-    def launch_graph(self, stream, graph):
+    def launch_graph(self, stream, graph, fail=None):
         """``cudaGraphLaunch`` on the capture stream; returns once enqueued."""
         if graph is not None:
             with _OnDevice(self.device):
@@ -470,13 +468,10 @@ class CudaBackend(Backend):
 
         Deviation: no ``stream.synchronize()``; the graph is retired behind an event recorded on
         ``stream`` (a blocking sync would stall every client of the device thread, and a sync of
-        a capturing stream would invalidate its capture). On a capturing stream the graph waits
-        until the capture ends.
+        a capturing stream would invalidate its capture). The server never calls this on a
+        capturing stream (it holds the graph until the window ends).
         """
         if graph is None:
-            return
-        if stream.capturing:
-            stream.graveyard.append(graph)
             return
         with _OnDevice(self.device):
             self._reap(stream)
@@ -502,5 +497,4 @@ class CudaBackend(Backend):
             except Exception:  # noqa: BLE001 - a sticky error: nothing left to report it to
                 pass
             cs.retire.clear()
-            cs.graveyard.clear()
         self._freed.clear()

@@ -405,7 +405,7 @@ class WgpuBackend(Backend):
         self.queue = self.dev.queue
         self.limits = self.dev.limits
         self.max_tasks = int(max_tasks or os.environ.get("RUNTIME_WGPU_MAX_TASKS", 32))
-        self._max_groups = self.limits["max-compute-workgroups-per-dimension"]
+        self.max_workgroups = (self.limits["max-compute-workgroups-per-dimension"],) * 3
         self._open: set = set()          # streams with an encoder not yet submitted
         self._uniforms: dict = {}        # uniform bytes -> GPUBuffer (immutable once made)
         self._groups: dict = {}          # (program, uniform bytes, args) -> GPUBindGroup
@@ -666,14 +666,6 @@ class WgpuBackend(Backend):
         if len(args) != program.nbind:
             raise LaunchError(f"kernel {kernel.name} takes {program.nbind} buffers, "
                               f"got {len(args)}")
-        writable = {id(buf) for (buf, _), b in zip(args, kernel.bindings) if b.access != "read"}
-        for (buf, _), b in zip(args, kernel.bindings):
-            if b.access == "read" and id(buf) in writable:
-                # WebGPU forbids a buffer that is both read-only and writable in one dispatch;
-                # refused here, before encoding, so the stream's batch stays valid.
-                raise LaunchError(f"kernel {kernel.name}: binding {b.name} is also bound "
-                                  f"read_write; WebGPU forbids aliasing a written storage buffer "
-                                  f"within one dispatch; use a separate output buffer")
         entries = [{"binding": i, "resource": {"buffer": buf, "offset": 0, "size": _align4(n)}}
                    for i, (buf, n) in enumerate(args)]
         if program.has_params:
@@ -703,13 +695,9 @@ class WgpuBackend(Backend):
             return None, buf
         if min(count) == 0:
             return None
-        if max(count) > self._max_groups:
-            raise LaunchError(f"kernel {program.kernel.name}: workgroup count {tuple(count)} "
-                              f"exceeds the adapter's limit of {self._max_groups} per dimension; "
-                              f"split the grid over y and z")
-        return tuple(count), None
+        return tuple(count), None   # the per-dimension limit is checked by the client
 
-    def launch(self, stream, program: WgpuProgram, count, args, params: tuple) -> None:
+    def launch(self, stream, program: WgpuProgram, count, args, params: tuple, fail=None) -> None:
         """Encode one dispatch on ``stream``'s batch; submit when ``max_tasks`` are batched.
 
         Args:
@@ -765,7 +753,7 @@ class WgpuBackend(Backend):
         """Drop an unfinished recording."""
         recording.tasks = []
 
-    def launch_graph(self, stream, graph: WgpuGraph) -> None:
+    def launch_graph(self, stream, graph: WgpuGraph, fail=None) -> None:
         """Re-encode ``graph`` after ``stream``'s pending work and submit it once.
 
         The pipeline is set only when it changes from the previous dispatch; everything else

@@ -167,17 +167,20 @@ class ComputeClient:
         Returns: a new ``np.ndarray`` of ``handle.dtype`` and ``handle.shape``. Blocks until the
             work before it on this stream (and the buffer's last write on any stream) ran.
         Raises: ``CaptureRefused`` (this stream is recording); ``InvalidHandle``; ``ReplayFailed``
-            (a failed replay wrote the buffer); ``ServerUnhealthy`` (queued errors of this
-            stream); ``ServerClosed``.
+            (the buffer's last writer failed, found at enqueue or while this read waited: a
+            replay, a launch, a host write; raised on every read until a later write lands);
+            ``ServerUnhealthy`` (queued errors of this stream); ``ServerClosed``.
         See also: ``cudaMemcpyAsync`` + event sync (cuda), ``map_async`` of a staging buffer (wgpu).
         """
         if not isinstance(handle, Handle):
             raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
         hid = handle._check(self._server, "read")
         srv = self._server
-        comp = srv.call(srv.h_read, self.stream, hid)
+        comp, mark = srv.call(srv.h_read, self.stream, hid)
         if not comp.done:
             srv.wait(comp)
+        if mark.error is not None:          # its writer failed while the read waited
+            raise mark.stale(hid, comp.error)
         raw = comp.result()
         return raw.view(handle.dtype).reshape(handle.shape)
 
@@ -195,7 +198,9 @@ class ComputeClient:
             params: a mapping or sequence of the kernel's params.
         Returns: at once (fire-and-forget); waits for room while the device queue is full.
         Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count or
-            dtype mismatch), ``InvalidHandle``, at the call. Compile and device failures are queued
+            dtype mismatch; a count over the backend's ``max_workgroups`` per dimension; one
+            buffer bound both ``read`` and ``read_write``: the WebGPU rule, kept on every
+            backend), ``InvalidHandle``, at the call. Compile and device failures are queued
             on the stream and raised by its next blocking call; a launch that did not run also
             marks the buffers it writes (``ReplayFailed`` on read).
         Streams: on this client's stream, after the last writes of its inputs on other streams.
@@ -224,6 +229,8 @@ class ComputeClient:
                     raise LaunchError(f"launch of {kernel.name}: binding {b.name} is {b.dtype} "
                                       f"but handle {h.id} holds {h.dtype}")
                 hids.append(h._check(srv, f"launch of {kernel.name}"))
+        if len(set(hids)) != len(hids):
+            _check_aliasing(kernel, hids)
         if isinstance(count, Handle):
             if count.nbytes < 12:
                 raise LaunchError(f"indirect launch of {kernel.name}: the count handle {count.id} "
@@ -233,6 +240,11 @@ class ComputeClient:
             cnt = normalize_count(count)
             if 0 in cnt:
                 return
+            lim = srv.backend.max_workgroups
+            if lim is not None and (cnt[0] > lim[0] or cnt[1] > lim[1] or cnt[2] > lim[2]):
+                raise LaunchError(f"launch of {kernel.name}: workgroup count {cnt} exceeds the "
+                                  f"{srv.backend.name} limit of {lim} per dimension; split the "
+                                  "grid over y and z")
         srv.submit(srv.h_launch, self.stream, kernel, cnt, hids, kernel.pack_params(params))
 
     # -- synchronisation ----------------------------------------------------------------------
@@ -292,27 +304,46 @@ class ComputeClient:
         freeing a handle the window uses are refused late, by ``stop_capture``. Other streams
         work normally meanwhile.
 
+        Blocks until the warm-up has run: a warm-up that failed (at the call, at submit or while
+        executing) is never captured over.
+
         Raises: ``GraphStateError`` (not prepared, or already recording; unchanged);
-            ``ServerUnhealthy`` (the warm-up left queued errors: back to ``no capture``);
+            ``ServerUnhealthy`` (the warm-up left errors: back to ``no capture``);
             ``UnsupportedError`` (the backend has no graphs).
         """
         srv = self._server
-        srv.call(srv.h_start_capture, self.stream)
+        sid = self.stream
+        comp = srv.call(srv.h_warmup_fence, sid)     # the warm-up ran, or its errors are known
+        if not comp.done:
+            srv.wait(comp)
+        srv.call(srv.h_start_capture, sid, comp.error)
 
-    def stop_capture(self) -> Graph:
+    def stop_capture(self, retain: bool = False) -> Graph:
         """Stop recording and return the ``Graph``: ``capturing -> no capture``.
 
-        Returns: a ``Graph`` (empty window: a graph whose replay does nothing). Buffers
-            allocated inside the window are retained by it; caller-owned buffers are the caller's
-            to keep alive while it replays.
+        Args:
+            retain: keep every buffer the recording used alive for the graph's life, so its
+                handles may be dropped (``runtime.capture`` and ``StaticGraph`` pass True).
+                Default: buffers allocated inside the window are retained; caller-owned
+                buffers are the caller's to keep alive: a replay after one was freed raises
+                ``LivenessError`` (its buffer never goes to another owner while the graph lives).
+        Returns: a ``Graph`` (empty window: a graph whose replay does nothing).
         Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` naming the
             late refusals (write, freed handle, allocation on a hardware graph): no graph is made;
             ``ServerUnhealthy`` (launch errors queued in the window).
         """
         srv = self._server
         sid = self.stream
-        gid, hw = srv.call(srv.h_stop_capture, sid)
+        gid, hw = srv.call(srv.h_stop_capture, sid, bool(retain))
         return Graph(_Owner(srv, gid), sid, hw)
+
+    def abort_capture(self) -> None:
+        """Abandon a capture on this stream from any state (``prepared`` or ``capturing``): the
+        recording is dropped, buffers held for the window go back to the pool, and the stream
+        is back to ``no capture``; a no-op when nothing is open. Queued errors stay queued.
+        Blocks until done. See also: CubeCL's capture abort; ``cudaStreamEndCapture`` + drop."""
+        srv = self._server
+        srv.call(srv.h_abort_capture, self.stream)
 
     # -- misc ---------------------------------------------------------------------------------
     def memory_usage(self) -> dict:
@@ -344,6 +375,21 @@ class ComputeClient:
 
     def __repr__(self):
         return f"ComputeClient(backend={self.backend!r}, device={self.device}, stream={self.stream!r})"
+
+
+def _check_aliasing(kernel, hids) -> None:
+    """Refuse one buffer bound both ``read`` and ``read_write`` in a launch (``LaunchError``).
+
+    WebGPU forbids it within one dispatch (a writable storage binding may not alias a read-only
+    one); the rule is kept on every backend so a program behaves the same everywhere.
+    """
+    written = {h for b, h in zip(kernel.bindings, hids) if b.access != "read"}
+    for b, h in zip(kernel.bindings, hids):
+        if b.access == "read" and h in written:
+            raise LaunchError(f"launch of {kernel.name}: handle {h} is bound to {b.name} (read) "
+                              "and also to a read_write binding; aliasing a written buffer with "
+                              "a read binding in one launch is refused on every backend (the "
+                              "WebGPU rule); use a separate output buffer")
 
 
 def client(backend=None, device: int = 0, **options) -> ComputeClient:

@@ -31,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..capture import capture
 from ..client import StreamId
 from ..tensor import Arena, Tensor, embedding
+from .tokens import encode_truncated, ids_batch
 
 #: sequence-length buckets of the captured path (tokens, padded up to the next one).
 SEQ_BUCKETS = (16, 32, 64, 128, 256)
@@ -85,7 +87,8 @@ class _Layer:
 
 
 class _Bucket:
-    """A captured forward for one ``(batch, seq)``: pinned inputs, arena, graph and output."""
+    """A captured forward for one ``(batch, seq)``: pinned inputs, arena, the
+    ``runtime.CapturedGraph`` and its output."""
 
     def __init__(self, model: "MiniLM", batch: int, seq: int):
         c = model.client
@@ -185,11 +188,14 @@ class MiniLM:
         Args:
             texts: a string or a list of strings.
         Returns: ``(ids, mask)``, both ``int64 [n, L]`` with ``L <= max_seq_length``
-            (``[CLS] ... [SEP]``, truncated on the right keeping ``[SEP]``).
+            (``[CLS] ... [SEP]``, truncated on the right keeping ``[SEP]``). A long text is
+            truncated while it is tokenized (:func:`runtime.models.tokens.encode_truncated`):
+            its cost is bounded by a few times ``max_seq_length`` tokens, whatever its length.
+        Raises: what the tokenizer raises for text it cannot take (e.g. a lone surrogate).
         """
         if isinstance(texts, str):
             texts = [texts]
-        encs = self.tokenizer.encode_batch(list(texts))
+        encs = encode_truncated(self.tokenizer, list(texts))
         L = max((len(e.ids) for e in encs), default=0)
         ids = np.zeros((len(encs), L), np.int64)
         mask = np.zeros((len(encs), L), np.int64)
@@ -197,6 +203,25 @@ class MiniLM:
             ids[i, :len(e.ids)] = e.ids
             mask[i, :len(e.ids)] = e.attention_mask
         return ids, mask
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the word-embedding table: token ids lie in ``[0, vocab_size)``."""
+        return int(self.word.shape[0])
+
+    def encode_ids(self, seqs) -> tuple:
+        """Token-id inputs (lists of this model's token ids) as padded ``(ids, mask)``.
+
+        ``[CLS]``/``[SEP]`` are added where missing and the content truncated to
+        ``max_seq_length`` as :meth:`tokenize` does (:func:`runtime.models.tokens.ids_batch`),
+        so ``encode_ids([tokenizer.encode(t).ids])`` embeds exactly as ``tokenize([t])``.
+        Returns: ``(ids, mask)``, ``int64 [n, L]``.
+        Raises: ``ValueError`` (an id outside ``[0, vocab_size)``, naming ``input[i]``);
+            ``TypeError`` (not a list of lists).
+        """
+        tok = self.tokenizer
+        return ids_batch(seqs, cls_id=tok.token_to_id("[CLS]"), sep_id=tok.token_to_id("[SEP]"),
+                         vocab_size=self.vocab_size, max_length=self.max_seq_length)
 
     # -- the network --------------------------------------------------------------------------
     def _encode(self, ids: Tensor, types: Tensor, mask: Tensor, output: str = "embeddings"):
@@ -290,38 +315,26 @@ class MiniLM:
             self._buckets.move_to_end((batch, seq_len))
             bk.ids.write(pad_ids)           # in place, on the capture stream
             bk.mask.write(pad_mask)
-            bk.graph.replay()
-            return bk.out.numpy()[:b]
+            return bk.graph.replay().numpy()[:b]
 
     def _capture(self, batch: int, seq_len: int) -> _Bucket:
         while len(self._buckets) >= max(self.max_graphs, 1):
             _, old = self._buckets.popitem(last=False)
             old.release()
         bk = _Bucket(self, batch, seq_len)
-        c = self.client
         bk.ids.write(np.zeros((batch, seq_len), np.int32))
         bk.types.write(np.zeros((batch, seq_len), np.int32))
         bk.mask.write(np.ones((batch, seq_len), np.float32))
-        c.graph_prepare()
-        recording = False
+
+        def forward():
+            with bk.arena:               # the warm-up fills the arena; the recorded run reuses it
+                return self._encode(bk.ids, bk.types, bk.mask)
         try:
-            with bk.arena:                   # warm-up: fills the arena, compiles the kernels
-                warm = self._encode(bk.ids, bk.types, bk.mask)
-                del warm                     # back to the arena before the recorded run
-                c.start_capture()
-                recording = True
-                out = self._encode(bk.ids, bk.types, bk.mask)
-            recording = False
-            bk.graph, bk.out = c.stop_capture(), out
+            bk.graph = capture(forward, client=self.client)
         except BaseException:
-            # leave the stream out of capture (prepared -> capturing -> stopped), then re-raise
-            for step in ((c.stop_capture,) if recording else (c.start_capture, c.stop_capture)):
-                try:
-                    step()
-                except Exception:  # noqa: BLE001 - the original error matters
-                    pass
             bk.release()
             raise
+        bk.out = bk.graph.output
         self._buckets[(batch, seq_len)] = bk
         self.graph_captures += 1
         return bk

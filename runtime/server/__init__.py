@@ -10,13 +10,15 @@ import importlib
 import os
 import threading
 
-from ..backends.base import check_interface
+from ..backends.base import check_interface, check_probe
 from ..errors import UnsupportedError
 from .server import ComputeServer
 
-__all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "BACKENDS"]
+__all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "BACKENDS",
+           "register_backend"]
 
-#: backend name -> (module, class name); imported only when first asked for (tinygrad style).
+#: backend name -> (module, class name), imported only when first asked for (tinygrad style),
+#: or a class given to :func:`register_backend`.
 BACKENDS = {"cpu": ("runtime.backends.cpu", "CpuBackend"),
             "wgpu": ("runtime.backends.wgpu", "WgpuBackend"),
             "cuda": ("runtime.backends.cuda", "CudaBackend")}
@@ -35,14 +37,43 @@ def backend_class(name: str):
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)} or None")
-    mod_name, cls_name = BACKENDS[name]
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UnsupportedError(f"backend {name!r} is not available: {e}") from e
-    cls = getattr(mod, cls_name)
+    entry = BACKENDS[name]
+    if isinstance(entry, type):
+        cls = entry
+    else:
+        mod_name, cls_name = entry
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise UnsupportedError(f"backend {name!r} is not available: {e}") from e
+        cls = getattr(mod, cls_name)
     check_interface(cls)
     return cls
+
+
+def register_backend(name: str, cls) -> None:
+    """Make ``runtime.client(name)`` open ``cls`` (a ``runtime.backends.base.Backend`` subclass).
+
+    Raises: ``TypeError`` naming what the class leaves unimplemented (``check_interface``: a
+    verb, ``probe``, part of the graph verbs) or a ``probe()`` answer of the wrong shape;
+    ``ValueError`` for a name that is not an identifier. Nothing is registered when it raises.
+    ``probe()`` runs here; a backend whose device is missing (``UnsupportedError``) registers.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"backend name must be an identifier, got {name!r}")
+    check_interface(cls)
+    try:
+        info = cls.probe()
+    except UnsupportedError:
+        info = None
+    if info is not None:
+        check_probe(cls, info)
+    with _lock:
+        BACKENDS[name] = cls
+
+
+def _probe(cls) -> dict:
+    return check_probe(cls, cls.probe())
 
 
 def _usable_best(name: str) -> bool:
@@ -52,10 +83,8 @@ def _usable_best(name: str) -> bool:
     if name in _unavailable:
         return False
     try:
-        cls = backend_class(name)
-        probe = getattr(cls, "probe", None)
-        info = probe() if probe is not None else None
-        if info is None or not info.get("hardware", False):
+        info = _probe(backend_class(name))
+        if not info["hardware"]:
             _unavailable[name] = "no hardware device (software adapters are slower than numpy)"
             return False
         return True
@@ -69,10 +98,7 @@ def available_backends() -> dict:
     out = {}
     for name in BACKENDS:
         try:
-            cls = backend_class(name)
-            probe = getattr(cls, "probe", None)
-            if probe is not None:
-                probe()
+            _probe(backend_class(name))
             out[name] = None
         except Exception as e:  # noqa: BLE001
             out[name] = str(e)

@@ -1,20 +1,28 @@
-"""The capture state machine and the window's bookkeeping, written once for every backend.
+"""The capture lifecycle and the window's hooks, written once for every backend.
 
 States per stream (CubeCL ``stream/capture.rs``): ``NO_CAPTURE -> PREPARE -> CAPTURE -> NO_CAPTURE``.
 
 - ``prepare`` (``graph_prepare``): from ``NO_CAPTURE`` only. Arms warm-up priming: buffers freed
   on this stream are held back from the pool until ``begin``, so the pool grows to the warm-up's
   working set and the recorded run finds every buffer it needs already allocated.
-- ``begin`` (``start_capture``): from ``PREPARE`` only.
-- ``end`` (``stop_capture``): from ``CAPTURE`` only.
-- ``abort``: back to ``NO_CAPTURE`` from anywhere (a refused or failed window).
+- ``begin`` (``start_capture``): from ``PREPARE`` only. The client first waits for the warm-up
+  to finish; if it left errors (found at enqueue, at submit or at execution), ``begin`` raises
+  ``ServerUnhealthy`` with them and aborts: nothing is recorded over a failed warm-up.
+- ``record``: a launch on the capturing stream is added to the recording (not run).
+- ``end`` (``stop_capture``): from ``CAPTURE`` only; makes the :class:`GraphState`.
+- ``abort``: back to ``NO_CAPTURE`` from anywhere, unwinding the window (the backend recording
+  is dropped, held buffers go back to the pool, deferred graph destroys run). Used by a refused
+  or failed window, a failed ``begin`` and ``ComputeClient.abort_capture``.
+
+Hooks (:class:`Capture` ``on_*``): every server handler that may meet an open window asks here
+first: allocation, free, host write, record/wait event, replay, graph destroy.
 
 Errors: a transition out of order raises ``GraphStateError`` and leaves the state untouched.
 """
 
 from __future__ import annotations
 
-from ..errors import GraphStateError
+from ..errors import CaptureRefused, GraphStateError, ServerUnhealthy
 
 NO_CAPTURE, PREPARE, CAPTURE = "no capture", "prepared", "capturing"
 
@@ -47,34 +55,286 @@ def transition(state: str, op: str, stream_id) -> str:
     raise ValueError(op)
 
 
+def merge(fences: dict, more: dict, skip=None) -> None:
+    """Fold ``{stream id: position}`` ``more`` into ``fences`` (max per stream), except ``skip``."""
+    for sid, pos in more.items():
+        if sid != skip and fences.get(sid, -1) < pos:
+            fences[sid] = pos
+
+
 class Window:
     """What one capture window touched and refused.
 
     Attributes:
         recording: the backend recording (``Backend.begin_graph``).
         reads / writes: handle ids the recorded launches read / write (the graph's read and
-            write sets; a ``read_write`` binding counts in both).
+            write sets; a ``read_write`` binding counts in both). ``inputs``: ids bound ``read``
+            only (a failure mark on one of them propagates to the replay's writes).
+        states: ``{handle id: HandleState}`` of every handle the recorded launches use.
+        fences: ``{stream id: position}`` of work on other streams pending on those handles at
+            record time (their earlier writers and readers, and a reused buffer's previous
+            owner): the first replay waits for them, as an eager launch would have.
         allocs: handle states allocated on the capturing stream inside the window (retained by
             the graph on software graphs).
         refusals: messages of late refusals (a write, a free of a used handle, a fresh
             allocation on a hardware graph); ``stop_capture`` raises ``CaptureRefused`` with them.
         deferred: handle states freed during the window whose buffers must outlive it.
+        graveyard: backend graphs destroyed while the stream captures (no event may be recorded
+            on a capturing stream); destroyed when the window ends.
         event / event_pos: an event recorded on the stream as the window opened, so other
             streams can order against the work before it without recording on a capturing stream.
     """
 
-    __slots__ = ("recording", "reads", "writes", "allocs", "refusals", "deferred", "event",
-                 "event_pos", "launches")
+    __slots__ = ("recording", "reads", "writes", "inputs", "states", "fences", "allocs",
+                 "refusals", "deferred", "graveyard", "event", "event_pos", "launches")
 
     def __init__(self, recording, event, event_pos):
         self.recording = recording
         self.reads: set = set()
         self.writes: set = set()
+        self.inputs: set = set()
+        self.states: dict = {}
+        self.fences: dict = {}
         self.allocs: list = []
         self.refusals: list[str] = []
         self.deferred: list = []
+        self.graveyard: list = []
         self.event, self.event_pos = event, event_pos
         self.launches = 0
 
     def uses(self, hid: int) -> bool:
-        return hid in self.reads or hid in self.writes
+        return hid in self.states
+
+
+class GraphState:
+    """Server-side state of one captured graph.
+
+    Attributes:
+        id, stream, graph: the graph id, its capture stream id, the backend graph.
+        reads / writes: handle ids it reads / writes; ``inputs``: ids it only reads.
+        handles: the ``HandleState`` s it uses (``wstates``: those it writes; ``istates``: its
+            read-only inputs); ``retained``: every pooled slot it uses, pinned until destroy, so
+            no buffer a replay may touch changes owner while the graph lives.
+        required: ids of caller-owned handles whose free breaks the graph (``retain=False``:
+            ``ComputeClient.stop_capture``'s contract); ``freed``: those freed so far; a replay
+            then raises ``LivenessError``.
+        allocated: how many handles the window allocated (retained on software graphs).
+        fences: cross-stream fences the first replay waits for (``Window.fences``).
+        last_pos: the capture-stream position of its latest replay.
+    """
+
+    __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "handles", "wstates",
+                 "istates", "retained", "allocated", "required", "freed", "fences", "last_pos",
+                 "launches")
+
+    def __init__(self, gid, stream, graph, window: Window, retain: bool):
+        self.id, self.stream, self.graph = gid, stream, graph
+        self.reads, self.writes = frozenset(window.reads), frozenset(window.writes)
+        self.inputs = frozenset(window.inputs)
+        self.handles = list(window.states.values())
+        self.wstates = [st for st in self.handles if st.id in self.writes]
+        self.istates = [st for st in self.handles if st.id in self.inputs]
+        allocated = {st.id for st in window.allocs}
+        slots = {id(st.slot): st.slot for st in self.handles}
+        for st in window.allocs:
+            slots[id(st.slot)] = st.slot
+        self.retained = list(slots.values())
+        self.allocated = len(window.allocs)
+        self.required = frozenset() if retain else frozenset(
+            st.id for st in self.handles if st.id not in allocated)
+        self.freed: list = []
+        self.fences = dict(window.fences)
+        self.last_pos = 0
+        self.launches = window.launches
+
+
+class Capture:
+    """The capture lifecycle of every stream of one server, and the window's hooks.
+
+    Runs on the server's single owner, like every handler. ``windows`` maps a capturing stream's
+    id to its open :class:`Window` (frees on any stream check them).
+
+    Args:
+        server: the ``ComputeServer`` (its backend, pool helpers and tables).
+    """
+
+    def __init__(self, server):
+        self.server = server
+        self.windows: dict = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def prepare(self, s) -> None:
+        """``NO_CAPTURE -> PREPARE``. Raises ``GraphStateError`` (unchanged)."""
+        s.state = transition(s.state, "prepare", s.id)
+
+    def check_begin(self, s) -> None:
+        """Raise ``GraphStateError`` now if ``begin`` would be out of order (nothing changes)."""
+        transition(s.state, "begin", s.id)
+
+    def begin(self, s, warmup_error=None) -> None:
+        """``PREPARE -> CAPTURE``: release primed buffers, refuse a failed warm-up, open a
+        recording.
+
+        Args:
+            warmup_error: the error the warm-up's completion failed with (the client waited for
+                it), queued on the stream with the others.
+        Raises: ``GraphStateError`` (out of order, unchanged); ``ServerUnhealthy`` (the warm-up
+            left errors: aborted, back to ``NO_CAPTURE``); ``UnsupportedError`` (aborted).
+        """
+        srv = self.server
+        new_state = transition(s.state, "begin", s.id)
+        srv._collect_failures()         # failures the backend found after enqueue (submit)
+        if warmup_error is not None:
+            s.errors.extend(warmup_error.errors if isinstance(warmup_error, ServerUnhealthy)
+                            else [warmup_error])
+        if s.errors or srv.async_errors:
+            self.abort(s)
+            srv._drain_errors(s)
+        self._release_primed(s)
+        ev, epos = srv._event_at(s, s.pos)
+        try:
+            recording = srv.backend.begin_graph(s.raw)
+        except BaseException:
+            self.abort(s)
+            raise
+        s.window = self.windows[s.id] = Window(recording, ev, epos)
+        s.state = new_state
+
+    def record(self, s, kernel, prog, count, args, params, states, cst) -> None:
+        """Add one launch to the open window of ``s`` (``h_launch`` inside a window).
+
+        Folds the cross-stream fences of every handle it uses into the window (see
+        ``Window.fences``). Raises what ``Backend.record_launch`` raises.
+        """
+        w = s.window
+        srv = self.server
+        srv.backend.record_launch(w.recording, prog, count, args, params)
+        w.launches += 1
+        sid = s.id
+        for b, st in zip(kernel.bindings, states):
+            w.states[st.id] = st
+            w.reads.add(st.id)
+            merge(w.fences, st.writes, sid)
+            if b.access == "read":
+                w.inputs.add(st.id)
+            else:
+                w.writes.add(st.id)
+                merge(w.fences, st.reads, sid)
+        if cst is not None:
+            w.states[cst.id] = cst
+            w.reads.add(cst.id)
+            w.inputs.add(cst.id)
+            merge(w.fences, cst.writes, sid)
+        w.inputs -= w.writes
+
+    def end(self, s, gid, retain: bool) -> GraphState:
+        """``CAPTURE -> NO_CAPTURE``: the graph of the window, or raise and abort.
+
+        Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
+        late refusals; ``ServerUnhealthy`` (errors queued in the window); the backend's error.
+        """
+        transition(s.state, "end", s.id)
+        w = s.window
+        if w.refusals:
+            self.abort(s)
+            s.errors = []
+            raise CaptureRefused(f"stop_capture on stream {s.id}: the window was refused, no "
+                                 "graph was made: " + "; ".join(w.refusals))
+        if s.errors:
+            self.abort(s)
+            self.server._drain_errors(s)
+        try:
+            graph = self.server.backend.end_graph(w.recording)
+        except BaseException:
+            self._close(s, w, recorded=True)
+            raise
+        g = GraphState(gid, s.id, graph, w, retain)
+        for slot in g.retained:
+            slot.pins += 1
+        for st in g.handles:
+            st.graphs.append(g)
+        self._close(s, w, recorded=True)
+        return g
+
+    def abort(self, s) -> None:
+        """Back to ``NO_CAPTURE`` from any state, unwinding what the window or priming holds."""
+        w = s.window
+        if w is not None:
+            try:
+                self.server.backend.abort_graph(w.recording)
+            finally:
+                self._close(s, w, recorded=False)
+        self._release_primed(s)
+        s.state = NO_CAPTURE
+
+    def _close(self, s, w: Window, recorded: bool) -> None:
+        srv = self.server
+        s.window = None
+        s.state = NO_CAPTURE
+        self.windows.pop(s.id, None)
+        for st in w.deferred:
+            srv._release_slot(st)
+        for graph in w.graveyard:
+            srv.backend.destroy_graph(s.raw, graph)
+
+    def _release_primed(self, s) -> None:
+        primed, s.primed = s.primed, []
+        for st in primed:
+            self.server._release_slot(st)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def on_alloc(self, s, st, fresh: bool) -> None:
+        """A handle was allocated on ``s``: a window keeps it (hardware graphs refuse a fresh
+        buffer: it would be a memory node)."""
+        w = s.window
+        if w is not None:
+            w.allocs.append(st)
+            if fresh and self.server.backend.hardware_graphs:
+                w.refusals.append(f"handle {st.id} ({st.nbytes} bytes) was allocated inside the "
+                                  "window and grew the pool: a hardware graph cannot hold a "
+                                  "memory node; run the work once after graph_prepare() so the "
+                                  "pool is warm")
+
+    def on_free(self, s, st) -> bool:
+        """Handle ``st`` is freed from stream ``s`` (may be None): True when a window or warm-up
+        priming holds its buffer back (the caller must not release the slot)."""
+        for wsid, w in self.windows.items():   # a capture window that uses it keeps it alive
+            allocated = any(a is st for a in w.allocs)
+            if allocated or w.uses(st.id):
+                if not allocated:
+                    w.refusals.append(f"handle {st.id} was freed while the window on stream "
+                                      f"{wsid} uses it; keep it alive until stop_capture()")
+                w.deferred.append(st)
+                return True
+        if s is not None and s.state == PREPARE:
+            s.primed.append(st)                # held until start_capture (warm-up priming)
+            return True
+        return False
+
+    def on_write(self, s, hid: int) -> bool:
+        """A host write to ``hid`` on ``s``: True when the window refuses it (late)."""
+        w = s.window
+        if w is None:
+            return False
+        w.refusals.append(f"write to handle {hid} inside the capture window (a graph cannot "
+                          "record a host write; it was not applied)")
+        return True
+
+    def on_event(self, s, what: str) -> None:
+        """``record_event`` / ``wait_event`` / ``read`` / ``sync`` / ``replay`` on ``s``.
+
+        Raises: ``CaptureRefused`` at once when ``s`` is capturing: only the capture stream's
+        own work is recorded, so a graph never silently lacks work the caller ordered into it.
+        """
+        if s.window is not None:
+            raise CaptureRefused(f"{what} on stream {s.id}: the stream is recording a graph; "
+                                 f"{what.split(' ')[0]} after stop_capture() (or from another "
+                                 "stream)")
+
+    def on_destroy(self, s, graph) -> bool:
+        """A backend graph of stream ``s`` is destroyed: True when the window holds it until it
+        ends (an event cannot be recorded on a capturing stream)."""
+        if s.window is not None:
+            s.window.graveyard.append(graph)
+            return True
+        return False

@@ -2,17 +2,21 @@
 
 Ordinary operations are ordered across streams by the server itself (``_wait_for``). A graph
 replay is not: by contract it orders only against its capture stream. This module finds the
-three ways a replay then goes wrong and raises instead of letting the data go stale:
+ways a replay (or a buffer's change of owner) then goes wrong and raises instead of letting the
+data go stale (liveness, a replay after the free of a handle it uses, is refused by the server
+itself, checker or not: ``LivenessError``):
 
-- liveness: a replay touches a handle that was freed (its buffer may already belong to another
-  handle) -> ``LivenessError`` naming the handle;
+- pool reuse: a buffer handed to a new handle (freed into the pool and taken again, inside or
+  outside a capture window) whose first use is not ordered after the previous owner's pending
+  accesses -> ``StreamRaceError`` naming both handles. The history is kept per pooled buffer,
+  not per handle, so the checker models the reuse instead of trusting the pool's fences;
 - concurrent use: another stream uses a buffer the replay writes (or writes one it reads) with
   no ordering between them -> ``StreamRaceError``;
 - cross-stream refresh: an input written, or an output read, on a stream other than the capture
   stream without ordering -> ``StreamRaceError``.
 
 Model. Each operation sits at a position ``p`` of its stream (``StreamState.pos`` after it is
-enqueued). Per buffer (handle id) the checker keeps the last write and the latest read per
+enqueued). Per pooled buffer (``Slot``, whichever handle holds it) the checker keeps the last write and the latest read per
 stream since, each as ``(stream, position, operation)``. Per stream it keeps a vector clock
 ``{other stream: position}``: the positions of other streams that happen-before its next
 operation. Clocks advance through
@@ -44,23 +48,22 @@ Cost: one dictionary lookup and a few integer comparisons per buffer access, a c
 clock per recorded event; see ``benchmarks/checker_cost.py``. The checker sits in the server,
 so it runs the same on every backend.
 
-Not checked: the counts buffer of an indirect launch (not reported as an access); frees (the
-pool orders the reuse of a freed buffer by itself).
+Not checked: the counts buffer of an indirect launch (not reported as an access).
 """
 
 from __future__ import annotations
 
-from ..errors import LivenessError, StreamRaceError
+from ..errors import StreamRaceError
 
 
 class _Buf:
-    """The access history of one handle since its last write."""
+    """The access history of one pooled buffer since its last write (any handle holding it)."""
 
-    __slots__ = ("w_sid", "w_pos", "w_op", "reads")
+    __slots__ = ("w_sid", "w_pos", "w_op", "w_hid", "reads")
 
     def __init__(self):
-        self.w_sid, self.w_pos, self.w_op = None, 0, None
-        self.reads: dict = {}       # stream id -> (position, op) of its latest read
+        self.w_sid, self.w_pos, self.w_op, self.w_hid = None, 0, None, None
+        self.reads: dict = {}       # stream id -> (position, op, handle id) of its latest read
 
     def may_conflict(self, sid, is_write: bool) -> bool:
         """Fast path: False when everything so far was on stream ``sid`` (nothing to check)."""
@@ -68,14 +71,14 @@ class _Buf:
         return (self.w_sid is not None and self.w_sid != sid) or (
             is_write and bool(reads) and (len(reads) > 1 or sid not in reads))
 
-    def record(self, sid, pos: int, op, is_write: bool) -> None:
-        """Note an access by stream ``sid`` at position ``pos``."""
+    def record(self, sid, pos: int, op, is_write: bool, hid: int) -> None:
+        """Note an access by stream ``sid`` at position ``pos`` through handle ``hid``."""
         if is_write:
-            self.w_sid, self.w_pos, self.w_op = sid, pos, op
+            self.w_sid, self.w_pos, self.w_op, self.w_hid = sid, pos, op, hid
             if self.reads:
                 self.reads.clear()
         else:
-            self.reads[sid] = (pos, op)
+            self.reads[sid] = (pos, op, hid)
 
 
 class _Replay:
@@ -118,9 +121,8 @@ class Checker:
         self.host: dict = {}        # what the host knows has finished: {sid: pos}
         self.host_ver = 0
         self.events: dict = {}      # stream id -> {event position: clock snapshot}
-        self.bufs: dict = {}        # handle id -> _Buf
-        self.required: dict = {}    # graph id -> ids of handles it needs alive
-        self.replays: dict = {}     # graph id -> (op tag, ((handle id, writes it), ...))
+        self.bufs: dict = {}        # pooled Slot -> _Buf (outlives the handles that held it)
+        self.replays: dict = {}     # graph id -> (op tag, ((slot, handle id, writes it), ...))
         self.violations: list = []
 
     # -- clocks ---------------------------------------------------------------------------------
@@ -185,17 +187,20 @@ class Checker:
     def _conflicts(self, b: _Buf, sid, vc: dict, is_write: bool) -> list:
         out = []
         if b.w_sid is not None and b.w_sid != sid and vc.get(b.w_sid, 0) < b.w_pos:
-            out.append((b.w_sid, b.w_pos, b.w_op, True))
+            out.append((b.w_sid, b.w_pos, b.w_op, True, b.w_hid))
         if is_write:
-            for rsid, (rpos, rop) in b.reads.items():
+            for rsid, (rpos, rop, rhid) in b.reads.items():
                 if rsid != sid and vc.get(rsid, 0) < rpos:
-                    out.append((rsid, rpos, rop, False))
+                    out.append((rsid, rpos, rop, False, rhid))
         return out
 
     def _race(self, hid: int, first, sid, op, is_write: bool) -> StreamRaceError:
-        psid, _, pop, pwrite = first
+        psid, _, pop, pwrite, phid = first
         psid, sid = int(psid), int(sid)
-        a, b = _describe(pop, hid, pwrite), _describe(op, hid, is_write)
+        a, b = _describe(pop, phid, pwrite), _describe(op, hid, is_write)
+        if phid != hid:
+            b += (f" (its buffer was handle {phid}'s: a buffer changing owner must be ordered "
+                  "after the previous owner's work)")
         if isinstance(op, _Replay):
             fix = (f"a replay orders only against its capture stream: issue the {_kind(pop)} on "
                    f"stream {sid}, or sync stream {psid} or make stream {sid} wait on an event "
@@ -222,12 +227,12 @@ class Checker:
         sid = s.id
         ent = self.clocks.get(sid)
         vc = ent[0] if ent is not None and ent[1] == self.host_ver else self._clock(sid)
-        b = self.bufs.get(st.id)
+        b = self.bufs.get(st.slot)
         if b is None:
-            b = self.bufs[st.id] = _Buf()
+            b = self.bufs[st.slot] = _Buf()
         elif b.may_conflict(sid, is_write):
             self._check_access(s, st, b, vc, op, is_write)
-        b.record(sid, s.pos + 1, op, is_write)
+        b.record(sid, s.pos + 1, op, is_write, st.id)
 
     def _check_access(self, s, st, b: _Buf, vc: dict, op, is_write: bool) -> None:
         bad = self._conflicts(b, s.id, vc, is_write)
@@ -236,7 +241,7 @@ class Checker:
             if op == "read":
                 raise err
             fences: dict = {}
-            for psid, ppos, _, _ in bad:
+            for psid, ppos, _, _, _ in bad:
                 fences[psid] = max(fences.get(psid, 0), ppos)
             self.server._wait_for(s, fences)
             s.errors.append(err)
@@ -244,52 +249,32 @@ class Checker:
     def on_replay(self, s, g) -> None:
         """Graph ``g`` is about to be replayed on its capture stream ``s``.
 
-        Raises: ``LivenessError`` (a handle it needs was freed); ``StreamRaceError`` (an access
-        on another stream is not ordered before it). Nothing is recorded when it raises.
+        Raises: ``StreamRaceError`` (an access on another stream, or the previous owner of a
+        buffer it uses, is not ordered before it). Nothing is recorded when it raises.
         """
-        alive = self.server.handles
-        for hid in self.required.get(g.id, ()):
-            if hid not in alive:
-                err = LivenessError(
-                    f"replay of graph {g.id} on stream {int(s.id)} uses handle {hid}, which was "
-                    "freed: its buffer may already hold another handle's data; keep the Handle "
-                    "alive while the graph replays (or allocate it inside the capture window so "
-                    "the graph retains it)")
-                err.handle, err.graph = hid, g.id
-                self.violations.append(err)
-                raise err
         sid = s.id
         vc = self._clock(sid)
         op, uses = self.replays[g.id]
         bufs = self.bufs
-        for hid, is_write in uses:
-            b = bufs.get(hid)
+        for slot, hid, is_write in uses:
+            b = bufs.get(slot)
             if b is not None and b.may_conflict(sid, is_write):
                 bad = self._conflicts(b, sid, vc, is_write)
                 if bad:
                     raise self._race(hid, bad[0], sid, op, is_write)
         pos = s.pos + 1
-        for hid, is_write in uses:
-            if hid not in alive:
-                continue            # a freed window allocation: retained by g, used by no one else
-            b = bufs.get(hid)
+        for slot, hid, is_write in uses:
+            b = bufs.get(slot)
             if b is None:
-                b = bufs[hid] = _Buf()
-            b.record(sid, pos, op, is_write)
+                b = bufs[slot] = _Buf()
+            b.record(sid, pos, op, is_write, hid)
 
-    # -- lifetimes ------------------------------------------------------------------------------
-    def on_free(self, st) -> None:
-        """Handle ``st`` was freed: forget its history (the pool orders its buffer's reuse)."""
-        self.bufs.pop(st.id, None)
-
+    # -- lifetimes ---------------------------------------------------------------------------------
     def on_graph(self, g) -> None:
-        """Graph ``g`` was made: remember the handles it needs alive (not the ones it retains)."""
-        retained = {id(slot) for slot in g.retained}
-        self.required[g.id] = tuple(st.id for st in g.handles if id(st.slot) not in retained)
-        self.replays[g.id] = (_Replay(g.id),
-                              tuple((hid, hid in g.writes) for hid in sorted(g.reads | g.writes)))
+        """Graph ``g`` was made: remember the buffers a replay touches."""
+        self.replays[g.id] = (_Replay(g.id), tuple(
+            (st.slot, st.id, st.id in g.writes) for st in sorted(g.handles, key=lambda t: t.id)))
 
     def on_graph_destroy(self, g) -> None:
         """Graph ``g`` was destroyed."""
-        self.required.pop(g.id, None)
         self.replays.pop(g.id, None)

@@ -18,9 +18,11 @@ import itertools
 
 from ..backends.base import Completion
 from ..client.stream import watch_thread_ends
-from ..errors import (CaptureRefused, InvalidHandle, LaunchError, OutOfMemory, ReplayFailed,
-                      ServerError, UnknownGraph, UnsupportedError, unhealthy)
+from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
+                      UnknownGraph, UnsupportedError, unhealthy)
 from . import capture as cap
+from .capture import merge
+from .marks import CLEAN, Mark
 from .memory import Pool
 from .queue import DeviceQueue
 
@@ -47,30 +49,16 @@ class StreamState:
 class HandleState:
     """Server-side state of one handle: its pooled slot and its access history."""
 
-    __slots__ = ("id", "slot", "nbytes", "writes", "reads", "error", "graphs", "stream")
+    __slots__ = ("id", "slot", "nbytes", "writes", "reads", "mark", "graphs", "replayed",
+                 "stream")
 
     def __init__(self, hid, slot, nbytes, stream):
         self.id, self.slot, self.nbytes, self.stream = hid, slot, nbytes, stream
         self.writes = dict(slot.fences)  # a reused buffer inherits its earlier uses as writes
         self.reads: dict = {}
-        self.error = None                # (graph id, cause) of a failed replay writing it
+        self.mark = CLEAN                # the Mark of its last writer (marks.py)
         self.graphs: list = []           # GraphStates that use it
-
-
-class GraphState:
-    """Server-side state of one captured graph."""
-
-    __slots__ = ("id", "stream", "graph", "reads", "writes", "retained", "failed", "last_pos",
-                 "launches", "handles")
-
-    def __init__(self, gid, stream, graph, reads, writes, retained, launches):
-        self.id, self.stream, self.graph = gid, stream, graph
-        self.reads, self.writes = frozenset(reads), frozenset(writes)
-        self.retained = retained        # slots allocated in the window, pinned until destroy
-        self.failed = False
-        self.last_pos = 0               # capture-stream position of the last replay
-        self.launches = launches
-        self.handles: list = []
+        self.replayed: dict = {}         # {stream: position} of replays of destroyed graphs
 
 
 class ComputeServer:
@@ -98,7 +86,7 @@ class ComputeServer:
         self.ended: set = set()        # default streams of ended threads, not yet reclaimed
         self.handles: dict = {}
         self.graphs: dict = {}
-        self.windows: dict = {}        # stream id -> open capture Window (frees check these)
+        self.capture = cap.Capture(self)
         self.programs: dict = {}
         self.async_errors: list = []
         self.checker = None
@@ -153,13 +141,15 @@ class ComputeServer:
     def _collect_failures(self) -> None:
         """Attribute the backend's ``LaunchFailure`` records: each error goes to the stream that
         enqueued the launch (never another), naming the graph for a replay, and marks the
-        handles the launch would have written (``ReplayFailed`` on read)."""
+        handles the launch would have written, or the replay's whole write set (design.md
+        section 4; ``ReplayFailed`` on read), unless a later write was enqueued."""
         failures = self.backend.take_failures()
         if not failures:
             return
         by_raw = {id(st.raw): st for st in self.streams.values()}
         for f in failures:
-            gid = next((g.id for g in self.graphs.values() if g.graph is f.graph), None)
+            g = next((g for g in self.graphs.values() if g.graph is f.graph), None)
+            gid = g.id if g is not None else None
             err = f.error
             if gid is not None:
                 err = type(err)(f"{err} (in a replay of graph {gid}: the dispatch did not run)")
@@ -172,13 +162,17 @@ class ComputeServer:
                 self.async_errors.append(err)
             written = {id(b) for b in f.written}
             fsid = s.id if s is not None else None
-            for st in self.handles.values():
-                if id(st.slot.buf) not in written:
-                    continue
+            for st in (self.handles.values() if g is None else g.wstates):
+                if g is None and id(st.slot.buf) not in written:
+                    continue                  # a replay marks its whole write set
                 if f.pos is not None and (st.writes.get(fsid, -1) > f.pos or (
                         gid is None and st.writes.get(fsid) != f.pos)):
                     continue                  # a later write was enqueued after it
-                st.error = (gid, err)
+                if st.mark is CLEAN:          # (a host write cannot fail later: never CLEAN)
+                    st.mark = Mark(("replay", gid) if gid is not None
+                                   else ("launch", f.kernel.name, fsid), err)
+                elif st.mark.error is None:   # the mark of that launch or replay: reads see it
+                    st.mark.error = err
 
     def _on_async_error(self, exc) -> None:
         # a fire-and-forget handler raised past its own error handling: report at the next drain
@@ -241,33 +235,42 @@ class ComputeServer:
             self.programs[kernel] = prog
         return prog
 
-    def _release_slot(self, st: HandleState, extra_fences=None) -> None:
+    def _release_slot(self, st: HandleState) -> None:
+        """Give ``st``'s buffer back to the pool carrying the fences of all work pending on it:
+        its accesses, the replays of graphs using it (live or destroyed). A slot a live graph
+        pins waits (orphaned) until the graph's destroy hands it back."""
         fences = dict(st.writes)
-        for sid, pos in st.reads.items():
-            if fences.get(sid, -1) < pos:
-                fences[sid] = pos
+        merge(fences, st.reads)
+        merge(fences, st.replayed)
         for g in st.graphs:            # replays that may still use it (see module doc)
-            if fences.get(g.stream, -1) < g.last_pos:
-                fences[g.stream] = g.last_pos
-            g.handles.remove(st)
+            merge(fences, {g.stream: g.last_pos})
+            if st.id in g.required:
+                g.freed.append(st.id)
         st.graphs = []
-        if extra_fences:
-            fences.update(extra_fences)
         slot = st.slot
         if slot.pins:
             slot.orphan = True
+            merge(fences, slot.fences)
             slot.fences = fences
         else:
             self.pool.give(slot, fences)
             if self.pool.idle_bytes > self.pool.max_idle:
                 self._trim(self.pool.max_idle)
 
+    @staticmethod
+    def _mark(states, op: tuple, err) -> None:
+        """Mark ``states`` as written by the failed operation ``op`` (``Mark.op``)."""
+        if states:
+            m = Mark(op, err)
+            for st in states:
+                st.mark = m
+
     # -- memory ---------------------------------------------------------------------------------
     def _trim(self, keep: int) -> int:
         """Give idle pool buffers back to the device until at most ``keep`` idle bytes remain;
         returns the bytes freed. Nothing while a stream is prepared or capturing (the warm pool
         is what the recorded run allocates from)."""
-        if self.windows or any(st.state != cap.NO_CAPTURE for st in self.streams.values()):
+        if self.capture.windows or any(st.state != cap.NO_CAPTURE for st in self.streams.values()):
             return 0
         return self.pool.trim(keep)
 
@@ -292,13 +295,7 @@ class ComputeServer:
             s.errors.append(e)
             return
         st = self.handles[hid] = HandleState(hid, slot, nbytes, sid)
-        w = s.window
-        if w is not None:
-            w.allocs.append(st)
-            if fresh and self.backend.hardware_graphs:
-                w.refusals.append(f"handle {hid} ({nbytes} bytes) was allocated inside the window "
-                                  "and grew the pool: a hardware graph cannot hold a memory node; "
-                                  "run the work once after graph_prepare() so the pool is warm")
+        self.capture.on_alloc(s, st, fresh)
         if data is not None:
             self.h_write(sid, hid, data)
 
@@ -307,21 +304,8 @@ class ComputeServer:
         st = self.handles.pop(hid, None)
         if st is None:
             return
-        if self.checker is not None:
-            self.checker.on_free(st)
-        for wsid, w in self.windows.items():   # a capture window that uses it keeps it alive
-            allocated = any(a is st for a in w.allocs)
-            if allocated or w.uses(hid):
-                if not allocated:
-                    w.refusals.append(f"handle {hid} was freed while the window on stream "
-                                      f"{wsid} uses it; keep it alive until stop_capture()")
-                w.deferred.append(st)
-                return
-        s = self.streams.get(sid)
-        if s is not None and s.state == cap.PREPARE:
-            s.primed.append(st)                # held until start_capture (warm-up priming)
-            return
-        self._release_slot(st)
+        if not self.capture.on_free(self.streams.get(sid), st):
+            self._release_slot(st)
 
     # -- copies ---------------------------------------------------------------------------------
     def h_write(self, sid, hid: int, data) -> None:
@@ -330,9 +314,7 @@ class ComputeServer:
         st = self._handle(s, hid, "write")
         if st is None:
             return
-        if s.window is not None:
-            s.window.refusals.append(f"write to handle {hid} inside the capture window (a graph "
-                                     "cannot record a host write; it was not applied)")
+        if self.capture.on_write(s, hid):
             return
         self._wait_for(s, st.writes)
         self._wait_for(s, st.reads)
@@ -342,35 +324,32 @@ class ComputeServer:
             self.backend.copy_in(s.raw, st.slot.buf, data)
         except ServerError as e:              # queued on the stream like any fire-and-forget error
             s.errors.append(e)
+            self._mark((st,), ("write", hid, sid), e)
             return
         s.pos += 1
         st.writes = {sid: s.pos}
         st.reads = {}
+        st.mark = CLEAN
 
-    def h_read(self, sid, hid: int) -> Completion:
-        """Device-to-host copy of ``hid``; returns the completion the caller waits on.
+    def h_read(self, sid, hid: int) -> tuple:
+        """Device-to-host copy of ``hid``; returns ``(completion, mark)``: the caller waits on
+        the completion, then raises ``mark.stale(hid)`` if the write it observed failed meanwhile.
 
         Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``, ``ReplayFailed``
-        (a failed replay wrote it), ``ServerUnhealthy`` (queued errors of this stream).
+        (its last writer failed; with the stream's queued errors), ``ServerUnhealthy`` (queued
+        errors of this stream).
         """
         s = self._stream(sid)
-        if s.window is not None:
-            raise CaptureRefused(f"read of handle {hid} on stream {sid}: the stream is recording a "
-                                 "graph; read after stop_capture() or from another stream")
+        self.capture.on_event(s, f"read of handle {hid}")
         st = self.handles.get(hid)
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
         self._collect_failures()
-        if st.error is not None and st.error[0] is None:
-            raise ReplayFailed(f"read of handle {hid}: the last launch that writes it did not run "
-                               f"({st.error[1]}); it holds stale data until a later write lands",
-                               st.error[1])
-        if st.error is not None:
-            gid, cause = st.error
-            raise ReplayFailed(f"read of handle {hid}: the last replay of graph {gid}, which writes "
-                               f"it, failed ({cause}); it holds stale data until a replay of "
-                               f"graph {gid} lands", cause)
+        if st.mark.error is not None:
+            errs, s.errors = s.errors + self.async_errors, []
+            self.async_errors = []
+            raise st.mark.stale(hid, errs)
         self._drain_errors(s)
         self._wait_for(s, st.writes)
         if self.checker is not None:
@@ -380,69 +359,80 @@ class ComputeServer:
         st.reads[sid] = s.pos
         if self.checker is not None:
             self.checker.on_sync(s)     # the read returns only once s ran up to it
-        return comp
+        return comp, st.mark
 
     # -- kernels --------------------------------------------------------------------------------
     def h_launch(self, sid, kernel, count, hids, params) -> None:
         """Enqueue (or, inside a window, record) one launch of ``kernel`` on stream ``sid``.
 
         ``count`` is ``(x, y, z)`` workgroups or a handle id (indirect: three u32 read at run).
+        A failure found here is queued on the stream and marks what the launch would have
+        written; so does one the backend finds later (``Mark.fail``). A launch reading a marked
+        buffer marks what it writes (the failure propagates).
         """
         s = self._stream(sid)
-        prog = self._program(s, kernel)
-        if prog is None:
-            return
-        states = []
-        for hid in hids:
-            st = self._handle(s, hid, f"launch of {kernel.name}")
-            if st is None:
-                return
-            states.append(st)
+        states = [self.handles.get(hid) for hid in hids]
         cst = None
         if not isinstance(count, tuple):
-            cst = self._handle(s, count, f"indirect launch of {kernel.name}")
+            cst = self.handles.get(count)
             if cst is None:
-                return
+                states.append(None)
+                hids = list(hids) + [count]
+        bindings = kernel.bindings
+        outs = [st for b, st in zip(bindings, states) if st is not None and b.access != "read"]
+        w = s.window
+        if None in states:
+            hid = hids[states.index(None)]
+            err = InvalidHandle(f"launch of {kernel.name}: handle {hid} is unknown or freed on "
+                                f"server {self.name}; keep the Handle alive while it is in use")
+            s.errors.append(err)
+            if w is None:
+                self._mark(outs, ("launch", kernel.name, sid), err)
+            return
+        prog = self._program(s, kernel)
+        if prog is None:
+            if w is None:
+                self._mark(outs, ("launch", kernel.name, sid), s.errors[-1])
+            return
+        if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
         args = [(st.slot.buf, st.nbytes) for st in states]
-        w = s.window
         try:
             if w is not None:
-                self.backend.record_launch(w.recording, prog, count, args, params)
-                w.launches += 1
-                for b, st in zip(kernel.bindings, states):
-                    (w.reads if b.access == "read" else w.writes).add(st.id)
-                    if b.access != "read":
-                        w.reads.add(st.id)
-                if cst is not None:
-                    w.reads.add(cst.id)
+                self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
-            for b, st in zip(kernel.bindings, states):
+            mark = Mark(("launch", kernel.name, sid))
+            for b, st in zip(bindings, states):
                 self._wait_for(s, st.writes)
                 if b.access != "read":
                     self._wait_for(s, st.reads)
+                elif st.mark.error is not None and mark.error is None:
+                    mark.error = LaunchError(
+                        f"it read handle {st.id}, whose last writer, the {st.mark.describe()}, "
+                        f"failed ({st.mark.error})")
             if cst is not None:
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
-                for b, st in zip(kernel.bindings, states):
+                for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
             self.backend.issue_pos = s.pos + 1      # carried by a LaunchFailure, if any
-            self.backend.launch(s.raw, prog, count, args, params)
-        except ServerError as e:
-            s.errors.append(e)
-            return
+            self.backend.launch(s.raw, prog, count, args, params, mark.fail)
         except Exception as e:  # noqa: BLE001 - a device API's own exception type
-            s.errors.append(LaunchError(f"launch of {kernel.name} on stream {sid} failed: {e}"))
+            err = e if isinstance(e, ServerError) else LaunchError(
+                f"launch of {kernel.name} on stream {sid} failed: {e}")
+            s.errors.append(err)
+            if w is None:
+                self._mark(outs, ("launch", kernel.name, sid), err)
             return
         s.pos += 1
         pos = s.pos
-        for b, st in zip(kernel.bindings, states):
+        for b, st in zip(bindings, states):
             if b.access == "read":
                 st.reads[sid] = pos
             else:
                 st.writes = {sid: pos}
                 st.reads = {}
-                st.error = None               # a later write replaces a failed one's mark
+                st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
 
@@ -450,9 +440,7 @@ class ComputeServer:
     def h_sync(self, sid) -> Completion:
         """Completion of everything enqueued on ``sid``; raises its queued errors first."""
         s = self._stream(sid)
-        if s.window is not None:
-            raise CaptureRefused(f"sync on stream {sid}: the stream is recording a graph; "
-                                 "sync after stop_capture()")
+        self.capture.on_event(s, "sync")
         self.backend.flush(s.raw)
         self._drain_errors(s)
         if self.checker is not None:
@@ -467,17 +455,24 @@ class ComputeServer:
         self._drain_errors(s)
 
     def h_record_event(self, sid):
-        """An event on ``sid`` after its work so far (for ``ComputeClient.record_event``)."""
+        """An event on ``sid`` after its work so far (for ``ComputeClient.record_event``).
+
+        Raises: ``CaptureRefused`` (``sid`` is capturing).
+        """
         s = self._stream(sid)
-        if s.window is not None:
-            raise CaptureRefused(f"record_event on stream {sid}: the stream is recording a graph")
+        self.capture.on_event(s, "record_event")
         ev, pos = self._event_at(s, s.pos)
         return (sid, pos)
 
     def h_wait_event(self, sid, token) -> None:
-        """Make ``sid`` wait for an event token from ``h_record_event``."""
+        """Make ``sid`` wait for an event token from ``h_record_event``.
+
+        Raises: ``CaptureRefused`` (``sid`` is capturing: the joined work would be missing from
+        the graph).
+        """
         src_id, pos = token
         s = self._stream(sid)
+        self.capture.on_event(s, "wait_event")
         self._wait_for(s, {src_id: pos})
         if self.checker is not None:
             self.checker.on_event_wait(s, src_id, pos)
@@ -485,133 +480,125 @@ class ComputeServer:
     # -- capture --------------------------------------------------------------------------------
     def h_graph_prepare(self, sid) -> None:
         """``NO_CAPTURE -> PREPARE`` and arm warm-up priming (see ``capture.py``)."""
+        self.capture.prepare(self._stream(sid))
+
+    def h_warmup_fence(self, sid) -> Completion:
+        """First half of ``start_capture``: hand the warm-up to the device and return a
+        completion of it, which the caller waits for outside the server (failures found at
+        submit are queued on the stream). Raises ``GraphStateError`` when ``begin`` would."""
         s = self._stream(sid)
-        s.state = cap.transition(s.state, "prepare", sid)
+        self.capture.check_begin(s)
+        try:
+            self.backend.flush(s.raw)
+        except ServerError as e:
+            s.errors.append(e)
+        if s.errors:
+            return Completion.ready()
+        return self.backend.synchronize(s.raw)
 
-    def h_start_capture(self, sid) -> None:
-        """``PREPARE -> CAPTURE``: drain warm-up errors, release primed buffers, open a recording.
+    def h_start_capture(self, sid, warmup_error=None) -> None:
+        """``PREPARE -> CAPTURE`` (``Capture.begin``): refuse a failed warm-up, open a recording.
 
+        Args:
+            warmup_error: what the completion of ``h_warmup_fence`` failed with, or None.
         Raises: ``GraphStateError`` (out of order, unchanged); ``ServerUnhealthy`` (the warm-up
         left errors: the stream goes back to ``NO_CAPTURE``); ``UnsupportedError``.
         """
-        s = self._stream(sid)
-        new_state = cap.transition(s.state, "begin", sid)
-        self._release_primed(s)
-        if s.errors or self.async_errors:
-            s.state = cap.NO_CAPTURE
-            self._drain_errors(s)
-        ev, epos = self._event_at(s, s.pos)
-        try:
-            recording = self.backend.begin_graph(s.raw)
-        except ServerError:
-            s.state = cap.NO_CAPTURE
-            raise
-        s.window = self.windows[sid] = cap.Window(recording, ev, epos)
-        s.state = new_state
+        self.capture.begin(self._stream(sid), warmup_error)
 
-    def _release_primed(self, s: StreamState) -> None:
-        primed, s.primed = s.primed, []
-        for st in primed:
-            self._release_slot(st)
+    def h_abort_capture(self, sid) -> None:
+        """Back to ``NO_CAPTURE`` from any state, dropping the recording (``Capture.abort``)."""
+        self.capture.abort(self._stream(sid))
 
-    def h_stop_capture(self, sid) -> tuple:
+    def h_stop_capture(self, sid, retain: bool = False) -> tuple:
         """``CAPTURE -> NO_CAPTURE``; returns ``(graph id, is_hardware)``.
 
+        Args:
+            retain: the graph keeps every buffer it uses (freeing its handles does not break
+                it); else a replay after the free of a caller-owned handle raises
+                ``LivenessError``. Either way no buffer it uses changes owner while it lives.
         Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
         late refusals (no graph is made); ``ServerUnhealthy`` (errors queued in the window).
         """
-        s = self._stream(sid)
-        s.state = cap.transition(s.state, "end", sid)
-        w, s.window = s.window, None
-        del self.windows[sid]
-        try:
-            if w.refusals or s.errors:
-                self.backend.abort_graph(w.recording)
-                if w.refusals:
-                    s.errors = []
-                    raise CaptureRefused(f"stop_capture on stream {sid}: the window was refused, "
-                                         "no graph was made: " + "; ".join(w.refusals))
-                self._drain_errors(s)
-            graph = self.backend.end_graph(w.recording)
-        except BaseException:
-            for st in w.deferred:
-                self._release_slot(st)
-            raise
-        gid = next(_graph_ids)
-        retained = []
-        for st in w.allocs:
-            st.slot.pins += 1
-            retained.append(st.slot)
-        g = GraphState(gid, sid, graph, w.reads, w.writes, retained, w.launches)
-        for hid in g.reads | g.writes:
-            st = self.handles.get(hid)
-            if st is not None:
-                st.graphs.append(g)
-                g.handles.append(st)
-        for st in w.deferred:
-            self._release_slot(st)
-        self.graphs[gid] = g
+        g = self.capture.end(self._stream(sid), next(_graph_ids), retain)
+        self.graphs[g.id] = g
         if self.checker is not None:
             self.checker.on_graph(g)
-        return gid, bool(self.backend.hardware_graphs)
+        return g.id, bool(self.backend.hardware_graphs)
 
     def h_replay(self, gid: int) -> None:
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued.
 
-        Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream is capturing); the backend's
-        refusal. Any failure also marks the graph's write set (``ReplayFailed`` on read) until a
-        replay of this graph lands.
+        The first replay waits for the work other streams had pending on the graph's buffers at
+        record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
+        is capturing); ``LivenessError`` (a caller-owned handle it uses was freed); the
+        backend's refusal. Any failure, here or later while it executes, marks the graph's
+        write set (``ReplayFailed`` on read) until a later write to each buffer lands.
         """
         g = self.graphs.get(gid)
         if g is None:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
         s = self.streams[g.stream]
+        mark = Mark(("replay", gid))
         try:
-            if s.window is not None:
-                raise CaptureRefused(f"replay of graph {gid} on stream {g.stream}: the stream is "
-                                     "recording a graph; replay after stop_capture()")
+            self.capture.on_event(s, f"replay of graph {gid}")
+            if g.freed:
+                hid = g.freed[0]
+                err = LivenessError(
+                    f"replay of graph {gid} on stream {int(s.id)} uses handle {hid}, which was "
+                    "freed: keep the Handle alive while the graph replays (or allocate it inside "
+                    "the capture window, or use runtime.capture, so the graph retains it)")
+                err.handle, err.graph = hid, gid
+                if self.checker is not None:
+                    self.checker.violations.append(err)
+                raise err
+            if g.fences:
+                self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
+            for st in g.istates:
+                if st.mark.error is not None:
+                    mark.error = LaunchError(
+                        f"it read handle {st.id}, whose last writer, the {st.mark.describe()}, "
+                        f"failed ({st.mark.error})")
+                    break
             self.backend.issue_pos = s.pos + 1
-            self.backend.launch_graph(s.raw, g.graph)
+            self.backend.launch_graph(s.raw, g.graph, mark.fail)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
                 f"replay of graph {gid} failed on {self.backend.name}: {e}")
-            self._mark_failed(g, err)
+            mark.error = err
+            for st in g.wstates:
+                st.mark = mark
             raise err from (None if err is e else e)
         s.pos += 1
         g.last_pos = s.pos
-        if g.failed:
-            g.failed = False
-            for st in g.handles:
-                if st.error is not None and st.error[0] == gid:
-                    st.error = None
+        for st in g.wstates:
+            st.mark = mark
         self._collect_failures()       # dispatches of this replay refused at submit
 
-    def _mark_failed(self, g: GraphState, err) -> None:
-        g.failed = True
-        for st in g.handles:
-            if st.id in g.writes:
-                st.error = (g.id, err)
-
     def h_graph_destroy(self, gid: int) -> None:
-        """Destroy graph ``gid`` after the work enqueued on its stream; unknown id: no-op."""
+        """Destroy graph ``gid`` after the work enqueued on its stream; unknown id: no-op.
+
+        Its buffers carry the fence of its last replay to their next owner; slots it pinned
+        whose handles were freed go back to the pool now (with that fence)."""
         g = self.graphs.pop(gid, None)
         if g is None:
             return
         s = self.streams[g.stream]
-        self.backend.destroy_graph(s.raw, g.graph)
+        if not self.capture.on_destroy(s, g.graph):
+            self.backend.destroy_graph(s.raw, g.graph)
         for st in g.handles:
-            st.graphs.remove(g)
-            if st.error is not None and st.error[0] == gid:
-                st.error = None
+            if g in st.graphs:
+                st.graphs.remove(g)
+                merge(st.replayed, {g.stream: g.last_pos})
         fence = {g.stream: s.pos}
         for slot in g.retained:
             slot.pins -= 1
             if slot.orphan and slot.pins == 0:
                 f = dict(slot.fences)
-                f.update(fence)
+                merge(f, fence)
                 self.pool.give(slot, f)
         if self.pool.idle_bytes > self.pool.max_idle:
             self._trim(self.pool.max_idle)
@@ -635,7 +622,8 @@ class ComputeServer:
         if g is None:
             raise UnknownGraph(f"graph {gid} is unknown or destroyed on server {self.name}")
         return {"id": gid, "stream": g.stream, "launches": g.launches, "reads": sorted(g.reads),
-                "writes": sorted(g.writes), "retained": len(g.retained)}
+                "writes": sorted(g.writes), "retained": g.allocated,
+                "pinned": len(g.retained)}
 
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -3,19 +3,23 @@
 - :class:`Batcher` (``batcher.py``): groups texts from concurrent callers into padded
   ``(batch, seq_len)`` buckets and runs them through the model's captured graphs (or eagerly).
 - :func:`create_app` (``app.py``): the FastAPI app, OpenAI-compatible ``POST /v1/embeddings``,
-  ``GET /health`` and ``GET /metrics``; :class:`ServerThread` runs it on a loopback port.
+  ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (``metrics.py``, prometheus-client).
+- :func:`serve` and :class:`ServerThread` (``http.py``): uvicorn in the foreground or on a
+  thread, with header/body read timeouts and graceful shutdown.
 - ``python -m runtime serve`` (``cli.py``) and ``python -m runtime demo`` (``demo.py``).
 
-Importing this package needs numpy only; fastapi/uvicorn are imported when an app is built.
+Importing this package needs numpy and prometheus-client; fastapi/uvicorn are imported when an
+app or server is built.
 """
 
 from .batcher import (BatchFailed, BatcherClosed, Batcher, Embeddings, QueueFull, bucket_up,
                       choose_bucket)
 from .metrics import ServingMetrics
-from .app import MODEL_ID, ServerThread, create_app
+from .app import MODEL_ID, create_app
+from .http import ServerThread, serve
 
 __all__ = ["Batcher", "BatchFailed", "BatcherClosed", "Embeddings", "QueueFull", "bucket_up",
-           "choose_bucket", "ServingMetrics", "MODEL_ID", "ServerThread", "create_app",
+           "choose_bucket", "ServingMetrics", "MODEL_ID", "ServerThread", "create_app", "serve",
            "load_model", "limit_blas_threads"]
 
 

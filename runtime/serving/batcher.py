@@ -1,30 +1,40 @@
-"""Dynamic batching of embedding requests from many concurrent callers onto one model.
+"""Fair, bounded dynamic batching of embedding requests from many callers onto one model.
 
-Callers (HTTP handlers, threads) call :meth:`Batcher.submit` with their texts and get a
-``concurrent.futures.Future``. Submitting tokenises the texts on the caller's thread (truncated
-to the model's ``max_seq_length`` exactly as the model does) and queues one item per text. One
-worker thread owns the model and loops:
+Callers (HTTP handlers, threads) call :meth:`Batcher.submit` with their texts (or
+:meth:`Batcher.submit_ids` with token ids) and get a ``concurrent.futures.Future``. Submitting
+tokenises on the caller's thread (truncated to the model's ``max_seq_length`` while tokenizing)
+and queues the request. One worker thread owns the model and loops:
 
-1. wait for work; once something arrives, wait up to ``max_wait_ms`` more for company (a burst
-   of simultaneous requests then shares one batch), then take everything queued;
-2. pick the oldest waiting text, and with it up to ``max_batch`` waiting texts of the same
-   sequence-length bucket, in arrival order;
-3. choose the ``(batch, seq_len)`` bucket (:func:`choose_bucket`; with the graph cache full,
-   a captured bucket is reused, even if that means running fewer texts now and the rest in the
-   next batch, rather than capturing and evicting), pad to it, and run it through
-   ``model.run_bucket`` (graph path: inputs written in place, the bucket's graph replayed and the
-   output read, all on the model's capture stream; the first batch of a bucket captures it) or
-   ``model.forward`` (eager path: the same padded shapes, kernels launched one by one);
+1. wait for work; once something arrives after an idle period, wait up to ``max_wait_ms`` more
+   for company (a burst of simultaneous requests then shares one batch);
+2. build the next batch **fairly**: the waiting requests form a ring; the request at its head
+   picks the sequence-length bucket (that of its lowest waiting row), then the requests with
+   texts of that bucket give one text each, in ring order, round after round, until the row
+   cap is reached: ``min(max_batch, the largest batch bucket b with b * seq_len <=
+   max_batch_tokens)`` (a padded-token budget, as text-embeddings-inference's
+   ``--max-batch-tokens``). A head that led the previous batch moves to the back of the ring
+   first when others wait. A big request is thus split into sub-batches interleaved with
+   everyone else's: a new request joins the next batch of its sequence bucket, and waits for
+   at most one batch per other waiting request;
+3. choose the ``(batch, seq_len)`` bucket (:func:`choose_bucket`; with the graph cache full, a
+   captured bucket within the token budget is reused, even if that means running fewer texts
+   now and the rest in the next batch, rather than capturing and evicting), pad to it, and run
+   it through ``model.run_bucket`` (graph path) or ``model.forward`` (eager path, the same
+   padded shapes);
 4. copy each real row to its request; padding rows are dropped before anything is copied. A
    request completes when all of its texts have, and gets its rows in its own order.
 
-A batch that raises fails every request with a text in it (:class:`BatchFailed`, with the cause)
-and nothing else; the worker goes on with the next batch.
+Cancelling a request's future (``future.cancel()``, as the HTTP app does when the client
+disconnects) drops its texts not yet batched; a batch in flight finishes. A batch that raises
+fails every request with a text in it (:class:`BatchFailed`, with the cause) and nothing else.
+:meth:`Batcher.drain` (graceful shutdown) refuses new work, finishes what is queued for a grace
+period, then fails the rest with :class:`BatcherClosed`.
 
 The model only needs ``tokenize(texts) -> (ids, mask)``, ``run_bucket(batch, seq_len, ids,
 mask) -> [b, hidden]``, ``forward(ids, mask, graph=False) -> [b, hidden]``, ``hidden`` and
-``max_seq_length``; ``buckets`` (captured buckets) and ``max_graphs`` (their bound) are used when
-present. :class:`runtime.models.MiniLM` has all of them.
+``max_seq_length``; ``buckets`` (captured buckets), ``max_graphs`` (their bound) and
+``encode_ids(seqs) -> (ids, mask)`` (token-id inputs) are used when present.
+:class:`runtime.models.MiniLM` has all of them.
 """
 
 from __future__ import annotations
@@ -32,8 +42,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -61,7 +72,14 @@ class BatcherClosed(RuntimeError):
 
 
 class QueueFull(RuntimeError):
-    """More than ``max_queue`` texts are waiting; retry later."""
+    """More than ``max_queue`` texts are waiting; retry later.
+
+    ``retry_after`` is the queue's drain estimate in seconds (:meth:`Batcher.drain_estimate`).
+    """
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = float(retry_after)
 
 
 class Embeddings(NamedTuple):
@@ -89,7 +107,7 @@ def bucket_up(n: int, sizes) -> int:
 
 
 def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
-                  max_graphs=None) -> tuple:
+                  max_graphs=None, max_tokens=None) -> tuple:
     """The ``(batch, seq_len)`` bucket for the next ``n`` texts of at most ``length`` tokens.
 
     The exact bucket (each size rounded up to its list) when it is already captured or there is
@@ -106,6 +124,8 @@ def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
         n: texts waiting (``1 <= n <= max(batch_buckets)``); length: the longest, in tokens.
         batch_buckets, seq_buckets: increasing sizes; captured: ``(batch, seq_len)`` pairs held.
         max_graphs: the bound on held graphs, or ``None``.
+        max_tokens: captured buckets with more than ``batch * seq_len`` padded tokens are not
+            reused (the per-batch budget), or ``None``.
     Returns: ``(batch, seq_len)``; ``batch`` may be below ``n`` (case 2 only).
     Raises: ``ValueError`` when ``n`` or ``length`` exceeds the largest bucket.
     """
@@ -113,6 +133,8 @@ def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
     captured = list(captured)
     if exact in captured or max_graphs is None or len(captured) < max_graphs:
         return exact
+    if max_tokens is not None:
+        captured = [b for b in captured if b[0] * b[1] <= max_tokens]
     fits = [b for b in captured if b[0] >= n and b[1] >= length]
     if fits:
         return min(fits, key=lambda b: (b[0] * b[1], b))
@@ -123,26 +145,51 @@ def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
 
 
 class _Request:
-    """One submit: its future, output rows, and how many texts are still out."""
+    """One submit: its future, output rows, and its texts not yet batched (by seq bucket)."""
 
     def __init__(self, n: int, hidden: int, tokens: np.ndarray):
         self.future: Future = Future()
         self.out = np.zeros((n, hidden), np.float32)
         self.tokens = tokens
-        self.left = n
+        self.left = n                            # rows not yet computed
         self.lock = threading.Lock()
+        self.pending: dict = {}                  # seq bucket -> deque of _Item, lowest row first
+        self.n_pending = 0
+
+    def add(self, item: "_Item", front: bool = False) -> None:
+        q = self.pending.setdefault(item.seq, deque())
+        q.appendleft(item) if front else q.append(item)
+        self.n_pending += 1
+
+    def first_seq(self) -> int:
+        """The seq bucket of the lowest waiting row."""
+        return min(self.pending.items(), key=lambda kv: kv[1][0].row)[0]
+
+    def pop(self, seq: int) -> "_Item":
+        q = self.pending[seq]
+        it = q.popleft()
+        if not q:
+            del self.pending[seq]
+        self.n_pending -= 1
+        return it
 
     def done_rows(self, k: int) -> None:
         with self.lock:
             self.left -= k
             finished = self.left == 0
-        if finished and not self.future.done():
-            self.future.set_result(Embeddings(self.out, self.tokens))
+        if finished:
+            self._settle(lambda f: f.set_result(Embeddings(self.out, self.tokens)))
 
     def fail(self, exc: BaseException) -> None:
+        self._settle(lambda f: f.set_exception(exc))
+
+    def _settle(self, how) -> None:
         with self.lock:
             if not self.future.done():
-                self.future.set_exception(exc)
+                try:
+                    how(self.future)
+                except InvalidStateError:        # cancelled by the caller meanwhile
+                    pass
 
 
 @dataclass
@@ -151,17 +198,19 @@ class _Item:
     req: _Request
     row: int                   # its row in req.out
     t_enqueue: float
-    seq: int = field(default=0)  # its sequence bucket
+    seq: int                   # its sequence bucket
 
 
 class Batcher:
-    """Groups texts from concurrent callers into padded ``(batch, seq_len)`` buckets for a model.
+    """Fair, bounded batching of texts from concurrent callers into padded buckets for a model.
 
     Args:
         model: the model (see the module docstring); ``runtime.models.MiniLM``.
         graph: ``True`` runs buckets through their captured graphs (``model.run_bucket``),
             ``False`` through eager launches (``model.forward``) on the same padded shapes.
         max_batch: most texts per batch (capped by the largest batch bucket).
+        max_batch_tokens: most padded tokens per batch (``batch bucket * seq_len bucket``);
+            default ``max_batch * 256``. Must hold one text of the longest sequence bucket.
         max_wait_ms: how long the worker waits for more work once the first text of an idle
             period arrives (milliseconds; ``0`` runs at once). Texts that arrive while a batch
             runs never wait for this.
@@ -172,13 +221,17 @@ class Batcher:
         start: start the worker thread now (else call :meth:`start`; texts submitted before
             then wait in the queue).
 
+    Raises: ``ValueError`` (buckets not increasing, the largest seq bucket below the model's
+        ``max_seq_length``, a token budget that cannot hold one longest text).
+
     Thread-safe: any thread may :meth:`submit`. The model is used from the worker thread only
     (and by :meth:`warmup`, which the model's own lock serialises with it).
     """
 
     def __init__(self, model, *, graph: bool = True, max_batch: int = 32,
-                 max_wait_ms: float = 2.0, max_queue: int = 4096, batch_buckets=None,
-                 seq_buckets=None, metrics=None, start: bool = True):
+                 max_batch_tokens: int | None = None, max_wait_ms: float = 2.0,
+                 max_queue: int = 4096, batch_buckets=None, seq_buckets=None, metrics=None,
+                 start: bool = True):
         self.model = model
         self.graph = bool(graph)
         self.path = "graph" if self.graph else "eager"
@@ -192,15 +245,26 @@ class Batcher:
             raise ValueError(f"the largest sequence bucket {self.seq_buckets[-1]} is below the "
                              f"model's max_seq_length {self.max_seq_length}")
         self.max_batch = max(1, min(int(max_batch), self.batch_buckets[-1]))
+        longest = bucket_up(self.max_seq_length, self.seq_buckets)
+        self.max_batch_tokens = int(max_batch_tokens if max_batch_tokens is not None
+                                    else self.max_batch * longest)
+        if self.max_batch_tokens < self.batch_buckets[0] * longest:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} cannot hold one text of "
+                             f"{longest} tokens in the smallest batch bucket "
+                             f"{self.batch_buckets[0]}")
         self.max_wait = max(0.0, float(max_wait_ms)) / 1000.0
         self.max_queue = int(max_queue)
         self.metrics = metrics
         self.hidden = int(model.hidden)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._queued = 0                     # texts submitted and not yet taken into a batch
+        self._queued_requests = 0            # requests with texts not yet taken
         self._count_lock = threading.Lock()
         self._closed = False
+        self._deadline = 0.0                 # perf_counter time after which queued work fails
         self._thread = None
+        self._s_per_text = None              # running estimate of compute seconds per text
+        self._last_head = None               # the request that led the last batch
         self.batches_run = 0
         self.last_error = None
         if start:
@@ -217,40 +281,83 @@ class Batcher:
         Returns: a ``Future`` resolving to :class:`Embeddings` (rows in the order of ``texts``),
             or raising :class:`BatchFailed` (a batch holding one of the texts raised; the
             others' batches are unaffected) or :class:`BatcherClosed`. An empty list resolves at
-            once to ``[0, hidden]``. Tokenising runs on the calling thread; nothing else blocks.
-        Raises: ``TypeError`` (not strings); :class:`QueueFull`; :class:`BatcherClosed`.
+            once to ``[0, hidden]``. ``future.cancel()`` drops the texts not yet batched.
+            Tokenising runs on the calling thread; nothing else blocks.
+        Raises: ``TypeError`` (not strings); ``ValueError`` naming ``input[i]``, the first text
+            the tokenizer refuses (e.g. a lone UTF-16 surrogate); :class:`QueueFull`;
+            :class:`BatcherClosed`.
         """
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a string or a list of strings")
+        self._check_open()
+        if not texts:
+            return self._enqueue(np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64))
+        try:
+            ids, mask = self.model.tokenize(list(texts))
+        except Exception as e:  # noqa: BLE001 - tokenizers raise plain Exception
+            raise ValueError(self._bad_text(texts, e)) from None
+        return self._enqueue(ids, mask)
+
+    def submit_ids(self, seqs) -> Future:
+        """Queue token-id inputs: one list of the model's token ids per text.
+
+        Args:
+            seqs: a list of lists of ints, made by the model's own tokenizer (with or without
+                ``[CLS]``/``[SEP]``: the model's ``encode_ids`` adds them and truncates).
+        Returns: as :meth:`submit`.
+        Raises: ``ValueError`` (an id outside the model's vocabulary, naming ``input[i]``; or
+            a model without ``encode_ids``); ``TypeError``; :class:`QueueFull`;
+            :class:`BatcherClosed`.
+        """
+        enc = getattr(self.model, "encode_ids", None)
+        if enc is None:
+            raise ValueError("this model does not take token-id inputs; send strings")
+        self._check_open()
+        ids, mask = enc(list(seqs))
+        return self._enqueue(ids, mask)
+
+    def _bad_text(self, texts, err: BaseException) -> str:
+        """The message for a text the tokenizer refused: which one, and why."""
+        for i, t in enumerate(texts):
+            try:
+                t.encode("utf-8")
+                self.model.tokenize([t])
+            except Exception as e:  # noqa: BLE001
+                why = ("it is not valid Unicode (a lone UTF-16 surrogate?)"
+                       if isinstance(e, UnicodeError) else f"the tokenizer refused it ({e})")
+                return f"input[{i}] cannot be tokenized: {why}"
+        return f"the texts cannot be tokenized: {err}"
+
+    def _check_open(self) -> None:
         if self._closed or (self._thread is not None and not self._thread.is_alive()):
             raise BatcherClosed("the batcher is closed" if self._closed else
                                 "the batcher's worker stopped")
-        n = len(texts)
+
+    def _enqueue(self, ids, mask) -> Future:
+        ids, mask = np.asarray(ids), np.asarray(mask)
+        n = ids.shape[0]
+        lengths = mask.sum(axis=1).astype(np.int64)
+        req = _Request(n, self.hidden, lengths)
         if n == 0:
-            req = _Request(0, self.hidden, np.zeros(0, np.int64))
             req.future.set_result(Embeddings(req.out, req.tokens))
             return req.future
-        ids, mask = self.model.tokenize(list(texts))
-        ids, mask = np.asarray(ids), np.asarray(mask)
-        lengths = mask.sum(axis=1).astype(np.int64)
         if lengths.max() > self.max_seq_length:   # the model's tokenizer already truncates
             raise ValueError(f"tokenize gave {lengths.max()} tokens, more than the model's "
                              f"max_seq_length {self.max_seq_length}")
         with self._count_lock:
             if self._queued + n > self.max_queue:
                 raise QueueFull(f"{self._queued} texts are waiting (max_queue={self.max_queue}); "
-                                "retry later")
+                                "retry later", self.drain_estimate())
             self._queued += n
-        req = _Request(n, self.hidden, lengths)
+            self._queued_requests += 1
         now = time.perf_counter()
-        items = []
         for i in range(n):
             L = int(lengths[i])
-            items.append(_Item(ids[i, :L].astype(np.int32), req, i, now,
-                               bucket_up(max(L, 1), self.seq_buckets)))
-        self._q.put(items)
+            req.add(_Item(ids[i, :L].astype(np.int32), req, i, now,
+                          bucket_up(max(L, 1), self.seq_buckets)))
+        self._q.put(req)
         if self._closed and self._thread is not None and not self._thread.is_alive():
             req.fail(BatcherClosed("the batcher closed before this request ran"))  # raced close
         if self.metrics is not None:
@@ -325,17 +432,40 @@ class Batcher:
         """Texts submitted and not yet taken into a batch."""
         return self._queued
 
-    def close(self, timeout: float | None = 10.0) -> None:
-        """Stop taking work; the worker finishes the batch it is in, then fails every text still
-        queued with :class:`BatcherClosed` and exits. Idempotent."""
+    @property
+    def queued_requests(self) -> int:
+        """Requests with texts not yet taken into a batch."""
+        return self._queued_requests
+
+    def drain_estimate(self) -> float:
+        """Seconds until the texts queued now have run, from the measured compute time per text
+        (running average over recent batches); ``1.0`` before any batch ran."""
+        if self._s_per_text is None:
+            return 1.0
+        return self._queued * self._s_per_text
+
+    def drain(self, grace: float = 10.0) -> None:
+        """Begin a graceful stop and return at once (safe in a signal handler): new submits
+        raise :class:`BatcherClosed`; the worker keeps running queued texts for up to ``grace``
+        seconds, then fails what is left with :class:`BatcherClosed` and exits. Idempotent
+        (a later call can only shorten the grace period)."""
+        deadline = time.perf_counter() + max(0.0, float(grace))
         if self._closed:
+            self._deadline = min(self._deadline, deadline)
             return
+        self._deadline = deadline
         self._closed = True
         self._q.put(_STOP)
+        if self._thread is None:                  # never started: fail what was queued
+            self._fail_queued(deque())
+
+    def close(self, timeout: float | None = 10.0, grace: float = 0.0) -> None:
+        """Stop taking work and wait for the worker (up to ``timeout`` seconds): queued texts
+        run for up to ``grace`` seconds (:meth:`drain`), the batch in flight finishes, the rest
+        fails with :class:`BatcherClosed`. Idempotent."""
+        self.drain(grace)
         if self._thread is not None:
             self._thread.join(timeout)
-        else:                                     # never started: fail what was queued
-            self._fail_queued([])
 
     def __enter__(self) -> "Batcher":
         return self
@@ -344,44 +474,71 @@ class Batcher:
         self.close()
 
     def _loop(self) -> None:
-        pending: list = []
+        ring: deque = deque()                     # requests with texts waiting, in turn order
         stop = False
-        while not stop:
-            if not pending:
+        while True:
+            if not ring and not stop:
                 got = self._q.get()
-                if got is _STOP:
-                    break
-                pending.extend(got)
-                deadline = time.perf_counter() + self.max_wait
-                while len(pending) < self.max_batch:      # a burst shares one batch
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        break
-                    try:
-                        got = self._q.get(timeout=left)
-                    except queue.Empty:
-                        break
-                    if got is _STOP:
-                        stop = True
-                        break
-                    pending.extend(got)
-            while not stop:                               # everything else that is here
-                try:
-                    got = self._q.get_nowait()
-                except queue.Empty:
-                    break
                 if got is _STOP:
                     stop = True
                 else:
-                    pending.extend(got)
-            if stop:
+                    ring.append(got)
+                    stop = self._company(ring)
+            stop = self._admit(ring) or stop
+            self._sweep(ring)
+            if stop and (not ring or time.perf_counter() >= self._deadline):
                 break
-            batch, pending = self._take(pending)
-            if batch:
-                pending[:0] = self._run(batch)       # rows a smaller bucket could not take
-        self._fail_queued(pending)
+            if ring:
+                self._run(self._take(ring), ring)
+        self._fail_queued(ring)
 
-    def _fail_queued(self, pending: list) -> None:
+    def _company(self, ring: deque) -> bool:
+        """After an idle period: wait up to ``max_wait`` for more requests. True on stop."""
+        deadline = time.perf_counter() + self.max_wait
+        while sum(r.n_pending for r in ring) < self.max_batch:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            try:
+                got = self._q.get(timeout=left)
+            except queue.Empty:
+                break
+            if got is _STOP:
+                return True
+            ring.append(got)
+        return False
+
+    def _admit(self, ring: deque) -> bool:
+        """Move every submitted request into the ring (no waiting). True on stop."""
+        stop = False
+        while True:
+            try:
+                got = self._q.get_nowait()
+            except queue.Empty:
+                return stop
+            if got is _STOP:
+                stop = True
+            else:
+                ring.append(got)
+
+    def _sweep(self, ring: deque) -> None:
+        """Drop requests whose future is done (cancelled by the caller, or failed)."""
+        if all(not r.future.done() for r in ring):
+            return
+        keep = [r for r in ring if not r.future.done()]
+        gone = [r for r in ring if r.future.done()]
+        dropped = sum(r.n_pending for r in gone)
+        cancelled = sum(r.n_pending for r in gone if r.future.cancelled())
+        ring.clear()
+        ring.extend(keep)
+        for r in gone:
+            r.pending.clear()
+            r.n_pending = 0
+        self._uncount(dropped, len(gone))
+        if self.metrics is not None and cancelled:
+            self.metrics.cancelled.inc(cancelled)
+
+    def _fail_queued(self, ring: deque) -> None:
         closed = BatcherClosed("the batcher closed before this request ran")
         while True:
             try:
@@ -389,28 +546,62 @@ class Batcher:
             except queue.Empty:
                 break
             if got is not _STOP:
-                pending.extend(got)
-        for it in pending:
-            it.req.fail(closed)
+                ring.append(got)
+        self._uncount(sum(r.n_pending for r in ring), len(ring))
+        for r in ring:
+            r.fail(closed)
+        ring.clear()
 
-    def _take(self, pending: list) -> tuple:
-        """Split off the next batch: the oldest live text and the next ones of its seq bucket."""
-        live = [it for it in pending if not it.req.future.done()]
-        dropped = len(pending) - len(live)
-        if not live:
-            self._uncount(dropped)
-            return [], []
-        seq = live[0].seq
-        batch, rest = [], []
-        for it in live:
-            (batch if it.seq == seq and len(batch) < self.max_batch else rest).append(it)
-        self._uncount(dropped + len(batch))
-        return batch, rest
+    def row_cap(self, seq_len: int) -> int:
+        """Most texts in one batch of sequence bucket ``seq_len``: ``min(max_batch, the largest
+        batch bucket b with b * seq_len <= max_batch_tokens)`` (at least 1)."""
+        fit = [b for b in self.batch_buckets if b * seq_len <= self.max_batch_tokens]
+        return max(1, min(self.max_batch, fit[-1] if fit else 1))
 
-    def _uncount(self, k: int) -> None:
-        if k:
+    def _take(self, ring: deque) -> list:
+        """The next batch: the head request picks the seq bucket; requests holding texts of it
+        give one each, in ring order, round after round, up to the row cap. A head that led
+        the previous batch first moves to the back of the ring when others wait."""
+        if len(ring) > 1 and ring[0] is self._last_head:
+            ring.rotate(-1)
+        self._last_head = ring[0]
+        seq = ring[0].first_seq()
+        cap = self.row_cap(seq)
+        batch: list = []
+        active = [r for r in ring if seq in r.pending]
+        while active and len(batch) < cap:
+            nxt = []
+            for r in active:
+                if len(batch) >= cap:
+                    break
+                batch.append(r.pop(seq))
+                if seq in r.pending:
+                    nxt.append(r)
+            active = nxt
+        emptied = [r for r in ring if not r.n_pending]
+        for r in emptied:
+            ring.remove(r)
+        self._uncount(len(batch), len(emptied))
+        return batch
+
+    def _uncount(self, texts: int, requests: int = 0) -> None:
+        if texts or requests:
             with self._count_lock:
-                self._queued -= k
+                self._queued -= texts
+                self._queued_requests -= requests
+
+    def _put_back(self, items: list, ring: deque) -> None:
+        """Texts a smaller bucket could not take: back to the front of their requests, and
+        those requests back at the head of the ring."""
+        back = []
+        for it in reversed(items):
+            r = it.req
+            if not r.n_pending and r not in back:
+                back.append(r)
+            r.add(it, front=True)
+        for r in back:
+            ring.appendleft(r)
+        self._uncount(-len(items), -len(back))
 
     def _forward(self, B: int, S: int, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One padded batch through the chosen path; returns only the real rows."""
@@ -423,18 +614,18 @@ class Batcher:
         pad_mask[:n, :mask.shape[1]] = mask
         return self.model.forward(pad_ids, pad_mask, graph=False)[:n]
 
-    def _run(self, batch: list) -> list:
-        """Run one batch; returns the texts left over for the next one (oldest first)."""
+    def _run(self, batch: list, ring: deque) -> None:
+        """Run one batch (texts a smaller captured bucket cannot take go back to the ring)."""
         L = max(len(it.ids) for it in batch)
         m = self.metrics
         captured = list(getattr(self.model, "buckets", ())) if self.graph else []
         bucket = choose_bucket(len(batch), L, self.batch_buckets, self.seq_buckets, captured,
-                               getattr(self.model, "max_graphs", None) if self.graph else None)
+                               getattr(self.model, "max_graphs", None) if self.graph else None,
+                               self.max_batch_tokens)
         B, S = bucket
-        left = batch[B:]
-        if left:
+        if len(batch) > B:
+            self._put_back(batch[B:], ring)
             batch = batch[:B]
-            self._uncount(-len(left))                # back in the queue
         n = len(batch)
         L = max(len(it.ids) for it in batch)
         ids = np.zeros((n, L), np.int32)
@@ -454,17 +645,19 @@ class Batcher:
         except Exception as e:  # noqa: BLE001 - fails this batch's requests, not the worker
             self.last_error = e
             if m is not None:
-                m.failed_batches.inc(path=self.path)
+                m.failed_batches.labels(path=self.path).inc()
             err = BatchFailed(e, bucket)
             for it in batch:
                 it.req.fail(err)
-            return left
+            return
         dt = time.perf_counter() - t0
+        per = dt / n
+        self._s_per_text = per if self._s_per_text is None else 0.8 * self._s_per_text + 0.2 * per
         self.batches_run += 1
         if m is not None:
-            m.batches.inc(path=self.path)
-            m.batch_size.observe(n, path=self.path)
-            m.padding.observe(B - n, path=self.path)
+            m.batches.labels(path=self.path).inc()
+            m.batch_size.labels(path=self.path).observe(n)
+            m.padding.labels(path=self.path).observe(B - n)
             if not self.graph:
                 m.eager.observe(dt)
             elif bucket in captured:
@@ -479,4 +672,3 @@ class Batcher:
             done[id(it.req)] = (it.req, done.get(id(it.req), (None, 0))[1] + 1)
         for req, k in done.values():
             req.done_rows(k)
-        return left

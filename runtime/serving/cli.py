@@ -4,15 +4,25 @@ Usage::
 
     python -m runtime serve [--backend cpu|wgpu|cuda|auto] [--host 127.0.0.1] [--port 8000]
                             [--eager] [--max-graphs 8] [--warmup 1x16,8x32,...]
-                            [--max-batch 32] [--max-wait-ms 2]
+                            [--max-batch 32] [--max-batch-tokens 8192] [--max-wait-ms 2]
+                            [--max-queue 4096] [--max-inputs 2048] [--max-input-chars 100000]
+                            [--max-body-bytes 16777216] [--header-timeout 10]
+                            [--body-timeout 30] [--grace 10] [--api-key KEY]
 
 then ``curl -s localhost:8000/v1/embeddings -d '{"input": ["a text", "another"]}'``.
+Every limit is a flag (``--help`` lists the defaults). ``RUNTIME_API_KEY`` is read when
+``--api-key`` is not given.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
+
+from .app import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS, MAX_INPUTS
+from .http import GRACE, HEADER_TIMEOUT
 
 
 def parse_buckets(spec: str) -> list:
@@ -41,15 +51,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--eager", action="store_true",
                    help="launch kernels one by one instead of replaying bucket graphs")
-    p.add_argument("--max-graphs", type=int, default=8, help="most bucket graphs held (LRU)")
+    p.add_argument("--max-graphs", type=_positive(int), default=8, help="most bucket graphs held (LRU)")
     p.add_argument("--warmup", type=parse_buckets, default=None, metavar="BxS,...",
                    help="capture these buckets at start-up (progress bar), e.g. 1x16,8x32")
-    p.add_argument("--max-batch", type=int, default=32, help="most texts per batch")
+    p.add_argument("--max-batch", type=_positive(int), default=32,
+                   help="most texts per batch (default 32)")
+    p.add_argument("--max-batch-tokens", type=_positive(int), default=None,
+                   help="most padded tokens per batch, rows x seq bucket (default max-batch x "
+                   "256 = 8192)")
     p.add_argument("--max-wait-ms", type=float, default=2.0,
-                   help="how long an idle batcher waits for more texts (ms)")
+                   help="how long an idle batcher waits for more texts (ms, default 2)")
+    p.add_argument("--max-queue", type=_positive(int), default=4096,
+                   help="most texts waiting; beyond it 503 with Retry-After (default 4096)")
+    p.add_argument("--max-inputs", type=_positive(int), default=MAX_INPUTS,
+                   help=f"most inputs per request (400 beyond; default {MAX_INPUTS})")
+    p.add_argument("--max-input-chars", type=_positive(int), default=MAX_INPUT_CHARS,
+                   help=f"most characters per text (400 beyond; default {MAX_INPUT_CHARS})")
+    p.add_argument("--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
+                   help=f"request body limit in bytes (413 beyond; default {MAX_BODY_BYTES})")
+    p.add_argument("--header-timeout", type=_positive(float), default=HEADER_TIMEOUT,
+                   help=f"seconds to send request headers (408 after; default "
+                   f"{HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=_positive(float), default=BODY_TIMEOUT,
+                   help=f"seconds to send the body (408 after; default {BODY_TIMEOUT:g})")
+    p.add_argument("--grace", type=float, default=GRACE,
+                   help=f"seconds to finish queued work on SIGTERM before answering 503 and "
+                   f"exiting (default {GRACE:g})")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $RUNTIME_API_KEY; none: open)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     return p
+
+
+def _positive(kind):
+    """argparse type: a number of ``kind`` above 0."""
+    def parse(text: str):
+        v = kind(text)
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def exposure_warning(host: str, api_key) -> str | None:
+    """The warning to print when ``host`` is not a loopback address and there is no API key
+    (anyone who can reach the port can use the model), else ``None``."""
+    if api_key:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:                              # a host name: assume reachable
+        loopback = False
+    if loopback:
+        return None
+    return (f"warning: serving on {host} without an API key: anyone who can reach this port can "
+            "use the model (set --api-key or RUNTIME_API_KEY)")
 
 
 def _port(text: str) -> int:
@@ -63,9 +122,7 @@ def _port(text: str) -> int:
 def main(argv=None) -> int:
     """Run the server until interrupted. Returns the exit code (2 when the model is missing)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    import uvicorn
-
-    from . import Batcher, ServingMetrics, create_app, limit_blas_threads, load_model
+    from . import Batcher, ServingMetrics, create_app, limit_blas_threads, load_model, serve
 
     backend = None if args.backend == "auto" else args.backend
     if backend in (None, "cpu"):
@@ -76,18 +133,26 @@ def main(argv=None) -> int:
         print(f"cannot load the model: {e}", file=sys.stderr)
         return 2
     metrics = ServingMetrics()
-    batcher = Batcher(model, graph=not args.eager, max_batch=args.max_batch,
-                      max_wait_ms=args.max_wait_ms, metrics=metrics)
+    try:
+        batcher = Batcher(model, graph=not args.eager, max_batch=args.max_batch,
+                          max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
+                          max_queue=args.max_queue, metrics=metrics)
+    except ValueError as e:
+        print(f"bad limits: {e}", file=sys.stderr)
+        return 2
     if args.warmup:
         batcher.warmup(args.warmup)
-    app = create_app(batcher, metrics=metrics)
-    print(f"serving all-MiniLM-L6-v2 on {model.client.backend} "
-          f"({'eager' if args.eager else 'graph'} path) at http://{args.host}:{args.port}",
-          file=sys.stderr)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        batcher.close()
+    api_key = args.api_key or os.environ.get("RUNTIME_API_KEY") or None
+    app = create_app(batcher, metrics=metrics, max_inputs=args.max_inputs,
+                     max_input_chars=args.max_input_chars, max_body_bytes=args.max_body_bytes,
+                     body_timeout=args.body_timeout, api_key=api_key)
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    serve(app, host=args.host, port=args.port, grace=args.grace,
+          header_timeout=args.header_timeout, log_level=args.log_level,
+          banner=f"serving all-MiniLM-L6-v2 on {model.client.backend} "
+                 f"({'eager' if args.eager else 'graph'} path)")
     return 0
 
 

@@ -116,7 +116,7 @@ def run_paths(model, plan: list, warm_plan: list, rounds: int, quiet: bool) -> l
             p["server"] = ServerThread(create_app(b, metrics=metrics))
             p["server"].start()
             asyncio.run(_drive(p["server"].url, warm_plan, MODEL_ID))
-            p["b0"], p["c0"] = b.batches_run, metrics.captures.value()
+            p["b0"], p["c0"] = b.batches_run, metrics.value("graph_captures_total")
         slices = [[reqs[r::rounds] for reqs in plan] for r in range(rounds)]
         for r, part in enumerate(slices):
             for p in (paths if r % 2 == 0 else paths[::-1]):
@@ -141,7 +141,7 @@ def run_paths(model, plan: list, warm_plan: list, rounds: int, quiet: bool) -> l
                     "p50_ms": float(np.percentile(lat_ms, 50)),
                     "p99_ms": float(np.percentile(lat_ms, 99)), "batches": batches,
                     "rows_per_batch": texts / max(batches, 1),
-                    "captures_in_run": int(p["metrics"].captures.value() - p["c0"]),
+                    "captures_in_run": int(p["metrics"].value("graph_captures_total") - p["c0"]),
                     "answers": p["answers"]})
     return out
 

@@ -173,9 +173,10 @@ def test_unknown_graph_and_released_clones(client):
 def test_a_closed_server_raises_server_closed_everywhere():
     c = runtime.client("cpu", scheduler="thread", seed=99)   # its own server
     h = c.create(np.ones(4, np.float32))
+    y = c.empty(4, np.float32)
     c.graph_prepare()
     c.start_capture()
-    c.launch(K.add_scalar, 1, [h, h], {"alpha": 1.0, "n": 4})
+    c.launch(K.add_scalar, 1, [h, y], {"alpha": 1.0, "n": 4})
     g = c.stop_capture()
     c.shutdown()
     for call in (c.sync, lambda: c.read(h), lambda: c.create(np.ones(2, np.float32)),

@@ -72,11 +72,12 @@ def test_cross_stream_ordering_holds_under_every_interleaving(seed):
         b = c.with_stream(StreamId.new())
         n = 64
         x = a.create(np.zeros(n, np.float32))
+        t = a.create(np.zeros(n, np.float32))
         y = b.create(np.zeros(n, np.float32))
         for k in range(1, 4):
             a.write(x, np.full(n, k, np.float32))
-            a.launch(K.mul_scalar, K.grid(n), [x, x], {"alpha": 2.0, "n": n})
-            b.launch(K.accumulate, K.grid(n), [x, y], {"n": n})
+            a.launch(K.mul_scalar, K.grid(n), [x, t], {"alpha": 2.0, "n": n})
+            b.launch(K.accumulate, K.grid(n), [t, y], {"n": n})
         np.testing.assert_array_equal(b.read(y), np.full(n, 2 + 4 + 6, np.float32))
     finally:
         c.shutdown()

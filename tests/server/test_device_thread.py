@@ -103,7 +103,7 @@ def test_wgpu_read_waits_off_the_server_while_others_enqueue():
         out = {}
         t = _reader(c, y, out)
         assert gate.reached.wait(LIMIT_S)        # the read is waiting for its map
-        other.launch(K.add_scalar, 1, [z, z], {"alpha": 0.0, "n": 0})   # enqueue: no wait
+        other.launch(K.fill, 1, [z], {"value": 3.0, "n": 4})   # enqueue: no wait
         assert other.memory_usage()["handles"] >= 3    # a blocking round trip completes
         assert t.is_alive() and not out
         gate.open()

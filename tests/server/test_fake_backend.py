@@ -56,7 +56,7 @@ class FakeBackend(Backend):
         self.calls.append(("compile", kernel.name))
         return kernel.name
 
-    def launch(self, stream, program, count, args, params):
+    def launch(self, stream, program, count, args, params, fail=None):
         self.calls.append(("launch", stream, program))
 
     def begin_graph(self, stream):
@@ -70,7 +70,7 @@ class FakeBackend(Backend):
         self.calls.append(("end_graph", tuple(recording)))
         return tuple(recording)
 
-    def launch_graph(self, stream, graph):
+    def launch_graph(self, stream, graph, fail=None):
         self.calls.append(("launch_graph", stream, graph))
 
     def destroy_graph(self, stream, graph):
@@ -140,6 +140,25 @@ def test_the_window_records_launches_and_replay_is_one_launch_graph(fake):
     del g
     c.sync()
     assert len(verbs(backend, "destroy_graph")) == 1
+
+
+def test_a_graph_destroyed_while_its_stream_captures_waits_for_the_window_to_end(fake):
+    """No event may be recorded on a capturing stream: the server holds the graph (once for
+    every backend; it was cuda's graveyard)."""
+    backend, c = fake
+    x = c.create(np.zeros(4, np.float32))
+    c.graph_prepare()
+    c.start_capture()
+    c.launch(K.fill, 1, [x], {"value": 1.0, "n": 4})
+    g = c.stop_capture()
+    c.graph_prepare()
+    c.start_capture()
+    g.release()
+    c.memory_usage()                                 # the destroy message ran
+    assert verbs(backend, "destroy_graph") == []
+    c.stop_capture().release()
+    c.memory_usage()
+    assert len(verbs(backend, "destroy_graph")) == 2  # the held one, then the empty window's
 
 
 def test_a_hardware_graph_refuses_a_window_that_grew_the_pool():

@@ -172,14 +172,11 @@ def test_capture_begins_in_relaxed_mode(fake_be):
     assert cs.capturing
 
 
-def test_a_graph_destroyed_while_its_stream_captures_is_retired_after_the_capture_ends(fake_be):
+def test_a_destroyed_graph_is_retired_behind_an_event(fake_be):
+    """(The server holds graphs destroyed during a capture until the window ends:
+    tests/server/test_fake_backend.py.)"""
     cs = cuda_backend.CudaStream(_FakeStream())
-    rec = fake_be.begin_graph(cs)
     fake_be.destroy_graph(cs, "old graph")
-    assert cs.graveyard == ["old graph"] and not cs.retire      # no event on a capturing stream
-    rec.launches = 1
-    assert fake_be.end_graph(rec) == "graph"                  # upload is best effort
-    assert not cs.capturing and not cs.graveyard
     (ev, obj), = cs.retire
     assert obj == "old graph" and ev.stream is cs.stream        # released once the event is done
     ev.done = True
@@ -233,9 +230,9 @@ def get(be, s, buf, n, dtype=np.float32):
 
 @needs_device
 def test_device_name_reports_the_gpu_and_the_api(be):
-    api = "HIP" if INFO["hip"] else "CUDA"
+    api = "HIP" if cuda_backend._rt.is_hip else "CUDA"
     assert re.fullmatch(rf".+ \[{api}, \w+\]", be.device_name), be.device_name
-    assert INFO["hardware"] is True and INFO["devices"] >= 1
+    assert INFO == {"hardware": True, "device": be.device_name}
 
 
 @needs_device

@@ -1,7 +1,7 @@
 """runtime.testing: recorded schedules, the sequential model, shrinking, the printed program.
 
 The reference is a hand-written program with a missing ``wait_event`` (a graph on stream 1
-replays over an input stream 0 refreshes) and the same program with the wait: the first must
+replays over an input stream 2 refreshes) and the same program with the wait: the first must
 give wrong data for some seeds and not others, the second the model's data for every seed.
 """
 
@@ -25,14 +25,17 @@ ONES, FIVES = (1.0,) * 4, (5.0,) * 4
 
 
 def refresh_then_replay(wait: bool) -> Program:
-    """x on stream 0; a graph on stream 1 computes y = x + 1; stream 0 refreshes x; replay."""
+    """x on stream 0; a graph on stream 1 computes y = x + 1; stream 2 refreshes x; replay.
+
+    (The refresh comes from a third stream: the first replay waits for what the creating
+    stream had pending at record time, up to that stream's latest work.)"""
     launch = Launch(1, 0, (0, 1), (("alpha", 1.0), ("n", 4)))
     ops = [Create(0, 0, "f32", ONES), Create(0, 1, "f32", ONES), Sync(0),
-           Prepare(1), StartCapture(1), launch, StopCapture(1, 0), Write(0, 0, "f32", FIVES)]
+           Prepare(1), StartCapture(1), launch, StopCapture(1, 0), Write(2, 0, "f32", FIVES)]
     if wait:
-        ops += [RecordEvent(0, 0), WaitEvent(1, 0)]
+        ops += [RecordEvent(2, 0), WaitEvent(1, 0)]
     ops += [Replay(1, 0), Read(1, 1)]
-    return Program(tuple(ops), (Sync(0), Sync(1)), SPECS, 4, 2, 2, contract=wait)
+    return Program(tuple(ops), (Sync(0), Sync(1), Sync(2)), SPECS, 4, 3, 3, contract=wait)
 
 
 def test_a_missing_wait_gives_wrong_data_for_some_seeds_and_a_trace_replays_it_exactly():

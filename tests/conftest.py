@@ -15,23 +15,10 @@ import numpy as np
 import pytest
 
 import runtime
-from runtime.server import backend_class
+from runtime.testing import backend_unavailable
 
 ALL_BACKENDS = [b.strip() for b in os.environ.get("RUNTIME_TEST_BACKENDS", "cpu,wgpu,cuda").split(",")
                 if b.strip()]
-_reasons: dict = {}
-
-
-def backend_unavailable(name: str):
-    """None when ``name`` can run here, else the reason it cannot."""
-    if name not in _reasons:
-        try:
-            backend_class(name).probe()
-            runtime.client(name)
-            _reasons[name] = None
-        except Exception as e:  # noqa: BLE001 - the reason is the skip message
-            _reasons[name] = f"{name} backend unavailable here: {type(e).__name__}: {e}"
-    return _reasons[name]
 
 
 @pytest.fixture(params=ALL_BACKENDS)

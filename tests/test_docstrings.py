@@ -3,11 +3,17 @@
 import inspect
 
 import runtime
+import runtime.testing
+import runtime.testing.plugin
 
 
 def public_objects():
-    for name in runtime.__all__:
-        obj = getattr(runtime, name)
+    names = [(runtime, n) for n in runtime.__all__] + [(runtime.testing, n) for n in
+                                                        runtime.testing.__all__]
+    names += [(runtime.testing.plugin, n) for n in dir(runtime.testing.plugin)
+              if n.startswith(("pytest_", "runtime_")) or n in ("Variant", "variants")]
+    for mod, name in names:
+        obj = getattr(mod, name)
         if inspect.ismodule(obj):
             continue
         yield name, obj

@@ -1,14 +1,17 @@
 """The cpu backend (numpy): the embedded default, always available.
 
 Buffers are ``uint8`` numpy arrays. Streams are real asynchronous in-order queues: work is
-enqueued by the server and executed by a scheduler, never by the caller. Two schedulers:
+enqueued by the server and executed by a scheduler, never by the caller. The schedulers:
 
 - :class:`ThreadScheduler` (default): one worker thread runs any stream head as soon as it is
   runnable (per-stream FIFO, event waits honoured).
 - :class:`InterleavingScheduler` (``seed``): defers all work, and when someone waits runs the
   runnable stream heads in a seeded random order, honouring only per-stream FIFO and events.
   A missing cross-stream dependency then gives wrong data deterministically for some seed;
-  the property tests use it.
+  the property tests and ``runtime.testing`` use it. It records the order it ran stream heads
+  (``trace``, a compact string).
+- :class:`TraceScheduler` (``scheduler="trace", trace=...``): runs a recorded trace again, so a
+  failing schedule stays reproducible after the code around it changed.
 
 The graph is a software graph: the resolved launch list (callable, views, params), replayed in
 order as one queue item.
@@ -269,8 +272,50 @@ class ThreadScheduler(Scheduler):
             t.join(timeout=5.0)
 
 
+def encode_trace(picks) -> str:
+    """A schedule as a compact string: stream indices, runs written ``index*count``.
+
+    Args:
+        picks: the stream index (``CpuStream.index``, the order streams were first used) of
+            every stream head the scheduler ran, in order.
+    Returns: e.g. ``"0*3,1,0*2"`` for ``[0, 0, 0, 1, 0, 0]``; ``""`` for no picks.
+    """
+    out = []
+    for k, group in itertools.groupby(picks):
+        n = len(list(group))
+        out.append(f"{k}*{n}" if n > 1 else str(k))
+    return ",".join(out)
+
+
+def decode_trace(trace) -> list:
+    """The stream indices of a trace from :func:`encode_trace` (a list or tuple of ints is
+    returned as a list).
+
+    Raises: ``ValueError`` (not a trace: entries must be ``index`` or ``index*count``, both
+        non-negative ints); ``TypeError`` (neither a string nor a sequence of ints).
+    """
+    if isinstance(trace, (list, tuple)):
+        if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in trace):
+            raise ValueError(f"a trace holds non-negative stream indices, got {trace!r}")
+        return list(trace)
+    if not isinstance(trace, str):
+        raise TypeError(f"trace must be a string from encode_trace or a list of ints, got "
+                        f"{type(trace).__name__}")
+    picks: list = []
+    for entry in filter(None, trace.replace(" ", "").split(",")):
+        k, star, n = entry.partition("*")
+        if not k.isdigit() or (star and not n.isdigit()):
+            raise ValueError(f"bad trace entry {entry!r} in {trace[:80]!r}: write index or "
+                             "index*count")
+        picks.extend([int(k)] * (int(n) if n else 1))
+    return picks
+
+
 class InterleavingScheduler(Scheduler):
     """Defer all work; on a wait, run runnable stream heads in a seeded random order.
+
+    Every pick is recorded: ``trace`` is the schedule as a compact string (see
+    :func:`encode_trace`), and ``TraceScheduler(trace)`` runs it again exactly.
 
     Args:
         seed: the interleaving; the same program and seed give the same order.
@@ -279,9 +324,19 @@ class InterleavingScheduler(Scheduler):
     def __init__(self, seed: int = 0):
         self.seed = seed
         self.rng = random.Random(seed)
+        self.picks: list = []
 
     def __repr__(self):
         return f"InterleavingScheduler(seed={self.seed})"
+
+    @property
+    def trace(self) -> str:
+        """The stream heads run so far, in order, as a compact string (:func:`encode_trace`)."""
+        return encode_trace(self.picks)
+
+    def choose(self, ready: list):
+        """The stream to run next among ``ready`` (runnable heads, in stream index order)."""
+        return ready[self.rng.randrange(len(ready))]
 
     def settle(self, comp, stream):
         streams = self.backend.streams
@@ -291,7 +346,8 @@ class InterleavingScheduler(Scheduler):
                 comp.fail(LaunchError("interleaving scheduler: no stream can make progress "
                                       "(an event wait that never completes)"))
                 break
-            s = ready[self.rng.randrange(len(ready))]
+            s = self.choose(ready)
+            self.picks.append(s.index)
             kind, payload = s.q.popleft()
             self.backend.execute(s, kind, payload)
         return comp
@@ -300,33 +356,88 @@ class InterleavingScheduler(Scheduler):
         return not stream.q
 
 
+class TraceScheduler(InterleavingScheduler):
+    """Run a recorded schedule again: the stream heads in the order of ``trace``.
+
+    Args:
+        trace: a trace string (``InterleavingScheduler.trace``) or a list of stream indices.
+    Raises: ``ValueError``/``TypeError`` for a malformed trace.
+
+    When the program changed since the trace was recorded, a step can name a stream that has
+    nothing queued (the step is skipped) or whose head waits on an event (the lowest runnable
+    stream runs instead, and the step is kept for later); past the end of the trace the lowest
+    runnable stream runs. ``diverged`` counts those steps, ``first_divergence`` is the first
+    pick that did not follow the trace (None while it is followed exactly), and ``trace`` is
+    the schedule really run.
+    """
+
+    def __init__(self, trace):
+        super().__init__(0)
+        self.planned = decode_trace(trace)
+        self.step = 0
+        self.diverged = 0
+        self.first_divergence = None
+
+    def __repr__(self):
+        return f"TraceScheduler({encode_trace(self.planned)!r})"
+
+    def _off_trace(self):
+        self.diverged += 1
+        if self.first_divergence is None:
+            self.first_divergence = len(self.picks)
+
+    def choose(self, ready):
+        planned, streams = self.planned, self.backend.streams
+        while self.step < len(planned):
+            k = planned[self.step]
+            s = streams[k] if k < len(streams) else None
+            if s is not None and s in ready:
+                self.step += 1
+                return s
+            self._off_trace()
+            if s is not None and s.q:
+                return ready[0]           # blocked on an event: run another, keep the step
+            self.step += 1                # nothing queued there: skip the step
+        self._off_trace()
+        return ready[0]
+
+
 class CpuBackend(Backend):
     """numpy buffers, asynchronous streams, software graphs.
 
     Args:
         device: ignored (one cpu device).
-        scheduler: a ``Scheduler``, ``"thread"`` (default) or ``"interleave"``.
+        scheduler: a ``Scheduler``, ``"thread"`` (default), ``"interleave"`` or ``"trace"``.
         seed: the ``InterleavingScheduler`` seed when ``scheduler="interleave"``.
         blas_threads: the OpenBLAS thread count to set for the process (default 1, the thread
             rule in the module docstring; the user's ``OPENBLAS_NUM_THREADS`` etc. win), or
             ``None`` to leave BLAS alone.
+        trace: the schedule ``TraceScheduler`` runs when ``scheduler="trace"`` (a string from
+            ``InterleavingScheduler.trace`` or a list of stream indices).
+    Raises: ``ValueError`` (unknown scheduler, a trace without ``scheduler="trace"`` or the
+        reverse, a malformed trace).
     """
 
     name = "cpu"
     hardware_graphs = False
     device_name = "numpy " + np.__version__
 
-    def __init__(self, device: int = 0, scheduler=None, seed: int = 0,
+    def __init__(self, device: int = 0, scheduler=None, seed: int = 0, trace=None,
                  blas_threads: int | None = 1):
         super().__init__(device)
+        if (scheduler == "trace") != (trace is not None):
+            raise ValueError("pass trace=... together with scheduler='trace' (and only then)")
         if blas_threads is not None:
             limit_blas_threads(blas_threads)
         if scheduler is None or scheduler == "thread":
             scheduler = ThreadScheduler()
         elif scheduler == "interleave":
             scheduler = InterleavingScheduler(seed)
+        elif scheduler == "trace":
+            scheduler = TraceScheduler(trace)
         elif not isinstance(scheduler, Scheduler):
-            raise ValueError(f"scheduler must be 'thread', 'interleave' or a Scheduler, got {scheduler!r}")
+            raise ValueError(f"scheduler must be 'thread', 'interleave', 'trace' or a Scheduler, "
+                             f"got {scheduler!r}")
         self.streams: list[CpuStream] = []
         self.scheduler = scheduler
         self.enqueued = 0                    # items enqueued (by the server's owner only)

@@ -298,14 +298,18 @@ class Capture:
     def on_free(self, s, st) -> bool:
         """Handle ``st`` is freed from stream ``s`` (may be None): True when a window or warm-up
         priming holds its buffer back (the caller must not release the slot)."""
-        for wsid, w in self.windows.items():   # a capture window that uses it keeps it alive
+        holder = None                          # the window that keeps its buffer alive
+        for wsid, w in self.windows.items():   # every window that uses it refuses the free
             allocated = any(a is st for a in w.allocs)
             if allocated or w.uses(st.id):
                 if not allocated:
                     w.refusals.append(f"handle {st.id} was freed while the window on stream "
                                       f"{wsid} uses it; keep it alive until stop_capture()")
-                w.deferred.append(st)
-                return True
+                if holder is None or allocated:   # the allocating window's graph retains it
+                    holder = w
+        if holder is not None:
+            holder.deferred.append(st)
+            return True
         if s is not None and s.state == PREPARE:
             s.primed.append(st)                # held until start_capture (warm-up priming)
             return True

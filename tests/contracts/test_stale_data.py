@@ -403,3 +403,29 @@ def test_abort_capture_unwinds_a_window_and_its_buffers(client):
     c.abort_capture()                             # idempotent
     add(c, x, tmp, 5.0)                           # the stream runs eagerly again
     np.testing.assert_array_equal(c.read(tmp), np.full(N, 6.0, np.float32))
+
+
+def test_a_free_refused_by_two_open_windows_is_refused_by_both(client, hardware):
+    """A buffer freed while two capture windows (two streams) use it: both stop_capture calls
+    refuse (neither graph may replay a buffer that went back to the pool)."""
+    if hardware:
+        pytest.skip("two concurrent stream captures: not on hardware graphs (CUDA global mode)")
+    c1 = client
+    c2 = runtime.client(c1.backend)
+    c2.set_stream(runtime.StreamId.new())
+    x = c1.create(np.ones(N, np.float32))
+    c1.sync()
+    outs = []
+    for c in (c1, c2):
+        y = c.empty(N, np.float32)
+        c.graph_prepare()
+        add(c, x, y, 1.0)
+        c.start_capture()
+        add(c, x, y, 1.0)
+        outs.append(y)
+    x.release()
+    for c in (c1, c2):
+        with pytest.raises(CaptureRefused, match="freed"):
+            c.stop_capture()
+    for c, y in zip((c1, c2), outs):      # the warm-ups ran; both servers serve on
+        np.testing.assert_array_equal(c.read(y), np.full(N, 2, np.float32))

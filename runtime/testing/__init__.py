@@ -1,0 +1,32 @@
+"""``runtime.testing``: property-based stream-ordering tests for code built on the runtime.
+
+Three tools, usable alone or together (README "Testing your stream ordering"):
+
+- **Seeded schedules for any test** (the pytest plugin, ``runtime.testing.plugin``, registered
+  through the ``pytest11`` entry point): the ``runtime_client`` fixture and the
+  ``@pytest.mark.interleavings(n)`` marker run a test once per seed on the cpu backend with the
+  interleaving scheduler and ``check=True``, and once on every other available backend; a
+  failure prints the seed, the schedule (a trace, saved to a file) and a one-line command
+  that reproduces it.
+- **Recorded schedules**: the cpu interleaving scheduler records the order it ran stream heads
+  (``trace``); ``runtime.client("cpu", scheduler="trace", trace=...)`` runs it again exactly.
+- **Programs over your kernels**: ``programs(kernels=[...])`` is a hypothesis strategy of
+  multi-client, multi-stream programs (create, write, launch, read, free, events, capture,
+  replay, release), and ``run_program(program, backend=..., seed=...)`` runs one and compares
+  every read with a sequential model built from the kernels' cpu bodies; a failure prints the
+  (shrunk) program as Python calls you can paste.
+
+``import runtime.testing`` needs numpy only; ``programs()`` imports hypothesis when called.
+"""
+
+from ..backends.cpu import decode_trace, encode_trace
+from .program import (Create, Empty, Free, KernelSpec, Launch, Prepare, Program, Read,
+                      RecordEvent, Release, Replay, StartCapture, StopCapture, Sync, WaitEvent,
+                      Write, copy32)
+from .run import ProgramMismatch, ProgramRun, Step, backend_unavailable, run_program
+from .strategies import programs
+
+__all__ = ["programs", "run_program", "Program", "ProgramRun", "ProgramMismatch", "Step",
+           "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
+           "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
+           "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release"]

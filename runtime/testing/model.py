@@ -1,0 +1,302 @@
+"""The sequential model: a program run in issue order on numpy arrays with the kernels' cpu
+bodies, and the contract's rules for what must raise (design.md sections 2, 4 and 5).
+
+``Model.step(op, value, error)`` takes what the runtime answered for one op and returns a
+mismatch (a sentence) or None. Where the model cannot know the answer it accepts either and
+follows what happened: a buffer computed from an unknown or failed input has unknown contents,
+a kernel run on unknown inputs may or may not fail, a capture window that depended on it may
+or may not have been opened.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CaptureRefused, GraphStateError, ServerError
+from ..kernel import DTYPES, normalize_count
+from ..server import capture as cap
+from . import program as P
+
+NONE, CERTAIN, MAYBE = 0, 1, 2          # a stream's queued errors: none, some, perhaps some
+
+
+class _Misdeclared(Exception):
+    """A kernel's cpu body wrote a binding declared ``read`` (the message says which)."""
+
+
+class _Buf:
+    __slots__ = ("value", "failed")
+
+    def __init__(self, value):
+        self.value = value               # np.ndarray, or None: unknown contents
+        self.failed = False              # its last writer failed: a read must raise
+
+
+class _Window:
+    __slots__ = ("launches", "allocs", "uses", "refused")
+
+    def __init__(self):
+        self.launches: list = []
+        self.allocs: set = set()
+        self.uses: set = set()
+        self.refused: list = []
+
+
+class Model:
+    """The expected answers of one program, step by step.
+
+    Args:
+        program: the ``Program``.
+        hardware_graphs: the backend makes driver graphs (cuda): a window allocation may then
+            be refused by ``stop_capture`` (a cold pool), so either answer is accepted.
+        rtol, atol: tolerance of value comparisons; ``None``: exact (the cpu backend runs the
+            very bodies the model runs).
+    """
+
+    def __init__(self, program, hardware_graphs: bool = False, rtol=None, atol=None):
+        self.p = program
+        self.hardware = hardware_graphs
+        self.rtol, self.atol = rtol, atol
+        self.bufs: dict = {}
+        self.live: set = set()
+        self.pending = [NONE] * program.streams
+        self.state = [cap.NO_CAPTURE] * program.streams
+        self.windows: dict = {}
+        self.graphs: dict = {}           # graph -> (stream, launches, write set)
+        self.events: set = set()
+
+    # -- helpers ----------------------------------------------------------------------------
+    def stream(self, op) -> int:
+        return op.client % self.p.streams
+
+    def skip(self, op):
+        """Why ``op`` cannot be issued (it names a graph or event that was never made), or None."""
+        if isinstance(op, (P.Replay, P.Release)) and op.graph not in self.graphs:
+            return f"g{op.graph} was not made"
+        if isinstance(op, P.WaitEvent) and op.event not in self.events:
+            return f"e{op.event} was not recorded"
+        return None
+
+    def _same(self, got, want) -> bool:
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return False
+        if self.rtol is None:
+            return bool(np.array_equal(got, want, equal_nan=want.dtype.kind == "f"))
+        return bool(np.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True))
+
+    def _apply(self, launch) -> str:
+        """Run one launch on the model's arrays: ``"ok"``, ``"failed"``, ``"unknown"``, or a
+        sentence when the body wrote a binding declared ``read`` (the server orders launches
+        by the declared access, so such a kernel races)."""
+        spec = self.p.kernels[launch.kernel]
+        bufs = [self.bufs[b] for b in launch.bufs]
+        outs = [b for b, bind in zip(launch.bufs, spec.kernel.bindings) if bind.access != "read"]
+        if any(b.value is None or b.failed for b in bufs):
+            for b in outs:
+                self.bufs[b].value, self.bufs[b].failed = None, False
+            return "unknown"
+        work = [b.value.copy() for b in bufs]
+        try:
+            spec.kernel.cpu(*work, count=normalize_count(spec.count), **dict(launch.params))
+        except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
+            for b in outs:
+                self.bufs[b].value, self.bufs[b].failed = None, True
+            return "failed"
+        for b, bind, w in zip(launch.bufs, spec.kernel.bindings, work):
+            if bind.access != "read":
+                self.bufs[b].value, self.bufs[b].failed = w, False
+            elif not np.array_equal(w, self.bufs[b].value, equal_nan=w.dtype.kind == "f"):
+                return (f"kernel {spec.kernel.name} wrote binding {bind.name}, declared 'read': "
+                        "declare it 'read_write' (the server orders launches by the declared "
+                        "access)")
+        return "ok"
+
+    def _error(self, s: int, status: str) -> None:
+        if status not in ("ok", "failed", "unknown"):
+            raise _Misdeclared(status)
+        if status == "failed":
+            self.pending[s] = CERTAIN
+        elif status == "unknown" and self.pending[s] == NONE:
+            self.pending[s] = MAYBE
+
+    @staticmethod
+    def _expect_raise(error, kind, what):
+        if error is None:
+            return f"{what} returned, but it must raise {kind.__name__}"
+        if not isinstance(error, kind):
+            return f"{what} raised {type(error).__name__}: {error}; expected {kind.__name__}"
+        return None
+
+    @staticmethod
+    def _expect_ok(error, what):
+        if error is not None:
+            return f"{what} raised {type(error).__name__}: {error}; the model says it succeeds"
+        return None
+
+    def _drain(self, s: int, error, what: str):
+        """A blocking call on stream ``s`` raises its queued errors (and clears them)."""
+        p, self.pending[s] = self.pending[s], NONE
+        if p == CERTAIN:
+            return True, self._expect_raise(error, ServerError, what)
+        if p == MAYBE and isinstance(error, ServerError):
+            return True, None
+        return False, None
+
+    # -- one op -----------------------------------------------------------------------------
+    def step(self, op, value, error):
+        """Check the runtime's answer to ``op`` (``value`` returned, or ``error`` raised) and
+        advance the model. Returns a mismatch sentence or None."""
+        try:
+            return getattr(self, "_" + type(op).__name__.lower())(op, value, error)
+        except _Misdeclared as e:
+            return str(e)
+
+    def _refused(self, op, error):
+        """Calls refused at once on a capturing stream (design.md section 4)."""
+        return self._expect_raise(error, CaptureRefused, P.Program.line(self.p, op))
+
+    def _create(self, op, value, error):
+        s = self.stream(op)
+        self.live.add(op.buf)
+        w = self.windows.get(s)
+        self.bufs[op.buf] = _Buf(None if w else np.array(op.values, DTYPES[op.dtype]))
+        if w:
+            w.allocs.add(op.buf)
+            w.refused.append(f"create of b{op.buf} inside the window (a host write)")
+        return self._expect_ok(error, "create")
+
+    def _empty(self, op, value, error):
+        self.live.add(op.buf)
+        self.bufs[op.buf] = _Buf(None)
+        w = self.windows.get(self.stream(op))
+        if w:
+            w.allocs.add(op.buf)
+        return self._expect_ok(error, "empty")
+
+    def _write(self, op, value, error):
+        w = self.windows.get(self.stream(op))
+        if w:
+            w.refused.append(f"write to b{op.buf} inside the window")
+        else:
+            b = self.bufs[op.buf]
+            b.value, b.failed = np.array(op.values, DTYPES[op.dtype]), False
+        return self._expect_ok(error, "write")
+
+    def _launch(self, op, value, error):
+        s = self.stream(op)
+        w = self.windows.get(s)
+        if w:
+            w.launches.append(op)
+            w.uses.update(op.bufs)
+        else:
+            self._error(s, self._apply(op))
+        return self._expect_ok(error, "launch")
+
+    def _read(self, op, value, error):
+        s = self.stream(op)
+        what = f"read of b{op.buf} on c{op.client}"
+        if s in self.windows:
+            return self._refused(op, error)
+        drained, bad = self._drain(s, error, what)
+        if drained:
+            return bad
+        b = self.bufs[op.buf]
+        if b.failed:
+            return self._expect_raise(error, ServerError, what + " (its last writer failed)")
+        if b.value is None:
+            return None                  # unknown contents: any answer
+        if error is not None:
+            return self._expect_ok(error, what)
+        if not self._same(value, b.value):
+            return f"{what} returned {value.tolist()}, the sequential model says {b.value.tolist()}"
+        return None
+
+    def _free(self, op, value, error):
+        self.live.discard(op.buf)
+        for w in self.windows.values():
+            if op.buf in w.uses and op.buf not in w.allocs:
+                w.refused.append(f"free of b{op.buf}, which the window uses")
+        return self._expect_ok(error, "release")
+
+    def _sync(self, op, value, error):
+        s = self.stream(op)
+        if s in self.windows:
+            return self._refused(op, error)
+        drained, bad = self._drain(s, error, f"sync of c{op.client}")
+        return bad if drained else self._expect_ok(error, f"sync of c{op.client}")
+
+    def _recordevent(self, op, value, error):
+        if self.stream(op) in self.windows:
+            return self._refused(op, error)
+        self.events.add(op.event)
+        return self._expect_ok(error, "record_event")
+
+    def _waitevent(self, op, value, error):
+        if self.stream(op) in self.windows:
+            return self._refused(op, error)
+        return self._expect_ok(error, "wait_event")
+
+    def _transition(self, op, step: str, error, what: str):
+        """The capture state machine (``runtime.server.capture``): ``(stream, None)`` when
+        ``step`` is in order, else ``(None, the check of the GraphStateError)``."""
+        s = self.stream(op)
+        try:
+            self.state[s] = cap.transition(self.state[s], step, s)
+        except GraphStateError:
+            return None, self._expect_raise(error, GraphStateError, what)
+        return s, None
+
+    def _prepare(self, op, value, error):
+        s, bad = self._transition(op, "prepare", error, "graph_prepare")
+        return bad if s is None else self._expect_ok(error, "graph_prepare")
+
+    def _startcapture(self, op, value, error):
+        s, bad = self._transition(op, "begin", error, "start_capture")
+        if s is None:
+            return bad
+        drained, bad = self._drain(s, error, "start_capture after a failed warm-up")
+        if drained:
+            self.state[s] = cap.NO_CAPTURE
+            return bad
+        self.windows[s] = _Window()
+        return self._expect_ok(error, "start_capture")
+
+    def _stopcapture(self, op, value, error):
+        s, bad = self._transition(op, "end", error, "stop_capture")
+        if s is None:
+            return bad
+        w = self.windows.pop(s)
+        if w.refused:
+            return self._expect_raise(error, CaptureRefused, "stop_capture of a window with "
+                                      + "; ".join(w.refused))
+        if self.hardware and w.allocs and isinstance(error, CaptureRefused):
+            return None                  # a cold pool: the driver graph refuses the allocation
+        writes = set()
+        for launch in w.launches:
+            spec = self.p.kernels[launch.kernel]
+            writes.update(b for b, bind in zip(launch.bufs, spec.kernel.bindings)
+                          if bind.access != "read")
+        self.graphs[op.graph] = (s, tuple(w.launches), writes)
+        return self._expect_ok(error, "stop_capture")
+
+    def _replay(self, op, value, error):
+        s, launches, writes = self.graphs[op.graph]
+        if s in self.windows:
+            for b in writes:               # a refused replay marks its write set
+                self.bufs[b].failed = True
+            return self._expect_raise(error, CaptureRefused, f"replay of g{op.graph}")
+        status = "ok"
+        for launch in launches:
+            status = self._apply(launch)
+            if status != "ok":
+                break
+        if status != "ok":
+            for b in writes:
+                self.bufs[b].value = None
+                self.bufs[b].failed = status == "failed"
+        self._error(s, status)
+        return self._expect_ok(error, f"replay of g{op.graph}")
+
+    def _release(self, op, value, error):
+        del self.graphs[op.graph]
+        return self._expect_ok(error, f"release of g{op.graph}")

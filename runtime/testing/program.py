@@ -1,0 +1,268 @@
+"""Programs: lists of client calls over your kernels, each op knowing how it runs and prints.
+
+A :class:`Program` is plain data (hypothesis shrinks it, ``repr`` prints it as Python you can
+paste). Every op names the client that issues it; client ``k`` is pinned to stream
+``k % program.streams``. Buffers (``b0, b1...``), graphs (``g0...``) and events (``e0...``) are
+numbered in the order the program makes them. Buffers are 1-D with ``program.size`` elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ..kernel import DTYPES, Kernel, normalize_count
+from .. import kernels as library
+from ..kernels.elementwise import elementwise
+
+
+def _copy32(x, y, *, n, count):
+    y[:n] = x[:n]
+
+
+#: ``y[i] = x[i]`` over ``n`` 4-byte elements of any dtype (bitwise): fills a buffer allocated
+#: inside a capture window, so the graph writes it before anything reads it.
+copy32 = elementwise("copy32", [("x", "u32", "read"), ("y", "u32", "read_write")], "x[i]",
+                     cpu=_copy32)
+
+
+class KernelSpec(NamedTuple):
+    """One of your kernels as ``programs()`` launches it.
+
+    Args:
+        kernel: a ``runtime.Kernel`` whose ``cpu`` body is the model's reference.
+        params: ``{name: value or hypothesis strategy}``; a param called ``n`` that you leave out
+            is the buffer length in elements (the library's elementwise convention).
+        count: workgroups, an int or ``(x, y, z)`` (default 1).
+    """
+
+    kernel: Kernel
+    params: dict = {}
+    count: object = 1
+
+    @classmethod
+    def of(cls, entry) -> "KernelSpec":
+        """A spec from a ``Kernel``, a ``(kernel, params)`` or ``(kernel, params, count)`` tuple,
+        or a spec. Raises ``TypeError`` for anything else, ``ValueError`` for unknown params."""
+        if isinstance(entry, KernelSpec):
+            spec = entry
+        elif isinstance(entry, Kernel):
+            spec = cls(entry)
+        elif isinstance(entry, tuple) and entry and isinstance(entry[0], Kernel):
+            spec = cls(*entry)
+        else:
+            raise TypeError(f"kernels: expected a runtime.Kernel or (kernel, params[, count]), "
+                            f"got {entry!r}")
+        unknown = set(spec.params) - set(spec.kernel.param_names)
+        if unknown:
+            raise ValueError(f"kernel {spec.kernel.name}: unknown params {sorted(unknown)}; it "
+                             f"takes {list(spec.kernel.param_names)}")
+        normalize_count(spec.count)
+        return spec._replace(params=dict(spec.params))
+
+
+def _kernel_expr(kernel: Kernel) -> str:
+    if kernel is copy32:
+        return "copy32"
+    if getattr(library, kernel.name, None) is kernel:
+        return f"K.{kernel.name}"
+    return kernel.name
+
+
+def _values(values, dtype: str) -> str:
+    return f"np.array({list(values)!r}, np.{DTYPES[dtype].name})"
+
+
+class Objects:
+    """The live runtime objects of one run, by program number."""
+
+    def __init__(self, size: int, kernels):
+        self.size, self.kernels = size, kernels
+        self.bufs: dict = {}
+        self.graphs: dict = {}
+        self.events: dict = {}
+
+
+class Create(NamedTuple):
+    """``b = c.create(values)``: a buffer of ``dtype`` (``"f32"``, ``"i32"``, ``"u32"``)."""
+    client: int
+    buf: int
+    dtype: str
+    values: tuple
+
+    def _run(self, c, objs):
+        objs.bufs[self.buf] = c.create(np.array(self.values, DTYPES[self.dtype]))
+
+    def _code(self):
+        return f"b{self.buf} = c{self.client}.create({_values(self.values, self.dtype)})"
+
+
+class Empty(NamedTuple):
+    """``b = c.empty(size, dtype)``: contents undefined until written."""
+    client: int
+    buf: int
+    dtype: str
+
+    def _run(self, c, objs):
+        objs.bufs[self.buf] = c.empty(objs.size, DTYPES[self.dtype])
+
+    def _code(self):
+        return f"b{self.buf} = c{self.client}.empty(SIZE, np.{DTYPES[self.dtype].name})"
+
+
+class Write(NamedTuple):
+    """``c.write(b, values)``."""
+    client: int
+    buf: int
+    dtype: str
+    values: tuple
+
+    def _run(self, c, objs):
+        c.write(objs.bufs[self.buf], np.array(self.values, DTYPES[self.dtype]))
+
+    def _code(self):
+        return f"c{self.client}.write(b{self.buf}, {_values(self.values, self.dtype)})"
+
+
+class Launch(NamedTuple):
+    """``c.launch(kernel, count, [bufs], params)``; ``kernel`` indexes ``program.kernels``."""
+    client: int
+    kernel: int
+    bufs: tuple
+    params: tuple
+
+    def _run(self, c, objs):
+        spec = objs.kernels[self.kernel]
+        c.launch(spec.kernel, spec.count, [objs.bufs[b] for b in self.bufs], dict(self.params))
+
+    def _code(self, kernels):
+        spec = kernels[self.kernel]
+        bufs = ", ".join(f"b{b}" for b in self.bufs)
+        params = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.params) + "}"
+        return f"c{self.client}.launch({_kernel_expr(spec.kernel)}, {spec.count!r}, [{bufs}], {params})"
+
+
+def _simple_op(name: str, fields: str, code: str, run, doc: str):
+    """An op type whose line is ``code`` formatted with its fields and whose call is ``run``."""
+    base = NamedTuple(name, [(f, int) for f in fields.split()])
+    return type(name, (base,), {"__slots__": (), "__doc__": doc, "__module__": __name__,
+                                "_run": lambda self, c, objs: run(self, c, objs),
+                                "_code": lambda self: code.format(**self._asdict())})
+
+
+def _record(op, c, objs):
+    objs.events[op.event] = c.record_event()
+
+
+def _stop(op, c, objs):
+    objs.graphs[op.graph] = c.stop_capture()
+
+
+Read = _simple_op("Read", "client buf", "c{client}.read(b{buf})",
+                  lambda op, c, objs: c.read(objs.bufs[op.buf]),
+                  "``c.read(b)``: the only op that returns data.")
+Free = _simple_op("Free", "client buf", "b{buf}.release()",
+                  lambda op, c, objs: objs.bufs.pop(op.buf).release(),
+                  "``b.release()`` (freed on the stream that created it).")
+Sync = _simple_op("Sync", "client", "c{client}.sync()", lambda op, c, objs: c.sync(),
+                  "``c.sync()``.")
+RecordEvent = _simple_op("RecordEvent", "client event", "e{event} = c{client}.record_event()",
+                         _record, "``e = c.record_event()``.")
+WaitEvent = _simple_op("WaitEvent", "client event", "c{client}.wait_event(e{event})",
+                       lambda op, c, objs: c.wait_event(objs.events[op.event]),
+                       "``c.wait_event(e)``.")
+Prepare = _simple_op("Prepare", "client", "c{client}.graph_prepare()",
+                     lambda op, c, objs: c.graph_prepare(), "``c.graph_prepare()``.")
+StartCapture = _simple_op("StartCapture", "client", "c{client}.start_capture()",
+                          lambda op, c, objs: c.start_capture(), "``c.start_capture()``.")
+StopCapture = _simple_op("StopCapture", "client graph", "g{graph} = c{client}.stop_capture()",
+                         _stop, "``g = c.stop_capture()``.")
+Replay = _simple_op("Replay", "client graph", "g{graph}.replay()",
+                    lambda op, c, objs: objs.graphs[op.graph].replay(),
+                    "``g.replay()`` (issued from ``client``'s thread; it runs on the capture "
+                    "stream).")
+Release = _simple_op("Release", "client graph", "g{graph}.release()",
+                     lambda op, c, objs: objs.graphs.pop(op.graph).release(), "``g.release()``.")
+
+
+@dataclass(frozen=True, repr=False)
+class Program:
+    """A generated program: ``ops`` then ``final`` (a sync of every stream and a read of every
+    live buffer, the end-of-program check).
+
+    Attributes:
+        ops, final: tuples of ops (``Create``, ``Launch``, ``Read``, ...).
+        kernels: the ``KernelSpec`` s that ``Launch.kernel`` indexes.
+        size: elements per buffer.
+        streams, clients: client ``k`` is pinned to stream ``k % streams``.
+        contract: True when the program keeps the replay contract by construction (then every
+            read must match the sequential model); False for programs that may race.
+
+    ``len(program)`` is the number of calls in ``ops``; ``repr`` (and ``to_python()``) prints it
+    as Python calls you can paste; ``dataclasses.replace`` makes a variant.
+    """
+
+    ops: tuple
+    final: tuple
+    kernels: tuple
+    size: int
+    streams: int
+    clients: int
+    contract: bool = True
+
+    def __len__(self):
+        return len(self.ops)
+
+    def line(self, op) -> str:
+        """One op as a line of Python."""
+        return op._code(self.kernels) if isinstance(op, Launch) else op._code()
+
+    def to_python(self, backend="cpu", seed=0, check=False, notes=None) -> str:
+        """The program as Python calls on a fresh server.
+
+        Args:
+            backend, seed, check: how the printed ``runtime.client(...)`` is opened (the seed
+                only on cpu, where it picks the interleaving).
+            notes: ``{op index: comment}`` appended to those lines (``len(ops) + i`` for
+                ``final[i]``).
+        Returns: the source text, one call per line.
+        """
+        notes = notes or {}
+        kernels = [s.kernel for s in self.kernels]
+        lines = ["import numpy as np", "import runtime"]
+        if any(getattr(library, k.name, None) is k for k in kernels):
+            lines.append("from runtime import kernels as K")
+        if any(isinstance(op, Launch) and kernels[op.kernel] is copy32 for op in self.ops):
+            lines.append("from runtime.testing import copy32")
+        own = sorted({k.name for k in kernels if _kernel_expr(k) == k.name and k is not copy32})
+        if own:
+            lines.append(f"# your kernels, in scope as: {', '.join(own)}")
+        opts = [repr(backend)]
+        if backend == "cpu":
+            opts += ["scheduler='interleave'", f"seed={seed}"]
+        if check:
+            opts.append("check=True")
+        lines += [f"SIZE = {self.size}", f"c = runtime.client({', '.join(opts)})",
+                  "streams = [runtime.StreamId.new() for _ in range(%d)]" % self.streams]
+        lines += [f"c{k} = c.with_stream(streams[{k % self.streams}])" for k in range(self.clients)]
+        for i, op in enumerate(self.ops + self.final):
+            if i == len(self.ops) and self.final:
+                lines.append("# end of program: sync every stream, read every live buffer")
+            text = self.line(op)
+            lines.append(f"{text}  # {notes[i]}" if i in notes else text)
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))          # hypothesis prints a falsifying Program as Python
+
+    def __repr__(self):
+        return "\n# a Program (runtime.testing); the failing seed is in the error message\n" \
+            + self.to_python()
+
+
+#: every op type, by name
+OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, Sync, RecordEvent,
+                                     WaitEvent, Prepare, StartCapture, StopCapture, Replay,
+                                     Release)}

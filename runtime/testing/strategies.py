@@ -1,0 +1,435 @@
+"""``programs()``: a hypothesis strategy for multi-client, multi-stream programs over your kernels.
+
+The builder draws one call at a time from what the state allows (live buffers, open capture
+windows, made graphs, recorded events), so every program is well formed and hypothesis shrinks
+it by drawing fewer and simpler calls.
+
+Contract programs (``contract=True``, the default) keep the replay contract by construction
+(seed 001): before a replay, every access another stream made to the graph's buffers is
+ordered before it, and before an ordinary call touches a buffer a replay on another stream
+used, that replay is ordered before it. The builder knows what orders what through vector
+clocks over streams (program order per stream, the event waits the server inserts between
+ordinary calls, the user's events, host syncs: a ``sync`` or ``read`` of a stream); where an
+ordering is missing it inserts one, a ``sync`` of the other stream or an event wait (drawn),
+and skips the call when neither is possible (the other stream is recording a graph). Every
+read of a contract program must then match the sequential model under every schedule.
+"""
+
+from __future__ import annotations
+
+from ..kernel import DTYPES
+from . import program as P
+
+_KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
+          "end", "scratch", "replay", "release", "refuse")
+#: how many times a kind is listed among the choices: graphs are worth replaying often; racy
+#: programs (contract=False) write, free and replay more, so more races reach the device
+_WEIGHT = {"capture": 2, "end": 5, "replay": 4}
+_WEIGHT_RACY = {"capture": 2, "end": 5, "replay": 5, "write": 3, "launch": 2, "free": 2}
+
+
+def _choices(weight) -> tuple:
+    """The fixed list each step draws from (a kind the state does not allow becomes a create,
+    or nothing), so deleting a step rarely changes what the later steps' choices mean:
+    hypothesis then shrinks a program call by call."""
+    return tuple(k for k in _KINDS for _ in range(weight.get(k, 1)))
+
+
+class _Window:
+    __slots__ = ("client", "uses", "allocs", "refused")
+
+    def __init__(self, client):
+        self.client = client
+        self.uses: dict = {}             # buf -> True if a recorded launch writes it
+        self.allocs: set = set()
+        self.refused = False
+
+
+class _Graph:
+    __slots__ = ("stream", "uses", "required")
+
+    def __init__(self, stream, uses, required):
+        self.stream, self.uses, self.required = stream, uses, required
+
+
+class Builder:
+    """Draws one program call by call (see the module doc); ``program()`` is the result."""
+
+    def __init__(self, draw, cfg):
+        self.draw, self.cfg = draw, cfg
+        self.S = cfg["streams"]
+        self.ops: list = []
+        self.live: dict = {}             # buf -> dtype
+        self.windows: dict = {}          # stream -> _Window
+        self.graphs: dict = {}           # graph -> _Graph (made, not released)
+        self.events: dict = {}           # event -> clock snapshot at its record
+        self.nbuf = self.ngraph = self.nevent = 0
+        self.pos = [0] * self.S          # positions: calls executed on each stream
+        self.clock = [{} for _ in range(self.S)]
+        self.host: dict = {}             # what host syncs established
+        self.acc: dict = {}              # buf -> [(stream, pos, writes, by replay, clock)]
+
+    # -- drawing helpers --------------------------------------------------------------------
+    def pick(self, seq):
+        from hypothesis import strategies as st
+        return self.draw(st.sampled_from(list(seq)))
+
+    def flag(self):
+        from hypothesis import strategies as st
+        return self.draw(st.booleans())
+
+    def values(self, dtype):
+        from hypothesis import strategies as st
+        return tuple(self.draw(st.lists(self.cfg["values"][dtype], min_size=self.cfg["size"],
+                                        max_size=self.cfg["size"])))
+
+    def stream(self, k) -> int:
+        return k % self.S
+
+    def idle_clients(self):
+        return [k for k in range(self.cfg["clients"]) if self.stream(k) not in self.windows]
+
+    # -- vector clocks ----------------------------------------------------------------------
+    @staticmethod
+    def _join(vc, other):
+        for k, v in other.items():
+            if vc.get(k, 0) < v:
+                vc[k] = v
+
+    def _vc(self, s):
+        self._join(self.clock[s], self.host)
+        return self.clock[s]
+
+    def _needs(self, s, buf, writes, replay):
+        """Streams whose accesses to ``buf`` the user must order before this one."""
+        vc = self._vc(s)
+        return {t for t, p, w, rep, _ in self.acc.get(buf, ())
+                if t != s and (w or writes) and (rep or replay) and vc.get(t, 0) < p}
+
+    def _order(self, s, streams) -> bool:
+        """Order ``streams`` before stream ``s``'s next call (a sync or an event wait, drawn)."""
+        for t in sorted(streams):
+            if t in self.windows:
+                return False             # a recording stream takes no sync and records no event
+        for t in sorted(streams):
+            if self.flag():
+                self._sync(t)
+            else:
+                e = self._record(t)
+                self._wait(s, e)
+        return True
+
+    def _access(self, s, uses: dict, replay: bool) -> bool:
+        """Check, order and record an access to ``uses`` (``{buf: writes}``) on stream ``s``."""
+        if self.cfg["contract"]:
+            need = set()
+            for b, w in uses.items():
+                need |= self._needs(s, b, w, replay)
+            if need and not self._order(s, need):
+                return False
+        vc = self._vc(s)
+        if not replay:                   # the waits the server inserts between ordinary calls
+            for b, w in uses.items():
+                for t, p, pw, _, snap in self.acc.get(b, ()):
+                    if t != s and (pw or w):
+                        self._join(vc, snap)
+                        self._join(vc, {t: p})
+        self.pos[s] += 1
+        snap = dict(vc)
+        for b, w in uses.items():
+            self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, snap))
+        return True
+
+    def _host_sync(self, s):
+        self._join(self.host, self._vc(s))
+        self._join(self.host, {s: self.pos[s]})
+
+    def _sync(self, s):
+        self.ops.append(P.Sync(s))
+        self._host_sync(s)
+
+    def _record(self, s):
+        e = self.nevent
+        self.nevent += 1
+        self.ops.append(P.RecordEvent(s, e))
+        self.events[e] = {**self._vc(s), s: self.pos[s]}
+        return e
+
+    def _wait(self, s, e):
+        self.ops.append(P.WaitEvent(s, e))
+        self._join(self._vc(s), self.events[e])
+
+    # -- calls ------------------------------------------------------------------------------
+    def kinds(self) -> set:
+        """The kinds of call the state allows now."""
+        idle, live = self.idle_clients(), bool(self.live)
+        ok = {"create": idle and len(self.live) < self.cfg["buffers"],
+              "launch": live, "read": idle and live, "write": idle and live,
+              "sync": idle, "free": live, "event": idle, "wait": idle and self.events,
+              "capture": self.cfg["capture"] and live and idle,
+              "end": self.windows, "scratch": self.windows and live,
+              "replay": self.graphs, "release": self.graphs,
+              "refuse": self.windows and self.cfg["refusals"]}
+        return {k for k in _KINDS if ok[k]}
+
+    def create(self):
+        k = self.pick(self.idle_clients())
+        dtype = self.pick(self.cfg["dtypes"])
+        b = self.nbuf
+        self.nbuf += 1
+        op = P.Create(k, b, dtype, self.values(dtype))
+        self._access(self.stream(k), {b: True}, False)
+        self.ops.append(op)
+        self.live[b] = dtype
+
+    def _bind(self, spec):
+        """Distinct live buffers of the bindings' dtypes, or None."""
+        chosen = []
+        for bind in spec.kernel.bindings:
+            cands = [b for b, d in sorted(self.live.items()) if d == bind.dtype and b not in chosen]
+            if not cands:
+                return None
+            chosen.append(self.pick(cands))
+        return tuple(chosen)
+
+    def _launch_op(self, k, ki):
+        spec = self.cfg["kernels"][ki]
+        bufs = self._bind(spec)
+        if bufs is None:
+            return None
+        params = []
+        for name in spec.kernel.param_names:
+            v = spec.params.get(name, self.cfg["size"] if name == "n" else None)
+            params.append((name, self.draw(v) if hasattr(v, "example") else v))
+        return P.Launch(k, ki, bufs, tuple(params))
+
+    def _issue(self, op):
+        """Append a launch: recorded inside a window, else an ordered access."""
+        s = self.stream(op.client)
+        spec = self.cfg["kernels"][op.kernel]
+        uses = {b: bind.access != "read" for b, bind in zip(op.bufs, spec.kernel.bindings)}
+        w = self.windows.get(s)
+        if w is not None:
+            for b, wr in uses.items():
+                w.uses[b] = w.uses.get(b, False) or wr
+        elif not self._access(s, uses, False):
+            return
+        self.ops.append(op)
+
+    def launch(self):
+        op = self._launch_op(self.pick(range(self.cfg["clients"])),
+                             self.pick(range(self.cfg["user_kernels"])))
+        if op is not None:
+            self._issue(op)
+
+    def read(self):
+        k = self.pick(self.idle_clients())
+        b = self.pick(sorted(self.live))
+        if self._access(self.stream(k), {b: False}, False):
+            self.ops.append(P.Read(k, b))
+            self._host_sync(self.stream(k))
+
+    def write(self):
+        k = self.pick(self.idle_clients())
+        b = self.pick(sorted(self.live))
+        if self._access(self.stream(k), {b: True}, False):
+            self.ops.append(P.Write(k, b, self.live[b], self.values(self.live[b])))
+
+    def sync(self):
+        k = self.pick(self.idle_clients())
+        self.ops.append(P.Sync(k))
+        self._host_sync(self.stream(k))
+
+    def free(self):
+        """Release a buffer no open window uses (that one is a ``refuse`` shape)."""
+        cands = [b for b in sorted(self.live) if not any(b in w.uses for w in self.windows.values())]
+        if cands:
+            self._free(self.pick(cands))
+
+    def _free(self, b):
+        self.ops.append(P.Free(self.pick(range(self.cfg["clients"])), b))
+        del self.live[b]
+        for w in self.windows.values():
+            if b in w.uses and b not in w.allocs:
+                w.refused = True
+        if self.cfg["contract"]:          # a graph whose input is gone is never replayed again
+            for g in [g for g, info in self.graphs.items() if b in (info.required or ())]:
+                self.graphs[g].required = None
+
+    def event(self):
+        self._record(self.stream(self.pick(self.idle_clients())))
+
+    def wait(self):
+        self._wait(self.stream(self.pick(self.idle_clients())), self.pick(sorted(self.events)))
+
+    def capture(self):
+        """``graph_prepare``, an optional warm-up, ``start_capture``, the same launches
+        (recorded); the window stays open for more calls until ``end``."""
+        from hypothesis import strategies as st
+        k = self.pick(self.idle_clients())
+        launches = [self._launch_op(k, self.pick(range(self.cfg["user_kernels"])))
+                    for _ in range(self.draw(st.integers(1, 3)))]
+        launches = [op for op in launches if op is not None]
+        self.ops.append(P.Prepare(k))
+        if self.flag():
+            for op in launches:
+                self._issue(op)
+        self.ops.append(P.StartCapture(k))
+        self.windows[self.stream(k)] = _Window(k)
+        for op in launches:
+            self._issue(op)
+
+    def end(self):
+        s = self.pick(sorted(self.windows))
+        self._end(s)
+
+    def _end(self, s):
+        w = self.windows.pop(s)
+        g = self.ngraph
+        self.ngraph += 1
+        self.ops.append(P.StopCapture(w.client, g))
+        if not w.refused:
+            self.graphs[g] = _Graph(s, dict(w.uses), set(w.uses) - w.allocs)
+
+    def scratch(self):
+        """A buffer allocated inside the window, filled by the graph from a live buffer."""
+        s = self.pick(sorted(self.windows))
+        w = self.windows[s]
+        src = self.pick(sorted(self.live))
+        t = self.nbuf
+        self.nbuf += 1
+        self.ops.append(P.Empty(w.client, t, self.live[src]))
+        self.live[t] = self.live[src]
+        w.allocs.add(t)
+        self._issue(P.Launch(w.client, self.cfg["copy32"], (src, t),
+                             (("n", self.cfg["size"]),)))
+
+    def replay(self):
+        g = self.pick(sorted(self.graphs))
+        info = self.graphs[g]
+        if info.stream in self.windows:
+            if self.cfg["failures"]:      # refused at once; marks the graph's write set
+                self.ops.append(P.Replay(self.windows[info.stream].client, g))
+            return
+        if self.cfg["contract"] and info.required is None:
+            return
+        from hypothesis import strategies as st
+        for _ in range(self.draw(st.integers(1, 2))):
+            if self._access(info.stream, info.uses, True):
+                self.ops.append(P.Replay(info.stream, g))
+
+    def release(self):
+        g = self.pick(sorted(self.graphs))
+        self.ops.append(P.Release(self.graphs.pop(g).stream, g))
+
+    def refuse(self):
+        """A call the capture window refuses: at once (read, sync, record_event, wait_event)
+        or at ``stop_capture`` (a write, the free of a buffer the window uses)."""
+        s = self.pick(sorted(self.windows))
+        w = self.windows[s]
+        kinds = ["read", "sync", "record", "write", "free"] + (
+            ["wait"] if self.cfg["failures"] and self.events else [])
+        kind = self.pick(kinds)
+        if kind in ("read", "write") and not self.live:
+            return
+        if kind == "free":
+            used = [b for b in sorted(w.uses) if b in self.live and b not in w.allocs]
+            # the server refuses only the first window that uses it (a known gap, issue 13)
+            if not self.cfg["failures"]:
+                used = [b for b in used if sum(b in x.uses for x in self.windows.values()) == 1]
+            if used:
+                self._free(self.pick(used))
+            return
+        if kind == "read":
+            self.ops.append(P.Read(w.client, self.pick(sorted(self.live))))
+        elif kind == "sync":
+            self.ops.append(P.Sync(w.client))
+        elif kind == "record":
+            self.ops.append(P.RecordEvent(w.client, self.nevent))
+            self.nevent += 1              # never made: a wait on it is skipped
+        elif kind == "wait":
+            self.ops.append(P.WaitEvent(w.client, self.pick(sorted(self.events))))
+        else:
+            b = self.pick(sorted(self.live))
+            self.ops.append(P.Write(w.client, b, self.live[b], self.values(self.live[b])))
+            w.refused = True
+
+    def program(self) -> P.Program:
+        for s in sorted(self.windows):
+            self._end(s)
+        final = [P.Sync(s) for s in range(self.S)] + [P.Read(0, b) for b in sorted(self.live)]
+        return P.Program(tuple(self.ops), tuple(final), self.cfg["kernels"], self.cfg["size"],
+                         self.S, self.cfg["clients"], self.cfg["contract"])
+
+
+def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
+             *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
+             refusals: bool = True, failures: bool = False):
+    """A hypothesis strategy of ``Program`` s over your kernels.
+
+    Args:
+        kernels: ``runtime.Kernel`` s, or ``(kernel, params)`` / ``(kernel, params, count)``
+            tuples, or ``KernelSpec`` s; params are values or hypothesis strategies, and a
+            param ``n`` left out is ``size``. Each launch binds distinct live buffers whose dtype
+            is the binding's.
+        buffers: the most buffers alive at once.
+        streams: streams (``StreamId`` s) of the program.
+        clients: clients, each issuing from its own thread; client ``k`` is pinned to stream
+            ``k % streams`` (default: one per stream).
+        capture: include capture windows (``graph_prepare``, warm-up, ``start_capture``,
+            recorded launches, window allocations, ``stop_capture``), replays and releases.
+        size: elements per buffer.
+        steps: the most calls drawn (ordering calls the builder inserts come on top).
+        values: ``{dtype: strategy of one element}``; default small integers (exact in f32).
+        contract: keep the replay contract (see the module doc); ``False`` draws programs that
+            may race or replay freed buffers (what ``check=True`` must flag).
+        refusals: include calls a capture window refuses (read, sync, record_event at once; a
+            write at ``stop_capture``).
+        failures: include the shapes whose answers design.md promises but the server does not
+            give yet (issue 13): a replay refused inside a window (its write set is marked
+            until a later write lands), a ``wait_event`` inside a window, the free of a buffer
+            two open windows use (the server refuses only the first). Kernels whose cpu body raises are always modelled (a failed
+            launch marks what it writes, a failed warm-up makes ``start_capture`` raise): pass
+            such kernels only with ``failures=True`` until then.
+    Returns: a strategy of ``Program``.
+    Raises: ``TypeError``/``ValueError`` for bad kernels or params (at the call).
+    """
+    from hypothesis import strategies as st
+
+    specs = [P.KernelSpec.of(k) for k in kernels]
+    if not specs:
+        raise ValueError("programs() needs at least one kernel")
+    for spec in specs:
+        if spec.kernel.cpu is None:
+            raise ValueError(f"kernel {spec.kernel.name} has no cpu body: the model runs it")
+        missing = [n for n in spec.kernel.param_names if n not in spec.params and n != "n"]
+        if missing:
+            raise ValueError(f"kernel {spec.kernel.name}: give params {missing} (values or "
+                             "strategies)")
+    for name, v in (("buffers", buffers), ("streams", streams), ("size", size), ("steps", steps)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    clients = streams if clients is None else clients
+    dtypes = sorted({b.dtype for s in specs for b in s.kernel.bindings})
+    ints = st.integers(-8, 8)
+    vals = {"f32": ints.map(float), "i32": ints, "u32": st.integers(0, 16)}
+    vals.update(values or {})
+    cfg = {"kernels": tuple(specs + [P.KernelSpec(P.copy32)]), "user_kernels": len(specs),
+           "copy32": len(specs), "buffers": buffers, "streams": min(streams, clients),
+           "clients": clients, "capture": capture, "size": size, "values": vals,
+           "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}
+
+    choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
+
+    @st.composite
+    def build(draw):
+        b = Builder(draw, cfg)
+        for _ in range(draw(st.integers(1, steps))):
+            kind, allowed = b.pick(choices), b.kinds()
+            if kind not in allowed:
+                kind = "create" if "create" in allowed else None
+            if kind is not None:
+                getattr(b, kind)()
+        return b.program()
+
+    return build()

@@ -1,0 +1,151 @@
+"""runtime.testing: recorded schedules, the sequential model, shrinking, the printed program.
+
+The reference is a hand-written program with a missing ``wait_event`` (a graph on stream 1
+replays over an input stream 2 refreshes) and the same program with the wait: the first must
+give wrong data for some seeds and not others, the second the model's data for every seed.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+
+import runtime
+from runtime import kernels as K
+from runtime.backends.cpu import CpuBackend, decode_trace, encode_trace
+from runtime.server.server import ComputeServer
+from runtime.testing import (Create, Launch, Prepare, Program, ProgramMismatch, Read, RecordEvent,
+                             Replay, StartCapture, StopCapture, Sync, WaitEvent, Write, KernelSpec,
+                             programs, run_program)
+
+SEEDS = range(20)
+SPECS = (KernelSpec(K.add_scalar, {"alpha": 1.0}),)
+ONES, FIVES = (1.0,) * 4, (5.0,) * 4
+
+
+def refresh_then_replay(wait: bool) -> Program:
+    """x on stream 0; a graph on stream 1 computes y = x + 1; stream 2 refreshes x; replay.
+
+    (The refresh comes from a third stream: the first replay waits for what the creating
+    stream had pending at record time, up to that stream's latest work.)"""
+    launch = Launch(1, 0, (0, 1), (("alpha", 1.0), ("n", 4)))
+    ops = [Create(0, 0, "f32", ONES), Create(0, 1, "f32", ONES), Sync(0),
+           Prepare(1), StartCapture(1), launch, StopCapture(1, 0), Write(2, 0, "f32", FIVES)]
+    if wait:
+        ops += [RecordEvent(2, 0), WaitEvent(1, 0)]
+    ops += [Replay(1, 0), Read(1, 1)]
+    return Program(tuple(ops), (Sync(0), Sync(1), Sync(2)), SPECS, 4, 3, 3, contract=wait)
+
+
+def test_a_missing_wait_gives_wrong_data_for_some_seeds_and_a_trace_replays_it_exactly():
+    prog = refresh_then_replay(wait=False)
+    runs = [run_program(prog, seed=s, raises=False) for s in SEEDS]
+    wrong = [r for r in runs if r.mismatches]
+    assert wrong and len(wrong) < len(runs), "the schedule must decide the outcome"
+    assert all(r.reads[-1].tolist() == [2.0] * 4 for r in wrong)      # the stale x + 1
+    for r in runs[:6]:
+        again = run_program(prog, trace=r.trace, raises=False)
+        assert again.diverged == 0 and again.trace == r.trace
+        np.testing.assert_array_equal(again.reads[-1], r.reads[-1])
+        assert bool(again.mismatches) == bool(r.mismatches)
+
+
+def test_the_correct_program_passes_every_seed_with_and_without_the_checker():
+    prog = refresh_then_replay(wait=True)
+    for s in SEEDS:
+        run = run_program(prog, seed=s, check=s % 2 == 0)
+        assert run.flagged is None
+        np.testing.assert_array_equal(run.reads[-1], np.full(4, 6, np.float32))
+
+
+def test_the_checker_flags_the_missing_wait_and_the_report_names_seed_and_schedule():
+    run = run_program(refresh_then_replay(wait=False), seed=3, check=True, raises=False)
+    assert isinstance(run.flagged, runtime.StreamRaceError)
+    prog = dataclasses.replace(refresh_then_replay(wait=False), contract=True)   # claimed correct: a mismatch
+    with pytest.raises(ProgramMismatch) as info:
+        run_program(prog, seed=3, check=True)
+    text = str(info.value)
+    assert "seed 3" in text and "schedule (trace)" in text and "g0.replay()  # MISMATCH" in text
+
+
+def test_the_printed_program_runs_as_written_and_reads_what_the_run_read():
+    prog = refresh_then_replay(wait=False)
+    for s in SEEDS:
+        run = run_program(prog, seed=s, raises=False)
+        if run.mismatches:
+            break
+    ns: dict = {}
+    exec(prog.to_python(seed=s), ns)                  # noqa: S102 - the point of the test
+    try:
+        np.testing.assert_array_equal(ns["c1"].read(ns["b1"]), run.reads[-1])
+    finally:
+        ns["c"].shutdown()
+
+
+def test_a_trace_that_no_longer_fits_is_followed_where_it_can_and_counts_the_divergence():
+    prog = refresh_then_replay(wait=True)
+    run = run_program(prog, trace="7*3,0", raises=True)      # stream 7 never exists
+    assert run.diverged >= 3
+    np.testing.assert_array_equal(run.reads[-1], np.full(4, 6, np.float32))
+
+
+def test_traces_encode_compactly_and_bad_ones_are_refused():
+    assert encode_trace([0, 0, 0, 1, 0, 0]) == "0*3,1,0*2"
+    assert decode_trace("0*3,1,0*2") == [0, 0, 0, 1, 0, 0]
+    for bad in ("a", "1*", "-1", "1*x"):
+        with pytest.raises(ValueError):
+            decode_trace(bad)
+    with pytest.raises(TypeError):
+        decode_trace(3.5)
+    with pytest.raises(ValueError):
+        CpuBackend(scheduler="trace")                     # a trace scheduler needs its trace
+    with pytest.raises(ValueError):
+        CpuBackend(scheduler="interleave", trace="0")
+    with pytest.raises(ValueError):
+        run_program(refresh_then_replay(True), backend="wgpu", trace="0")
+
+
+def test_programs_refuses_bad_kernels_and_sizes():
+    with pytest.raises(ValueError):
+        programs([])
+    with pytest.raises(ValueError):
+        programs([K.add_scalar])                          # alpha has no value
+    with pytest.raises(ValueError):
+        programs([(K.copy, {"beta": 1})])
+    with pytest.raises(TypeError):
+        programs(["copy"])
+    with pytest.raises(ValueError):
+        programs([K.copy], buffers=0)
+    wgsl_only = runtime.Kernel("w", [runtime.Binding("y", "f32", "read_write")], wgsl="x")
+    with pytest.raises(ValueError):
+        programs([wgsl_only])
+
+
+def test_generated_programs_use_every_call_and_pass():
+    seen = set()
+    ks = [(K.add_scalar, {"alpha": 1.5}), K.copy, K.add]
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(programs(ks, streams=2, clients=3))
+    def one(prog):
+        seen.update(type(op).__name__ for op in prog.ops)
+        run_program(prog, seed=len(seen))
+    one()
+    assert {"Create", "Launch", "Read", "Write", "Free", "Sync", "RecordEvent", "WaitEvent",
+            "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Empty"} <= seen, seen
+
+
+def test_shrinking_reduces_a_planted_missing_dependency_to_a_few_calls(monkeypatch):
+    # the planted bug: the server forgets the event waits between streams
+    monkeypatch.setattr(ComputeServer, "_wait_for", lambda self, s, fences: None)
+
+    def diverges(prog):
+        return any(run_program(prog, seed=s, threads=False, raises=False).mismatches
+                   for s in range(6))
+    small = find(programs([K.copy], buffers=3, steps=8, capture=False), diverges,
+                 settings=settings(max_examples=100, deadline=None, database=None,
+                                   derandomize=True, suppress_health_check=list(HealthCheck)))
+    print("\nshrunk:\n" + small.to_python())
+    assert len(small) <= 4, small.to_python()

@@ -13,6 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# CI (CI=true) runs the property tests derandomized: the same generated programs every run, so
+# a red CI is reproducible with the same command; locally every run explores new programs.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 import runtime
 from runtime.testing import backend_unavailable

@@ -46,6 +46,16 @@ def model(backend, model_dir):
     return _models[backend]
 
 
+@pytest.fixture
+def cpu_model(model_dir):
+    """The cpu model, for tests of the model's own bookkeeping (buckets, refresh, eviction):
+    the same code on every backend, whose numerics the other tests check per backend (on
+    lavapipe each of these took 25-35 s of the suite)."""
+    if "cpu" not in _models:
+        _models["cpu"] = MiniLM.load(runtime.client("cpu"), model_dir, max_graphs=4)
+    return _models["cpu"]
+
+
 def sentences(ref):
     return [str(s) for s in ref["sentences"]]
 
@@ -67,7 +77,8 @@ def test_embeddings_match_sentence_transformers(model, ref, graph):
     np.testing.assert_allclose(emb @ emb.T, ref["cosine_similarity"], atol=2e-4)
 
 
-def test_a_second_replay_refreshes_inputs_in_place_and_gives_the_same_result(model, ref):
+def test_a_second_replay_refreshes_inputs_in_place_and_gives_the_same_result(cpu_model, ref):
+    model = cpu_model
     texts = [t for t, n in zip(sentences(ref), ref["lengths"]) if n <= 32]   # two buckets
     first = model.embed(texts, graph=True)
     captures = model.graph_captures
@@ -94,7 +105,8 @@ def test_every_layer_matches_for_sentence_5(model, ref):
         assert np.abs(layers[layer, 0] - want[layer]).max() < 1e-3, f"layer {layer}"
 
 
-def test_run_bucket_pads_into_the_bucket_and_evicts_the_least_recently_used(model, ref):
+def test_run_bucket_pads_into_the_bucket_and_evicts_the_least_recently_used(cpu_model, ref):
+    model = cpu_model
     texts = sentences(ref)[:3]
     ids, mask = model.tokenize(texts)
     want = model.forward(ids, mask)                    # eager, unpadded

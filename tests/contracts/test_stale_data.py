@@ -9,6 +9,7 @@ cpu kernel that blocks its stream until the test opens it (bounded wait, never a
 work that must come first is still pending when the later work is issued.
 """
 
+import os
 import threading
 
 import numpy as np
@@ -18,6 +19,7 @@ import runtime
 from runtime import Tensor
 from runtime import kernels as K
 from runtime.errors import CaptureRefused, LaunchError, ReplayFailed, ServerUnhealthy
+from runtime.testing import backend_unavailable
 
 N = 64
 
@@ -51,15 +53,21 @@ def other(c):
     return c.with_stream(runtime.StreamId.new())
 
 
-@pytest.fixture(params=["backend", *(f"interleave-{k}" for k in range(4))])
-def fresh(request, client):
-    """``client``, then the cpu backend's seeded interleavings (a server of its own each, with
-    the checker: a fresh pool, so the reuse is the test's, and every ordering is tried)."""
-    if request.param == "backend":
-        yield client
+ALL_BACKENDS = [b.strip() for b in os.environ.get("RUNTIME_TEST_BACKENDS", "cpu,wgpu,cuda").split(",")
+                if b.strip()]
+
+
+@pytest.fixture(params=[*ALL_BACKENDS, *(f"interleave-{k}" for k in range(4))])
+def fresh(request):
+    """A client of each backend, then the cpu backend's seeded interleavings (a server of its
+    own each, with the checker: a fresh pool, so the reuse is the test's, and every ordering is
+    tried)."""
+    if not request.param.startswith("interleave-"):
+        why = backend_unavailable(request.param)
+        if why:
+            pytest.skip(why)
+        yield runtime.client(request.param).with_stream(runtime.StreamId.new())
         return
-    if client.backend != "cpu":
-        pytest.skip("the interleaving variants run once, with the cpu backend")
     c = runtime.client("cpu", scheduler="interleave", seed=int(request.param[11:]), check=True)
     yield c.with_stream(runtime.StreamId.new())
     assert c._server.checker.violations == []
@@ -228,11 +236,11 @@ def test_a_failure_while_a_replay_executes_marks_its_write_set(client, monkeypat
     g.release()
 
 
-def test_an_eager_launch_failing_at_execution_marks_its_output_on_every_stream(client):
-    """The failure is reported on the issuing stream; the output reads stale from any stream."""
-    if client.backend != "cpu":
-        pytest.skip("an execution-time failure of an eager launch needs a cpu kernel body")
-    a, b = client, other(client)
+def test_an_eager_launch_failing_at_execution_marks_its_output_on_every_stream():
+    """The failure is reported on the issuing stream; the output reads stale from any stream.
+    (cpu: an execution-time failure of an eager launch needs a cpu kernel body that raises.)"""
+    a = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    b = other(a)
     k = _checked_copy()
     x = a.create(np.full(N, -1.0, np.float32))
     t = a.create(np.zeros(N, np.float32))

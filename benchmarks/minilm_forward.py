@@ -62,6 +62,8 @@ def _threads() -> dict:
         out["torch"] = sys.modules["torch"].get_num_threads()
     if "numba" in sys.modules:
         out["numba"] = sys.modules["numba"].get_num_threads()
+    if os.environ.get("OMP_WAIT_POLICY"):
+        out["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
     return out
 
 
@@ -105,10 +107,13 @@ def _worker_product(job: dict) -> dict:
     for key, texts in job["rows"].items():
         res[key] = _time_calls(lambda: model.embed(texts, batch_size=len(texts)), job["reps"],
                                job["budget_s"])
-    try:               # numba's count is per thread: report what the kernels' threads use
-        from runtime.kernels.cpu_loops import use_threads
-        use_threads()
-    except ImportError:                            # a checkout before the numba kernels
+    try:               # numba's count is per thread: report what one executing stream gets
+        from runtime.kernels.cpu_loops import set_threads
+        from runtime.kernels.threads import RULE
+        RULE.enter()
+        set_threads(RULE.threads())
+        RULE.exit()
+    except ImportError:                            # a checkout before the thread rule
         pass
     return {"samples": res, "threads": _threads()}
 
@@ -254,16 +259,16 @@ def plot(res: dict, path: str) -> None:
 def kernel_table(batch: int = 8, seq: int = 128, reps: int = 30) -> list:
     """Each cpu kernel of the MiniLM layer (µs, median [p10-p90]) beside numpy's and torch's
     equivalent on the same shapes; torch columns only where torch imports. Runs on the calling
-    thread with the cpu backend's thread rule (BLAS and numba at one thread, unless the user's
-    environment says otherwise); torch keeps its default threads.
+    thread as one executing stream under the cpu backend's thread rule (BLAS and numba at every
+    core, unless the user's environment says otherwise); torch keeps its default threads.
 
     Returns: rows ``{"kernel", "shape", "runtime", "numpy", "torch"}`` (each ``{"p50", "p10",
     "p90"}`` in µs or ``None``).
     """
     sys.path.insert(0, str(ROOT))
-    from runtime.backends.cpu import limit_blas_threads
     from runtime.kernels import nn
-    limit_blas_threads(1)            # the cpu backend's rule (numpy's column runs under it too)
+    from runtime.kernels.threads import RULE
+    RULE.enter()                     # one executing stream (numpy's column runs under it too)
     try:
         import torch
         import torch.nn.functional as F
@@ -325,14 +330,17 @@ def kernel_table(batch: int = 8, seq: int = 128, reps: int = 30) -> list:
         twq_t, tbq = torch.from_numpy(np.ascontiguousarray(wqkv.T)), torch.from_numpy(bqkv)
         tqkv = torch.from_numpy(qkv)
     out = []
-    for name, shape, ours, ref_np, ref_torch in rows:
-        if torch is not None:
-            with torch.inference_mode():
-                tt = t(ref_torch)
-        else:
-            tt = None
-        out.append({"kernel": name, "shape": shape, "runtime": t(ours), "numpy": t(ref_np),
-                    "torch": tt})
+    try:
+        for name, shape, ours, ref_np, ref_torch in rows:
+            if torch is not None:
+                with torch.inference_mode():
+                    tt = t(ref_torch)
+            else:
+                tt = None
+            out.append({"kernel": name, "shape": shape, "runtime": t(ours), "numpy": t(ref_np),
+                        "torch": tt})
+    finally:
+        RULE.exit()
     return out
 
 

@@ -2,8 +2,9 @@
 replicas beside the single-process server.
 
 Everything runs on one local Ray cluster on 127.0.0.1 (``runtime.cluster.init_ray``; its
-logical CPUs = this machine's cores) and on the cpu backend, each model process with one BLAS
-thread.
+logical CPUs = this machine's cores) and on the cpu backend, each model process sharing out
+its cores by the cpu thread rule (``runtime.kernels.threads``; a Ray worker's cores are its
+``num_cpus``, through the ``OMP_NUM_THREADS`` Ray sets).
 
 - **Corpus** (``embed_corpus``): a JSON Lines file of ``--rows`` distinct short sentences,
   embedded in-process, by a Ray Data pool of 1 actor and of 2 actors. The paths take turns
@@ -207,9 +208,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.rows, args.reps, args.requests = 500, 1, 64
     from runtime.cluster import init_ray
-    from runtime.serving import limit_blas_threads
 
-    limit_blas_threads(1)
     cpus = os.cpu_count() or 2
     init_ray(num_cpus=cpus, log_to_driver=False)
     res = {"machine": machine(), "args": vars(args)}

@@ -27,9 +27,9 @@ captured at start-up before anything is timed), ``eager`` (the same batcher and 
 kernels launched one by one) and ``sentence-transformers`` (the same batcher and HTTP server
 with the model run by sentence-transformers on torch, cpu), only when it is installed
 (``--no-st`` skips it; run this script with ``/work/venv-st/bin/python`` or any environment
-that has it). numpy's BLAS gets one thread (``limit_blas_threads``, as ``serve`` does: the cpu
-backend's workers are the parallelism); torch keeps its default threads unless ``--st-threads``
-says otherwise. The paths take turns (order rotated), so slow drift hits all alike.
+that has it). The cpu backend sizes numpy's BLAS and numba's pools by its thread rule
+(``runtime.kernels.threads``, as ``serve`` does); torch keeps its default threads unless
+``--st-threads`` says otherwise. The paths take turns (order rotated), so slow drift hits all alike.
 
 The script only uses APIs an older checkout also has, so the same file measures before and
 after a change: ``PYTHONPATH=/path/to/old/checkout python benchmarks/serving.py`` imports that
@@ -63,7 +63,7 @@ import numpy as np
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime.serving import (MODEL_ID, Batcher, ServerThread, ServingMetrics,  # noqa: E402
-                             create_app, limit_blas_threads, load_model)
+                             create_app, load_model)
 from runtime.serving.demo import SENTENCES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -413,8 +413,6 @@ def main(argv=None) -> int:
     closed, mixed, largest, st_note, names = [], [], [], None, []
     backend = args.backend
     if sections & {"closed", "mixed"}:
-        if args.backend in ("auto", "cpu"):
-            limit_blas_threads(1)       # as `python -m runtime serve` does (numpy BLAS only)
         model = load_model(None if args.backend == "auto" else args.backend,
                            max_graphs=len(WARMUP))
         backend = model.client.backend

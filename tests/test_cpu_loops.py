@@ -1,10 +1,13 @@
 """The cpu backend's compiled kernels (``runtime.kernels.cpu_loops``) and its thread rule:
 exactness against ``math.erf``/numpy float64 references, attention worked through in chunks, a
-replay that allocates nothing, bad ids refused, and OpenBLAS held at one thread."""
+replay that allocates nothing, bad ids refused, and the thread rule (the cores shared among the
+stream items executing now; the user's settings win)."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 import runtime
 from runtime.backends.cpu import limit_blas_threads
 from runtime.kernels import cpu_loops, nn
+from runtime.kernels.threads import RULE, ThreadRule
 from runtime.tensor import Arena, Tensor, embedding
 
 from test_kernels_nn import attention_ref, gelu_ref
@@ -110,16 +114,135 @@ def test_embedding_refuses_ids_outside_the_table(cpu):
         embedding(ids, types, word, pos, ttab).numpy()
 
 
-def test_blas_thread_rule_holds_one_thread_and_yields_to_the_user(monkeypatch):
-    from threadpoolctl import threadpool_info
-    runtime.client("cpu")                      # a started cpu backend applied the rule
+def test_exp_neg_is_exact_to_float32_on_a_dense_grid():
+    x = np.concatenate([np.linspace(-87, 0, 200001), [0.0, -1e-30, -0.34657, -0.34658, -86.99]])
+    x = x.astype(np.float32)
+    got = np.empty_like(x)
+    cpu_loops.exp_neg_array(x, got)
+    ref = np.exp(x.astype(np.float64))
+    assert np.abs(got / ref - 1).max() < 4e-7             # a few float32 ulps, as numpy's expf
+    assert cpu_loops.exp_neg_array(np.zeros(1, np.float32), got[:1]) is None and got[0] == 1.0
+    far = np.array([-88.5, -1e9, -np.inf], np.float32)
+    cpu_loops.exp_neg_array(far, far)
+    assert (far <= 1.7e-38).all() and (far >= 0).all()   # clamped at -87: tiny, never negative
+
+
+def test_softmax_rows_keeps_scores_beside_a_minus_1e9_mask():
+    # the mask is added, not folded: with reassociation allowed, scale * s + (1 - m) * -1e9
+    # can become (scale * s - 1e9) + 1e9 m, which loses every score to float32 rounding
+    G, heads, S = 6, 3, 40
+    s = (RNG.standard_normal((G, S, S)) * 8).astype(np.float32)
+    mask = np.ones((G // heads, S), np.float32)
+    mask[0, 30:] = 0
+    madd = ((1 - mask) * np.float32(-1e9)).astype(np.float32)
+    ref = s.astype(np.float64) * np.float64(np.float32(0.17)) + np.repeat(madd, heads, 0)[:, None]
+    ref = np.exp(ref - ref.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    got = s.copy()
+    cpu_loops.softmax_rows(got, madd, heads, np.float32(0.17))
+    np.testing.assert_allclose(got, ref, atol=2e-7, rtol=1e-5)
+    assert (got[:heads, :, 30:] < 1e-30).all()            # masked keys get nothing
+
+
+def test_thread_rule_shares_the_cores_among_executing_items():
+    rule = ThreadRule(cores=4)
+    assert rule.threads() == 4                             # nothing executing: a caller alone
+    for active, want in ((1, 4), (2, 2), (3, 1), (5, 1)):
+        rule.active = active
+        assert rule.threads() == want
+    with pytest.raises(ValueError):
+        rule.set_cores(0)
+
+
+def test_thread_rule_sizes_blas_while_items_execute_and_yields_to_the_user(monkeypatch):
+    class Lib:                                             # a threadpoolctl library controller
+        def __init__(self):
+            self.calls = []
+
+        def set_num_threads(self, n):
+            self.calls.append(n)
+
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    prev = limit_blas_threads(1)
-    try:
-        assert all(i["num_threads"] == 1 for i in threadpool_info() if i["user_api"] == "blas")
-        monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
-        assert limit_blas_threads(1) is None   # the user's setting wins: nothing done
-    finally:
-        if prev is not None:
-            limit_blas_threads(prev, force=True)
+    rule, lib = ThreadRule(cores=2), Lib()
+    rule._blas = [lib]
+    rule.enter()                                           # one stream: both cores
+    rule.enter()                                           # a second stream: one thread each
+    rule.exit()
+    rule.exit()
+    rule.enter()
+    assert lib.calls == [2, 1, 2]                          # set only when the count changes
+    rule.set_cores(4)
+    assert lib.calls == [2, 1, 2, 4]
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    assert not ThreadRule(cores=2).adapt_blas              # the user's setting wins
+    assert limit_blas_threads(1) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert ThreadRule().cores == 3                         # as torch reads it (Ray sets it)
+
+
+def test_the_thread_rule_reaches_numpys_openblas():
+    # in a fresh process: OpenBLAS's count is process-wide, and this one's cpu workers move it
+    code = """if True:
+        import os
+        for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.pop(v, None)
+        import numpy
+        from threadpoolctl import threadpool_info
+        from runtime.kernels.threads import ThreadRule
+        def blas():
+            return sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+        rule = ThreadRule(cores=2)
+        rule.enter(); a = blas()
+        rule.enter(); b = blas()
+        rule.exit(); c = blas()
+        print(a, b, c)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[2]", "[1]", "[2]"]
+
+
+def test_concurrent_streams_split_the_cores_and_a_lone_stream_gets_them_all(monkeypatch):
+    import threading
+
+    import numba
+    monkeypatch.setattr(RULE, "cores", 2)
+    monkeypatch.setattr(RULE, "adapt_blas", False)         # BLAS is process-wide: leave it
+    seen, barrier = [], threading.Barrier(2, timeout=10)
+
+    def body(x, y, *, n, count):
+        if together:
+            barrier.wait()                                 # both items executing at once
+        nn._loops()                                        # what every nn kernel does first
+        seen.append((RULE.threads(), numba.get_num_threads()))
+        if together:
+            barrier.wait()                                 # neither ends before both looked
+        y[:n] = x[:n]
+
+    k = runtime.Kernel("rule_probe", [("x", "f32", "read"), ("y", "f32", "read_write")],
+                       [("n", "u32")], cpu=body)
+    c = runtime.client("cpu")
+    a, b = c.with_stream(runtime.StreamId.new()), c.with_stream(runtime.StreamId.new())
+    x = np.arange(4, dtype=np.float32)
+    together = True
+    outs = []
+    for s in (a, b):
+        hx, hy = s.create(x), s.empty(16)
+        s.launch(k, (1, 1, 1), [hx, hy], {"n": 4})
+        outs.append((s, hy))
+    for s, hy in outs:
+        np.testing.assert_array_equal(s.read(hy).view(np.float32), x)
+    assert seen == [(1, 1), (1, 1)]
+    together = False
+    seen.clear()
+    hx, hy = a.create(x), a.empty(16)
+    a.launch(k, (1, 1, 1), [hx, hy], {"n": 4})
+    a.sync()
+    assert seen == [(2, min(2, cpu_loops.POOL))]
+
+
+def test_cpu_backend_refuses_a_bad_blas_threads():
+    for bad in (0, "two", True):
+        with pytest.raises(ValueError, match="blas_threads"):
+            runtime.client("cpu", blas_threads=bad)

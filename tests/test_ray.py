@@ -118,6 +118,33 @@ def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tm
     assert np.abs(b[rows] - ref["embeddings"][[where[i] for i in rows]]).max() < 1e-4
 
 
+def test_ray_data_keeps_the_input_order_from_a_processs_first_call(cluster, tmp_path,
+                                                                   monkeypatch):
+    # a Dataset copies the current DataContext when the read creates it: preserve_order set
+    # after the read left a process's first corpus run in completion order (wrong row numbers)
+    import ray.data
+
+    from runtime.corpus import run
+
+    class Stop(Exception):
+        pass
+
+    def no_run(self, *args, **kwargs):
+        raise Stop                                         # the pipeline is built: stop there
+
+    opts = ray.data.DataContext.get_current().execution_options
+    monkeypatch.setattr(opts, "preserve_order", False)     # a fresh process's default
+    seen, real = {}, run.read_dataset
+    monkeypatch.setattr(run, "read_dataset",
+                        lambda *a: seen.setdefault("ds", real(*a)))
+    monkeypatch.setattr(ray.data.Dataset, "map_batches", no_run)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "a"}\n')
+    with pytest.raises(Stop):
+        list(run._ray_batches(str(src), "text", 1, 8, 0.5, 0, {"backend": "cpu"}))
+    assert seen["ds"].context.execution_options.preserve_order
+
+
 def test_ray_data_and_pyarrow_read_every_format_alike(cluster, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

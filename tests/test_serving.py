@@ -730,15 +730,12 @@ def minilm():
     _need_http()
     pytest.importorskip("safetensors", reason="safetensors is not installed")
     pytest.importorskip("tokenizers", reason="tokenizers is not installed")
-    from runtime.serving import limit_blas_threads, load_model
+    from runtime.serving import load_model
     try:
         model = load_model("cpu", max_graphs=6)
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    prev = limit_blas_threads(1)             # as `serve`/`demo` do; restored below
-    yield model
-    if prev is not None:
-        limit_blas_threads(prev, force=True)
+    return model
 
 
 def test_concurrent_clients_get_the_reference_embeddings_and_only_their_own(minilm, ref):

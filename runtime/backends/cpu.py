@@ -16,24 +16,14 @@ enqueued by the server and executed by a scheduler, never by the caller. The sch
 The graph is a software graph: the resolved launch list (callable, views, params), replayed in
 order as one queue item.
 
-Threads (the rule; measured in ``benchmarks/minilm_forward.py``, README "cpu threads"): a stream's
-kernels run one after another on one worker thread, and each kernel may fan out into a library
-pool: OpenBLAS (numpy's matmuls) or numba (the compiled loops of ``runtime.kernels.cpu_loops``).
-
-- OpenBLAS gets **one thread** (:func:`limit_blas_threads`, applied when the first backend
-  starts, unless ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` is set or
-  ``blas_threads=None``). Its pool spins between calls; whenever the cores are shared (our own
-  worker, batcher and event-loop threads, numba's pool, or other processes) the spinning threads
-  and the stragglers they wait for cost far more than the second core gives: MiniLM 8x128 on 2
-  busy cores took 1.9 s per forward with 1 BLAS thread against 10-11 s with 2, and a lone
-  [1024, 384] x [384, 1536] sgemm 38 ms against 60 ms.
-- numba's loops run on the worker thread alone (``runtime.kernels.cpu_loops.use_threads``,
-  unless ``NUMBA_NUM_THREADS`` is set): a parallel region waits for every pool thread, and one
-  descheduled thread stalls it; add + layer norm of [16, 384] took 10 ms median with 2 numba
-  threads against 20 µs with 1 on the same busy machine.
-- Parallelism comes from the worker threads instead (one per runnable stream: concurrent
-  models, requests or clients). On a machine whose cores are idle and reserved for one stream,
-  ``OPENBLAS_NUM_THREADS=<cores>`` and ``NUMBA_NUM_THREADS=<cores>`` let one forward use them.
+Threads: a stream's kernels run one after another on one worker thread, and each kernel may fan
+out into a library pool, OpenBLAS (numpy's matmuls) or numba (the compiled loops of
+``runtime.kernels.cpu_loops``). The thread rule (:mod:`runtime.kernels.threads`, README "The cpu
+backend: kernels and threads") gives both pools ``cores // items executing now`` threads,
+counted over every cpu backend of the process: one busy stream uses every core, concurrent
+streams split them, and no pool waits for a thread another worker holds. ``threads=`` sets the
+cores, ``blas_threads=`` takes BLAS out of the rule; the user's ``OPENBLAS_NUM_THREADS`` (etc.)
+and ``NUMBA_NUM_THREADS`` win.
 """
 
 from __future__ import annotations
@@ -47,6 +37,7 @@ import numpy as np
 
 from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
+from ..kernels.threads import RULE
 from .base import Backend, Completion
 
 _RUN, _WAIT, _SIGNAL = 0, 1, 2
@@ -55,7 +46,8 @@ _RUN, _WAIT, _SIGNAL = 0, 1, 2
 def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
     """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
 
-    The thread rule of this module (see its docstring for the measurements).
+    A fixed count, outside the thread rule (:mod:`runtime.kernels.threads`, which sizes BLAS
+    itself while cpu streams execute; ``CpuBackend(blas_threads=n)`` fixes it through this).
 
     Args:
         n: threads (>= 1).
@@ -409,13 +401,17 @@ class CpuBackend(Backend):
         device: ignored (one cpu device).
         scheduler: a ``Scheduler``, ``"thread"`` (default), ``"interleave"`` or ``"trace"``.
         seed: the ``InterleavingScheduler`` seed when ``scheduler="interleave"``.
-        blas_threads: the OpenBLAS thread count to set for the process (default 1, the thread
-            rule in the module docstring; the user's ``OPENBLAS_NUM_THREADS`` etc. win), or
-            ``None`` to leave BLAS alone.
+        threads: the cores the thread rule shares out among executing streams, for the whole
+            process (default: the CPUs this process may run on; e.g. a Ray replica's
+            ``num_cpus``).
+        blas_threads: ``"auto"`` (default): the thread rule sizes OpenBLAS's pool (unless the
+            user's ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` is set); an
+            int fixes it at that many threads for the process; ``None`` leaves BLAS alone.
         trace: the schedule ``TraceScheduler`` runs when ``scheduler="trace"`` (a string from
             ``InterleavingScheduler.trace`` or a list of stream indices).
     Raises: ``ValueError`` (unknown scheduler, a trace without ``scheduler="trace"`` or the
-        reverse, a malformed trace).
+        reverse, a malformed trace, ``threads < 1``, ``blas_threads`` neither ``"auto"``, an
+        int >= 1 nor ``None``).
     """
 
     name = "cpu"
@@ -423,12 +419,20 @@ class CpuBackend(Backend):
     device_name = "numpy " + np.__version__
 
     def __init__(self, device: int = 0, scheduler=None, seed: int = 0, trace=None,
-                 blas_threads: int | None = 1):
+                 threads: int | None = None, blas_threads: int | str | None = "auto"):
         super().__init__(device)
         if (scheduler == "trace") != (trace is not None):
             raise ValueError("pass trace=... together with scheduler='trace' (and only then)")
-        if blas_threads is not None:
-            limit_blas_threads(blas_threads)
+        if blas_threads != "auto" and blas_threads is not None and (
+                isinstance(blas_threads, (bool, str)) or int(blas_threads) < 1):
+            raise ValueError(f"blas_threads must be 'auto', an int >= 1 or None, "
+                             f"got {blas_threads!r}")
+        if threads is not None:
+            RULE.set_cores(threads)
+        if blas_threads != "auto":
+            RULE.fix_blas()
+            if blas_threads is not None:
+                limit_blas_threads(blas_threads, force=True)
         if scheduler is None or scheduler == "thread":
             scheduler = ThreadScheduler()
         elif scheduler == "interleave":
@@ -478,11 +482,14 @@ class CpuBackend(Backend):
 
     def _execute(self, s: CpuStream, kind, payload) -> None:
         if kind == _RUN:
+            RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
             except Exception as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+            finally:
+                RULE.exit()
         elif kind == _SIGNAL:
             if isinstance(payload, CpuEvent):
                 payload.done = True

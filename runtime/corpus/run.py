@@ -97,10 +97,13 @@ def _ray_batches(path, text_column, actors, batch_size, actor_cpus, actor_gpus, 
     import ray.data
 
     _need_column(column_names(path), text_column)     # ds.schema() would run the read
+    # before the read: a Dataset copies the current DataContext when it is created, so setting
+    # it afterwards left the batches in completion order (wrong row numbers in the report)
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
     ds = read_dataset(path, text_column)
+    ds.context.execution_options.preserve_order = True
     if actor_gpus is None:
         actor_gpus = 1 if settings.get("backend") == "cuda" else 0
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
     ds = ds.map_batches(CorpusEmbedder, fn_constructor_kwargs={"text_column": text_column,
                                                                **settings},
                         batch_size=batch_size, batch_format="pyarrow",

@@ -27,9 +27,16 @@ from __future__ import annotations
 
 import os
 
-import numba
-import numpy as np
-from numba import njit, prange
+# numba's OpenMP pool sleeps as soon as a parallel region ends (runtime.kernels.threads says
+# why); set before numba starts the pool, unless the user chose.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+#: the size of numba's thread pool (``NUMBA_NUM_THREADS``; default: the cores)
+POOL = numba.config.NUMBA_NUM_THREADS
 
 _FAST = {"nsz", "arcp", "contract", "reassoc"}
 _ROWS = dict(parallel=True, fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
@@ -52,6 +59,41 @@ def erf(x):
     p = (((((_P6 * u + _P5) * u + _P4) * u + _P3) * u + _P2) * u + _P1) * u + _P0
     q = ((((_Q5 * u + _Q4) * u + _Q3) * u + _Q2) * u + _Q1) * u + 1.0
     return z * p / q
+
+
+# exp(x) = 2^n exp(r), x = n ln2 + r, |r| <= ln2 / 2 (ln2 split in two for an exact reduction)
+_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_LOG2E = np.float32(1.4426950408889634)
+
+
+@njit(**_INLINE)
+def exp_neg(x):
+    """exp of a float32 ``x <= 0`` (softmax after the row maximum), relative error < 4e-7.
+
+    ``exp(r)`` by its Taylor polynomial of degree 7 (remainder < 5e-9 on ``|r| <= ln2/2``; the
+    rest is float32 rounding in Horner's steps: a few ulps, as numpy's SIMD ``expf``), 2^n
+    written into the float's exponent bits; ``x`` below -87 is taken as -87 (exp = 1.6e-38, a
+    float32 normal). Written out so that LLVM vectorises it: a libm ``expf`` call is scalar.
+    """
+    x = max(x, np.float32(-87.0))
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.0 / 5040)
+    p = p * r + np.float32(1.0 / 720)
+    p = p * r + np.float32(1.0 / 120)
+    p = p * r + np.float32(1.0 / 24)
+    p = p * r + np.float32(1.0 / 6)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * np.int32((np.int32(n) + np.int32(127)) << 23).view(np.float32)
+
+
+@njit(**_ROWS)
+def exp_neg_array(x, out):
+    """``out[i] = exp_neg(x[i])`` for float32 1-D arrays (the scalar of this module; for tests)."""
+    for i in prange(x.shape[0]):
+        out[i] = exp_neg(x[i])
 
 
 @njit(**_INLINE)
@@ -166,54 +208,39 @@ def embedding(ids, types, word, pos, ttab, S, out):
 
 
 @njit(**_ROWS)
-def scores_prepare(s, mask, heads, scale):
-    """In place on attention scores ``s [G, S, S]`` (``G = batches * heads``, batch-major):
-    ``s = scale s + (1 - mask[b, j]) * -1e9``, then subtract each row's maximum (so a following
-    ``exp`` is at most 1). ``mask [batches, S]``."""
+def softmax_rows(s, madd, heads, scale):
+    """In place on attention scores ``s [G, S, T]`` (``G = batches * heads``, batch-major): each
+    row becomes ``softmax(scale * row + madd[b])``, ``madd [batches, T]`` the additive key mask
+    (0 or -1e9; passed precomputed so that no reassociation can fold ``-1e9`` into the scores).
+    One pass for scale, mask and maximum, one for :func:`exp_neg` and the sum, one to divide."""
     G, S, T = s.shape
     for k in prange(G * S):
         g = k // S
         row = s[g, k - g * S]
-        m = mask[g // heads]
-        mx = -np.inf
+        m = madd[g // heads]
+        mx = np.float32(-np.inf)
         for j in range(T):
-            v = row[j] * scale + (1.0 - m[j]) * np.float32(-1e9)
+            v = row[j] * scale + m[j]
             row[j] = v
             mx = max(mx, v)
+        tot = np.float32(0.0)
         for j in range(T):
-            row[j] -= mx
-
-
-@njit(**_ROWS)
-def rows_normalize(s):
-    """In place on ``s [G, S, T]``: divide each row by its sum (after ``exp``: the softmax)."""
-    G, S, T = s.shape
-    for k in prange(G * S):
-        g = k // S
-        row = s[g, k - g * S]
-        tot = 0.0
-        for j in range(T):
-            tot += row[j]
-        inv = np.float32(1.0 / tot)
+            e = exp_neg(row[j] - mx)
+            row[j] = e
+            tot += e
+        inv = np.float32(1.0) / tot
         for j in range(T):
             row[j] *= inv
 
 
-def use_threads() -> int:
-    """Apply the cpu backend's thread rule to the calling thread and return its numba threads.
-
-    The loops then run on the calling (worker) thread alone, unless ``NUMBA_NUM_THREADS`` is set,
-    in which case numba's pool of that size is used. Why (``runtime.backends.cpu``): a pool
-    parallel region waits for every pool thread, and on shared cores one descheduled thread
-    stalls it: measured on a busy 2-core machine, add + layer norm of [16, 384] took 10 ms
-    median at 2 threads against 20 µs at 1, and [1024, 384] 23 ms against 0.34 ms.
-    numba's thread count is per calling thread, so each worker applies it once
-    (``runtime.kernels.nn`` does, on a thread's first cpu launch).
-    """
-    if os.environ.get("NUMBA_NUM_THREADS"):
-        return numba.get_num_threads()
-    numba.set_num_threads(1)
-    return 1
+def set_threads(n: int) -> int:
+    """Run this thread's next parallel loops on ``n`` threads of numba's pool (capped at the
+    pool's size, ``NUMBA_NUM_THREADS``, which defaults to the cores); returns the count applied.
+    numba's count is per calling thread; :mod:`runtime.kernels.nn` applies the thread rule
+    (:mod:`runtime.kernels.threads`) through this before each cpu kernel's loops."""
+    n = max(1, min(int(n), POOL))
+    numba.set_num_threads(n)
+    return n
 
 
 def warm() -> None:
@@ -233,8 +260,8 @@ def warm() -> None:
     l2_normalize(x, x)
     mean_pool(x.reshape(2, 2, 8), np.ones((2, 2), f), np.ones((2, 8), f))
     embedding(np.zeros(4, i), np.zeros(4, i), x, x, x, 2, x)
-    scores_prepare(s, np.ones((1, 4), f), 2, 0.5)
-    rows_normalize(s)
+    exp_neg_array(-v, v)
+    softmax_rows(s, np.zeros((1, 4), f), 2, f(0.5))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import numpy as np
 
 from .elementwise import WORKGROUP, elementwise, grid
 from .shader import program
+from .threads import RULE
 
 R, RW = "read", "read_write"
 
@@ -101,13 +102,16 @@ _tls = threading.local()
 
 def _loops():
     """:mod:`runtime.kernels.cpu_loops`, imported on the first cpu launch (numba loads there, not
-    when ``runtime`` is imported), with the thread rule applied to the calling thread."""
+    when ``runtime`` is imported), with numba's threads for the calling thread set by the thread
+    rule (:mod:`runtime.kernels.threads`: cores shared among the stream items executing now)."""
     global _LOOPS
     if _LOOPS is None:
         from . import cpu_loops
         _LOOPS = cpu_loops
-    if not getattr(_tls, "threads", 0):
-        _tls.threads = _LOOPS.use_threads()
+    n = RULE.threads()
+    if n != getattr(_tls, "threads", 0):
+        _tls.threads = n
+        _LOOPS.set_threads(n)
     return _LOOPS
 
 
@@ -411,9 +415,9 @@ mean_pool = program(
 # Attention
 
 
-#: most attention-score elements the cpu source keeps at once (4 MiB of float32): it works
+#: most attention-score elements the cpu source keeps at once (1 MiB of float32): it works
 #: through the batch in chunks of sequences whose ``[heads, S, S]`` scores fit, in thread scratch.
-ATTN_CPU_CHUNK = 1 << 20
+ATTN_CPU_CHUNK = 1 << 18
 
 
 def _heads_view(buf, B, S, ld, off, heads, hd):
@@ -434,27 +438,27 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
                    scale, count):
     # Batched BLAS for the two products, the softmax in place between them: q (copied into
     # contiguous scratch) @ k^T (a strided view BLAS takes as transposed) -> scores in scratch;
-    # scale + mask + row max (loop), exp (numpy's SIMD exp, in place), row sums (loop); scores
-    # @ v (strided view) written straight into out's head columns. Nothing is allocated once warm.
+    # scale + mask + max, exp + sum, divide: one numba loop over the rows (cpu_loops.softmax_rows);
+    # scores @ v (strided view) written straight into out's head columns. Nothing is allocated
+    # once warm.
     L = _loops()
     B = count[1] // heads
     qv, kv, vv = (_heads_view(t, B, S, ld_in, off, heads, hd)
                   for t, off in ((q, q_off), (k, k_off), (v, v_off)))
     ov = _heads_view(out, B, S, ld_out, 0, heads, hd)
-    m = mask[:B * S].reshape(B, S)
     per = heads * S * S
     nb = max(1, min(B, ATTN_CPU_CHUNK // per))
-    buf = _scratch(nb * (per + heads * S * hd))
+    buf = _scratch(nb * (per + heads * S * hd) + B * S)
+    madd = buf[nb * (per + heads * S * hd):][:B * S].reshape(B, S)
+    np.subtract(1.0, mask[:B * S].reshape(B, S), out=madd)     # the additive mask, once
+    madd *= np.float32(-1e9)
     for b0 in range(0, B, nb):
         n = min(B, b0 + nb) - b0
         s = buf[:n * per].reshape(n, heads, S, S)
         qc = buf[nb * per:nb * per + n * heads * S * hd].reshape(n, heads, S, hd)
         np.copyto(qc, qv[b0:b0 + n])
         np.matmul(qc, kv[b0:b0 + n].transpose(0, 1, 3, 2), out=s)
-        s3 = s.reshape(n * heads, S, S)
-        L.scores_prepare(s3, m[b0:b0 + n], heads, float(scale))
-        np.exp(s, out=s)
-        L.rows_normalize(s3)
+        L.softmax_rows(s.reshape(n * heads, S, S), madd[b0:b0 + n], heads, np.float32(scale))
         np.matmul(s, vv[b0:b0 + n], out=ov[b0:b0 + n])
 
 

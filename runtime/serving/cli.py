@@ -141,11 +141,9 @@ def main(argv=None) -> int:
     if args.ray:                         # Ray Serve (issue 18)
         from .ray_serve import main_ray
         return main_ray(args)
-    from . import Batcher, ServingMetrics, create_app, limit_blas_threads, load_model, serve
+    from . import Batcher, ServingMetrics, create_app, load_model, serve
 
     backend = None if args.backend == "auto" else args.backend
-    if backend in (None, "cpu"):
-        limit_blas_threads(1)            # see limit_blas_threads: BLAS's own pool thrashes here
     try:
         model = load_model(backend, path=args.model_dir, max_graphs=args.max_graphs)
     except (FileNotFoundError, ImportError) as e:

@@ -259,11 +259,9 @@ def main(argv=None) -> int:
     if missing:
         print(f"the demo needs {', '.join(missing)}: pip install -e '.[serve]'", file=sys.stderr)
         return 2
-    from . import limit_blas_threads, load_model
+    from . import load_model
 
     backend = None if args.backend == "auto" else args.backend
-    if backend in (None, "cpu"):
-        limit_blas_threads(1)            # the cpu backend's workers are the parallelism
     t0 = time.perf_counter()
     try:
         model = load_model(backend, max_graphs=len(WARMUP))

@@ -1,0 +1,128 @@
+"""The cpu backend's thread rule: how many threads the library pools inside a cpu kernel get.
+
+A cpu stream's kernels run one after another on one worker thread (:mod:`runtime.backends.cpu`);
+inside a kernel, numpy's matmuls fan out into OpenBLAS's thread pool and the compiled loops of
+:mod:`runtime.kernels.cpu_loops` into numba's (OpenMP) pool. Two pools and several workers on
+few cores fight unless something decides who gets the cores. The rule:
+
+    library threads = max(1, cores // stream items executing now)
+
+counted process-wide (every cpu backend of the process), re-applied whenever that count changes:
+OpenBLAS's thread count is one number per process (``openblas_set_num_threads``, set through
+threadpoolctl's library controller), numba's is per calling thread (``numba.set_num_threads``,
+applied by each kernel before its loops run). So one busy stream (one model forward at a time: a
+batcher, a benchmark) gets every core in both pools, two busy streams on two cores one thread
+each, with no pool waiting on a thread another worker holds. OpenBLAS runs a call from a
+1-thread setting on the calling thread, so concurrent streams do not queue on its pool.
+
+numba's OpenMP pool is told to sleep as soon as a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``,
+set when :mod:`runtime.kernels.cpu_loops` is imported, unless the variable is already set):
+GNU OpenMP's default spins for a while after each region, and a forward alternates OpenMP loops
+with OpenBLAS calls, so the spinning threads took the cores OpenBLAS's threads needed. Measured
+on 2 cores (``benchmarks/minilm_forward.py --variant``), MiniLM 8x128 with both pools at 2
+threads: 1.4 sentences/s spinning against 25.2 passive; the previous rule (both pools at 1
+thread) reached 0.63-0.79x sentence-transformers on the three batch-8/32 rows where this one is
+at or above 1x (README, "The cpu backend: kernels and threads").
+
+What the user sets wins: ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` fix
+BLAS (the rule leaves it alone), ``NUMBA_NUM_THREADS`` caps numba's pool,
+``runtime.client("cpu", threads=n)`` sets ``cores`` (e.g. a Ray replica's ``num_cpus``), and
+``blas_threads=n`` (fixed) or ``None`` (untouched) takes BLAS out of the rule.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def available_cores() -> int:
+    """The cores the thread rule shares out by default: ``OMP_NUM_THREADS`` when it is set to a
+    positive integer (as torch reads it; Ray sets it to a worker's ``num_cpus``), else the CPUs
+    this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        omp = int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0])
+    except ValueError:
+        omp = 0
+    if omp >= 1:
+        return omp
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class ThreadRule:
+    """Counts the cpu stream items executing now and sizes the library pools from that count.
+
+    One per process (:data:`RULE`), since OpenBLAS's setting is process-wide. Thread-safe.
+
+    Attributes:
+        cores: the cores the rule shares out (default :func:`available_cores`).
+        active: stream items executing now (every cpu backend of the process).
+        adapt_blas: whether the rule sets OpenBLAS's thread count (``False`` when the user's
+            environment fixes it, or after :meth:`fix_blas`).
+    """
+
+    def __init__(self, cores: int | None = None):
+        self.cores = cores or available_cores()
+        self.active = 0
+        self.adapt_blas = not any(os.environ.get(v) for v in _BLAS_ENV)
+        self._lock = threading.Lock()
+        self._blas = None                 # threadpoolctl controllers of the BLAS libraries
+        self._blas_now = None             # the count last given to them
+
+    def threads(self) -> int:
+        """Library threads a kernel starting now gets: ``max(1, cores // max(1, active))``."""
+        return max(1, self.cores // max(1, self.active))
+
+    def enter(self) -> None:
+        """A stream item starts executing (the cpu backend calls it around each item)."""
+        with self._lock:
+            self.active += 1
+            if self.adapt_blas:
+                self._apply_blas()
+
+    def exit(self) -> None:
+        """The item :meth:`enter` announced has finished (raised or not)."""
+        with self._lock:
+            self.active -= 1
+            if self.adapt_blas:
+                self._apply_blas()
+
+    def set_cores(self, cores: int | None) -> None:
+        """Share out ``cores`` from now on (``None``: :func:`available_cores`).
+
+        Raises: ``ValueError`` (``cores < 1``).
+        """
+        if cores is not None and int(cores) < 1:
+            raise ValueError(f"threads must be >= 1, got {cores}")
+        with self._lock:
+            self.cores = int(cores) if cores is not None else available_cores()
+            if self.adapt_blas:
+                self._apply_blas()
+
+    def fix_blas(self) -> None:
+        """Stop adapting BLAS's thread count (the caller set it, or wants it left alone)."""
+        with self._lock:
+            self.adapt_blas = False
+
+    def _apply_blas(self) -> None:
+        n = self.threads()
+        if n == self._blas_now:
+            return
+        if self._blas is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+                self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+            except Exception:  # noqa: BLE001 - no threadpoolctl or no BLAS: nothing to size
+                self._blas = []
+        for lib in self._blas:
+            lib.set_num_threads(n)
+        self._blas_now = n
+
+
+#: the process's rule (the cpu backends and the kernels of :mod:`runtime.kernels.nn` use it)
+RULE = ThreadRule()

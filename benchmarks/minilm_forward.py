@@ -42,6 +42,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the environment this script was started with: the workers get it (importing the runtime's
+#: kernels sets OMP_WAIT_POLICY in this process, which must not reach torch's process)
+_USER_ENV = dict(os.environ)
 ROWS = ((1, 16), (8, 16), (32, 16), (1, 128), (8, 128), (32, 128))
 #: single-wordpiece words the benchmark texts are made of (checked against the tokenizer).
 WORDS = ("the cat sat on a mat and the dog ran to see what it was while birds sang in tall "
@@ -141,7 +144,7 @@ def _st_python(arg: str | None) -> str | None:
 def _run_worker(python: str, kind: str, job_file: str, env: dict) -> dict:
     out = job_file + f".{kind}.out.json"
     cmd = [python, str(Path(__file__).resolve()), "--worker", kind, job_file, out]
-    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, env={**_USER_ENV, **env}, capture_output=True, text=True,
                           timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-3000:]}")
@@ -256,37 +259,26 @@ def plot(res: dict, path: str) -> None:
 
 
 # -- the kernel table -------------------------------------------------------------------------
-def kernel_table(batch: int = 8, seq: int = 128, reps: int = 30) -> list:
-    """Each cpu kernel of the MiniLM layer (µs, median [p10-p90]) beside numpy's and torch's
-    equivalent on the same shapes; torch columns only where torch imports. Runs on the calling
-    thread as one executing stream under the cpu backend's thread rule (BLAS and numba at every
-    core, unless the user's environment says otherwise); torch keeps its default threads.
+KERNELS = ("matmul_bias_gelu", "matmul_bias (qkv)", "add_layer_norm", "attention")
 
-    Returns: rows ``{"kernel", "shape", "runtime", "numpy", "torch"}`` (each ``{"p50", "p10",
-    "p90"}`` in µs or ``None``).
-    """
-    sys.path.insert(0, str(ROOT))
-    from runtime.kernels import nn
-    from runtime.kernels.threads import RULE
-    RULE.enter()                     # one executing stream (numpy's column runs under it too)
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        torch = None
+
+def _kernel_inputs(batch: int, seq: int) -> dict:
+    """The arrays of one MiniLM layer's kernels at ``batch x seq`` (seeded: every process that
+    builds them gets the same values)."""
     rng = np.random.default_rng(0)
-    H, FF, heads, hd = 384, 1536, 12, 32
-    M = batch * seq
-    f = np.float32
-    x, res = rng.standard_normal((M, H), dtype=f), rng.standard_normal((M, H), dtype=f)
-    g, bH = rng.standard_normal(H, dtype=f), rng.standard_normal(H, dtype=f)
-    wi, bi = rng.standard_normal((H, FF), dtype=f) * f(0.05), rng.standard_normal(FF, dtype=f)
-    wqkv, bqkv = rng.standard_normal((H, 3 * H), dtype=f) * f(0.05), np.zeros(3 * H, f)
-    qkv = x @ wqkv
-    mask = np.ones((batch, seq), f)
-    o_ff, o_h = np.empty(M * FF, f), np.empty(M * H, f)
-    cnt = (1, batch * heads, 1)
+    H, FF = 384, 1536
+    M, f = batch * seq, np.float32
+    d = {"x": rng.standard_normal((M, H), dtype=f), "res": rng.standard_normal((M, H), dtype=f),
+         "g": rng.standard_normal(H, dtype=f), "b": rng.standard_normal(H, dtype=f),
+         "wi": rng.standard_normal((H, FF), dtype=f) * f(0.05),
+         "bi": rng.standard_normal(FF, dtype=f),
+         "wqkv": rng.standard_normal((H, 3 * H), dtype=f) * f(0.05), "bqkv": np.zeros(3 * H, f),
+         "mask": np.ones((batch, seq), f)}
+    d["qkv"] = d["x"] @ d["wqkv"]
+    return d
 
+
+def _timer(reps: int):
     def t(fn):
         fn()
         s = []
@@ -296,52 +288,93 @@ def kernel_table(batch: int = 8, seq: int = 128, reps: int = 30) -> list:
             s.append((time.perf_counter() - t0) * 1e6)
         p10, p50, p90 = np.percentile(s, [10, 50, 90])
         return {"p50": float(p50), "p10": float(p10), "p90": float(p90)}
+    return t
 
-    def gelu_np(y):
-        return nn.gelu_np(y)
 
-    mm = nn.matmul_bias_gelu.cpu
-    ln = nn.add_layer_norm.cpu
-    at = nn.attention.cpu
-    rows = [
-        ("matmul_bias_gelu", f"[{M},{H}]@[{H},{FF}]",
-         lambda: mm(x.ravel(), wi.ravel(), bi, o_ff, M=M, N=FF, K=H, count=cnt),
-         lambda: gelu_np(x @ wi + bi),
-         (lambda: F.gelu(F.linear(tx, twi_t, tbi))) if torch else None),
-        ("matmul_bias (qkv)", f"[{M},{H}]@[{H},{3 * H}]",
-         lambda: nn.matmul_bias.cpu(x.ravel(), wqkv.ravel(), bqkv, np.empty(M * 3 * H, f), M=M,
-                                    N=3 * H, K=H, count=cnt),
-         lambda: x @ wqkv + bqkv,
-         (lambda: F.linear(tx, twq_t, tbq)) if torch else None),
-        ("add_layer_norm", f"[{M},{H}]",
-         lambda: ln(x.ravel(), res.ravel(), g, bH, o_h, rows=M, n=H, eps=1e-12, count=cnt),
-         lambda: _ln_np(x + res, g, bH),
-         (lambda: F.layer_norm(tx + tres, (H,), tg, tb, 1e-12)) if torch else None),
-        ("attention", f"B={batch} S={seq} heads={heads} hd={hd}",
-         lambda: at(qkv.ravel(), qkv.ravel(), qkv.ravel(), mask.ravel(), o_h, S=seq, heads=heads,
-                    hd=hd, ld_in=3 * H, q_off=0, k_off=H, v_off=2 * H, ld_out=H,
-                    scale=hd ** -0.5, count=cnt),
-         lambda: _attn_np(qkv, batch, seq, heads, hd),
-         (lambda: _attn_torch(tqkv, batch, seq, heads, hd)) if torch else None),
-    ]
-    if torch is not None:
-        tx, tres, tg, tb = (torch.from_numpy(a) for a in (x, res, g, bH))
-        twi_t, tbi = torch.from_numpy(np.ascontiguousarray(wi.T)), torch.from_numpy(bi)
-        twq_t, tbq = torch.from_numpy(np.ascontiguousarray(wqkv.T)), torch.from_numpy(bqkv)
-        tqkv = torch.from_numpy(qkv)
-    out = []
+def _kernels_runtime(batch: int, seq: int, reps: int) -> dict:
+    """The runtime's cpu kernels and numpy's equivalents: ``{kernel: {"shape", "runtime",
+    "numpy"}}``. Runs on the calling thread as one executing stream under the cpu backend's
+    thread rule (BLAS and numba at every core unless the environment says otherwise)."""
+    sys.path.insert(0, str(ROOT))
+    from runtime.kernels import nn
+    from runtime.kernels.threads import RULE
+    H, FF, heads, hd = 384, 1536, 12, 32
+    M, f = batch * seq, np.float32
+    d = _kernel_inputs(batch, seq)
+    x, res, g, bH, wi, bi, wqkv, bqkv, qkv, mask = (d[k] for k in (
+        "x", "res", "g", "b", "wi", "bi", "wqkv", "bqkv", "qkv", "mask"))
+    o_ff, o_h, o_qkv = np.empty(M * FF, f), np.empty(M * H, f), np.empty(M * 3 * H, f)
+    cnt = (1, batch * heads, 1)
+    rows = {
+        "matmul_bias_gelu": (f"[{M},{H}]@[{H},{FF}]",
+                             lambda: nn.matmul_bias_gelu.cpu(x.ravel(), wi.ravel(), bi, o_ff, M=M,
+                                                             N=FF, K=H, count=cnt),
+                             lambda: nn.gelu_np(x @ wi + bi)),
+        "matmul_bias (qkv)": (f"[{M},{H}]@[{H},{3 * H}]",
+                              lambda: nn.matmul_bias.cpu(x.ravel(), wqkv.ravel(), bqkv, o_qkv,
+                                                         M=M, N=3 * H, K=H, count=cnt),
+                              lambda: x @ wqkv + bqkv),
+        "add_layer_norm": (f"[{M},{H}]",
+                           lambda: nn.add_layer_norm.cpu(x.ravel(), res.ravel(), g, bH, o_h,
+                                                         rows=M, n=H, eps=1e-12, count=cnt),
+                           lambda: _ln_np(x + res, g, bH)),
+        "attention": (f"B={batch} S={seq} heads={heads} hd={hd}",
+                      lambda: nn.attention.cpu(qkv.ravel(), qkv.ravel(), qkv.ravel(),
+                                               mask.ravel(), o_h, S=seq, heads=heads, hd=hd,
+                                               ld_in=3 * H, q_off=0, k_off=H, v_off=2 * H,
+                                               ld_out=H, scale=hd ** -0.5, count=cnt),
+                      lambda: _attn_np(qkv, batch, seq, heads, hd)),
+    }
+    t = _timer(reps)
+    RULE.enter()                     # one executing stream (numpy's column runs under it too)
     try:
-        for name, shape, ours, ref_np, ref_torch in rows:
-            if torch is not None:
-                with torch.inference_mode():
-                    tt = t(ref_torch)
-            else:
-                tt = None
-            out.append({"kernel": name, "shape": shape, "runtime": t(ours), "numpy": t(ref_np),
-                        "torch": tt})
+        return {k: {"shape": shape, "runtime": t(ours), "numpy": t(ref)}
+                for k, (shape, ours, ref) in rows.items()}
     finally:
         RULE.exit()
-    return out
+
+
+def _kernels_torch(batch: int, seq: int, reps: int) -> dict:
+    """torch's equivalents (its default threads), ``{kernel: {"torch"}}``."""
+    import torch
+    import torch.nn.functional as F
+    H, heads, hd = 384, 12, 32
+    d = {k: torch.from_numpy(np.ascontiguousarray(v.T) if k in ("wi", "wqkv") else v)
+         for k, v in _kernel_inputs(batch, seq).items()}
+    rows = {"matmul_bias_gelu": lambda: F.gelu(F.linear(d["x"], d["wi"], d["bi"])),
+            "matmul_bias (qkv)": lambda: F.linear(d["x"], d["wqkv"], d["bqkv"]),
+            "add_layer_norm": lambda: F.layer_norm(d["x"] + d["res"], (H,), d["g"], d["b"],
+                                                   1e-12),
+            "attention": lambda: _attn_torch(d["qkv"], batch, seq, heads, hd)}
+    t = _timer(reps)
+    with torch.inference_mode():
+        return {k: {"torch": t(fn)} for k, fn in rows.items()}
+
+
+def kernel_table(batch: int = 8, seq: int = 128, reps: int = 30,
+                 st_python: str | None = None) -> list:
+    """Each cpu kernel of the MiniLM layer (µs, median [p10-p90]) beside numpy's and torch's
+    equivalent on the same shapes (the same seeded arrays). The runtime's and numpy's columns
+    are timed in this process, torch's in a fresh process of ``st_python`` (an interpreter with
+    torch; ``None``: no torch column), so that neither side's thread pools (torch's OpenMP, the
+    runtime's numba OpenMP and OpenBLAS) run beside the other's.
+
+    Returns: rows ``{"kernel", "shape", "runtime", "numpy", "torch"}`` (each ``{"p50", "p10",
+    "p90"}`` in µs, or ``None``) and, under ``"threads"``, each side's thread counts.
+    """
+    ours = _kernels_runtime(batch, seq, reps)
+    theirs = {}
+    if st_python:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "torch.json"
+            subprocess.run([st_python, str(Path(__file__).resolve()), "--worker", "kernels",
+                            json.dumps({"batch": batch, "seq": seq, "reps": reps}), str(out)],
+                           check=True, env=_USER_ENV)
+            theirs = json.loads(out.read_text())
+    rows = [{"kernel": k, "shape": ours[k]["shape"], "runtime": ours[k]["runtime"],
+             "numpy": ours[k]["numpy"], "torch": theirs.get("rows", {}).get(k, {}).get("torch")}
+            for k in KERNELS]
+    return rows, {"runtime": _threads(), "torch": theirs.get("threads")}
 
 
 def _ln_np(v, g, b):
@@ -364,8 +397,8 @@ def _attn_torch(tqkv, B, S, heads, hd):
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, heads * hd)
 
 
-def print_kernels(rows: list) -> None:
-    """The kernel table as markdown (µs, median [p10-p90])."""
+def print_kernels(rows: list, threads: dict) -> None:
+    """The kernel table as markdown (µs, median [p10-p90]) and each side's threads."""
     def c(v):
         return "-" if v is None else f"{v['p50']:,.0f} [{v['p10']:,.0f}-{v['p90']:,.0f}]"
     print("| kernel | shape | runtime µs | numpy µs | torch µs | runtime/torch |")
@@ -374,7 +407,10 @@ def print_kernels(rows: list) -> None:
         ratio = f"{r['runtime']['p50'] / r['torch']['p50']:.2f}" if r["torch"] else "-"
         print(f"| {r['kernel']} | {r['shape']} | {c(r['runtime'])} | {c(r['numpy'])} | "
               f"{c(r['torch'])} | {ratio} |")
-    print(f"- threads {_threads()}; load average {os.getloadavg()}")
+    for side, th in threads.items():
+        if th:
+            print(f"- {side}: threads {th}")
+    print(f"- load average {os.getloadavg()}")
 
 
 # -- the earlier per-backend eager vs replay latency ------------------------------------------
@@ -429,19 +465,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         kind, job, out = args.worker
-        work = _worker_product if kind == "product" else _worker_st
-        res = work(json.loads(Path(job).read_text()))
+        if kind == "kernels":                # torch's column of the kernel table
+            j = json.loads(job)
+            res = {"rows": _kernels_torch(j["batch"], j["seq"], j["reps"]),
+                   "threads": _threads()}
+        else:
+            work = _worker_product if kind == "product" else _worker_st
+            res = work(json.loads(Path(job).read_text()))
         Path(out).write_text(json.dumps(res))
         return 0
     if args.kernels:
-        st = _st_python(args.st_python)
-        if st and st != sys.executable:      # torch lives there: time the kernels in that process
-            return subprocess.call([st, str(Path(__file__).resolve()), "--kernels", "--batch",
-                                    str(args.batch), "--seq", str(args.seq), "--out", args.out])
-        rows = kernel_table(args.batch, args.seq)
-        print_kernels(rows)
+        rows, threads = kernel_table(args.batch, args.seq, st_python=_st_python(args.st_python))
+        print_kernels(rows, threads)
         Path(args.out).write_text(json.dumps({"kind": "minilm_kernels", "batch": args.batch,
-                                              "seq": args.seq, "rows": rows}, indent=2))
+                                              "seq": args.seq, "rows": rows,
+                                              "threads": threads}, indent=2))
         return 0
     if args.eager_vs_replay:
         res = eager_vs_replay(args.backends, [1, 8, 32], [16, 128], args.reps, args.budget_s)

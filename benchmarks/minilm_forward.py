@@ -65,8 +65,8 @@ def _threads() -> dict:
         out["torch"] = sys.modules["torch"].get_num_threads()
     if "numba" in sys.modules:
         out["numba"] = sys.modules["numba"].get_num_threads()
-    if os.environ.get("OMP_WAIT_POLICY"):
-        out["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
+    if "runtime.kernels.cpu_loops" in sys.modules:    # numba's OpenMP, as the runtime starts it
+        out["numba OMP_WAIT_POLICY"] = _USER_ENV.get("OMP_WAIT_POLICY", "PASSIVE")
     return out
 
 

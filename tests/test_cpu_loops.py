@@ -6,6 +6,7 @@ stream items executing now; the user's settings win)."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -201,6 +202,17 @@ def test_the_thread_rule_reaches_numpys_openblas():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[2]", "[1]", "[2]"]
+
+
+def test_numbas_pool_starts_passive_without_leaking_the_setting():
+    code = ("import os; from runtime.kernels import cpu_loops; "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, want in ((None, "None"), ("ACTIVE", "ACTIVE")):    # the user's value stays
+        run_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, env=run_env)
+        assert out.returncode == 0 and out.stdout.strip() == want, out.stderr
 
 
 def test_concurrent_streams_split_the_cores_and_a_lone_stream_gets_them_all(monkeypatch):

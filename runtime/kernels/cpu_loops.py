@@ -27,14 +27,27 @@ from __future__ import annotations
 
 import os
 
-# numba's OpenMP pool sleeps as soon as a parallel region ends (runtime.kernels.threads says
-# why); set before numba starts the pool, unless the user chose.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numba
+import numpy as np
+from numba import njit, prange
 
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
 
+def _start_pool() -> None:
+    """Start numba's thread pool with its OpenMP runtime told to sleep as soon as a parallel
+    region ends (``OMP_WAIT_POLICY=PASSIVE``; :mod:`runtime.kernels.threads` says why), unless
+    the user set the variable. GNU OpenMP reads it once, when numba loads it here; the variable
+    is removed again, so it reaches neither other libraries nor child processes."""
+    mine = "OMP_WAIT_POLICY" not in os.environ
+    if mine:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        numba.get_num_threads()          # loads the threading layer (and its OpenMP) now
+    finally:
+        if mine:
+            del os.environ["OMP_WAIT_POLICY"]
+
+
+_start_pool()
 #: the size of numba's thread pool (``NUMBA_NUM_THREADS``; default: the cores)
 POOL = numba.config.NUMBA_NUM_THREADS
 

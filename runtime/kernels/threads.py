@@ -15,8 +15,8 @@ batcher, a benchmark) gets every core in both pools, two busy streams on two cor
 each, with no pool waiting on a thread another worker holds. OpenBLAS runs a call from a
 1-thread setting on the calling thread, so concurrent streams do not queue on its pool.
 
-numba's OpenMP pool is told to sleep as soon as a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``,
-set when :mod:`runtime.kernels.cpu_loops` is imported, unless the variable is already set):
+numba's OpenMP pool is told to sleep as soon as a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``
+while :mod:`runtime.kernels.cpu_loops` starts the pool, unless the variable is already set):
 GNU OpenMP's default spins for a while after each region, and a forward alternates OpenMP loops
 with OpenBLAS calls, so the spinning threads took the cores OpenBLAS's threads needed. Measured
 on 2 cores (``benchmarks/minilm_forward.py --variant``), MiniLM 8x128 with both pools at 2

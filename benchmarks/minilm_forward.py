@@ -58,15 +58,17 @@ def _threads() -> dict:
     try:
         from threadpoolctl import threadpool_info
         for i in threadpool_info():
-            out[f"{i['user_api']}:{i['internal_api']}"] = i["num_threads"]
+            out[f"{i['user_api']}:{i.get('prefix') or i['internal_api']}"] = i["num_threads"]
     except ImportError:
         pass
     if "torch" in sys.modules:
         out["torch"] = sys.modules["torch"].get_num_threads()
     if "numba" in sys.modules:
         out["numba"] = sys.modules["numba"].get_num_threads()
-    if "runtime.kernels.cpu_loops" in sys.modules:    # numba's OpenMP, as the runtime starts it
-        out["numba OMP_WAIT_POLICY"] = _USER_ENV.get("OMP_WAIT_POLICY", "PASSIVE")
+    loops = sys.modules.get("runtime.kernels.cpu_loops")
+    if loops is not None:                             # numba's OpenMP, as the runtime starts it
+        out["numba OMP_WAIT_POLICY"] = _USER_ENV.get(
+            "OMP_WAIT_POLICY", "PASSIVE" if hasattr(loops, "_start_pool") else "(default)")
     return out
 
 

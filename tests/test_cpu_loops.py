@@ -53,10 +53,20 @@ def test_gelu_loop_matches_exact_erf_and_propagates_nan():
     assert np.isnan(out[7])
 
 
-def test_attention_in_chunks_of_one_sequence_matches_numpy(cpu, monkeypatch):
+@pytest.mark.parametrize("chunk,fan_out,cores", [
+    (3 * 33 * 33, 1 << 62, None),       # one sequence per piece, on the worker alone
+    (3 * 33 * 33, 0, 2),                # the pieces dealt out to 2 threads (RULE.fan_out)
+    (33 * 33, 0, 3),                    # one head per piece, 3 threads
+    (1 << 18, 0, 4),                    # several sequences per piece, fewer pieces than threads
+])
+def test_attention_in_pieces_on_one_or_more_threads_matches_numpy(cpu, monkeypatch, chunk,
+                                                                   fan_out, cores):
     B, S, heads, hd = 5, 33, 3, 32
     H = heads * hd
-    monkeypatch.setattr(nn, "ATTN_CPU_CHUNK", heads * S * S)      # one sequence per chunk
+    monkeypatch.setattr(nn, "ATTN_CPU_CHUNK", chunk)
+    monkeypatch.setattr(nn, "ATTN_FAN_OUT_MACS", fan_out)
+    if cores:
+        monkeypatch.setattr(RULE, "cores", cores)
     qkv = RNG.standard_normal((B, S, 3 * H)).astype(np.float32)
     mask = np.ones((B, S), np.float32)
     mask[1, 20:] = 0

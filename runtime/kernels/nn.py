@@ -22,6 +22,7 @@ its scratch owned by the worker thread.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -415,9 +416,12 @@ mean_pool = program(
 # Attention
 
 
-#: most attention-score elements the cpu source keeps at once (1 MiB of float32): it works
-#: through the batch in chunks of sequences whose ``[heads, S, S]`` scores fit, in thread scratch.
+#: most attention-score elements the cpu source keeps at once per thread (1 MiB of float32): it
+#: works through the batch in pieces (sequences, or heads of one sequence) whose scores fit.
 ATTN_CPU_CHUNK = 1 << 18
+#: multiply-adds (``B * heads * S * S * hd``) from which the cpu source runs its pieces on the
+#: thread rule's threads (below, one thread: handing pieces to a pool costs more than it saves)
+ATTN_FAN_OUT_MACS = 1 << 22
 
 
 def _heads_view(buf, B, S, ld, off, heads, hd):
@@ -434,32 +438,89 @@ def _heads_view(buf, B, S, ld, off, heads, hd):
                                            (S * ld * it, hd * it, ld * it, it))
 
 
+def _attend(views, madd, pieces, S, hd, scale):
+    # One thread's pieces (b0, b1, h0, h1) of attention: q (copied into contiguous scratch) @ k^T
+    # (a strided view BLAS takes as transposed) -> scores in scratch; scale + mask + max, exp +
+    # sum, divide: one numba loop over the rows (cpu_loops.softmax_rows); scores @ v (strided
+    # view) written straight into out's head columns.
+    qv, kv, vv, ov = views
+    L = _LOOPS
+    buf = _scratch(max((b1 - b0) * (h1 - h0) for b0, b1, h0, h1 in pieces) * S * (S + hd))
+    for b0, b1, h0, h1 in pieces:
+        n, nh = b1 - b0, h1 - h0
+        s = buf[:n * nh * S * S].reshape(n, nh, S, S)
+        qc = buf[n * nh * S * S:n * nh * S * (S + hd)].reshape(n, nh, S, hd)
+        np.copyto(qc, qv[b0:b1, h0:h1])
+        np.matmul(qc, kv[b0:b1, h0:h1].transpose(0, 1, 3, 2), out=s)
+        L.softmax_rows(s.reshape(n * nh, S, S), madd[b0:b1], nh, scale)
+        np.matmul(s, vv[b0:b1, h0:h1], out=ov[b0:b1, h0:h1])
+
+
+def _attend_alone(views, madd, pieces, S, hd, scale):
+    # a fan-out pool thread: numba at one thread here (numba's count is per calling thread)
+    if getattr(_tls, "threads", 0) != 1:
+        _tls.threads = _LOOPS.set_threads(1)
+    _attend(views, madd, pieces, S, hd, scale)
+
+
+_FAN_OUT = None
+_FAN_OUT_LOCK = threading.Lock()
+
+
+def _fan_out_pool():
+    """The threads attention's cpu source hands pieces to (created on first use; threads are
+    started as needed, at most one fewer than the CPUs)."""
+    global _FAN_OUT
+    with _FAN_OUT_LOCK:
+        if _FAN_OUT is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _FAN_OUT = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
+                                          thread_name_prefix="runtime-cpu-attention")
+    return _FAN_OUT
+
+
 def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_off, ld_out,
                    scale, count):
-    # Batched BLAS for the two products, the softmax in place between them: q (copied into
-    # contiguous scratch) @ k^T (a strided view BLAS takes as transposed) -> scores in scratch;
-    # scale + mask + max, exp + sum, divide: one numba loop over the rows (cpu_loops.softmax_rows);
-    # scores @ v (strided view) written straight into out's head columns. Nothing is allocated
-    # once warm.
+    # Pieces of whole sequences (several when their [heads, S, S] scores fit ATTN_CPU_CHUNK) or
+    # of heads of one sequence; from ATTN_FAN_OUT_MACS on, the pieces are dealt out to the
+    # thread rule's threads (this worker and pool threads), each with 1-thread BLAS and numba
+    # (RULE.fan_out), as torch's CPU attention runs single-threaded GEMMs in a parallel loop.
+    # Nothing is allocated once warm but the pool's futures.
     L = _loops()
     B = count[1] // heads
-    qv, kv, vv = (_heads_view(t, B, S, ld_in, off, heads, hd)
+    views = tuple(_heads_view(t, B, S, ld_in, off, heads, hd)
                   for t, off in ((q, q_off), (k, k_off), (v, v_off)))
-    ov = _heads_view(out, B, S, ld_out, 0, heads, hd)
-    per = heads * S * S
-    nb = max(1, min(B, ATTN_CPU_CHUNK // per))
-    buf = _scratch(nb * (per + heads * S * hd) + B * S)
-    madd = buf[nb * (per + heads * S * hd):][:B * S].reshape(B, S)
+    views += (_heads_view(out, B, S, ld_out, 0, heads, hd),)
+    want = RULE.threads() if B * heads * S * S * hd >= ATTN_FAN_OUT_MACS else 1
+    hc = max(1, min(heads, ATTN_CPU_CHUNK // (S * S)))
+    nb = max(1, min(B, ATTN_CPU_CHUNK // (heads * S * S), -(-B // want))) if hc == heads else 1
+    if -(-B // nb) * -(-heads // hc) < want:        # too few pieces: split the sequences' heads
+        nb, hc = 1, min(hc, -(-heads // -(-want // B)))
+    pieces = [(b0, min(B, b0 + nb), h0, min(heads, h0 + hc))
+              for b0 in range(0, B, nb) for h0 in range(0, heads, hc)]
+    most = nb * hc * S * (S + hd)
+    buf = _scratch(most + B * S)                # this thread's pieces, then the mask
+    madd = buf[most:most + B * S].reshape(B, S)
     np.subtract(1.0, mask[:B * S].reshape(B, S), out=madd)     # the additive mask, once
     madd *= np.float32(-1e9)
-    for b0 in range(0, B, nb):
-        n = min(B, b0 + nb) - b0
-        s = buf[:n * per].reshape(n, heads, S, S)
-        qc = buf[nb * per:nb * per + n * heads * S * hd].reshape(n, heads, S, hd)
-        np.copyto(qc, qv[b0:b0 + n])
-        np.matmul(qc, kv[b0:b0 + n].transpose(0, 1, 3, 2), out=s)
-        L.softmax_rows(s.reshape(n * heads, S, S), madd[b0:b0 + n], heads, np.float32(scale))
-        np.matmul(s, vv[b0:b0 + n], out=ov[b0:b0 + n])
+    sc = np.float32(scale)
+    n = min(want, len(pieces))
+    if n <= 1:
+        _attend(views, madd, pieces, S, hd, sc)
+        return
+    pool, futures = _fan_out_pool(), []
+    with RULE.fan_out():
+        try:
+            futures = [pool.submit(_attend_alone, views, madd, pieces[i::n], S, hd, sc)
+                       for i in range(1, n)]
+            L.set_threads(1)
+            try:
+                _attend(views, madd, pieces[::n], S, hd, sc)
+            finally:
+                L.set_threads(_tls.threads)
+        finally:
+            for f in futures:                    # every piece done (and its error raised)
+                f.result()
 
 
 def _attention(hd: int):

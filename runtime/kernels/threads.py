@@ -15,14 +15,20 @@ batcher, a benchmark) gets every core in both pools, two busy streams on two cor
 each, with no pool waiting on a thread another worker holds. OpenBLAS runs a call from a
 1-thread setting on the calling thread, so concurrent streams do not queue on its pool.
 
+A kernel made of many small products (attention: two [S, hd] x [hd, S]-sized GEMMs per sequence
+and head) instead deals its pieces out to its threads itself, each piece with 1-thread BLAS and
+numba (:meth:`ThreadRule.fan_out`), as torch's CPU attention runs single-threaded GEMMs in a
+parallel loop: measured on 2 cores, attention of 32x128 tokens (12 heads of 32) took 23 ms
+that way against 44 ms with each small GEMM split over OpenBLAS's 2 threads.
+
 numba's OpenMP pool is told to sleep as soon as a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``
 while :mod:`runtime.kernels.cpu_loops` starts the pool, unless the variable is already set):
 GNU OpenMP's default spins for a while after each region, and a forward alternates OpenMP loops
-with OpenBLAS calls, so the spinning threads took the cores OpenBLAS's threads needed. Measured
-on 2 cores (``benchmarks/minilm_forward.py --variant``), MiniLM 8x128 with both pools at 2
-threads: 1.4 sentences/s spinning against 25.2 passive; the previous rule (both pools at 1
-thread) reached 0.63-0.79x sentence-transformers on the three batch-8/32 rows where this one is
-at or above 1x (README, "The cpu backend: kernels and threads").
+with OpenBLAS calls, so the spinning threads took the cores OpenBLAS's threads needed: MiniLM
+8x128 with both pools at 2 threads ran at 1.4 sentences/s spinning against 25.2 passive
+(``benchmarks/minilm_forward.py --variant``). The rule before this one (both pools at 1 thread,
+parallelism from streams only) reached 0.67-0.81x sentence-transformers on the batch-32 and
+128-token rows (README, "The cpu backend: kernels and threads").
 
 What the user sets wins: ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` fix
 BLAS (the rule leaves it alone), ``NUMBA_NUM_THREADS`` caps numba's pool,
@@ -32,6 +38,7 @@ BLAS (the rule leaves it alone), ``NUMBA_NUM_THREADS`` caps numba's pool,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -69,6 +76,7 @@ class ThreadRule:
     def __init__(self, cores: int | None = None):
         self.cores = cores or available_cores()
         self.active = 0
+        self.fan_outs = 0                 # kernels running pieces on several threads now
         self.adapt_blas = not any(os.environ.get(v) for v in _BLAS_ENV)
         self._lock = threading.Lock()
         self._blas = None                 # threadpoolctl controllers of the BLAS libraries
@@ -92,6 +100,25 @@ class ThreadRule:
             if self.adapt_blas:
                 self._apply_blas()
 
+    @contextlib.contextmanager
+    def fan_out(self):
+        """While a kernel runs its own pieces on several threads (each calling BLAS), OpenBLAS
+        gets one thread: small products split across a pool cost more in hand-offs than they
+        gain, and OpenBLAS queues concurrent callers on its pool (attention, in
+        :mod:`runtime.kernels.nn`, runs each sequence's two small products this way, as torch's
+        CPU attention runs single-threaded GEMMs in a parallel loop)."""
+        with self._lock:
+            self.fan_outs += 1
+            if self.adapt_blas:
+                self._apply_blas()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.fan_outs -= 1
+                if self.adapt_blas:
+                    self._apply_blas()
+
     def set_cores(self, cores: int | None) -> None:
         """Share out ``cores`` from now on (``None``: :func:`available_cores`).
 
@@ -110,7 +137,7 @@ class ThreadRule:
             self.adapt_blas = False
 
     def _apply_blas(self) -> None:
-        n = self.threads()
+        n = 1 if self.fan_outs else self.threads()
         if n == self._blas_now:
             return
         if self._blas is None:

@@ -252,6 +252,8 @@ def plot(res: dict, path: str) -> None:
                     " / ".join(f"{v:.2f}x" for v in rs), ha="center", fontsize=8)
     ax.set_xticks(x + 0.4 - w / 2, [r["row"] for r in rows])
     ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi * 1.5)                 # room for the ratio labels
     ax.set_ylabel("sentences / s (median, p10-p90)")
     ax.set_xlabel("batch x tokens")
     ax.set_title("all-MiniLM-L6-v2 on the cpu: runtime vs sentence-transformers")

@@ -27,8 +27,8 @@ captured at start-up before anything is timed), ``eager`` (the same batcher and 
 kernels launched one by one) and ``sentence-transformers`` (the same batcher and HTTP server
 with the model run by sentence-transformers on torch, cpu), only when it is installed
 (``--no-st`` skips it; run this script with ``/work/venv-st/bin/python`` or any environment
-that has it). The cpu backend sizes numpy's BLAS and numba's pools by its thread rule
-(``runtime.kernels.threads``, as ``serve`` does); torch keeps its default threads unless
+that has it). The cpu backend shares out the cores by its thread rule with OpenBLAS pinned at one
+thread (``runtime.kernels.threads``, as ``serve`` does); torch keeps its default threads unless
 ``--st-threads`` says otherwise. The paths take turns (order rotated), so slow drift hits all alike.
 
 The script only uses APIs an older checkout also has, so the same file measures before and
@@ -413,6 +413,12 @@ def main(argv=None) -> int:
     closed, mixed, largest, st_note, names = [], [], [], None, []
     backend = args.backend
     if sections & {"closed", "mixed"}:
+        if args.backend in ("auto", "cpu"):
+            try:                        # as `python -m runtime serve` does
+                from runtime.kernels.threads import RULE
+                RULE.pin_blas(1)
+            except ImportError:         # an older checkout: its own rule
+                pass
         model = load_model(None if args.backend == "auto" else args.backend,
                            max_graphs=len(WARMUP))
         backend = model.client.backend

@@ -192,6 +192,39 @@ def test_thread_rule_sizes_blas_while_items_execute_and_yields_to_the_user(monke
     assert ThreadRule().cores == 3                         # as torch reads it (Ray sets it)
 
 
+def test_host_work_counts_as_an_executing_item_and_pinned_blas_leaves_the_rule(monkeypatch):
+    class Lib:
+        def __init__(self):
+            self.calls = []
+
+        def set_num_threads(self, n):
+            self.calls.append(n)
+
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    rule, lib = ThreadRule(cores=2), Lib()
+    rule._blas = [lib]
+    with rule.host_busy():                                 # the server is working
+        rule.enter()                                       # a forward starts beside it
+        assert rule.threads() == 1
+        rule.exit()
+    assert rule.threads() == 2 and rule.active == 0
+    assert lib.calls == [2, 1, 2]
+    limits = []
+    monkeypatch.setattr("runtime.backends.cpu.limit_blas_threads",
+                        lambda n, force=False: limits.append((n, force)))
+    with pytest.raises(ValueError):
+        rule.pin_blas(0)
+    rule.pin_blas(1)
+    rule.pin_blas(1)                                       # once: the rule is out of BLAS now
+    assert limits == [(1, True)] and not rule.adapt_blas
+    rule.enter()
+    rule.enter()
+    assert lib.calls == [2, 1, 2]                          # no more BLAS changes
+    rule.exit()
+    rule.exit()
+
+
 def test_the_thread_rule_reaches_numpys_openblas():
     # in a fresh process: OpenBLAS's count is process-wide, and this one's cpu workers move it
     code = """if True:

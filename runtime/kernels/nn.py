@@ -456,11 +456,11 @@ def _attend(views, madd, pieces, S, hd, scale):
         np.matmul(s, vv[b0:b1, h0:h1], out=ov[b0:b1, h0:h1])
 
 
-def _attend_alone(views, madd, pieces, S, hd, scale):
+def _on_pool_thread(fn, part):
     # a fan-out pool thread: numba at one thread here (numba's count is per calling thread)
     if getattr(_tls, "threads", 0) != 1:
         _tls.threads = _LOOPS.set_threads(1)
-    _attend(views, madd, pieces, S, hd, scale)
+    fn(part)
 
 
 _FAN_OUT = None
@@ -468,24 +468,43 @@ _FAN_OUT_LOCK = threading.Lock()
 
 
 def _fan_out_pool():
-    """The threads attention's cpu source hands pieces to (created on first use; threads are
+    """The threads cpu sources hand parts of their work to (created on first use; threads are
     started as needed, at most one fewer than the CPUs)."""
     global _FAN_OUT
     with _FAN_OUT_LOCK:
         if _FAN_OUT is None:
             from concurrent.futures import ThreadPoolExecutor
             _FAN_OUT = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
-                                          thread_name_prefix="runtime-cpu-attention")
+                                          thread_name_prefix="runtime-cpu-kernel")
     return _FAN_OUT
+
+
+def _fan_out(fn, parts) -> None:
+    """``fn(part)`` for every part at once: the first on the calling (worker) thread, the others
+    on pool threads; numba and OpenBLAS at one thread in each meanwhile (``RULE.fan_out``,
+    :mod:`runtime.kernels.threads`). Returns when every part is done; raises the first error."""
+    pool, futures = _fan_out_pool(), []
+    with RULE.fan_out():
+        try:
+            for part in parts[1:]:
+                futures.append(pool.submit(_on_pool_thread, fn, part))
+            _LOOPS.set_threads(1)
+            try:
+                fn(parts[0])
+            finally:
+                _LOOPS.set_threads(_tls.threads)
+        finally:
+            for f in futures:                    # every part done (and its error raised)
+                f.result()
 
 
 def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_off, ld_out,
                    scale, count):
     # Pieces of whole sequences (several when their [heads, S, S] scores fit ATTN_CPU_CHUNK) or
     # of heads of one sequence; from ATTN_FAN_OUT_MACS on, the pieces are dealt out to the
-    # thread rule's threads (this worker and pool threads), each with 1-thread BLAS and numba
-    # (RULE.fan_out), as torch's CPU attention runs single-threaded GEMMs in a parallel loop.
-    # Nothing is allocated once warm but the pool's futures.
+    # thread rule's threads (_fan_out: this worker and pool threads, 1-thread BLAS and numba
+    # each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
+    # allocated once warm but the pool's futures.
     L = _loops()
     B = count[1] // heads
     views = tuple(_heads_view(t, B, S, ld_in, off, heads, hd)
@@ -507,20 +526,9 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     n = min(want, len(pieces))
     if n <= 1:
         _attend(views, madd, pieces, S, hd, sc)
-        return
-    pool, futures = _fan_out_pool(), []
-    with RULE.fan_out():
-        try:
-            futures = [pool.submit(_attend_alone, views, madd, pieces[i::n], S, hd, sc)
-                       for i in range(1, n)]
-            L.set_threads(1)
-            try:
-                _attend(views, madd, pieces[::n], S, hd, sc)
-            finally:
-                L.set_threads(_tls.threads)
-        finally:
-            for f in futures:                    # every piece done (and its error raised)
-                f.result()
+    else:
+        _fan_out(lambda part: _attend(views, madd, part, S, hd, sc),
+                 [pieces[i::n] for i in range(n)])
 
 
 def _attention(hd: int):

@@ -181,11 +181,33 @@ class ComputeServer:
 
     def _drain_errors(self, s: StreamState) -> None:
         """Raise the errors queued on ``s`` (and unattributed ones) together, emptying the queue."""
-        self._collect_failures()
-        if s.errors or self.async_errors:
-            errs = s.errors + self.async_errors
-            s.errors, self.async_errors = [], []
+        errs = self._take_errors(s)
+        if errs:
             raise unhealthy(errs)
+
+    def _take_errors(self, s: StreamState) -> list:
+        """The errors queued on ``s`` and the unattributed ones, emptied (after attributing the
+        backend's ``LaunchFailure`` s)."""
+        self._collect_failures()
+        if not (s.errors or self.async_errors):
+            return []
+        errs = s.errors + self.async_errors
+        s.errors, self.async_errors = [], []
+        return errs
+
+    def _fence_then_raise(self, s: StreamState, errs: list):
+        """A blocking call on ``s`` that will raise: a completion of everything enqueued on
+        ``s`` before it (its errors found at execution come with it) and the queued errors
+        ``errs``, plus any the fence's own submit found. The caller waits on the completion,
+        then raises them all together, once: errors of the work before a blocking call are
+        raised by that call, never left for a later one (design.md section 1), and a call that
+        raised has still waited for its stream, like one that returned (so the host may count
+        it as a sync: ``checker.on_sync``)."""
+        comp = self.backend.synchronize(s.raw)
+        errs = errs + self._take_errors(s)
+        if self.checker is not None:
+            self.checker.on_sync(s)
+        return comp, errs
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -332,12 +354,17 @@ class ComputeServer:
         st.mark = CLEAN
 
     def h_read(self, sid, hid: int) -> tuple:
-        """Device-to-host copy of ``hid``; returns ``(completion, mark)``: the caller waits on
-        the completion, then raises ``mark.stale(hid)`` if the write it observed failed meanwhile.
+        """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
+        waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
+        failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
 
-        Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``, ``ReplayFailed``
-        (its last writer failed; with the stream's queued errors), ``ServerUnhealthy`` (queued
-        errors of this stream).
+        A read that will raise (its buffer is marked, or errors are queued on the stream) copies
+        nothing: its completion is a fence of the stream (``_fence_then_raise``), so it raises
+        every error of the work before it, once, after that work ran.
+
+        Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``; through the client:
+        ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
+        ``ServerUnhealthy`` (queued errors of this stream).
         """
         s = self._stream(sid)
         self.capture.on_event(s, f"read of handle {hid}")
@@ -345,12 +372,10 @@ class ComputeServer:
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
-        self._collect_failures()
-        if st.mark.error is not None:
-            errs, s.errors = s.errors + self.async_errors, []
-            self.async_errors = []
-            raise st.mark.stale(hid, errs)
-        self._drain_errors(s)
+        errs = self._take_errors(s)
+        if st.mark.error is not None or errs:
+            comp, errs = self._fence_then_raise(s, errs)
+            return comp, st.mark, errs
         self._wait_for(s, st.writes)
         if self.checker is not None:
             self.checker.on_access(s, st, "read", False)
@@ -359,7 +384,7 @@ class ComputeServer:
         st.reads[sid] = s.pos
         if self.checker is not None:
             self.checker.on_sync(s)     # the read returns only once s ran up to it
-        return comp, st.mark
+        return comp, st.mark, []
 
     # -- kernels --------------------------------------------------------------------------------
     def h_launch(self, sid, kernel, count, hids, params) -> None:
@@ -437,15 +462,14 @@ class ComputeServer:
             cst.reads[sid] = pos
 
     # -- synchronisation ------------------------------------------------------------------------
-    def h_sync(self, sid) -> Completion:
-        """Completion of everything enqueued on ``sid``; raises its queued errors first."""
+    def h_sync(self, sid) -> tuple:
+        """``(completion of everything enqueued on sid, queued errors)``: the caller waits on
+        the completion, then raises the queued errors together with the completion's own
+        (``_fence_then_raise``: a sync that raises has waited too)."""
         s = self._stream(sid)
         self.capture.on_event(s, "sync")
         self.backend.flush(s.raw)
-        self._drain_errors(s)
-        if self.checker is not None:
-            self.checker.on_sync(s)
-        return self.backend.synchronize(s.raw)
+        return self._fence_then_raise(s, self._take_errors(s))
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
@@ -492,8 +516,9 @@ class ComputeServer:
             self.backend.flush(s.raw)
         except ServerError as e:
             s.errors.append(e)
-        if s.errors:
             return Completion.ready()
+        # also when errors are queued already: the warm-up's failures found at execution are
+        # raised with them by start_capture, never left for a later call
         return self.backend.synchronize(s.raw)
 
     def h_start_capture(self, sid, warmup_error=None) -> None:

@@ -106,13 +106,14 @@ class Builder:
         return {t for t, p, w, rep, _ in self.acc.get(buf, ())
                 if t != s and (w or writes) and (rep or replay) and vc.get(t, 0) < p}
 
-    def _order(self, s, streams) -> bool:
-        """Order ``streams`` before stream ``s``'s next call (a sync or an event wait, drawn)."""
+    def _order(self, s, streams, sync_only=False) -> bool:
+        """Order ``streams`` before stream ``s``'s next call (a sync or an event wait, drawn;
+        ``sync_only``: a host sync, for a call whose stream may or may not be capturing)."""
         for t in sorted(streams):
             if t in self.windows:
                 return False             # a recording stream takes no sync and records no event
         for t in sorted(streams):
-            if self.flag():
+            if sync_only or self.flag():
                 self._sync(t)
             else:
                 e = self._record(t)
@@ -131,13 +132,35 @@ class Builder:
         if not replay:                   # the waits the server inserts between ordinary calls
             for b, w in uses.items():
                 for t, p, pw, _, snap in self.acc.get(b, ()):
-                    if t != s and (pw or w):
+                    if t != s and (pw or w) and snap is not None:
                         self._join(vc, snap)
                         self._join(vc, {t: p})
         self.pos[s] += 1
         snap = dict(vc)
         for b, w in uses.items():
             self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, snap))
+        return True
+
+    def _maybe(self, s, uses: dict, replay: bool) -> bool:
+        """A call on stream ``s``, whose capture window may not have opened: with kernels that
+        may fail (``failures=True``) a warm-up, or an earlier launch's error still queued on the
+        stream, makes ``start_capture`` raise, and the calls the builder meant for the window
+        then run (a launch runs eagerly, a refused read, write or replay runs). So the builder
+        orders them as if they ran, with host syncs only (a ``wait_event`` on ``s`` is refused
+        while it records), and records them as accesses that order nothing after them (a
+        recorded launch makes the server insert no event wait; ``snap`` None). True when the
+        call may be issued."""
+        if not self.cfg["failures"]:
+            return True                  # no kernel fails: every window opens
+        if self.cfg["contract"]:
+            need = set()
+            for b, w in uses.items():
+                need |= self._needs(s, b, w, replay)
+            if need and not self._order(s, need, sync_only=True):
+                return False
+        self.pos[s] += 1
+        for b, w in uses.items():
+            self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, None))
         return True
 
     def _host_sync(self, s):
@@ -210,6 +233,8 @@ class Builder:
         uses = {b: bind.access != "read" for b, bind in zip(op.bufs, spec.kernel.bindings)}
         w = self.windows.get(s)
         if w is not None:
+            if not self._maybe(s, uses, False):
+                return
             for b, wr in uses.items():
                 w.uses[b] = w.uses.get(b, False) or wr
         elif not self._access(s, uses, False):
@@ -307,11 +332,12 @@ class Builder:
     def replay(self):
         g = self.pick(sorted(self.graphs))
         info = self.graphs[g]
-        if info.stream in self.windows:
-            if self.cfg["failures"]:      # refused at once; marks the graph's write set
-                self.ops.append(P.Replay(self.windows[info.stream].client, g))
-            return
         if self.cfg["contract"] and info.required is None:
+            return
+        if info.stream in self.windows:
+            # refused at once, marking the graph's write set (or run: see _maybe)
+            if self.cfg["failures"] and self._maybe(info.stream, info.uses, True):
+                self.ops.append(P.Replay(self.windows[info.stream].client, g))
             return
         from hypothesis import strategies as st
         for _ in range(self.draw(st.integers(1, 2))):
@@ -341,7 +367,9 @@ class Builder:
                 self._free(self.pick(used))
             return
         if kind == "read":
-            self.ops.append(P.Read(w.client, self.pick(sorted(self.live))))
+            b = self.pick(sorted(self.live))
+            if self._maybe(s, {b: False}, False):
+                self.ops.append(P.Read(w.client, b))
         elif kind == "sync":
             self.ops.append(P.Sync(w.client))
         elif kind == "record":
@@ -351,8 +379,9 @@ class Builder:
             self.ops.append(P.WaitEvent(w.client, self.pick(sorted(self.events))))
         else:
             b = self.pick(sorted(self.live))
-            self.ops.append(P.Write(w.client, b, self.live[b], self.values(self.live[b])))
-            w.refused = True
+            if self._maybe(s, {b: True}, False):
+                self.ops.append(P.Write(w.client, b, self.live[b], self.values(self.live[b])))
+                w.refused = True
 
     def program(self) -> P.Program:
         for s in sorted(self.windows):
@@ -396,6 +425,31 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
     """
     from hypothesis import strategies as st
 
+    cfg = config(kernels, buffers, streams, clients, capture, size=size, steps=steps,
+                 values=values, contract=contract, refusals=refusals, failures=failures)
+    choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
+
+    @st.composite
+    def build(draw):
+        b = Builder(draw, cfg)
+        for _ in range(draw(st.integers(1, steps))):
+            kind, allowed = b.pick(choices), b.kinds()
+            if kind not in allowed:
+                kind = "create" if "create" in allowed else None
+            if kind is not None:
+                getattr(b, kind)()
+        return b.program()
+
+    return build()
+
+
+def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
+           *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
+           refusals: bool = True, failures: bool = False) -> dict:
+    """The checked arguments of ``programs()`` as the ``Builder`` 's configuration (a dict).
+    Raises what ``programs()`` raises."""
+    from hypothesis import strategies as st
+
     specs = [P.KernelSpec.of(k) for k in kernels]
     if not specs:
         raise ValueError("programs() needs at least one kernel")
@@ -414,22 +468,7 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
     ints = st.integers(-8, 8)
     vals = {"f32": ints.map(float), "i32": ints, "u32": st.integers(0, 16)}
     vals.update(values or {})
-    cfg = {"kernels": tuple(specs + [P.KernelSpec(P.copy32)]), "user_kernels": len(specs),
+    return {"kernels": tuple(specs + [P.KernelSpec(P.copy32)]), "user_kernels": len(specs),
            "copy32": len(specs), "buffers": buffers, "streams": min(streams, clients),
            "clients": clients, "capture": capture, "size": size, "values": vals,
            "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}
-
-    choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
-
-    @st.composite
-    def build(draw):
-        b = Builder(draw, cfg)
-        for _ in range(draw(st.integers(1, steps))):
-            kind, allowed = b.pick(choices), b.kinds()
-            if kind not in allowed:
-                kind = "create" if "create" in allowed else None
-            if kind is not None:
-                getattr(b, kind)()
-        return b.program()
-
-    return build()

@@ -10,6 +10,7 @@ the 4-element view. The same program runs on both backends and is checked agains
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -178,4 +179,54 @@ def test_a_blocking_call_that_raises_has_waited_for_its_stream(seed, call):
     b.sync()
     np.testing.assert_array_equal(a.read(y), ONES + 1)
     g.release()
+    _done(root)
+
+
+# -- a mark propagates whenever the failure is found: also after the reader was enqueued ---------
+# (found by the kit's property test, issue 17: a launch or replay reading a buffer through a
+# ``read`` binding was marked only if the writer's failure was known when it was enqueued; a
+# failure found later at execution or submit left its output silently stale)
+class _Gate:
+    """Holds a cpu thread-scheduler stream until ``open()`` (20 s at most): the failing launch
+    is then still pending when its readers are enqueued (the interleaving scheduler defers all
+    work by itself; wgpu finds the failure at the batch's submit)."""
+
+    def __init__(self, c, root):
+        self.event = threading.Event()
+        if root is None and c.backend == "cpu":
+            kernel = runtime.Kernel("gate", [runtime.Binding("y", "f32", "read_write")],
+                                    cpu=lambda y, count: self.event.wait(20.0))
+            c.launch(kernel, 1, [c.empty(4, np.float32)])
+
+    def open(self):
+        self.event.set()
+
+
+@pytest.mark.parametrize("reader", ["launch", "replay"])
+def test_a_reader_enqueued_before_its_inputs_writer_failed_is_marked(ab_or_seed, reader):
+    root, a, b = _streams(ab_or_seed)
+    x, y, z = a.create(ONES), a.empty(4, np.float32), a.empty(4, np.float32)
+    if reader == "replay":
+        a.graph_prepare()
+        a.start_capture()
+        _add(a, x, y, 1.0)                       # g: y = x + 1 (x is a read-only input)
+        g = a.stop_capture()
+    a.sync()
+    gate = _Gate(a, root)
+    a.launch(PAST_END, 1, [x])                   # x's writer: fails once it runs
+    if reader == "launch":
+        _add(a, x, y, 1.0)                       # reads x before the failure is known
+    else:
+        g.replay()
+    _add(a, y, z, 2.0)                           # and on: y's reader is marked too
+    gate.open()
+    for c in (a, b, a):                          # on every stream, on every read
+        for h in (y, z):
+            with pytest.raises(ReplayFailed, match="past_end"):
+                c.read(h)
+    a.write(x, ONES)
+    _add(a, x, y, 1.0)                           # a later write lands: the mark is gone
+    np.testing.assert_array_equal(a.read(y), ONES + 1)
+    if reader == "replay":
+        g.release()
     _done(root)

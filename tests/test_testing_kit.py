@@ -15,6 +15,7 @@ import runtime
 from runtime import kernels as K
 from runtime.backends.cpu import CpuBackend, decode_trace, encode_trace
 from runtime.server.server import ComputeServer
+from runtime.testing.model import Model
 from runtime.testing.strategies import Builder, config
 from runtime.testing import (Create, Launch, Prepare, Program, ProgramMismatch, Read, RecordEvent,
                              Replay, StartCapture, StopCapture, Sync, WaitEvent, Write, KernelSpec,
@@ -127,7 +128,7 @@ def test_generated_programs_use_every_call_and_pass():
     seen = set()
     ks = [(K.add_scalar, {"alpha": 1.5}), K.copy, K.add]
 
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=50, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(programs(ks, streams=2, clients=3))
     def one(prog):
@@ -135,7 +136,8 @@ def test_generated_programs_use_every_call_and_pass():
         run_program(prog, seed=len(seen))
     one()
     assert {"Create", "Launch", "Read", "Write", "Free", "Sync", "RecordEvent", "WaitEvent",
-            "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Empty"} <= seen, seen
+            "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
+            "Empty"} <= seen, seen
 
 
 def test_shrinking_reduces_a_planted_missing_dependency_to_a_few_calls(monkeypatch):
@@ -247,3 +249,25 @@ def test_a_graph_whose_input_was_freed_is_not_replayed_even_inside_a_window():
     prog = b.program()
     assert not any(isinstance(op, Replay) for op in prog.ops)
     run_program(prog, seed=0, check=True)
+
+
+def test_the_model_expects_a_failure_to_propagate_to_what_is_computed_from_it():
+    """A launch reading a buffer whose writer failed (through a ``read`` binding) marks what it
+    writes: a read of that must raise ``ReplayFailed`` (the model used to accept any answer),
+    and the failing stream's next blocking call raises the ``LaunchError``."""
+    specs = (KernelSpec(ALWAYS_FAILS), KernelSpec(K.add_scalar, {"alpha": 1.0}))
+    n = (("n", 4),)
+    ops = (Create(0, 0, "f32", ONES), Create(0, 1, "f32", ONES), Create(0, 2, "f32", ONES),
+           Launch(0, 0, (0, 1), n),                    # fails: marks b1
+           Launch(1, 1, (1, 2), (("alpha", 1.0),) + n),  # another stream reads b1: marks b2
+           Read(1, 2), Read(0, 0))
+    prog = Program(ops, (Sync(0), Sync(1)), specs, 4, 2, 2)
+    for s in range(4):
+        run = run_program(prog, seed=s, check=True)
+        stale, first = run.reads
+        assert isinstance(stale, runtime.ReplayFailed) and not isinstance(stale, runtime.LaunchError)
+        assert isinstance(first, runtime.LaunchError)  # stream 0 raises its own failure
+    model = Model(prog)
+    for op in ops[:5]:
+        assert model.step(op, None, None) is None
+    assert "must raise ReplayFailed" in model.step(ops[5], np.full(4, 2, np.float32), None)

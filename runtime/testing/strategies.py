@@ -9,10 +9,16 @@ Contract programs (``contract=True``, the default) keep the replay contract by c
 ordered before it, and before an ordinary call touches a buffer a replay on another stream
 used, that replay is ordered before it. The builder knows what orders what through vector
 clocks over streams (program order per stream, the event waits the server inserts between
-ordinary calls, the user's events, host syncs: a ``sync`` or ``read`` of a stream); where an
-ordering is missing it inserts one, a ``sync`` of the other stream or an event wait (drawn),
-and skips the call when neither is possible (the other stream is recording a graph). Every
-read of a contract program must then match the sequential model under every schedule.
+ordinary calls, the user's events, host syncs: a ``sync`` or ``read`` of a stream, also one
+that raises, since it returns only after the stream's earlier work ran); where an ordering is
+missing it inserts one, a ``sync`` of the other stream or an event wait (drawn), and skips the
+call when neither is possible (the other stream is recording a graph). Every read of a
+contract program must then match the sequential model under every schedule.
+
+With kernels that may raise (``failures=True``) a capture window may not open (a failed
+warm-up, or an error still queued on the stream, makes ``start_capture`` raise), and the calls
+meant for it then run as ordinary calls: the builder orders them as if they ran, with host
+syncs only (``Builder._maybe``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ..kernel import DTYPES
 from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
-          "end", "scratch", "replay", "release", "refuse")
+          "end", "scratch", "replay", "release", "refuse", "clone")
 #: how many times a kind is listed among the choices: graphs are worth replaying often; racy
 #: programs (contract=False) write, free and replay more, so more races reach the device
 _WEIGHT = {"capture": 2, "end": 5, "replay": 4}
@@ -191,7 +197,7 @@ class Builder:
               "sync": idle, "free": live, "event": idle, "wait": idle and self.events,
               "capture": self.cfg["capture"] and live and idle,
               "end": self.windows, "scratch": self.windows and live,
-              "replay": self.graphs, "release": self.graphs,
+              "replay": self.graphs, "release": self.graphs, "clone": self.graphs,
               "refuse": self.windows and self.cfg["refusals"]}
         return {k for k in _KINDS if ok[k]}
 
@@ -336,7 +342,7 @@ class Builder:
             return
         if info.stream in self.windows:
             # refused at once, marking the graph's write set (or run: see _maybe)
-            if self.cfg["failures"] and self._maybe(info.stream, info.uses, True):
+            if self.cfg["refusals"] and self._maybe(info.stream, info.uses, True):
                 self.ops.append(P.Replay(self.windows[info.stream].client, g))
             return
         from hypothesis import strategies as st
@@ -348,22 +354,31 @@ class Builder:
         g = self.pick(sorted(self.graphs))
         self.ops.append(P.Release(self.graphs.pop(g).stream, g))
 
+    def clone(self):
+        """``g2 = g.clone()``, and maybe ``g.release()`` at once (the clone keeps the backend
+        graph alive)."""
+        g = self.pick(sorted(self.graphs))
+        info = self.graphs[g]
+        c = self.ngraph
+        self.ngraph += 1
+        self.ops.append(P.Clone(info.stream, g, c))
+        self.graphs[c] = _Graph(info.stream, info.uses, info.required)
+        if self.flag():
+            del self.graphs[g]
+            self.ops.append(P.Release(info.stream, g))
+
     def refuse(self):
         """A call the capture window refuses: at once (read, sync, record_event, wait_event)
         or at ``stop_capture`` (a write, the free of a buffer the window uses)."""
         s = self.pick(sorted(self.windows))
         w = self.windows[s]
-        kinds = ["read", "sync", "record", "write", "free"] + (
-            ["wait"] if self.cfg["failures"] and self.events else [])
+        kinds = ["read", "sync", "record", "write", "free"] + (["wait"] if self.events else [])
         kind = self.pick(kinds)
         if kind in ("read", "write") and not self.live:
             return
         if kind == "free":
             used = [b for b in sorted(w.uses) if b in self.live and b not in w.allocs]
-            # the server refuses only the first window that uses it (a known gap, issue 13)
-            if not self.cfg["failures"]:
-                used = [b for b in used if sum(b in x.uses for x in self.windows.values()) == 1]
-            if used:
+            if used:                      # refused by every open window that uses it
                 self._free(self.pick(used))
             return
         if kind == "read":
@@ -406,20 +421,29 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
         clients: clients, each issuing from its own thread; client ``k`` is pinned to stream
             ``k % streams`` (default: one per stream).
         capture: include capture windows (``graph_prepare``, warm-up, ``start_capture``,
-            recorded launches, window allocations, ``stop_capture``), replays and releases.
+            recorded launches, window allocations, ``stop_capture``), replays, clones and
+            releases.
         size: elements per buffer.
         steps: the most calls drawn (ordering calls the builder inserts come on top).
         values: ``{dtype: strategy of one element}``; default small integers (exact in f32).
         contract: keep the replay contract (see the module doc); ``False`` draws programs that
             may race or replay freed buffers (what ``check=True`` must flag).
-        refusals: include calls a capture window refuses (read, sync, record_event at once; a
-            write at ``stop_capture``).
-        failures: include the shapes whose answers design.md promises but the server does not
-            give yet (issue 13): a replay refused inside a window (its write set is marked
-            until a later write lands), a ``wait_event`` inside a window, the free of a buffer
-            two open windows use (the server refuses only the first). Kernels whose cpu body raises are always modelled (a failed
-            launch marks what it writes, a failed warm-up makes ``start_capture`` raise): pass
-            such kernels only with ``failures=True`` until then.
+        refusals: include calls a capture window refuses: at once (``read``, ``sync``,
+            ``record_event``, ``wait_event``, a replay of a graph of that stream, which marks
+            the graph's write set until a later write lands) or at ``stop_capture`` (a write,
+            the free of a buffer the window uses, refused by every open window that uses it).
+        failures: your kernels may raise (their cpu bodies, on some inputs; pass such kernels
+            only with ``failures=True``). The model expects what the contract promises: the
+            failed launch or replay marks what it would have written (a read raises
+            ``ReplayFailed`` until a later write lands; a launch or replay reading it marks
+            what it writes), the stream that issued it raises the ``LaunchError`` at its next
+            blocking call, a failed warm-up makes ``start_capture`` raise. The builder then
+            orders every call meant for a capture window as if it ran eagerly, with host syncs
+            (the window may not have opened). Default False: with kernels that never raise,
+            windows always open and calls inside them need no ordering, so the programs
+            explore more of your windows' interleavings, and the failure shapes test the
+            runtime's promises more than your code (the project's own property test turns them
+            on, with a kernel that fails on some inputs).
     Returns: a strategy of ``Program``.
     Raises: ``TypeError``/``ValueError`` for bad kernels or params (at the call).
     """

@@ -128,12 +128,12 @@ def test_generated_programs_use_every_call_and_pass():
     seen = set()
     ks = [(K.add_scalar, {"alpha": 1.5}), K.copy, K.add]
 
-    @settings(max_examples=50, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(programs(ks, streams=2, clients=3))
     def one(prog):
         seen.update(type(op).__name__ for op in prog.ops)
-        run_program(prog, seed=len(seen))
+        run_program(prog, seed=len(seen), threads=False)
     one()
     assert {"Create", "Launch", "Read", "Write", "Free", "Sync", "RecordEvent", "WaitEvent",
             "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",

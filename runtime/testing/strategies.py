@@ -27,7 +27,7 @@ from ..kernel import DTYPES
 from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
-          "end", "scratch", "replay", "release", "refuse", "clone")
+          "end", "scratch", "replay", "release", "refuse", "clone", "handover")
 #: how many times a kind is listed among the choices: graphs are worth replaying often; racy
 #: programs (contract=False) write, free and replay more, so more races reach the device
 _WEIGHT = {"capture": 2, "end": 5, "replay": 4}
@@ -74,6 +74,7 @@ class Builder:
         self.clock = [{} for _ in range(self.S)]
         self.host: dict = {}             # what host syncs established
         self.acc: dict = {}              # buf -> [(stream, pos, writes, by replay, clock)]
+        self.recent: list = []           # the buffers written last (reads favour them)
 
     # -- drawing helpers --------------------------------------------------------------------
     def pick(self, seq):
@@ -145,7 +146,11 @@ class Builder:
         snap = dict(vc)
         for b, w in uses.items():
             self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, snap))
+        self._wrote(uses)
         return True
+
+    def _wrote(self, uses: dict) -> None:
+        self.recent = ([b for b, w in uses.items() if w] + self.recent)[:3]
 
     def _maybe(self, s, uses: dict, replay: bool) -> bool:
         """A call on stream ``s``, whose capture window may not have opened: with kernels that
@@ -167,6 +172,7 @@ class Builder:
         self.pos[s] += 1
         for b, w in uses.items():
             self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, None))
+        self._wrote(uses)
         return True
 
     def _host_sync(self, s):
@@ -198,18 +204,21 @@ class Builder:
               "capture": self.cfg["capture"] and live and idle,
               "end": self.windows, "scratch": self.windows and live,
               "replay": self.graphs, "release": self.graphs, "clone": self.graphs,
+              "handover": self.cfg["capture"] and live and len(idle) > 1,
               "refuse": self.windows and self.cfg["refusals"]}
         return {k for k in _KINDS if ok[k]}
 
-    def create(self):
-        k = self.pick(self.idle_clients())
-        dtype = self.pick(self.cfg["dtypes"])
+    def create(self, k=None, dtype=None) -> int:
+        """``b = c.create(values)`` on client ``k`` (drawn when None); returns ``b``."""
+        k = self.pick(self.idle_clients()) if k is None else k
+        dtype = self.pick(self.cfg["dtypes"]) if dtype is None else dtype
         b = self.nbuf
         self.nbuf += 1
         op = P.Create(k, b, dtype, self.values(dtype))
         self._access(self.stream(k), {b: True}, False)
         self.ops.append(op)
         self.live[b] = dtype
+        return b
 
     def _bind(self, spec):
         """Distinct live buffers of the bindings' dtypes, or None."""
@@ -254,8 +263,11 @@ class Builder:
             self._issue(op)
 
     def read(self):
+        """``c.read(b)``: half the time of a buffer written by the last calls (what a program
+        reads back; where a failure's marks show), else of any live buffer."""
         k = self.pick(self.idle_clients())
-        b = self.pick(sorted(self.live))
+        recent = [b for b in self.recent if b in self.live]
+        b = self.pick(recent if recent and self.flag() else sorted(self.live))
         if self._access(self.stream(k), {b: False}, False):
             self.ops.append(P.Read(k, b))
             self._host_sync(self.stream(k))
@@ -322,9 +334,10 @@ class Builder:
         if not w.refused:
             self.graphs[g] = _Graph(s, dict(w.uses), set(w.uses) - w.allocs)
 
-    def scratch(self):
-        """A buffer allocated inside the window, filled by the graph from a live buffer."""
-        s = self.pick(sorted(self.windows))
+    def scratch(self, s=None):
+        """A buffer allocated inside the window (of stream ``s``, drawn when None), filled by
+        the graph from a live buffer."""
+        s = self.pick(sorted(self.windows)) if s is None else s
         w = self.windows[s]
         src = self.pick(sorted(self.live))
         t = self.nbuf
@@ -335,8 +348,11 @@ class Builder:
         self._issue(P.Launch(w.client, self.cfg["copy32"], (src, t),
                              (("n", self.cfg["size"]),)))
 
-    def replay(self):
-        g = self.pick(sorted(self.graphs))
+    def replay(self, g=None):
+        """``g.replay()`` (once or twice) of a made graph (``g``, drawn when None), ordered
+        after the other streams' accesses to its buffers; inside a window of its stream, a
+        refused replay."""
+        g = self.pick(sorted(self.graphs)) if g is None else g
         info = self.graphs[g]
         if self.cfg["contract"] and info.required is None:
             return
@@ -349,6 +365,31 @@ class Builder:
         for _ in range(self.draw(st.integers(1, 2))):
             if self._access(info.stream, info.uses, True):
                 self.ops.append(P.Replay(info.stream, g))
+
+    def handover(self):
+        """A buffer created on one stream and freed at once (its write still pending), then a
+        capture window on another stream allocates (the pool hands it that buffer), fills it
+        from a live buffer, and its graph replays at once: the allocation must be ordered after
+        the previous owner's work (issue 13's window-allocation fence)."""
+        idle = self.idle_clients()
+        if not self.live or len(self.live) >= self.cfg["buffers"] or not self.cfg["capture"]:
+            return
+        j = self.pick(idle)
+        others = [k for k in idle if self.stream(k) != self.stream(j)]
+        if not others:
+            return
+        k = self.pick(others)
+        src = self.pick(sorted(self.live))
+        t = self.create(j, self.live[src])
+        self.ops.append(P.Free(j, t))
+        del self.live[t]
+        s = self.stream(k)
+        self.ops += [P.Prepare(k), P.StartCapture(k)]
+        self.windows[s] = _Window(k)
+        self.scratch(s)
+        self._end(s)
+        if self.ngraph - 1 in self.graphs:
+            self.replay(self.ngraph - 1)
 
     def release(self):
         g = self.pick(sorted(self.graphs))

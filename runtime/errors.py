@@ -111,6 +111,16 @@ def unhealthy(errors) -> ServerUnhealthy:
     return err
 
 
+def error_list(error) -> list:
+    """The errors in ``error``: ``[]`` for None, ``.errors`` of a ``ServerUnhealthy``, else
+    ``[error]`` (so drained errors can be combined into one ``unhealthy``)."""
+    if error is None:
+        return []
+    if isinstance(error, ServerUnhealthy):
+        return list(error.errors)
+    return [error]
+
+
 __all__ = [
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",

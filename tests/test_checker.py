@@ -227,6 +227,21 @@ def read_on_capture_stream_orders_later_use(p):
     return p.b.read(w)
 
 
+ONLY_CUDA = runtime.Kernel("only_cuda", [runtime.Binding("y", "f32", "read_write")],
+                           cuda='extern "C" __global__ void only_cuda(float* y) {}')
+
+
+def raising_read_on_capture_stream_orders_later_use(p):
+    z = p.a.create(f32(0, 0, 0, 0))
+    p.g.replay()
+    p.a.launch(ONLY_CUDA, 1, [z])    # fails at enqueue on S (no cpu body): z is marked
+    with pytest.raises(runtime.ReplayFailed):
+        p.a.read(z)                  # raises, but only once S ran the replay (issue 17)
+    w = p.b.empty(4, np.float32)
+    p.b.launch(K.copy, 1, [p.y, w], {"n": 4})
+    return p.b.read(w)
+
+
 def ordinary_cross_stream_work(p):
     u = p.b.create(f32(5, 6, 7, 8))
     v = p.a.empty(4, np.float32)
@@ -240,6 +255,7 @@ def ordinary_cross_stream_work(p):
     (host_sync_orders_streams, f32(11, 21, 31, 41)),
     (event_orders_streams, f32(11, 21, 31, 41)),
     (read_on_capture_stream_orders_later_use, f32(2, 3, 4, 5)),
+    (raising_read_on_capture_stream_orders_later_use, f32(2, 3, 4, 5)),
     (ordinary_cross_stream_work, f32(12, 16, 20, 24)),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_a_correctly_ordered_program_passes_under_every_seed(program, expected):

@@ -15,6 +15,8 @@ import runtime
 from runtime import kernels as K
 from runtime.backends.cpu import CpuBackend, decode_trace, encode_trace
 from runtime.server.server import ComputeServer
+from runtime.testing.model import Model
+from runtime.testing.strategies import Builder, config
 from runtime.testing import (Create, Launch, Prepare, Program, ProgramMismatch, Read, RecordEvent,
                              Replay, StartCapture, StopCapture, Sync, WaitEvent, Write, KernelSpec,
                              programs, run_program)
@@ -126,15 +128,16 @@ def test_generated_programs_use_every_call_and_pass():
     seen = set()
     ks = [(K.add_scalar, {"alpha": 1.5}), K.copy, K.add]
 
-    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(programs(ks, streams=2, clients=3))
     def one(prog):
         seen.update(type(op).__name__ for op in prog.ops)
-        run_program(prog, seed=len(seen))
+        run_program(prog, seed=len(seen), threads=False)
     one()
     assert {"Create", "Launch", "Read", "Write", "Free", "Sync", "RecordEvent", "WaitEvent",
-            "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Empty"} <= seen, seen
+            "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
+            "Empty"} <= seen, seen
 
 
 def test_shrinking_reduces_a_planted_missing_dependency_to_a_few_calls(monkeypatch):
@@ -149,3 +152,122 @@ def test_shrinking_reduces_a_planted_missing_dependency_to_a_few_calls(monkeypat
                                    derandomize=True, suppress_health_check=list(HealthCheck)))
     print("\nshrunk:\n" + small.to_python())
     assert len(small) <= 4, small.to_python()
+
+
+def _always_fails(x, y, *, n, count):
+    raise ValueError("always fails")
+
+
+ALWAYS_FAILS = runtime.Kernel("always_fails", [("x", "f32", "read"), ("y", "f32", "read_write")],
+                              [("n", "u32")], cpu=_always_fails)
+
+
+class Scripted(Builder):
+    """The program builder with its choices given in order (``pick``, ``flag`` and ``draw``
+    each take the next one): a hand-written path through ``programs()``."""
+
+    def __init__(self, cfg, script):
+        super().__init__(lambda strategy: self.script.pop(0), cfg)
+        self.script = list(script)
+
+    def pick(self, seq):
+        choice = self.script.pop(0)
+        assert choice in list(seq), (choice, list(seq))
+        return choice
+
+    def flag(self):
+        return self.script.pop(0)
+
+    def values(self, dtype):
+        return (1.0,) * self.cfg["size"]
+
+
+def test_calls_meant_for_a_window_that_did_not_open_are_ordered_like_eager_calls():
+    """A failed warm-up makes ``start_capture`` raise: the calls the builder meant for the
+    window then run eagerly (a launch, a 'refused' replay). The builder must order them as if
+    they ran (issue 17: the checker flagged such contract programs, which raced for real)."""
+    cfg = config([K.copy, ALWAYS_FAILS], buffers=4, streams=2, clients=2, steps=30,
+                 failures=True)
+    copy, fails = 0, 1
+    b = Scripted(cfg, [])
+    for _ in range(3):                            # b0, b1, b2 on stream 0
+        b.script += [0, "f32"]
+        b.create()
+    b.script += [1, 1, copy, 0, 1, False]         # g0 on stream 1: copy(b0 -> b1), no warm-up
+    b.capture()
+    b.script += [1]
+    b.end()
+    b.script += [0, 1, True]                      # replay g0 once, after a sync of stream 0
+    b.replay()
+    b.script += [0, 1, fails, 0, 2, True]         # stream 0: a warm-up that fails
+    b.capture()
+    b.script += [0, copy, 0, 1]                   # meant for the window: copy(b0 -> b1)
+    b.launch()                                    # ...runs eagerly, over g0's pending write
+    b.script += [0]
+    b.end()
+    b.script += [0, 1, True]                      # g0 on stream 1, again
+    b.replay()
+    b.script += [1]
+    b.sync()
+    b.script += [1, 1, fails, 0, 2, True]         # stream 1: a warm-up that fails
+    b.capture()
+    b.script += [0, copy, 1, 0]                   # stream 0 copies b1 -> b0 (g0 reads b0)
+    b.launch()
+    b.script += [0]                               # g0, 'refused' inside the window: it runs,
+    b.replay()                                    # over stream 0's copy
+    assert not b.script
+    prog = b.program()
+    assert sum(isinstance(op, Replay) for op in prog.ops) == 3
+    for s in range(4):
+        run = run_program(prog, seed=s, check=True)
+        assert run.flagged is None
+
+
+
+
+def test_a_graph_whose_input_was_freed_is_not_replayed_even_inside_a_window():
+    """The 'refused' replay inside a window runs when the window did not open: the builder
+    replays no graph whose caller-owned input was freed, inside a window or not (issue 17: the
+    run raised LivenessError in a contract program)."""
+    cfg = config([K.copy, ALWAYS_FAILS], buffers=4, streams=2, clients=2, steps=30,
+                 failures=True)
+    copy, fails = 0, 1
+    b = Scripted(cfg, [])
+    for _ in range(3):
+        b.script += [0, "f32"]
+        b.create()
+    b.script += [1, 1, copy, 0, 1, False, 1]      # g0 on stream 1: copy(b0 -> b1)
+    b.capture()
+    b.end()
+    b.script += [0, 0]                            # free b0 (from client 0)
+    b.free()
+    b.script += [1, 1, fails, 1, 2, True]         # stream 1: a warm-up that fails
+    b.capture()
+    b.script += [0]
+    b.replay()                                    # g0 is not replayed
+    assert not b.script
+    prog = b.program()
+    assert not any(isinstance(op, Replay) for op in prog.ops)
+    run_program(prog, seed=0, check=True)
+
+
+def test_the_model_expects_a_failure_to_propagate_to_what_is_computed_from_it():
+    """A launch reading a buffer whose writer failed (through a ``read`` binding) marks what it
+    writes: a read of that must raise ``ReplayFailed`` (the model used to accept any answer),
+    and the failing stream's next blocking call raises the ``LaunchError``."""
+    specs = (KernelSpec(ALWAYS_FAILS), KernelSpec(K.add_scalar, {"alpha": 1.0}))
+    n = (("n", 4),)
+    ops = (Create(0, 0, "f32", ONES), Create(0, 1, "f32", ONES), Create(0, 2, "f32", ONES),
+           Launch(0, 0, (0, 1), n),                    # fails: marks b1
+           Launch(1, 1, (1, 2), (("alpha", 1.0),) + n),  # another stream reads b1: marks b2
+           Read(1, 2), Read(0, 0))
+    prog = Program(ops, (Sync(0), Sync(1)), specs, 4, 2, 2)
+    for s in range(4):
+        run = run_program(prog, seed=s, check=True)
+        stale, first = run.reads
+        assert isinstance(stale, runtime.ReplayFailed) and not isinstance(stale, runtime.LaunchError)
+        assert isinstance(first, runtime.LaunchError)  # stream 0 raises its own failure
+    model = Model(prog)
+    for op in ops[:5]:
+        assert model.step(op, None, None) is None
+    assert "must raise ReplayFailed" in model.step(ops[5], np.full(4, 2, np.float32), None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError
+from ..errors import InvalidHandle, LaunchError, error_list, unhealthy
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
@@ -169,18 +169,24 @@ class ComputeClient:
         Raises: ``CaptureRefused`` (this stream is recording); ``InvalidHandle``; ``ReplayFailed``
             (the buffer's last writer failed, found at enqueue or while this read waited: a
             replay, a launch, a host write; raised on every read until a later write lands);
-            ``ServerUnhealthy`` (queued errors of this stream); ``ServerClosed``.
+            ``ServerUnhealthy`` (queued errors of this stream); ``ServerClosed``. Except for
+            ``CaptureRefused`` and ``InvalidHandle`` (raised at once), it raises only after the
+            work before it on this stream ran, together with every error that work left (one
+            ``ServerUnhealthy`` that is also an instance of each error's class, e.g. a
+            ``ReplayFailed`` and the ``LaunchError`` of this stream's failed launch), once.
         See also: ``cudaMemcpyAsync`` + event sync (cuda), ``map_async`` of a staging buffer (wgpu).
         """
         if not isinstance(handle, Handle):
             raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
         hid = handle._check(self._server, "read")
         srv = self._server
-        comp, mark = srv.call(srv.h_read, self.stream, hid)
+        comp, mark, errors = srv.call(srv.h_read, self.stream, hid)
         if not comp.done:
             srv.wait(comp)
-        if mark.error is not None:          # its writer failed while the read waited
-            raise mark.stale(hid, comp.error)
+        if mark.error is not None:          # its writer failed (found at enqueue or meanwhile)
+            raise mark.stale(hid, errors + error_list(comp.error))
+        if errors:                          # queued errors: comp is a fence of the stream
+            raise unhealthy(errors + error_list(comp.error))
         raw = comp.result()
         return raw.view(handle.dtype).reshape(handle.shape)
 
@@ -251,14 +257,17 @@ class ComputeClient:
     def sync(self) -> None:
         """Wait for everything enqueued on this client's stream.
 
-        Raises: ``CaptureRefused`` (the stream is recording); ``ServerUnhealthy`` (queued errors,
-            drained); ``ServerClosed``.
-        See also: ``cudaStreamSynchronize``.
+        Raises: ``CaptureRefused`` (the stream is recording, at once); ``ServerUnhealthy`` (the
+            errors of the work enqueued on this stream, found at enqueue or at execution, all
+            together and drained: raised once, after that work ran); ``ServerClosed``.
+        See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        comp = srv.call(srv.h_sync, self.stream)
+        comp, errors = srv.call(srv.h_sync, self.stream)
         if not comp.done:
             srv.wait(comp)
+        if errors:
+            raise unhealthy(errors + error_list(comp.error))
         comp.result()
 
     def flush(self) -> None:

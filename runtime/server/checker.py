@@ -23,8 +23,9 @@ operation. Clocks advance through
 
 - event waits, including the automatic ones the server inserts (``_wait_for``): the waiting
   stream joins the clock the source stream had when the event was recorded;
-- host syncs: a ``sync`` of stream S, or a ``read`` on S (it returns only once S ran up to it),
-  orders everything S did so far before whatever the host issues next, on any stream. The host
+- host syncs: a ``sync`` of stream S, or a ``read`` on S (it returns only once S ran up to it;
+  one that raises the stream's errors or a stale mark has waited for S as well), orders
+  everything S did so far before whatever the host issues next, on any stream. The host
   is taken as one sequence, in the server's message order: two threads that issue concurrently
   without ordering each other on the host are treated as if the queue order were that order.
 

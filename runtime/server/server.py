@@ -14,12 +14,13 @@ update none of this: by contract (seed 001) a replay orders only against its cap
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 from ..backends.base import Completion
 from ..client.stream import watch_thread_ends
-from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
-                      UnknownGraph, UnsupportedError, unhealthy)
+from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerClosed,
+                      ServerError, UnknownGraph, UnsupportedError, unhealthy)
 from . import capture as cap
 from .capture import merge
 from .marks import CLEAN, Mark
@@ -33,11 +34,13 @@ class StreamState:
     """Server-side state of one logical stream."""
 
     __slots__ = ("id", "raw", "pos", "synced", "event", "event_pos", "errors", "state",
-                 "window", "primed")
+                 "window", "primed", "fences", "done_pos")
 
     def __init__(self, sid, raw):
         self.id, self.raw = sid, raw
         self.pos = 0                  # operations executed (enqueued to the backend) so far
+        self.fences = collections.deque()   # (position, Completion) of reads, syncs, fences
+        self.done_pos = 0             # every operation up to here is known to have run
         self.synced: dict = {}        # other stream id -> position this stream already waited for
         self.event, self.event_pos = None, -1
         self.errors: list = []        # queued errors of fire-and-forget work
@@ -171,7 +174,7 @@ class ComputeServer:
                 if st.mark is CLEAN:          # (a host write cannot fail later: never CLEAN)
                     st.mark = Mark(("replay", gid) if gid is not None
                                    else ("launch", f.kernel.name, fsid), err)
-                elif st.mark.error is None:   # the mark of that launch or replay: reads see it
+                elif st.mark._error is None:  # the mark of that launch or replay: reads see it
                     st.mark.error = err
 
     def _on_async_error(self, exc) -> None:
@@ -181,11 +184,34 @@ class ComputeServer:
 
     def _drain_errors(self, s: StreamState) -> None:
         """Raise the errors queued on ``s`` (and unattributed ones) together, emptying the queue."""
-        self._collect_failures()
-        if s.errors or self.async_errors:
-            errs = s.errors + self.async_errors
-            s.errors, self.async_errors = [], []
+        errs = self._take_errors(s)
+        if errs:
             raise unhealthy(errs)
+
+    def _take_errors(self, s: StreamState) -> list:
+        """The errors queued on ``s`` and the unattributed ones, emptied (after attributing the
+        backend's ``LaunchFailure`` s)."""
+        self._collect_failures()
+        if not (s.errors or self.async_errors):
+            return []
+        errs = s.errors + self.async_errors
+        s.errors, self.async_errors = [], []
+        return errs
+
+    def _fence_then_raise(self, s: StreamState, errs: list):
+        """A blocking call on ``s`` that will raise: a completion of everything enqueued on
+        ``s`` before it (its errors found at execution come with it) and the queued errors
+        ``errs``, plus any the fence's own submit found. The caller waits on the completion,
+        then raises them all together, once: errors of the work before a blocking call are
+        raised by that call, never left for a later one (design.md section 1), and a call that
+        raised has still waited for its stream, like one that returned (so the host may count
+        it as a sync: ``checker.on_sync``)."""
+        comp = self.backend.synchronize(s.raw)
+        self._fence(s, comp)
+        errs = errs + self._take_errors(s)
+        if self.checker is not None:
+            self.checker.on_sync(s)
+        return comp, errs
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -256,6 +282,46 @@ class ComputeServer:
             self.pool.give(slot, fences)
             if self.pool.idle_bytes > self.pool.max_idle:
                 self._trim(self.pool.max_idle)
+
+    # -- marks ----------------------------------------------------------------------------------
+    def _fence(self, s: StreamState, comp) -> None:
+        """Remember that ``comp`` completes once ``s`` ran up to its current position (a read's
+        copy, a sync, a warm-up fence): marks of that work are then final (``_done``)."""
+        fences = s.fences
+        if fences and fences[-1][0] == s.pos:
+            fences.pop()
+        fences.append((s.pos, comp))
+        if len(fences) > 64:              # nobody waits on them: forget the oldest
+            fences.popleft()
+
+    def _done(self, mark) -> bool:
+        """Whether the operation of ``mark`` is known to have run (a fence after it completed)."""
+        s = mark.stream
+        fences = s.fences
+        while fences and fences[0][1].done:
+            pos, comp = fences.popleft()
+            if not isinstance(comp.error, ServerClosed) and pos > s.done_pos:
+                s.done_pos = pos
+        return mark.pos <= s.done_pos
+
+    def _inherit(self, mark, reads) -> None:
+        """Give ``mark`` (a launch or replay) the marks of what it reads through ``read``
+        bindings, ``reads`` = ``[(handle id, Mark)]``: a failed one fails it now; those that may
+        still fail become its ``parents`` (it inherits their failure when it is found, e.g. at
+        execution after it was enqueued); final clean ones are dropped (marks.py)."""
+        parents = []
+        for hid, m in reads:
+            if m._error is None and m.parents and self._done(m):
+                m.resolve(self._done)     # ran: settle its chain once (amortised)
+            if m._error is not None:
+                mark.error = LaunchError(f"it read handle {hid}, whose last writer, the "
+                                         f"{m.describe()}, failed ({m._error})")
+                mark.parents = ()
+                return
+            if m is not CLEAN and not m.final(self._done):
+                parents.append((hid, m))
+        if parents:
+            mark.set_parents(parents)
 
     @staticmethod
     def _mark(states, op: tuple, err) -> None:
@@ -332,12 +398,17 @@ class ComputeServer:
         st.mark = CLEAN
 
     def h_read(self, sid, hid: int) -> tuple:
-        """Device-to-host copy of ``hid``; returns ``(completion, mark)``: the caller waits on
-        the completion, then raises ``mark.stale(hid)`` if the write it observed failed meanwhile.
+        """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
+        waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
+        failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
 
-        Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``, ``ReplayFailed``
-        (its last writer failed; with the stream's queued errors), ``ServerUnhealthy`` (queued
-        errors of this stream).
+        A read that will raise (its buffer is marked, or errors are queued on the stream) copies
+        nothing: its completion is a fence of the stream (``_fence_then_raise``), so it raises
+        every error of the work before it, once, after that work ran.
+
+        Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``; through the client:
+        ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
+        ``ServerUnhealthy`` (queued errors of this stream).
         """
         s = self._stream(sid)
         self.capture.on_event(s, f"read of handle {hid}")
@@ -345,21 +416,20 @@ class ComputeServer:
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
-        self._collect_failures()
-        if st.mark.error is not None:
-            errs, s.errors = s.errors + self.async_errors, []
-            self.async_errors = []
-            raise st.mark.stale(hid, errs)
-        self._drain_errors(s)
+        errs = self._take_errors(s)
+        if st.mark.resolve(self._done) is not None or errs:
+            comp, errs = self._fence_then_raise(s, errs)
+            return comp, st.mark, errs
         self._wait_for(s, st.writes)
         if self.checker is not None:
             self.checker.on_access(s, st, "read", False)
         comp = self.backend.copy_out(s.raw, st.slot.buf, st.nbytes)
         s.pos += 1
+        self._fence(s, comp)
         st.reads[sid] = s.pos
         if self.checker is not None:
             self.checker.on_sync(s)     # the read returns only once s ran up to it
-        return comp, st.mark
+        return comp, st.mark, []
 
     # -- kernels --------------------------------------------------------------------------------
     def h_launch(self, sid, kernel, count, hids, params) -> None:
@@ -368,7 +438,8 @@ class ComputeServer:
         ``count`` is ``(x, y, z)`` workgroups or a handle id (indirect: three u32 read at run).
         A failure found here is queued on the stream and marks what the launch would have
         written; so does one the backend finds later (``Mark.fail``). A launch reading a marked
-        buffer marks what it writes (the failure propagates).
+        buffer through a ``read`` binding marks what it writes (the failure propagates, also
+        when it is found after this launch was enqueued: ``_inherit``).
         """
         s = self._stream(sid)
         states = [self.handles.get(hid) for hid in hids]
@@ -401,15 +472,13 @@ class ComputeServer:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
-            mark = Mark(("launch", kernel.name, sid))
+            mark = Mark(("launch", kernel.name, sid), stream=s, pos=s.pos + 1)
             for b, st in zip(bindings, states):
                 self._wait_for(s, st.writes)
                 if b.access != "read":
                     self._wait_for(s, st.reads)
-                elif st.mark.error is not None and mark.error is None:
-                    mark.error = LaunchError(
-                        f"it read handle {st.id}, whose last writer, the {st.mark.describe()}, "
-                        f"failed ({st.mark.error})")
+            self._inherit(mark, [(st.id, st.mark) for b, st in zip(bindings, states)
+                                 if b.access == "read"])
             if cst is not None:
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
@@ -437,15 +506,14 @@ class ComputeServer:
             cst.reads[sid] = pos
 
     # -- synchronisation ------------------------------------------------------------------------
-    def h_sync(self, sid) -> Completion:
-        """Completion of everything enqueued on ``sid``; raises its queued errors first."""
+    def h_sync(self, sid) -> tuple:
+        """``(completion of everything enqueued on sid, queued errors)``: the caller waits on
+        the completion, then raises the queued errors together with the completion's own
+        (``_fence_then_raise``: a sync that raises has waited too)."""
         s = self._stream(sid)
         self.capture.on_event(s, "sync")
         self.backend.flush(s.raw)
-        self._drain_errors(s)
-        if self.checker is not None:
-            self.checker.on_sync(s)
-        return self.backend.synchronize(s.raw)
+        return self._fence_then_raise(s, self._take_errors(s))
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
@@ -492,9 +560,12 @@ class ComputeServer:
             self.backend.flush(s.raw)
         except ServerError as e:
             s.errors.append(e)
-        if s.errors:
             return Completion.ready()
-        return self.backend.synchronize(s.raw)
+        # also when errors are queued already: the warm-up's failures found at execution are
+        # raised with them by start_capture, never left for a later call
+        comp = self.backend.synchronize(s.raw)
+        self._fence(s, comp)
+        return comp
 
     def h_start_capture(self, sid, warmup_error=None) -> None:
         """``PREPARE -> CAPTURE`` (``Capture.begin``): refuse a failed warm-up, open a recording.
@@ -533,14 +604,15 @@ class ComputeServer:
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
         is capturing); ``LivenessError`` (a caller-owned handle it uses was freed); the
         backend's refusal. Any failure, here or later while it executes, marks the graph's
-        write set (``ReplayFailed`` on read) until a later write to each buffer lands.
+        write set (``ReplayFailed`` on read) until a later write to each buffer lands; so does
+        a failure of the last writer of one of its read-only inputs, whenever it is found.
         """
         g = self.graphs.get(gid)
         if g is None:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
         s = self.streams[g.stream]
-        mark = Mark(("replay", gid))
+        mark = Mark(("replay", gid), stream=s, pos=s.pos + 1)
         try:
             self.capture.on_event(s, f"replay of graph {gid}")
             if g.freed:
@@ -557,12 +629,7 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            for st in g.istates:
-                if st.mark.error is not None:
-                    mark.error = LaunchError(
-                        f"it read handle {st.id}, whose last writer, the {st.mark.describe()}, "
-                        f"failed ({st.mark.error})")
-                    break
+            self._inherit(mark, [(st.id, st.mark) for st in g.istates])
             self.backend.issue_pos = s.pos + 1
             self.backend.launch_graph(s.raw, g.graph, mark.fail)
         except Exception as e:

@@ -12,15 +12,15 @@ Three tools, usable alone or together (README "Testing your stream ordering"):
   (``trace``); ``runtime.client("cpu", scheduler="trace", trace=...)`` runs it again exactly.
 - **Programs over your kernels**: ``programs(kernels=[...])`` is a hypothesis strategy of
   multi-client, multi-stream programs (create, write, launch, read, free, events, capture,
-  replay, release), and ``run_program(program, backend=..., seed=...)`` runs one and compares
-  every read with a sequential model built from the kernels' cpu bodies; a failure prints the
-  (shrunk) program as Python calls you can paste.
+  replay, clone, release), and ``run_program(program, backend=..., seed=...)`` runs one and
+  compares every read with a sequential model built from the kernels' cpu bodies; a failure
+  prints the (shrunk) program as Python calls you can paste.
 
 ``import runtime.testing`` needs numpy only; ``programs()`` imports hypothesis when called.
 """
 
 from ..backends.cpu import decode_trace, encode_trace
-from .program import (Create, Empty, Free, KernelSpec, Launch, Prepare, Program, Read,
+from .program import (Clone, Create, Empty, Free, KernelSpec, Launch, Prepare, Program, Read,
                       RecordEvent, Release, Replay, StartCapture, StopCapture, Sync, WaitEvent,
                       Write, copy32)
 from .run import ProgramMismatch, ProgramRun, Step, backend_unavailable, run_program
@@ -29,4 +29,4 @@ from .strategies import programs
 __all__ = ["programs", "run_program", "Program", "ProgramRun", "ProgramMismatch", "Step",
            "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
            "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
-           "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release"]
+           "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone"]

@@ -3,16 +3,25 @@ bodies, and the contract's rules for what must raise (design.md sections 2, 4 an
 
 ``Model.step(op, value, error)`` takes what the runtime answered for one op and returns a
 mismatch (a sentence) or None. Where the model cannot know the answer it accepts either and
-follows what happened: a buffer computed from an unknown or failed input has unknown contents,
-a kernel run on unknown inputs may or may not fail, a capture window that depended on it may
-or may not have been opened.
+follows what happened: a buffer computed from an unknown input has unknown contents, a kernel
+run on unknown inputs may or may not fail, a capture window that depended on it may or may not
+have been opened.
+
+Failures (contract.md sections 2, 4 and 5): a kernel whose cpu body raises marks what it would
+have written, and so does a replay that fails or is refused (its whole write set); a launch or
+replay that reads a marked buffer through a ``read`` binding (a graph: through one of its
+read-only inputs) marks what it writes. A read of a marked buffer must raise ``ReplayFailed``
+until a later write lands (a host write, a launch or replay writing it, also one that reads it
+through a ``read_write`` binding). The stream whose work failed raises its ``LaunchError`` at
+its next blocking call (``read``, ``sync``, ``start_capture``), together with everything else
+queued there, once.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CaptureRefused, GraphStateError, ServerError
+from ..errors import CaptureRefused, GraphStateError, LaunchError, ReplayFailed, ServerError
 from ..kernel import DTYPES, normalize_count
 from ..server import capture as cap
 from . import program as P
@@ -62,7 +71,7 @@ class Model:
         self.pending = [NONE] * program.streams
         self.state = [cap.NO_CAPTURE] * program.streams
         self.windows: dict = {}
-        self.graphs: dict = {}           # graph -> (stream, launches, write set)
+        self.graphs: dict = {}           # graph -> (stream, launches, write set, read-only inputs)
         self.events: set = set()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -71,7 +80,7 @@ class Model:
 
     def skip(self, op):
         """Why ``op`` cannot be issued (it names a graph or event that was never made), or None."""
-        if isinstance(op, (P.Replay, P.Release)) and op.graph not in self.graphs:
+        if isinstance(op, (P.Replay, P.Release, P.Clone)) and op.graph not in self.graphs:
             return f"g{op.graph} was not made"
         if isinstance(op, P.WaitEvent) and op.event not in self.events:
             return f"e{op.event} was not recorded"
@@ -84,13 +93,20 @@ class Model:
             return bool(np.array_equal(got, want, equal_nan=want.dtype.kind == "f"))
         return bool(np.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True))
 
-    def _apply(self, launch) -> str:
+    def _apply(self, launch, propagate: bool = True) -> str:
         """Run one launch on the model's arrays: ``"ok"``, ``"failed"``, ``"unknown"``, or a
         sentence when the body wrote a binding declared ``read`` (the server orders launches
-        by the declared access, so such a kernel races)."""
+        by the declared access, so such a kernel races). ``propagate``: a marked buffer bound
+        ``read`` marks what the launch writes (an eager launch; a replay checks its inputs
+        once, in ``_replay``)."""
         spec = self.p.kernels[launch.kernel]
         bufs = [self.bufs[b] for b in launch.bufs]
         outs = [b for b, bind in zip(launch.bufs, spec.kernel.bindings) if bind.access != "read"]
+        if propagate and any(self.bufs[b].failed for b, bind in
+                             zip(launch.bufs, spec.kernel.bindings) if bind.access == "read"):
+            for b in outs:               # the mark propagates; the body ran on stale data
+                self.bufs[b].value, self.bufs[b].failed = None, True
+            return "unknown"
         if any(b.value is None or b.failed for b in bufs):
             for b in outs:
                 self.bufs[b].value, self.bufs[b].failed = None, False
@@ -134,10 +150,12 @@ class Model:
         return None
 
     def _drain(self, s: int, error, what: str):
-        """A blocking call on stream ``s`` raises its queued errors (and clears them)."""
+        """A blocking call on stream ``s`` raises its queued errors (and clears them): the
+        ``LaunchError`` of a kernel that failed on ``s`` is raised there, once."""
         p, self.pending[s] = self.pending[s], NONE
         if p == CERTAIN:
-            return True, self._expect_raise(error, ServerError, what)
+            return True, self._expect_raise(error, LaunchError, what + " (a launch on its stream "
+                                            "failed)")
         if p == MAYBE and isinstance(error, ServerError):
             return True, None
         return False, None
@@ -198,12 +216,12 @@ class Model:
         if s in self.windows:
             return self._refused(op, error)
         drained, bad = self._drain(s, error, what)
-        if drained:
+        if bad is not None:
             return bad
         b = self.bufs[op.buf]
         if b.failed:
-            return self._expect_raise(error, ServerError, what + " (its last writer failed)")
-        if b.value is None:
+            return self._expect_raise(error, ReplayFailed, what + " (its last writer failed)")
+        if drained or b.value is None:
             return None                  # unknown contents: any answer
         if error is not None:
             return self._expect_ok(error, what)
@@ -271,23 +289,28 @@ class Model:
                                       + "; ".join(w.refused))
         if self.hardware and w.allocs and isinstance(error, CaptureRefused):
             return None                  # a cold pool: the driver graph refuses the allocation
-        writes = set()
+        writes, reads = set(), set()
         for launch in w.launches:
             spec = self.p.kernels[launch.kernel]
-            writes.update(b for b, bind in zip(launch.bufs, spec.kernel.bindings)
-                          if bind.access != "read")
-        self.graphs[op.graph] = (s, tuple(w.launches), writes)
+            for b, bind in zip(launch.bufs, spec.kernel.bindings):
+                (reads if bind.access == "read" else writes).add(b)
+        self.graphs[op.graph] = (s, tuple(w.launches), writes, reads - writes)
         return self._expect_ok(error, "stop_capture")
 
     def _replay(self, op, value, error):
-        s, launches, writes = self.graphs[op.graph]
+        s, launches, writes, inputs = self.graphs[op.graph]
         if s in self.windows:
             for b in writes:               # a refused replay marks its write set
                 self.bufs[b].failed = True
             return self._expect_raise(error, CaptureRefused, f"replay of g{op.graph}")
+        if any(self.bufs[b].failed for b in inputs):
+            for b in writes:               # a marked input marks the whole write set
+                self.bufs[b].value, self.bufs[b].failed = None, True
+            self._error(s, "unknown")      # its launches ran on stale data: they may fail
+            return self._expect_ok(error, f"replay of g{op.graph}")
         status = "ok"
         for launch in launches:
-            status = self._apply(launch)
+            status = self._apply(launch, propagate=False)
             if status != "ok":
                 break
         if status != "ok":
@@ -300,3 +323,7 @@ class Model:
     def _release(self, op, value, error):
         del self.graphs[op.graph]
         return self._expect_ok(error, f"release of g{op.graph}")
+
+    def _clone(self, op, value, error):
+        self.graphs[op.clone] = self.graphs[op.graph]
+        return self._expect_ok(error, f"clone of g{op.graph}")

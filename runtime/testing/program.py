@@ -187,6 +187,15 @@ Release = _simple_op("Release", "client graph", "g{graph}.release()",
                      lambda op, c, objs: objs.graphs.pop(op.graph).release(), "``g.release()``.")
 
 
+def _clone(op, c, objs):
+    objs.graphs[op.clone] = objs.graphs[op.graph].clone()
+
+
+Clone = _simple_op("Clone", "client graph clone", "g{clone} = g{graph}.clone()", _clone,
+                   "``g2 = g.clone()``: one more owner of the same backend graph (a graph is "
+                   "destroyed when its last clone is released).")
+
+
 @dataclass(frozen=True, repr=False)
 class Program:
     """A generated program: ``ops`` then ``final`` (a sync of every stream and a read of every
@@ -265,4 +274,4 @@ class Program:
 #: every op type, by name
 OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, Sync, RecordEvent,
                                      WaitEvent, Prepare, StartCapture, StopCapture, Replay,
-                                     Release)}
+                                     Release, Clone)}

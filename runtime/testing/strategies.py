@@ -9,10 +9,16 @@ Contract programs (``contract=True``, the default) keep the replay contract by c
 ordered before it, and before an ordinary call touches a buffer a replay on another stream
 used, that replay is ordered before it. The builder knows what orders what through vector
 clocks over streams (program order per stream, the event waits the server inserts between
-ordinary calls, the user's events, host syncs: a ``sync`` or ``read`` of a stream); where an
-ordering is missing it inserts one, a ``sync`` of the other stream or an event wait (drawn),
-and skips the call when neither is possible (the other stream is recording a graph). Every
-read of a contract program must then match the sequential model under every schedule.
+ordinary calls, the user's events, host syncs: a ``sync`` or ``read`` of a stream, also one
+that raises, since it returns only after the stream's earlier work ran); where an ordering is
+missing it inserts one, a ``sync`` of the other stream or an event wait (drawn), and skips the
+call when neither is possible (the other stream is recording a graph). Every read of a
+contract program must then match the sequential model under every schedule.
+
+With kernels that may raise (``failures=True``) a capture window may not open (a failed
+warm-up, or an error still queued on the stream, makes ``start_capture`` raise), and the calls
+meant for it then run as ordinary calls: the builder orders them as if they ran, with host
+syncs only (``Builder._maybe``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ..kernel import DTYPES
 from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
-          "end", "scratch", "replay", "release", "refuse")
+          "end", "scratch", "replay", "release", "refuse", "clone", "handover")
 #: how many times a kind is listed among the choices: graphs are worth replaying often; racy
 #: programs (contract=False) write, free and replay more, so more races reach the device
 _WEIGHT = {"capture": 2, "end": 5, "replay": 4}
@@ -68,6 +74,7 @@ class Builder:
         self.clock = [{} for _ in range(self.S)]
         self.host: dict = {}             # what host syncs established
         self.acc: dict = {}              # buf -> [(stream, pos, writes, by replay, clock)]
+        self.recent: list = []           # the buffers written last (reads favour them)
 
     # -- drawing helpers --------------------------------------------------------------------
     def pick(self, seq):
@@ -106,13 +113,14 @@ class Builder:
         return {t for t, p, w, rep, _ in self.acc.get(buf, ())
                 if t != s and (w or writes) and (rep or replay) and vc.get(t, 0) < p}
 
-    def _order(self, s, streams) -> bool:
-        """Order ``streams`` before stream ``s``'s next call (a sync or an event wait, drawn)."""
+    def _order(self, s, streams, sync_only=False) -> bool:
+        """Order ``streams`` before stream ``s``'s next call (a sync or an event wait, drawn;
+        ``sync_only``: a host sync, for a call whose stream may or may not be capturing)."""
         for t in sorted(streams):
             if t in self.windows:
                 return False             # a recording stream takes no sync and records no event
         for t in sorted(streams):
-            if self.flag():
+            if sync_only or self.flag():
                 self._sync(t)
             else:
                 e = self._record(t)
@@ -131,13 +139,40 @@ class Builder:
         if not replay:                   # the waits the server inserts between ordinary calls
             for b, w in uses.items():
                 for t, p, pw, _, snap in self.acc.get(b, ()):
-                    if t != s and (pw or w):
+                    if t != s and (pw or w) and snap is not None:
                         self._join(vc, snap)
                         self._join(vc, {t: p})
         self.pos[s] += 1
         snap = dict(vc)
         for b, w in uses.items():
             self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, snap))
+        self._wrote(uses)
+        return True
+
+    def _wrote(self, uses: dict) -> None:
+        self.recent = ([b for b, w in uses.items() if w] + self.recent)[:3]
+
+    def _maybe(self, s, uses: dict, replay: bool) -> bool:
+        """A call on stream ``s``, whose capture window may not have opened: with kernels that
+        may fail (``failures=True``) a warm-up, or an earlier launch's error still queued on the
+        stream, makes ``start_capture`` raise, and the calls the builder meant for the window
+        then run (a launch runs eagerly, a refused read, write or replay runs). So the builder
+        orders them as if they ran, with host syncs only (a ``wait_event`` on ``s`` is refused
+        while it records), and records them as accesses that order nothing after them (a
+        recorded launch makes the server insert no event wait; ``snap`` None). True when the
+        call may be issued."""
+        if not self.cfg["failures"]:
+            return True                  # no kernel fails: every window opens
+        if self.cfg["contract"]:
+            need = set()
+            for b, w in uses.items():
+                need |= self._needs(s, b, w, replay)
+            if need and not self._order(s, need, sync_only=True):
+                return False
+        self.pos[s] += 1
+        for b, w in uses.items():
+            self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, None))
+        self._wrote(uses)
         return True
 
     def _host_sync(self, s):
@@ -168,19 +203,22 @@ class Builder:
               "sync": idle, "free": live, "event": idle, "wait": idle and self.events,
               "capture": self.cfg["capture"] and live and idle,
               "end": self.windows, "scratch": self.windows and live,
-              "replay": self.graphs, "release": self.graphs,
+              "replay": self.graphs, "release": self.graphs, "clone": self.graphs,
+              "handover": self.cfg["capture"] and live and len(idle) > 1,
               "refuse": self.windows and self.cfg["refusals"]}
         return {k for k in _KINDS if ok[k]}
 
-    def create(self):
-        k = self.pick(self.idle_clients())
-        dtype = self.pick(self.cfg["dtypes"])
+    def create(self, k=None, dtype=None) -> int:
+        """``b = c.create(values)`` on client ``k`` (drawn when None); returns ``b``."""
+        k = self.pick(self.idle_clients()) if k is None else k
+        dtype = self.pick(self.cfg["dtypes"]) if dtype is None else dtype
         b = self.nbuf
         self.nbuf += 1
         op = P.Create(k, b, dtype, self.values(dtype))
         self._access(self.stream(k), {b: True}, False)
         self.ops.append(op)
         self.live[b] = dtype
+        return b
 
     def _bind(self, spec):
         """Distinct live buffers of the bindings' dtypes, or None."""
@@ -210,6 +248,8 @@ class Builder:
         uses = {b: bind.access != "read" for b, bind in zip(op.bufs, spec.kernel.bindings)}
         w = self.windows.get(s)
         if w is not None:
+            if not self._maybe(s, uses, False):
+                return
             for b, wr in uses.items():
                 w.uses[b] = w.uses.get(b, False) or wr
         elif not self._access(s, uses, False):
@@ -223,8 +263,11 @@ class Builder:
             self._issue(op)
 
     def read(self):
+        """``c.read(b)``: half the time of a buffer written by the last calls (what a program
+        reads back; where a failure's marks show), else of any live buffer."""
         k = self.pick(self.idle_clients())
-        b = self.pick(sorted(self.live))
+        recent = [b for b in self.recent if b in self.live]
+        b = self.pick(recent if recent and self.flag() else sorted(self.live))
         if self._access(self.stream(k), {b: False}, False):
             self.ops.append(P.Read(k, b))
             self._host_sync(self.stream(k))
@@ -291,9 +334,10 @@ class Builder:
         if not w.refused:
             self.graphs[g] = _Graph(s, dict(w.uses), set(w.uses) - w.allocs)
 
-    def scratch(self):
-        """A buffer allocated inside the window, filled by the graph from a live buffer."""
-        s = self.pick(sorted(self.windows))
+    def scratch(self, s=None):
+        """A buffer allocated inside the window (of stream ``s``, drawn when None), filled by
+        the graph from a live buffer."""
+        s = self.pick(sorted(self.windows)) if s is None else s
         w = self.windows[s]
         src = self.pick(sorted(self.live))
         t = self.nbuf
@@ -304,44 +348,84 @@ class Builder:
         self._issue(P.Launch(w.client, self.cfg["copy32"], (src, t),
                              (("n", self.cfg["size"]),)))
 
-    def replay(self):
-        g = self.pick(sorted(self.graphs))
+    def replay(self, g=None):
+        """``g.replay()`` (once or twice) of a made graph (``g``, drawn when None), ordered
+        after the other streams' accesses to its buffers; inside a window of its stream, a
+        refused replay."""
+        g = self.pick(sorted(self.graphs)) if g is None else g
         info = self.graphs[g]
-        if info.stream in self.windows:
-            if self.cfg["failures"]:      # refused at once; marks the graph's write set
-                self.ops.append(P.Replay(self.windows[info.stream].client, g))
-            return
         if self.cfg["contract"] and info.required is None:
+            return
+        if info.stream in self.windows:
+            # refused at once, marking the graph's write set (or run: see _maybe)
+            if self.cfg["refusals"] and self._maybe(info.stream, info.uses, True):
+                self.ops.append(P.Replay(self.windows[info.stream].client, g))
             return
         from hypothesis import strategies as st
         for _ in range(self.draw(st.integers(1, 2))):
             if self._access(info.stream, info.uses, True):
                 self.ops.append(P.Replay(info.stream, g))
 
+    def handover(self):
+        """A buffer created on one stream and freed at once (its write still pending), then a
+        capture window on another stream allocates (the pool hands it that buffer), fills it
+        from a live buffer, and its graph replays at once: the allocation must be ordered after
+        the previous owner's work (issue 13's window-allocation fence)."""
+        idle = self.idle_clients()
+        if not self.live or len(self.live) >= self.cfg["buffers"] or not self.cfg["capture"]:
+            return
+        j = self.pick(idle)
+        others = [k for k in idle if self.stream(k) != self.stream(j)]
+        if not others:
+            return
+        k = self.pick(others)
+        src = self.pick(sorted(self.live))
+        t = self.create(j, self.live[src])
+        self.ops.append(P.Free(j, t))
+        del self.live[t]
+        s = self.stream(k)
+        self.ops += [P.Prepare(k), P.StartCapture(k)]
+        self.windows[s] = _Window(k)
+        self.scratch(s)
+        self._end(s)
+        if self.ngraph - 1 in self.graphs:
+            self.replay(self.ngraph - 1)
+
     def release(self):
         g = self.pick(sorted(self.graphs))
         self.ops.append(P.Release(self.graphs.pop(g).stream, g))
+
+    def clone(self):
+        """``g2 = g.clone()``, and maybe ``g.release()`` at once (the clone keeps the backend
+        graph alive)."""
+        g = self.pick(sorted(self.graphs))
+        info = self.graphs[g]
+        c = self.ngraph
+        self.ngraph += 1
+        self.ops.append(P.Clone(info.stream, g, c))
+        self.graphs[c] = _Graph(info.stream, info.uses, info.required)
+        if self.flag():
+            del self.graphs[g]
+            self.ops.append(P.Release(info.stream, g))
 
     def refuse(self):
         """A call the capture window refuses: at once (read, sync, record_event, wait_event)
         or at ``stop_capture`` (a write, the free of a buffer the window uses)."""
         s = self.pick(sorted(self.windows))
         w = self.windows[s]
-        kinds = ["read", "sync", "record", "write", "free"] + (
-            ["wait"] if self.cfg["failures"] and self.events else [])
+        kinds = ["read", "sync", "record", "write", "free"] + (["wait"] if self.events else [])
         kind = self.pick(kinds)
         if kind in ("read", "write") and not self.live:
             return
         if kind == "free":
             used = [b for b in sorted(w.uses) if b in self.live and b not in w.allocs]
-            # the server refuses only the first window that uses it (a known gap, issue 13)
-            if not self.cfg["failures"]:
-                used = [b for b in used if sum(b in x.uses for x in self.windows.values()) == 1]
-            if used:
+            if used:                      # refused by every open window that uses it
                 self._free(self.pick(used))
             return
         if kind == "read":
-            self.ops.append(P.Read(w.client, self.pick(sorted(self.live))))
+            b = self.pick(sorted(self.live))
+            if self._maybe(s, {b: False}, False):
+                self.ops.append(P.Read(w.client, b))
         elif kind == "sync":
             self.ops.append(P.Sync(w.client))
         elif kind == "record":
@@ -351,8 +435,9 @@ class Builder:
             self.ops.append(P.WaitEvent(w.client, self.pick(sorted(self.events))))
         else:
             b = self.pick(sorted(self.live))
-            self.ops.append(P.Write(w.client, b, self.live[b], self.values(self.live[b])))
-            w.refused = True
+            if self._maybe(s, {b: True}, False):
+                self.ops.append(P.Write(w.client, b, self.live[b], self.values(self.live[b])))
+                w.refused = True
 
     def program(self) -> P.Program:
         for s in sorted(self.windows):
@@ -377,23 +462,57 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
         clients: clients, each issuing from its own thread; client ``k`` is pinned to stream
             ``k % streams`` (default: one per stream).
         capture: include capture windows (``graph_prepare``, warm-up, ``start_capture``,
-            recorded launches, window allocations, ``stop_capture``), replays and releases.
+            recorded launches, window allocations, ``stop_capture``), replays, clones and
+            releases.
         size: elements per buffer.
         steps: the most calls drawn (ordering calls the builder inserts come on top).
         values: ``{dtype: strategy of one element}``; default small integers (exact in f32).
         contract: keep the replay contract (see the module doc); ``False`` draws programs that
             may race or replay freed buffers (what ``check=True`` must flag).
-        refusals: include calls a capture window refuses (read, sync, record_event at once; a
-            write at ``stop_capture``).
-        failures: include the shapes whose answers design.md promises but the server does not
-            give yet (issue 13): a replay refused inside a window (its write set is marked
-            until a later write lands), a ``wait_event`` inside a window, the free of a buffer
-            two open windows use (the server refuses only the first). Kernels whose cpu body raises are always modelled (a failed
-            launch marks what it writes, a failed warm-up makes ``start_capture`` raise): pass
-            such kernels only with ``failures=True`` until then.
+        refusals: include calls a capture window refuses: at once (``read``, ``sync``,
+            ``record_event``, ``wait_event``, a replay of a graph of that stream, which marks
+            the graph's write set until a later write lands) or at ``stop_capture`` (a write,
+            the free of a buffer the window uses, refused by every open window that uses it).
+        failures: your kernels may raise (their cpu bodies, on some inputs; pass such kernels
+            only with ``failures=True``). The model expects what the contract promises: the
+            failed launch or replay marks what it would have written (a read raises
+            ``ReplayFailed`` until a later write lands; a launch or replay reading it marks
+            what it writes), the stream that issued it raises the ``LaunchError`` at its next
+            blocking call, a failed warm-up makes ``start_capture`` raise. The builder then
+            orders every call meant for a capture window as if it ran eagerly, with host syncs
+            (the window may not have opened). Default False: with kernels that never raise,
+            windows always open and calls inside them need no ordering, so the programs
+            explore more of your windows' interleavings, and the failure shapes test the
+            runtime's promises more than your code (the project's own property test turns them
+            on, with a kernel that fails on some inputs).
     Returns: a strategy of ``Program``.
     Raises: ``TypeError``/``ValueError`` for bad kernels or params (at the call).
     """
+    from hypothesis import strategies as st
+
+    cfg = config(kernels, buffers, streams, clients, capture, size=size, steps=steps,
+                 values=values, contract=contract, refusals=refusals, failures=failures)
+    choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
+
+    @st.composite
+    def build(draw):
+        b = Builder(draw, cfg)
+        for _ in range(draw(st.integers(1, steps))):
+            kind, allowed = b.pick(choices), b.kinds()
+            if kind not in allowed:
+                kind = "create" if "create" in allowed else None
+            if kind is not None:
+                getattr(b, kind)()
+        return b.program()
+
+    return build()
+
+
+def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
+           *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
+           refusals: bool = True, failures: bool = False) -> dict:
+    """The checked arguments of ``programs()`` as the ``Builder`` 's configuration (a dict).
+    Raises what ``programs()`` raises."""
     from hypothesis import strategies as st
 
     specs = [P.KernelSpec.of(k) for k in kernels]
@@ -414,22 +533,7 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
     ints = st.integers(-8, 8)
     vals = {"f32": ints.map(float), "i32": ints, "u32": st.integers(0, 16)}
     vals.update(values or {})
-    cfg = {"kernels": tuple(specs + [P.KernelSpec(P.copy32)]), "user_kernels": len(specs),
+    return {"kernels": tuple(specs + [P.KernelSpec(P.copy32)]), "user_kernels": len(specs),
            "copy32": len(specs), "buffers": buffers, "streams": min(streams, clients),
            "clients": clients, "capture": capture, "size": size, "values": vals,
            "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}
-
-    choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
-
-    @st.composite
-    def build(draw):
-        b = Builder(draw, cfg)
-        for _ in range(draw(st.integers(1, steps))):
-            kind, allowed = b.pick(choices), b.kinds()
-            if kind not in allowed:
-                kind = "create" if "create" in allowed else None
-            if kind is not None:
-                getattr(b, kind)()
-        return b.program()
-
-    return build()

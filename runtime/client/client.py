@@ -170,8 +170,9 @@ class ComputeClient:
             (the buffer's last writer failed, found at enqueue or while this read waited: a
             replay, a launch, a host write; raised on every read until a later write lands);
             ``ServerUnhealthy`` (queued errors of this stream); ``ServerClosed``. Except for
-            ``CaptureRefused`` and ``InvalidHandle`` (raised at once), it raises only after the
-            work before it on this stream ran, together with every error that work left (one
+            ``CaptureRefused`` and ``InvalidHandle`` (raised at once), it raises only after
+            what a returning read waits for ran (the work before it on this stream and the
+            buffer's last write on any stream), together with every error that work left (one
             ``ServerUnhealthy`` that is also an instance of each error's class, e.g. a
             ``ReplayFailed`` and the ``LaunchError`` of this stream's failed launch), once.
         See also: ``cudaMemcpyAsync`` + event sync (cuda), ``map_async`` of a staging buffer (wgpu).

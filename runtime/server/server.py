@@ -403,8 +403,9 @@ class ComputeServer:
         failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
 
         A read that will raise (its buffer is marked, or errors are queued on the stream) copies
-        nothing: its completion is a fence of the stream (``_fence_then_raise``), so it raises
-        every error of the work before it, once, after that work ran.
+        nothing: it waits like a read that returns (for the buffer's last writer on any stream)
+        and its completion is a fence of the stream (``_fence_then_raise``), so it raises every
+        error of the work before it, once, after that work ran.
 
         Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``; through the client:
         ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
@@ -418,6 +419,7 @@ class ComputeServer:
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
         errs = self._take_errors(s)
         if st.mark.resolve(self._done) is not None or errs:
+            self._wait_for(s, st.writes)    # as a read that returns: after the buffer's writer
             comp, errs = self._fence_then_raise(s, errs)
             return comp, st.mark, errs
         self._wait_for(s, st.writes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -230,3 +231,32 @@ def test_a_reader_enqueued_before_its_inputs_writer_failed_is_marked(ab_or_seed,
     if reader == "replay":
         g.release()
     _done(root)
+
+
+def test_a_read_that_raises_waited_for_the_buffers_writer_on_another_stream():
+    """Like a read that returns, a read that raises (its buffer is marked) returns only after
+    the buffer's last writer, on any stream, ran: here a replay on stream a before that writer
+    is then done, so a third stream may refresh the replay's input (issue 17)."""
+    c = runtime.client("cpu", check=True)
+    a, b, d = (c.with_stream(runtime.StreamId.new()) for _ in range(3))
+    x, y, t = a.create(ONES), a.empty(4, np.float32), a.empty(4, np.float32)
+    a.graph_prepare()
+    a.start_capture()
+    _add(a, x, y, 1.0)
+    g = a.stop_capture()
+    g.replay()                                   # reads x, on a
+    a.launch(PAST_END, 1, [t])                   # t's writer, after the replay: fails
+    server = c._server
+    for _ in range(2000):                        # the failure is known before b reads
+        if server.handles[t.id].mark.error is not None:
+            break
+        time.sleep(0.005)
+    with pytest.raises(ReplayFailed):
+        b.read(t)                                # raises after a's writer (and the replay) ran
+    d.write(x, np.full(4, 5, np.float32))        # so this is ordered after the replay
+    d.sync()
+    with pytest.raises(LaunchError):
+        a.sync()                                 # a's own failure, reported on a
+    np.testing.assert_array_equal(a.read(y), ONES + 1)
+    assert server.checker.violations == []
+    g.release()

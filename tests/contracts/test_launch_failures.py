@@ -18,6 +18,7 @@ import pytest
 
 import runtime
 from runtime import kernels as K
+from runtime.backends.cpu import ThreadScheduler
 from runtime.errors import LaunchError, ReplayFailed, ServerUnhealthy
 from runtime.testing import backend_unavailable
 
@@ -237,7 +238,7 @@ def test_a_read_that_raises_waited_for_the_buffers_writer_on_another_stream():
     """Like a read that returns, a read that raises (its buffer is marked) returns only after
     the buffer's last writer, on any stream, ran: here a replay on stream a before that writer
     is then done, so a third stream may refresh the replay's input (issue 17)."""
-    c = runtime.client("cpu", check=True)
+    c = runtime.client("cpu", check=True, scheduler=ThreadScheduler())   # a server of its own
     a, b, d = (c.with_stream(runtime.StreamId.new()) for _ in range(3))
     x, y, t = a.create(ONES), a.empty(4, np.float32), a.empty(4, np.float32)
     a.graph_prepare()
@@ -260,3 +261,4 @@ def test_a_read_that_raises_waited_for_the_buffers_writer_on_another_stream():
     np.testing.assert_array_equal(a.read(y), ONES + 1)
     assert server.checker.violations == []
     g.release()
+    c.shutdown()

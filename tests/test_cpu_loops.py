@@ -165,18 +165,27 @@ def test_thread_rule_shares_the_cores_among_executing_items():
         rule.set_cores(0)
 
 
-def test_thread_rule_sizes_blas_while_items_execute_and_yields_to_the_user(monkeypatch):
-    class Lib:                                             # a threadpoolctl library controller
-        def __init__(self):
-            self.calls = []
+class _FakeBlas:
+    """Stands in for a threadpoolctl library controller: records the counts it is given."""
 
-        def set_num_threads(self, n):
-            self.calls.append(n)
+    def __init__(self):
+        self.calls = []
 
+    def set_num_threads(self, n):
+        self.calls.append(n)
+
+
+def _rule_with_fake_blas(monkeypatch):
+    """A 2-core ThreadRule free of the user's BLAS settings, sizing a fake BLAS library."""
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    rule, lib = ThreadRule(cores=2), Lib()
+    rule, lib = ThreadRule(cores=2), _FakeBlas()
     rule._blas = [lib]
+    return rule, lib
+
+
+def test_thread_rule_sizes_blas_while_items_execute_and_yields_to_the_user(monkeypatch):
+    rule, lib = _rule_with_fake_blas(monkeypatch)
     rule.enter()                                           # one stream: both cores
     rule.enter()                                           # a second stream: one thread each
     rule.exit()
@@ -193,17 +202,7 @@ def test_thread_rule_sizes_blas_while_items_execute_and_yields_to_the_user(monke
 
 
 def test_host_work_counts_as_an_executing_item_and_pinned_blas_leaves_the_rule(monkeypatch):
-    class Lib:
-        def __init__(self):
-            self.calls = []
-
-        def set_num_threads(self, n):
-            self.calls.append(n)
-
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        monkeypatch.delenv(var, raising=False)
-    rule, lib = ThreadRule(cores=2), Lib()
-    rule._blas = [lib]
+    rule, lib = _rule_with_fake_blas(monkeypatch)
     with rule.host_busy():                                 # the server is working
         rule.enter()                                       # a forward starts beside it
         assert rule.threads() == 1

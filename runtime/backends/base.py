@@ -42,13 +42,16 @@ class Completion:
     done; the caller polls server health between waits (never a hang).
     """
 
-    __slots__ = ("_event", "done", "value", "error", "helper")
+    __slots__ = ("_event", "done", "value", "error", "helper", "tick")
 
     def __init__(self, helper=None):
         self._event = None
         self.done = False
         self.value = None
         self.error = None
+        #: optional one-element list set to ``[True]`` when it finishes (the server learns that
+        #: the stream ran up to it without keeping the completion, or its value, alive).
+        self.tick = None
         #: optional callable the waiting thread runs first (the cpu backend lets the waiter run
         #: its own stream's queued work instead of handing it to a worker thread and back).
         self.helper = helper
@@ -70,6 +73,9 @@ class Completion:
 
     def _finish(self):
         self.done = True          # before reading _event: see wait()
+        tick = self.tick
+        if tick is not None:
+            tick[0] = True
         ev = self._event
         if ev is not None:
             ev.set()

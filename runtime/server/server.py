@@ -19,8 +19,8 @@ import itertools
 
 from ..backends.base import Completion
 from ..client.stream import watch_thread_ends
-from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerClosed,
-                      ServerError, UnknownGraph, UnsupportedError, unhealthy)
+from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
+                      UnknownGraph, UnsupportedError, unhealthy)
 from . import capture as cap
 from .capture import merge
 from .marks import CLEAN, Mark
@@ -285,23 +285,33 @@ class ComputeServer:
 
     # -- marks ----------------------------------------------------------------------------------
     def _fence(self, s: StreamState, comp) -> None:
-        """Remember that ``comp`` completes once ``s`` ran up to its current position (a read's
-        copy, a sync, a warm-up fence): marks of that work are then final (``_done``)."""
+        """Remember that ``comp`` finishes once ``s`` ran up to its current position (a read's
+        copy, a sync, a warm-up fence): marks of that work are then final (``_done``). Only a
+        tick is kept (``Completion.tick``), never the completion or its value."""
+        tick = [False]
+        comp.tick = tick
+        if comp.done:                     # finished already, or before the tick was attached
+            tick[0] = True
         fences = s.fences
-        if fences and fences[-1][0] == s.pos:
-            fences.pop()
-        fences.append((s.pos, comp))
-        if len(fences) > 64:              # nobody waits on them: forget the oldest
+        fences.append((s.pos, tick))
+        if len(fences) > 64:              # nobody waited on them yet: forget the oldest
             fences.popleft()
 
     def _done(self, mark) -> bool:
-        """Whether the operation of ``mark`` is known to have run (a fence after it completed)."""
+        """Whether the operation of ``mark`` is known to have run (a fence after it finished;
+        a stream runs in order, so any finished fence covers everything before it)."""
         s = mark.stream
+        if mark.pos <= s.done_pos:
+            return True
         fences = s.fences
-        while fences and fences[0][1].done:
-            pos, comp = fences.popleft()
-            if not isinstance(comp.error, ServerClosed) and pos > s.done_pos:
-                s.done_pos = pos
+        last = None
+        for i, (pos, tick) in enumerate(fences):
+            if tick[0]:
+                last = i
+        if last is not None:
+            s.done_pos = max(s.done_pos, fences[last][0])
+            for _ in range(last + 1):
+                fences.popleft()
         return mark.pos <= s.done_pos
 
     def _inherit(self, mark, reads) -> None:

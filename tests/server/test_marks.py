@@ -82,3 +82,18 @@ def test_a_launch_reading_a_buffer_whose_writer_failed_at_execution_is_marked():
         c.read(y)
     assert isinstance(info.value, LaunchError)     # with the stream's own failure
     c.shutdown()
+
+
+def test_the_server_keeps_no_read_result_alive():
+    """The server learns that a stream ran up to a read from the read's completion, through a
+    tick: not by keeping the completion, whose value is the caller's array."""
+    import gc
+    import weakref
+    c = runtime.client("cpu", scheduler="interleave", seed=0)
+    x = c.create(np.ones(1 << 16, np.float32))
+    out = c.read(x)
+    ref = weakref.ref(out.base if out.base is not None else out)
+    del out
+    gc.collect()
+    assert ref() is None
+    c.shutdown()

@@ -147,6 +147,49 @@ def test_a_full_graph_cache_runs_fewer_rows_in_a_captured_bucket_rather_than_cap
     assert model.calls == [("graph", 1, 16, 1)] * 4 and model.buckets == [(1, 16)]
 
 
+def test_max_padding_runs_the_bucket_the_texts_fill_instead_of_a_mostly_padded_one():
+    bb, sb = (1, 2, 4, 8, 16, 32), (16, 32)
+    assert choose_bucket(20, 10, bb, sb, max_padding=0.25) == (16, 16)   # 32 would pad 37.5%
+    assert choose_bucket(24, 10, bb, sb, max_padding=0.25) == (32, 16)   # 25%: allowed
+    assert choose_bucket(3, 20, bb, sb, max_padding=0.25) == (4, 32)
+    assert choose_bucket(5, 20, bb, sb, max_padding=0.25) == (4, 32)
+    assert choose_bucket(20, 10, bb, sb) == (32, 16)                       # no bound
+    # a full cache: only a captured bucket is taken
+    held = [(32, 16), (8, 16)]
+    assert choose_bucket(20, 10, bb, sb, held, max_graphs=2, max_padding=0.25) == (32, 16)
+    assert choose_bucket(11, 10, bb, sb, held + [(16, 16)], max_graphs=3,
+                         max_padding=0.25) == (8, 16)
+
+
+def test_a_batch_over_max_padding_runs_in_full_buckets_and_every_text_gets_its_row():
+    model = FakeModel(max_graphs=16)
+    texts = [TEXTS[i % len(TEXTS)][:20] or "z" for i in range(5)]
+    b = Batcher(model, max_padding=0.25, batch_buckets=(1, 2, 4, 8), seq_buckets=(16,),
+                start=False)
+    fut = b.submit(texts)
+    b.start()
+    e = fut.result(10).embeddings
+    b.close()
+    for row, t in zip(e, texts):
+        np.testing.assert_array_equal(row, expected(model, t))
+    assert [c[1:] for c in model.calls] == [(4, 16, 4), (1, 16, 1)]     # not (8, 16, 5)
+
+
+def test_max_padding_auto_bounds_padding_on_the_cpu_backend_only():
+    class OnBackend(FakeModel):
+        def __init__(self, backend):
+            super().__init__()
+            self.client = type("Client", (), {"backend": backend})()
+
+    assert Batcher(OnBackend("cpu"), start=False).max_padding == 0.25
+    assert Batcher(OnBackend("wgpu"), start=False).max_padding is None
+    assert Batcher(FakeModel(), start=False).max_padding is None
+    assert Batcher(OnBackend("cpu"), graph=False, exact_shapes=True,
+                   start=False).max_padding is None
+    with pytest.raises(ValueError, match="max_padding"):
+        Batcher(FakeModel(), max_padding=1.0, start=False)
+
+
 # -- batching with a fake model --------------------------------------------------------------
 def test_texts_are_grouped_by_seq_bucket_padded_and_split_back_to_their_requests():
     model = FakeModel(max_seq_length=64, max_graphs=16)
@@ -186,6 +229,18 @@ def test_the_eager_path_runs_the_same_padded_bucket_shapes():
         e = b.embed(["a b c", "a"], timeout=10)
     np.testing.assert_array_equal(e[1], expected(model, "a"))
     assert model.calls == [("eager", 4, 8, 2)]
+
+
+def test_exact_shapes_run_each_eager_batch_at_its_own_rows_and_longest_text():
+    model = FakeModel()
+    with Batcher(model, graph=False, exact_shapes=True, batch_buckets=(1, 4),
+                 seq_buckets=(8, 16)) as b:
+        e = b.embed(["a b c", "a"], timeout=10)
+    np.testing.assert_array_equal(e[0], expected(model, "a b c"))
+    np.testing.assert_array_equal(e[1], expected(model, "a"))
+    assert model.calls == [("eager", 2, 5, 2)]          # [CLS] a b c [SEP]: 5 tokens, 2 rows
+    with pytest.raises(ValueError, match="graph=False"):
+        Batcher(model, graph=True, exact_shapes=True, start=False)
 
 
 def test_long_texts_are_cut_by_the_tokenizer_and_an_empty_string_is_valid():

@@ -119,26 +119,12 @@ class ThreadRule:
                 if self.adapt_blas:
                     self._apply_blas()
 
-    @contextlib.contextmanager
-    def host_busy(self):
-        """Count host work that competes for the cores (an HTTP server parsing, tokenizing and
-        serialising while a forward runs) as one more executing item for as long as it lasts,
-        so the kernels leave it a core. The serving batcher holds it during a forward whose
-        batch holds several requests (concurrent clients: their next requests arrive meanwhile)."""
-        self.enter()
-        try:
-            yield
-        finally:
-            self.exit()
-
     def pin_blas(self, n: int = 1) -> None:
         """Fix OpenBLAS at ``n`` threads from now on, outside the rule (unless the user's
-        environment fixes it). For processes that also serve: OpenBLAS's idle threads spin
-        after each multi-threaded call, and beside an HTTP server's event loop that spinning
-        starved the server (64 closed-loop clients on 2 cores: 30-35 requests/s with the rule's
-        2 BLAS threads, 58-60 pinned at 1, batches of 5-7 texts against 20). ``serve``, the
-        demo and every serving replica call it with 1; numba's loops and attention's pieces
-        still use the rule's threads.
+        environment fixes it), as ``OPENBLAS_NUM_THREADS=n`` would; numba's loops and
+        attention's pieces still use the rule's threads. Serving does not need it: measured on
+        2 cores with 64 closed-loop HTTP clients, pinned at 1 served 98-107 requests/s against
+        106-124 with the rule (``benchmarks/serving.py``, README "The cpu backend").
 
         Raises: ``ValueError`` (``n < 1``).
         """

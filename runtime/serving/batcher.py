@@ -20,7 +20,7 @@ and queues the request. One worker thread owns the model and loops:
    captured bucket within the token budget is reused, even if that means running fewer texts
    now and the rest in the next batch, rather than capturing and evicting), pad to it, and run
    it through ``model.run_bucket`` (graph path) or ``model.forward`` (eager path, the same
-   padded shapes);
+   padded shapes, or with ``exact_shapes`` the batch's own: its texts, padded to its longest);
 4. copy each real row to its request; padding rows are dropped before anything is copied. A
    request completes when all of its texts have, and gets its rows in its own order.
 
@@ -43,14 +43,11 @@ import queue
 import threading
 import time
 from collections import deque
-from contextlib import nullcontext
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from ..kernels.threads import RULE
 
 __all__ = ["Batcher", "BatchFailed", "BatcherClosed", "QueueFull", "Embeddings",
            "choose_bucket", "bucket_up"]
@@ -59,6 +56,10 @@ __all__ = ["Batcher", "BatchFailed", "BatcherClosed", "QueueFull", "Embeddings",
 SEQ_BUCKETS = (16, 32, 64, 128, 256)
 #: Default batch-size buckets (texts), as ``runtime.models.minilm.BATCH_BUCKETS``.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+#: ``Batcher(max_padding="auto")`` for a model on the cpu backend: at most a quarter of a
+#: bucket's rows padding. Measured with ``benchmarks/serving.py`` (64 clients, short texts):
+#: see the README's serving section.
+CPU_MAX_PADDING = 0.25
 _STOP = object()
 
 
@@ -110,7 +111,7 @@ def bucket_up(n: int, sizes) -> int:
 
 
 def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
-                  max_graphs=None, max_tokens=None) -> tuple:
+                  max_graphs=None, max_tokens=None, max_padding=None) -> tuple:
     """The ``(batch, seq_len)`` bucket for the next ``n`` texts of at most ``length`` tokens.
 
     The exact bucket (each size rounded up to its list) when it is already captured or there is
@@ -123,17 +124,37 @@ def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
        first ``batch`` texts (``batch < n``; the caller keeps the rest for the next batch);
     3. else the exact bucket (the model then evicts its least recently used graph).
 
+    With ``max_padding``, a bucket whose padding rows would exceed that fraction of its rows
+    gives way to the largest batch bucket the texts fill (same ``seq_len``, when it is captured
+    or there is room for it): on a cpu, a padding row costs as much as a real one, so 20 texts
+    run as 16 now and 4 with the next batch's company rather than as 32.
+
     Args:
         n: texts waiting (``1 <= n <= max(batch_buckets)``); length: the longest, in tokens.
         batch_buckets, seq_buckets: increasing sizes; captured: ``(batch, seq_len)`` pairs held.
         max_graphs: the bound on held graphs, or ``None``.
         max_tokens: captured buckets with more than ``batch * seq_len`` padded tokens are not
             reused (the per-batch budget), or ``None``.
-    Returns: ``(batch, seq_len)``; ``batch`` may be below ``n`` (case 2 only).
+        max_padding: the largest fraction of a bucket's rows that may be padding (``0 <= f <
+            1``), or ``None`` (any).
+    Returns: ``(batch, seq_len)``; ``batch`` may be below ``n`` (case 2, or ``max_padding``).
     Raises: ``ValueError`` when ``n`` or ``length`` exceeds the largest bucket.
     """
-    exact = (bucket_up(n, batch_buckets), bucket_up(max(length, 1), seq_buckets))
     captured = list(captured)
+    bucket = _choose(n, length, batch_buckets, seq_buckets, captured, max_graphs, max_tokens)
+    B, S = bucket
+    if max_padding is None or B <= n or (B - n) / B <= max_padding:
+        return bucket
+    down = max((b for b in batch_buckets if b <= n), default=None)
+    if down is not None and ((down, S) in captured or max_graphs is None or
+                             len(captured) < max_graphs):
+        return (down, S)
+    return bucket
+
+
+def _choose(n, length, batch_buckets, seq_buckets, captured, max_graphs, max_tokens) -> tuple:
+    """:func:`choose_bucket` without the padding bound."""
+    exact = (bucket_up(n, batch_buckets), bucket_up(max(length, 1), seq_buckets))
     if exact in captured or max_graphs is None or len(captured) < max_graphs:
         return exact
     if max_tokens is not None:
@@ -221,10 +242,22 @@ class Batcher:
         batch_buckets, seq_buckets: the bucket sizes (texts, tokens), increasing; default the
             model's (``BATCH_BUCKETS``/``SEQ_BUCKETS``).
         metrics: a :class:`runtime.serving.metrics.ServingMetrics` to record into, or ``None``.
+        max_padding: the largest fraction of a padded batch's rows that may be padding
+            (:func:`choose_bucket`): more, and the batch runs as the largest bucket its texts
+            fill, the rest waiting for the next batch. ``None``: any padding. ``"auto"``
+            (default): :data:`CPU_MAX_PADDING` for a model on the cpu backend (a padding row
+            costs as much as a real one there), ``None`` elsewhere (a GPU runs a fuller bucket
+            in about the same time, so splitting would only add a dispatch).
+        exact_shapes: eager path only: run each batch at its own shape (its texts, padded to
+            its longest text) instead of the bucket's, for models whose cost follows the shape
+            and that need no fixed shapes (sentence-transformers pads to the longest text in a
+            batch, as ``SentenceTransformer.encode`` does). Buckets still choose which texts
+            form a batch.
         start: start the worker thread now (else call :meth:`start`; texts submitted before
             then wait in the queue).
 
-    Raises: ``ValueError`` (buckets not increasing, the largest seq bucket below the model's
+    Raises: ``ValueError`` (``exact_shapes`` with ``graph=True``; ``max_padding`` outside
+        ``[0, 1)``; buckets not increasing, the largest seq bucket below the model's
         ``max_seq_length``, a token budget that cannot hold one longest text).
 
     Thread-safe: any thread may :meth:`submit`. The model is used from the worker thread only
@@ -234,9 +267,19 @@ class Batcher:
     def __init__(self, model, *, graph: bool = True, max_batch: int = 32,
                  max_batch_tokens: int | None = None, max_wait_ms: float = 2.0,
                  max_queue: int = 4096, batch_buckets=None, seq_buckets=None, metrics=None,
-                 start: bool = True):
+                 max_padding="auto", exact_shapes: bool = False, start: bool = True):
         self.model = model
         self.graph = bool(graph)
+        if exact_shapes and self.graph:
+            raise ValueError("exact_shapes needs graph=False: a replayed graph has its "
+                             "bucket's fixed shape")
+        self.exact_shapes = bool(exact_shapes)
+        if isinstance(max_padding, str) and max_padding == "auto":
+            client = getattr(model, "client", None)
+            max_padding = CPU_MAX_PADDING if getattr(client, "backend", None) == "cpu" else None
+        if max_padding is not None and not 0 <= float(max_padding) < 1:
+            raise ValueError(f"max_padding={max_padding!r} must be in [0, 1), \"auto\" or None")
+        self.max_padding = None if max_padding is None or self.exact_shapes else float(max_padding)
         self.path = "graph" if self.graph else "eager"
         self.batch_buckets = tuple(batch_buckets or BATCH_BUCKETS)
         self.seq_buckets = tuple(seq_buckets or SEQ_BUCKETS)
@@ -611,6 +654,8 @@ class Batcher:
         n = ids.shape[0]
         if self.graph:
             return self.model.run_bucket(B, S, ids, mask)[:n]
+        if self.exact_shapes:
+            return self.model.forward(ids, mask, graph=False)
         pad_ids = np.zeros((B, S), np.int32)
         pad_mask = np.zeros((B, S), np.int32)
         pad_ids[:n, :ids.shape[1]] = ids
@@ -624,7 +669,7 @@ class Batcher:
         captured = list(getattr(self.model, "buckets", ())) if self.graph else []
         bucket = choose_bucket(len(batch), L, self.batch_buckets, self.seq_buckets, captured,
                                getattr(self.model, "max_graphs", None) if self.graph else None,
-                               self.max_batch_tokens)
+                               self.max_batch_tokens, self.max_padding)
         B, S = bucket
         if len(batch) > B:
             self._put_back(batch[B:], ring)
@@ -640,10 +685,8 @@ class Batcher:
         if m is not None:
             for it in batch:
                 m.queue_wait.observe(t0 - it.t_enqueue)
-        busy = RULE.host_busy() if len({id(it.req) for it in batch}) > 1 else nullcontext()
         try:
-            with busy:                            # concurrent clients: leave the server a core
-                out = np.asarray(self._forward(B, S, ids, mask), dtype=np.float32)
+            out = np.asarray(self._forward(B, S, ids, mask), dtype=np.float32)
             if out.shape != (n, self.hidden):
                 raise RuntimeError(f"the model returned shape {out.shape} for {n} rows, "
                                    f"expected {(n, self.hidden)}")
@@ -662,7 +705,7 @@ class Batcher:
         if m is not None:
             m.batches.labels(path=self.path).inc()
             m.batch_size.labels(path=self.path).observe(n)
-            m.padding.labels(path=self.path).observe(B - n)
+            m.padding.labels(path=self.path).observe(0 if self.exact_shapes else B - n)
             if not self.graph:
                 m.eager.observe(dt)
             elif bucket in captured:

@@ -141,12 +141,9 @@ def main(argv=None) -> int:
     if args.ray:                         # Ray Serve (issue 18)
         from .ray_serve import main_ray
         return main_ray(args)
-    from ..kernels.threads import RULE
     from . import Batcher, ServingMetrics, create_app, load_model, serve
 
     backend = None if args.backend == "auto" else args.backend
-    if backend in (None, "cpu"):
-        RULE.pin_blas(1)                 # beside the HTTP server: see ThreadRule.pin_blas
     try:
         model = load_model(backend, path=args.model_dir, max_graphs=args.max_graphs)
     except (FileNotFoundError, ImportError) as e:

@@ -259,12 +259,9 @@ def main(argv=None) -> int:
     if missing:
         print(f"the demo needs {', '.join(missing)}: pip install -e '.[serve]'", file=sys.stderr)
         return 2
-    from ..kernels.threads import RULE
     from . import load_model
 
     backend = None if args.backend == "auto" else args.backend
-    if backend in (None, "cpu"):
-        RULE.pin_blas(1)                 # beside the HTTP server: see ThreadRule.pin_blas
     t0 = time.perf_counter()
     try:
         model = load_model(backend, max_graphs=len(WARMUP))

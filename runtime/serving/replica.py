@@ -29,7 +29,7 @@ def start_batcher(backend: str | None = "cpu", *, model_dir=None, max_graphs: in
         warmup: ``(batch, seq_len)`` buckets to capture now, or ``None``.
         cpu_threads: on cpu, the cores the thread rule shares out in this process (default:
             ``OMP_NUM_THREADS``, which Ray sets to a worker's ``num_cpus``, else every CPU the
-            process may run on); OpenBLAS is pinned at one thread (``ThreadRule.pin_blas``).
+            process may run on).
         metrics: a :class:`runtime.serving.ServingMetrics` to record into (``None``: none).
         progress: show the warm-up's progress bar.
     Returns: a started :class:`Batcher` (``close()`` it when done).
@@ -39,10 +39,8 @@ def start_batcher(backend: str | None = "cpu", *, model_dir=None, max_graphs: in
     from ..kernels.threads import RULE
     from . import load_model
 
-    if backend in (None, "cpu"):
-        if cpu_threads:
-            RULE.set_cores(cpu_threads)
-        RULE.pin_blas(1)                 # beside the HTTP server: see ThreadRule.pin_blas
+    if backend in (None, "cpu") and cpu_threads:
+        RULE.set_cores(cpu_threads)
     model = load_model(backend, path=model_dir, max_graphs=max_graphs)
     batcher = Batcher(model, graph=graph, max_batch=max_batch, max_wait_ms=max_wait_ms,
                       batch_buckets=batch_buckets, seq_buckets=seq_buckets, metrics=metrics)

@@ -43,6 +43,12 @@ Usage::
                                  [--clients 1,8,64] [--requests 256] [--texts 1] [--no-st]
                                  [--st-threads 0] [--mixed-requests 16] [--mixed-seconds 60]
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
+                                 [--paths graph,eager,sentence-transformers] [--rounds 1]
+                                 [--isolate]
+
+``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
+min-max and the median per-round ratio to sentence-transformers; ``--isolate`` runs each
+(round, path) in a fresh process of its own instead of all paths in this one.
 
 Writes ``benchmarks/results/serving_<backend>.json`` and ``.png`` (gitignored).
 """
@@ -68,6 +74,7 @@ from runtime.serving import (MODEL_ID, Batcher, ServerThread, ServingMetrics,  #
                              create_app, load_model)
 from runtime.serving.demo import SENTENCES  # noqa: E402
 
+ST = "sentence-transformers"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHORT = [s for s in SENTENCES if len(s) < 200]     # all within the 16/32-token buckets
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -166,9 +173,13 @@ def start(model, graph: bool, quiet: bool, exact: bool = False):
     """A batcher (warmed up) and its loopback server; returns (batcher, server, metrics).
     ``exact``: batches run at their own shape (``Batcher(exact_shapes=True)``)."""
     m = ServingMetrics()
-    kw = {"exact_shapes": True} if exact else {}          # an older checkout lacks the option
-    b = Batcher(model, graph=graph, metrics=m, batch_buckets=BATCH_BUCKETS,
-                seq_buckets=SEQ_BUCKETS, max_batch=BATCH_BUCKETS[-1], **kw)
+    kw = dict(graph=graph, metrics=m, batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS,
+              max_batch=BATCH_BUCKETS[-1])
+    try:
+        b = Batcher(model, exact_shapes=exact, **kw)
+    except TypeError:                 # an older checkout: no exact_shapes, buckets padded
+        print("this checkout's Batcher pads every batch to its bucket", file=sys.stderr)
+        b = Batcher(model, **kw)
     if graph:
         b.warmup(WARMUP, progress=not quiet)
     srv = ServerThread(create_app(b, metrics=m))
@@ -330,11 +341,12 @@ def largest_rows(args) -> list:
     return rows
 
 
-def closed_rows(servers: dict, clients: list, args) -> list:
-    """The ``closed`` section: throughput and latency per (path, clients)."""
+def closed_rows(servers: dict, clients: list, args, round_: int = 0) -> list:
+    """The ``closed`` section: throughput and latency per (path, clients), one round."""
     rows = []
     names = list(servers)
     for k, n in enumerate(clients):
+        k += round_
         order = names[k % len(names):] + names[:k % len(names)]
         for name in order:
             b, srv, m = servers[name]
@@ -342,7 +354,7 @@ def closed_rows(servers: dict, clients: list, args) -> list:
             lat, wall, fails = asyncio.run(drive(srv.url, plan(n, args.requests, args.texts)))
             ms = np.array(lat) * 1e3
             batches = b.batches_run - b0
-            rows.append({"path": name, "clients": n, "requests": len(lat),
+            rows.append({"path": name, "clients": n, "round": round_, "requests": len(lat),
                          "texts": len(lat) * args.texts, "wall_s": wall,
                          "req_per_s": len(lat) / wall, "texts_per_s": len(lat) * args.texts / wall,
                          "p10_ms": pct(ms, 10), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90),
@@ -357,9 +369,77 @@ def closed_rows(servers: dict, clients: list, args) -> list:
     return rows
 
 
+def summarize_closed(rows: list) -> list:
+    """Per (path, clients): the median, lowest and highest req/s over the rounds, and, when
+    sentence-transformers ran, the median of the per-round ratios to it (same round, same
+    client count)."""
+    out = []
+    keys = sorted({(r["path"], r["clients"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    for path, n in keys:
+        rs = [r for r in rows if r["path"] == path and r["clients"] == n]
+        rate = [r["req_per_s"] for r in rs]
+        ratios = []
+        for r in rs:
+            st = [x for x in rows if x["path"] == ST and x["clients"] == n and
+                  x.get("round", 0) == r.get("round", 0)]
+            if st and path != ST:
+                ratios.append(r["req_per_s"] / st[0]["req_per_s"])
+        out.append({"path": path, "clients": n, "rounds": len(rs),
+                    "req_per_s_median": float(np.median(rate)), "req_per_s_min": min(rate),
+                    "req_per_s_max": max(rate),
+                    "p50_ms_median": float(np.median([r["p50_ms"] for r in rs])),
+                    "p99_ms_median": float(np.median([r["p99_ms"] for r in rs])),
+                    "vs_st_median": float(np.median(ratios)) if ratios else None,
+                    "vs_st_min": min(ratios) if ratios else None,
+                    "vs_st_max": max(ratios) if ratios else None})
+    return out
+
+
+def isolated_rows(clients: list, args) -> list:
+    """``--isolate``: every (round, path) in a fresh process of this script (paths rotated
+    each round), so no two paths share a process: torch's and numba's OpenMP runtimes, BLAS
+    settings and the garbage collector's heap are each path's own."""
+    import tempfile
+
+    rows = []
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    for rnd in range(args.rounds):
+        order = paths[rnd % len(paths):] + paths[:rnd % len(paths)]
+        for path in order:
+            with tempfile.TemporaryDirectory() as out:
+                cmd = [sys.executable, os.path.abspath(__file__), "--backend", args.backend,
+                       "--sections", "closed", "--paths", path, "--clients", args.clients,
+                       "--requests", str(args.requests), "--texts", str(args.texts),
+                       "--rounds", "1", "--out", out, "--quiet"]
+                if args.st_threads:
+                    cmd += ["--st-threads", str(args.st_threads)]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                name = [f for f in os.listdir(out) if f.endswith(".json")][0]
+                with open(os.path.join(out, name)) as f:
+                    got = json.load(f)["rows"]
+            for r in got:
+                r["round"] = rnd
+                rows.append(r)
+                if not args.quiet:
+                    print(f"round {rnd} {r['path']:22s} clients={r['clients']:3d}  "
+                          f"{r['req_per_s']:7.1f} req/s  p50 {r['p50_ms']:8.1f} ms  "
+                          f"rows/batch {r['rows_per_batch']:.1f}  (own process)",
+                          file=sys.stderr, flush=True)
+    return rows
+
+
 def print_tables(closed: list, mixed: list, largest: list) -> None:
     """Plain-text tables of each section's rows."""
-    if closed:
+    if closed and max(r.get("round", 0) for r in closed) > 0:
+        print(f"\n{'path':22s} {'clients':>7s} {'rounds':>6s} {'req/s p50':>9s} {'min':>7s} "
+              f"{'max':>7s} {'p50 ms':>8s} {'vs ST':>6s} {'min':>6s} {'max':>6s}")
+        for s in summarize_closed(closed):
+            vs = (f"{s['vs_st_median']:6.2f} {s['vs_st_min']:6.2f} {s['vs_st_max']:6.2f}"
+                  if s["vs_st_median"] is not None else "")
+            print(f"{s['path']:22s} {s['clients']:7d} {s['rounds']:6d} "
+                  f"{s['req_per_s_median']:9.1f} {s['req_per_s_min']:7.1f} "
+                  f"{s['req_per_s_max']:7.1f} {s['p50_ms_median']:8.1f} {vs}")
+    elif closed:
         print(f"\n{'path':22s} {'clients':>7s} {'req/s':>8s} {'texts/s':>8s} {'p50 ms':>9s} "
               f"{'p99 ms':>9s} {'batches':>7s} {'rows/b':>6s}")
         for r in closed:
@@ -400,6 +480,13 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=256, help="requests per (path, clients)")
     p.add_argument("--texts", type=int, default=1, help="texts per request")
     p.add_argument("--no-st", action="store_true", help="skip sentence-transformers")
+    p.add_argument("--paths", default=f"graph,eager,{ST}",
+                   help="comma list of the paths to serve (closed and mixed sections)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="closed section: repeat every (path, clients) this many times, the "
+                   "order rotated; the summary gives medians, spread and per-round ratios")
+    p.add_argument("--isolate", action="store_true",
+                   help="closed section: each (round, path) in a fresh process of its own")
     p.add_argument("--st-threads", type=int, default=0,
                    help="torch threads for sentence-transformers (default 0: torch's default)")
     p.add_argument("--mixed-requests", type=int, default=16,
@@ -430,13 +517,23 @@ def main(argv=None) -> int:
     clients = [int(c) for c in args.clients.split(",") if c.strip()]
     closed, mixed, largest, st_note, names = [], [], [], None, []
     backend = args.backend
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if args.no_st:
+        paths = [x for x in paths if x != ST]
+        args.paths = ",".join(paths)
+    if "closed" in sections and args.isolate:
+        closed = isolated_rows(clients, args)
+        names = [x for x in paths if any(r["path"] == x for r in closed)]
+        sections = sections - {"closed"}
     if sections & {"closed", "mixed"}:
-        model = load_model(None if args.backend == "auto" else args.backend,
-                           max_graphs=len(WARMUP))
-        backend = model.client.backend
-        servers = {"graph": start(model, True, args.quiet),
-                   "eager": start(model, False, args.quiet)}
-        if not args.no_st:
+        model = None
+        if {"graph", "eager"} & set(paths):
+            model = load_model(None if args.backend == "auto" else args.backend,
+                               max_graphs=len(WARMUP))
+            backend = model.client.backend
+        servers = {name: start(model, name == "graph", args.quiet)
+                   for name in ("graph", "eager") if name in paths}
+        if ST in paths:
             try:
                 from runtime.models import default_model_dir
                 servers["sentence-transformers"] = start(
@@ -452,7 +549,7 @@ def main(argv=None) -> int:
         for _, srv, _ in servers.values():                    # one untimed round each
             asyncio.run(drive(srv.url, plan(8, 16, args.texts)))
         if "closed" in sections:
-            closed = closed_rows(servers, clients, args)
+            closed = [r for k in range(args.rounds) for r in closed_rows(servers, clients, args, k)]
         if "mixed" in sections:
             mixed = mixed_rows(servers, args)
         for b, srv, _ in servers.values():
@@ -471,15 +568,16 @@ def main(argv=None) -> int:
             "st_threads": args.st_threads or "torch default",
             "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
-            "sentence_transformers": st_note or "included"}
+            "sentence_transformers": st_note or "included", "paths": args.paths,
+            "rounds": args.rounds, "isolated": bool(args.isolate)}
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": closed, "mixed": mixed, "largest": largest}, f,
-                  indent=1)
+        json.dump({"meta": meta, "rows": closed, "summary": summarize_closed(closed),
+                   "mixed": mixed, "largest": largest}, f, indent=1)
     if not closed:
         print(f"wrote {base}.json")
         return 0
-    rows = closed
+    rows = summarize_closed(closed)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -491,10 +589,13 @@ def main(argv=None) -> int:
     for k, name in enumerate(names):
         rs = sorted((r for r in rows if r["path"] == name), key=lambda r: r["clients"])
         x, color = [r["clients"] for r in rs], f"C{k}"
-        a1.plot(x, [r["texts_per_s"] for r in rs], "o-", color=color, label=name)
-        a2.plot(x, [r["p50_ms"] for r in rs], "o-", color=color, label=f"{name} p50")
-        a2.plot(x, [r["p99_ms"] for r in rs], "x--", color=color, label=f"{name} p99")
-    for a, y in ((a1, "texts / s"), (a2, "request latency (ms)")):
+        med = [r["req_per_s_median"] * args.texts for r in rs]
+        a1.errorbar(x, med, yerr=[[m - r["req_per_s_min"] * args.texts for m, r in zip(med, rs)],
+                                  [r["req_per_s_max"] * args.texts - m for m, r in zip(med, rs)]],
+                    fmt="o-", color=color, capsize=3, label=name)
+        a2.plot(x, [r["p50_ms_median"] for r in rs], "o-", color=color, label=f"{name} p50")
+        a2.plot(x, [r["p99_ms_median"] for r in rs], "x--", color=color, label=f"{name} p99")
+    for a, y in ((a1, "texts / s (median, min-max)"), (a2, "request latency (ms, median)")):
         a.set_xscale("log", base=2)
         a.set_xticks(clients, [str(c) for c in clients])
         a.set_xlabel("concurrent clients")
@@ -503,7 +604,8 @@ def main(argv=None) -> int:
         a.legend(fontsize=8)
     a2.set_yscale("log")
     fig.suptitle(f"POST /v1/embeddings on {backend}: {args.requests} requests x "
-                 f"{args.texts} text(s)")
+                 f"{args.texts} text(s), {args.rounds} round(s)"
+                 f"{', each path in its own process' if args.isolate else ''}")
     fig.tight_layout()
     fig.savefig(base + ".png", dpi=110)
     print(f"wrote {base}.json and {base}.png")

@@ -112,3 +112,31 @@ def test_quick_bench_has_stalls_rows_on_cpu(quick_run):
             s = st[key][ph]
             assert s["n"] > 0 and 0 < s["p50"] <= s["p99"], (key, ph, s)
     assert st["rss_flood"]["iterations"] > 0 and st["rss_flood"]["series"]
+
+
+def test_serving_benchmark_isolated_rounds_write_rows_and_a_summary(tmp_path):
+    """``benchmarks/serving.py --isolate --rounds 2`` on the eager path with a few requests:
+    every (round, clients) row is there, each from its own child process, every request
+    answered 200, and the summary's median lies within the rounds' min-max."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("fastapi")
+    from runtime.models import default_model_dir
+    try:
+        default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--backend", "cpu",
+         "--sections", "closed", "--paths", "eager", "--clients", "1,3", "--requests", "6",
+         "--rounds", "2", "--isolate", "--out", str(tmp_path), "--quiet"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "serving_cpu.json").read_text())
+    assert data["meta"]["isolated"] and data["meta"]["rounds"] == 2
+    rows = data["rows"]
+    assert sorted((r["round"], r["clients"]) for r in rows) == [(0, 1), (0, 3), (1, 1), (1, 3)]
+    assert all(r["path"] == "eager" and r["requests"] == 6 and r["failures"] == 0 for r in rows)
+    for s in data["summary"]:
+        assert s["rounds"] == 2 and s["vs_st_median"] is None
+        assert s["req_per_s_min"] <= s["req_per_s_median"] <= s["req_per_s_max"]
+    assert "eager" in proc.stdout and "rounds" in proc.stdout

@@ -176,7 +176,7 @@ def settings_from_args(args) -> dict:
     return {"backend": None if args.backend == "auto" else args.backend,
             "model_dir": args.model_dir, "max_graphs": args.max_graphs, "graph": not args.eager,
             "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
-            "warmup": args.warmup}
+            "warmup": args.warmup, "batch_buckets": args.batch_buckets}
 
 
 def main_ray(args) -> int:

@@ -82,6 +82,7 @@ SHORT = [s for s in SENTENCES if len(s) < 200]     # all within the 16/32-token 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SEQ_BUCKETS = (16, 32, 64, 256)
 WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS]
+MAX_PADDING = "auto"                # Batcher(max_padding=) of the graph and eager paths
 
 
 class SentenceTransformersModel:
@@ -178,7 +179,7 @@ def start(model, graph: bool, quiet: bool, exact: bool = False):
     kw = dict(graph=graph, metrics=m, batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS,
               max_batch=BATCH_BUCKETS[-1])
     try:
-        b = Batcher(model, exact_shapes=exact, **kw)
+        b = Batcher(model, exact_shapes=exact, max_padding=MAX_PADDING, **kw)
     except TypeError:                 # an older checkout: no exact_shapes, buckets padded
         print("this checkout's Batcher pads every batch to its bucket", file=sys.stderr)
         b = Batcher(model, **kw)
@@ -413,7 +414,8 @@ def isolated_rows(clients: list, args) -> list:
                        "--sections", "closed", "--paths", path, "--clients", args.clients,
                        "--requests", str(args.requests), "--texts", str(args.texts),
                        "--rounds", "1", "--out", out, "--quiet",
-                       "--batch-buckets", args.batch_buckets]
+                       "--batch-buckets", args.batch_buckets, "--max-padding",
+                       args.max_padding]
                 if args.st_threads:
                     cmd += ["--st-threads", str(args.st_threads)]
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -475,7 +477,7 @@ def print_tables(closed: list, mixed: list, largest: list) -> None:
 
 
 def main(argv=None) -> int:
-    global BATCH_BUCKETS, WARMUP
+    global BATCH_BUCKETS, WARMUP, MAX_PADDING
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="cpu")
     p.add_argument("--sections", default="closed,mixed,largest",
@@ -489,6 +491,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-buckets", default=",".join(map(str, BATCH_BUCKETS)),
                    help="the batcher's batch buckets (texts); every one is captured at start-up "
                    "with sequence buckets 16 and 32")
+    p.add_argument("--max-padding", default="auto",
+                   help="the graph and eager batchers' max_padding: auto, none or a fraction")
     p.add_argument("--rounds", type=int, default=1,
                    help="closed section: repeat every (path, clients) this many times, the "
                    "order rotated; the summary gives medians, spread and per-round ratios")
@@ -520,6 +524,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     BATCH_BUCKETS = tuple(int(b) for b in args.batch_buckets.split(","))
     WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS]
+    MAX_PADDING = {"auto": "auto", "none": None}.get(args.max_padding.lower(), None)
+    if args.max_padding.lower() not in ("auto", "none"):
+        MAX_PADDING = float(args.max_padding)
     if args.quick:
         args.requests, args.mixed_requests = 64, 8
     sections = {x.strip() for x in args.sections.split(",") if x.strip()}
@@ -578,7 +585,8 @@ def main(argv=None) -> int:
             "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "sentence_transformers": st_note or "included", "paths": args.paths,
-            "rounds": args.rounds, "isolated": bool(args.isolate)}
+            "rounds": args.rounds, "isolated": bool(args.isolate),
+            "max_padding": args.max_padding}
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": closed, "summary": summarize_closed(closed),

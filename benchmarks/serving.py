@@ -537,6 +537,8 @@ def main(argv=None) -> int:
     if args.no_st:
         paths = [x for x in paths if x != ST]
         args.paths = ",".join(paths)
+    if ST not in paths:
+        st_note = "sentence-transformers not run (--no-st or not in --paths)"
     if "closed" in sections and args.isolate:
         closed = isolated_rows(clients, args)
         names = [x for x in paths if any(r["path"] == x for r in closed)]

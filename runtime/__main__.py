@@ -6,7 +6,8 @@ Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``embed-c
 A command that fails prints one line, ``python -m runtime <command>: <Error>: <message>``, on
 stderr and exits non-zero (2 for bad input: a runtime error, ``ValueError``, a missing file; 1
 for anything else; 130 on Ctrl-C), never a traceback. ``RUNTIME_TRACEBACK=1`` shows the
-traceback instead (for a bug report).
+traceback instead (for a bug report). A bad flag or flag value gets argparse's answer before
+the command starts: the command's usage, one ``error:`` line, exit status 2.
 """
 
 from __future__ import annotations

@@ -726,7 +726,7 @@ def test_serve_warns_when_exposed_without_a_key():
         build_parser().parse_args(["--max-body-bytes", "0"])
     assert build_parser().parse_args(["--batch-buckets", "1,2,3,4"]).batch_buckets == (1, 2, 3, 4)
     assert build_parser().parse_args([]).batch_buckets is None       # the batcher's default
-    for bad in ("4,2", "0,1", "1,x", ""):
+    for bad in ("4,2", "0,1", "1,x", "", "1,,2", "2,2"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--batch-buckets", bad])
 

@@ -48,7 +48,7 @@ def parse_sizes(spec: str) -> tuple:
     Raises: ``argparse.ArgumentTypeError`` otherwise.
     """
     try:
-        sizes = tuple(int(p) for p in spec.split(",") if p.strip())
+        sizes = tuple(int(p) for p in spec.split(","))
     except ValueError:
         sizes = ()
     if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):

@@ -76,17 +76,20 @@ class Mark:
 
     @error.setter
     def error(self, value):
+        Mark._count_failure()
+        self._error = value
+
+    @staticmethod
+    def _count_failure() -> None:
         with Mark._lock:
             Mark.failures += 1
-        self._error = value
 
     def fail(self, error: BaseException):
         """Record that the operation failed (keeps the first error); any thread. Returns the
         error to report on the stream: for a replay, ``error`` retyped with the graph named."""
         if self.op[0] == "replay":
             error = type(error)(f"{error} (in a replay of graph {self.op[1]})")
-        with Mark._lock:
-            Mark.failures += 1
+        Mark._count_failure()
         if self._error is None:
             self._error = error
         return error

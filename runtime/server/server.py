@@ -39,7 +39,7 @@ class StreamState:
     def __init__(self, sid, raw):
         self.id, self.raw = sid, raw
         self.pos = 0                  # operations executed (enqueued to the backend) so far
-        self.fences = collections.deque()   # (position, Completion) of reads, syncs, fences
+        self.fences = collections.deque()   # (position, tick) of reads, syncs, fences
         self.done_pos = 0             # every operation up to here is known to have run
         self.synced: dict = {}        # other stream id -> position this stream already waited for
         self.event, self.event_pos = None, -1

@@ -34,7 +34,7 @@ from numba import njit, prange
 
 def _start_pool() -> None:
     """Start numba's thread pool with its OpenMP runtime told to sleep as soon as a parallel
-    region ends (``OMP_WAIT_POLICY=PASSIVE``; :mod:`runtime.kernels.threads` says why), unless
+    region ends (``OMP_WAIT_POLICY=PASSIVE``; :mod:`runtime.cpu_threads` says why), unless
     the user set the variable. GNU OpenMP reads it once, when numba loads it here; the variable
     is removed again, so it reaches neither other libraries nor child processes."""
     mine = "OMP_WAIT_POLICY" not in os.environ
@@ -250,7 +250,7 @@ def set_threads(n: int) -> int:
     """Run this thread's next parallel loops on ``n`` threads of numba's pool (capped at the
     pool's size, ``NUMBA_NUM_THREADS``, which defaults to the cores); returns the count applied.
     numba's count is per calling thread; :mod:`runtime.kernels.nn` applies the thread rule
-    (:mod:`runtime.kernels.threads`) through this before each cpu kernel's loops."""
+    (:mod:`runtime.cpu_threads`) through this before each cpu kernel's loops."""
     n = max(1, min(int(n), POOL))
     numba.set_num_threads(n)
     return n

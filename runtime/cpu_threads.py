@@ -43,7 +43,9 @@ What the user sets wins: ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
 import threading
 
 #: the environment variables that fix numpy's BLAS thread count (the user's setting wins)
@@ -55,10 +57,19 @@ def blas_fixed_by_user() -> bool:
     return any(os.environ.get(v) for v in BLAS_ENV)
 
 
-def available_cores() -> int:
-    """The cores the thread rule shares out by default: ``OMP_NUM_THREADS`` when it is set to a
-    positive integer (as torch reads it; Ray sets it to a worker's ``num_cpus``), else the CPUs
-    this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+def available_cores(root: str = "/") -> int:
+    """The cores the thread rule shares out by default.
+
+    ``OMP_NUM_THREADS`` when it is set to a positive integer (as torch reads it; Ray sets it to
+    a worker's ``num_cpus``); else the CPUs this process may run on (its affinity mask,
+    ``os.cpu_count()`` where there is none), capped by the CPU quota of its cgroup rounded up
+    (:func:`cpu_quota`; at least 1), as the JVM and Go's ``GOMAXPROCS`` do: a container limited
+    to 2 CPUs on a 64-core host gets 2 threads, not 64 threads throttled to 2 cores' time.
+
+    Args:
+        root: the filesystem root the ``/proc`` and cgroup files are read under (tests pass a
+            fake tree).
+    """
     try:
         omp = int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0])
     except ValueError:
@@ -66,9 +77,97 @@ def available_cores() -> int:
     if omp >= 1:
         return omp
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cpus = max(1, os.cpu_count() or 1)
+    quota = cpu_quota(root)
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota - 1e-9)))
+    return cpus
+
+
+def cpu_quota(root: str = "/") -> float | None:
+    """The CPU bandwidth this process's cgroup may use, in cores (quota / period), or ``None``
+    when it has no limit or none can be read (not Linux, no cgroup file system).
+
+    Reads cgroup v2's ``cpu.max`` (``"150000 100000"``: 1.5 cores; ``"max ..."``: no limit) and
+    cgroup v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (a quota of -1: no limit), for
+    the process's own cgroup (``/proc/self/cgroup``, mounted where ``/proc/self/mountinfo``
+    says) and every ancestor visible up to the mount point; the smallest limit wins, since a
+    parent's limit caps its children. Both hierarchies are read on a hybrid host.
+
+    Args:
+        root: the filesystem root the files are read under (``"/"``; tests pass a fake tree).
+    """
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            groups = [line.rstrip("\n").split(":", 2) for line in f]
+        with open(os.path.join(root, "proc/self/mountinfo")) as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    paths = {}                                 # "v2" / "v1" -> the process's cgroup path
+    for g in groups:
+        if len(g) != 3:
+            continue
+        if g[0] == "0" and g[1] == "":
+            paths["v2"] = g[2]
+        elif "cpu" in g[1].split(","):
+            paths["v1"] = g[2]
+    best = None
+    for line in mounts:
+        head, sep, tail = line.partition(" - ")
+        f, t = head.split(), tail.split()
+        if not sep or len(f) < 5 or not t:
+            continue
+        if t[0] == "cgroup2":
+            kind = "v2"
+        elif t[0] == "cgroup" and len(t) > 2 and "cpu" in t[2].split(","):
+            kind = "v1"
+        else:
+            continue
+        if kind not in paths:
+            continue
+        mount_root, point = _unescape(f[3]), _unescape(f[4])
+        path = paths[kind]
+        rel = path[len(mount_root):] if path.startswith(mount_root) else ""
+        top = os.path.join(root, point.lstrip("/"))
+        top = os.path.normpath(top)
+        d = os.path.normpath(os.path.join(top, rel.lstrip("/")))
+        if not d.startswith(top):             # a path outside the mount (another namespace)
+            d = top
+        while True:
+            limit = _cgroup_limit(d, kind)
+            if limit is not None and (best is None or limit < best):
+                best = limit
+            if len(d) <= len(top):
+                break
+            d = os.path.dirname(d)
+    return best
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as \ooo (octal)
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _cgroup_limit(d: str, kind: str) -> float | None:
+    """One cgroup directory's CPU limit in cores, or ``None`` (no limit, no file, unreadable)."""
+    try:
+        if kind == "v2":
+            with open(os.path.join(d, "cpu.max")) as f:
+                quota, _, period = f.read().strip().partition(" ")
+            if quota == "max":
+                return None
+            q, p = int(quota), int(period or 100000)
+        else:
+            with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
+                q = int(f.read().strip())
+            with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+                p = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return q / p if q > 0 and p > 0 else None
 
 
 def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
@@ -314,3 +413,15 @@ class FanOutPool:
 RULE = ThreadRule()
 #: the process's fan-out threads (attention's pieces, :mod:`runtime.kernels.nn`)
 FAN_OUT = FanOutPool()
+
+
+def _after_fork_in_child() -> None:
+    # only the forking thread comes along: no stream item executes here, the fan-out threads
+    # are gone, and a lock another thread held at the fork would be held forever
+    RULE._lock = threading.Lock()
+    RULE.active = RULE.fan_outs = 0
+    FAN_OUT.__init__()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

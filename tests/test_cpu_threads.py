@@ -91,3 +91,76 @@ def test_fan_out_raises_the_first_error_and_skips_pieces_not_started():
     assert len(ran) < 200
     assert ct.RULE.fan_outs == 0                          # BLAS back under the rule
     pool.run(lambda p: ran.append(p), range(4), 2)        # the pool still works
+
+
+# -- the CPU quota (cgroup v2 cpu.max, v1 cfs quota/period), on fake trees ---------------------
+V2_MOUNT = "41 31 0:38 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+V1_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n"
+             "32 31 0:29 {root} /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+             "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+
+
+def _tree(tmp_path, cgroup: str, mountinfo: str, files: dict) -> str:
+    """A fake root: proc/self/cgroup, proc/self/mountinfo and the cgroup files given."""
+    for rel, text in {"proc/self/cgroup": cgroup, "proc/self/mountinfo": mountinfo,
+                      **files}.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return str(tmp_path)
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    """A process allowed on 64 CPUs, no OMP_NUM_THREADS."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+
+
+def test_cgroup_v2_quota_caps_the_cores_rounded_up(tmp_path, many_cores, monkeypatch):
+    root = _tree(tmp_path, "0::/kubepods/pod1/ctr\n", V2_MOUNT, {
+        "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "150000 100000\n",   # 1.5 cores
+        "sys/fs/cgroup/kubepods/pod1/cpu.max": "max 100000\n",
+        "sys/fs/cgroup/kubepods/cpu.max": "400000 100000\n"})
+    assert ct.cpu_quota(root) == 1.5
+    assert ct.available_cores(root) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert ct.available_cores(root) == 5                  # the user's setting wins
+
+
+def test_a_parents_tighter_quota_wins_and_no_quota_leaves_the_affinity(tmp_path, many_cores):
+    root = _tree(tmp_path, "0::/a/b\n", V2_MOUNT, {
+        "sys/fs/cgroup/a/b/cpu.max": "800000 100000\n",
+        "sys/fs/cgroup/a/cpu.max": "25000 50000\n"})      # half a core above it
+    assert ct.cpu_quota(root) == 0.5
+    assert ct.available_cores(root) == 1                  # at least one
+    free = _tree(tmp_path / "free", "0::/a\n", V2_MOUNT, {"sys/fs/cgroup/a/cpu.max": "max\n"})
+    assert ct.cpu_quota(free) is None
+    assert ct.available_cores(free) == 64
+    assert ct.cpu_quota(str(tmp_path / "nothing")) is None       # no /proc files: no limit
+    assert ct.available_cores(str(tmp_path / "nothing")) == 64
+
+
+def test_cgroup_v1_cfs_quota_inside_a_container_mount(tmp_path, many_cores):
+    # v1, no cgroup namespace: the process's path /docker/abc is the mount's root, so the
+    # container's own files sit at the mount point (the hybrid v2 line has no cpu.max)
+    cgroup = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n"
+    root = _tree(tmp_path, cgroup, V1_MOUNTS.format(root="/docker/abc") + V2_MOUNT.replace(
+        "/sys/fs/cgroup ", "/sys/fs/cgroup/unified "), {
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "300000\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "sys/fs/cgroup/unified/docker/abc/cpu.pressure": ""})
+    assert ct.cpu_quota(root) == 3.0
+    assert ct.available_cores(root) == 3
+    nolimit = _tree(tmp_path / "n", "4:cpu,cpuacct:/\n", V1_MOUNTS.format(root="/"), {
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    assert ct.cpu_quota(nolimit) is None
+
+
+def test_a_quota_above_the_affinity_mask_leaves_the_mask(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    root = _tree(tmp_path, "0::/\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "1600000 100000\n"})
+    assert ct.cpu_quota(root) == 16.0
+    assert ct.available_cores(root) == 2

@@ -20,7 +20,7 @@ import collections
 import itertools
 
 from ..backends.base import Completion
-from ..client.stream import watch_thread_ends
+from ..streams import watch_thread_ends
 from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
                       UnknownGraph, UnsupportedError)
 from . import capture as cap
@@ -117,7 +117,7 @@ class ComputeServer:
 
     def thread_ended(self, sid) -> None:
         """The thread whose default stream is ``sid`` ended (called on that thread, by
-        ``runtime.client.stream``): queue its reclamation. Never blocks."""
+        ``runtime.streams``): queue its reclamation. Never blocks."""
         self.post(self.h_stream_ended, sid)
 
     def h_stream_ended(self, sid) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import device_thread, minilm, replay, report, stalls
-from .machine import machine, write_json
+from .results import machine, write_json
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,6 @@ section 2)."""
 from .client import ComputeClient, client
 from .graph import Graph
 from .handle import Handle
-from .stream import StreamId
+from ..streams import StreamId
 
 __all__ = ["ComputeClient", "client", "Graph", "Handle", "StreamId"]

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import pytest
 
-from ..backends.cpu import InterleavingScheduler, TraceScheduler
+from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
 from ..client import StreamId, client as make_client
 from .run import backend_unavailable
 

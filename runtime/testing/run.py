@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-from ..backends.cpu import InterleavingScheduler, TraceScheduler
+from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
 from ..client import StreamId, client as make_client
 from ..errors import LivenessError, ServerError, StreamRaceError
 from ..server import backend_class

@@ -68,24 +68,30 @@ def _with_faces(target: str, importer: str, mods: dict) -> list:
     return out
 
 
-def edges() -> list:
-    """``[(importer, imported, line)]`` over every import statement in runtime/."""
+def edges(missing=None) -> list:
+    """``[(importer, imported, line)]`` over every import statement in runtime/; imports of a
+    ``runtime.*`` module that does not exist are appended to ``missing``."""
     mods = modules()
     out = []
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
+            targets, gone = [], []
             if isinstance(node, ast.Import):
                 targets = [_resolve(a.name, mods) for a in node.names]
+                gone = [a.name for a in node.names if a.name.startswith("runtime.") and
+                        a.name not in mods]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")[:len(package.split(".")) - node.level + 1]
                     src = ".".join(base + ([node.module] if node.module else []))
                 else:
                     src = node.module
+                gone = [src] if src.split(".")[0] == "runtime" and src not in mods else []
                 targets = [_resolve(f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src, mods)
                            for a in node.names]
+            if gone and missing is not None:
+                missing += [f"{name}:{node.lineno} {g}" for g in gone]
             for t in targets:
                 if t is None or t == name:
                     continue
@@ -144,6 +150,22 @@ def test_the_walk_sees_function_level_and_relative_imports():
     # the server imports its checker inside a method
     assert ("runtime.server.server", "runtime.server.checker") in found
     assert len(modules()) > 50
+
+
+def test_every_import_names_a_module_that_exists():
+    """A module renamed or moved (issue 29 item 2) leaves no import of its old path behind."""
+    missing = []
+    edges(missing)
+    mods = set(modules()) | {".".join(d.relative_to(ROOT.parent).parts)   # namespace packages
+                             for d in ROOT.rglob("*") if d.is_dir() and d.name != "__pycache__"}
+    for folder in ("tests", "benchmarks", "examples"):
+        for path in sorted((ROOT.parent / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+                missing += [f"{path.relative_to(ROOT.parent)}:{node.lineno} {n}" for n in names
+                            if n and n.startswith("runtime.") and n not in mods]
+    assert missing == []
 
 
 def test_no_import_cycles():

@@ -217,7 +217,7 @@ class Graph:
         Raises: as :meth:`update`; ``InvalidHandle`` when a caller-owned handle it would use
             was freed and is not rebound.
         """
-        from .stream import StreamId
+        from ..streams import StreamId
 
         srv = self._srv("instantiate")
         rb = _rebind_ids(srv, rebind, "instantiate")

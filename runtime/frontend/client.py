@@ -7,6 +7,8 @@ fire-and-forget work, ``call`` for blocking work.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..errors import InvalidHandle, LaunchError, LoopLimitExceeded, error_list, unhealthy
@@ -14,7 +16,7 @@ from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
 from .handle import Handle
-from .stream import StreamId
+from ..streams import Event, StreamId
 
 
 #: the iteration bound of ``capture_while(max_iterations=None)`` (eager and cpu replays): a
@@ -282,18 +284,40 @@ class ComputeClient:
         srv = self._server
         srv.call(srv.h_flush, self.stream)
 
-    def record_event(self):
-        """An event token after the work enqueued on this stream so far (``cudaEventRecord``);
-        pass it to ``wait_event`` on another client/stream. Blocks until accepted."""
-        srv = self._server
-        return srv.call(srv.h_record_event, self.stream)
+    def record_event(self) -> Event:
+        """An :class:`~runtime.Event` after the work enqueued on this stream so far
+        (``cudaEventRecord``); pass it to ``wait_event`` of a client of this server (another
+        stream, another thread). Blocks until the device thread accepted it.
 
-    def wait_event(self, event) -> None:
-        """Make this stream wait for ``event`` from ``record_event`` (``cudaStreamWaitEvent``)."""
-        if not (isinstance(event, tuple) and len(event) == 2):
-            raise TypeError(f"wait_event takes a token from record_event(), got {event!r}")
+        Raises: ``CaptureRefused`` (this stream is capturing); ``ServerClosed``.
+        """
         srv = self._server
-        srv.call(srv.h_wait_event, self.stream, event)
+        sid, pos = srv.call(srv.h_record_event, self.stream)
+        return Event(sid, pos, srv)
+
+    def wait_event(self, event: Event) -> None:
+        """Make this stream wait for ``event`` from ``record_event`` (``cudaStreamWaitEvent``):
+        work enqueued here afterwards runs after the event's work.
+
+        Raises: ``TypeError`` (not an ``Event``); ``ValueError`` (an event of another server:
+        another backend, device or options); ``CaptureRefused`` (this stream is capturing);
+        ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
+        before, is accepted with a ``DeprecationWarning`` for one release.
+        """
+        srv = self._server
+        if isinstance(event, Event):
+            if event._server is not srv:
+                raise ValueError(f"{event!r} was recorded on server "
+                                 f"{getattr(event._server, 'name', None)!r}, this client's is "
+                                 f"{srv.name!r}: an event orders the streams of one server")
+            token = (event.stream, event.position)
+        elif isinstance(event, tuple) and len(event) == 2:
+            warnings.warn("wait_event((stream, position)) is deprecated: pass the Event "
+                          "record_event() returns", DeprecationWarning, stacklevel=2)
+            token = event
+        else:
+            raise TypeError(f"wait_event takes the Event record_event() returns, got {event!r}")
+        srv.call(srv.h_wait_event, self.stream, token)
 
     # -- capture ------------------------------------------------------------------------------
     def graph_prepare(self) -> None:

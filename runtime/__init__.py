@@ -14,7 +14,7 @@ start.
 """
 
 from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError, LivenessError,
-                     OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
+                     LoopLimitExceeded, OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
                      StreamRaceError, UnknownGraph, UnsupportedError)
 from .kernel import Binding, Kernel, Param
 from .frontend import ComputeClient, Graph, Handle
@@ -33,5 +33,5 @@ __all__ = [
     "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
-    "LivenessError", "StreamRaceError", "UnsupportedError",
+    "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
 ]

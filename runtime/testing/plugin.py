@@ -27,7 +27,7 @@ import pytest
 from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
 from ..frontend.client import client as make_client
 from ..streams import StreamId
-from .run import backend_unavailable
+from ..server import backend_unavailable
 
 #: seeds per test when neither ``--runtime-seeds`` nor the marker says.
 DEFAULT_SEEDS = 10

@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from .elementwise import WORKGROUP, elementwise, grid
+from .pointwise import WORKGROUP, elementwise, grid
 from .shader import program
 from ..cpu_threads import FAN_OUT, RULE
 

@@ -105,7 +105,11 @@ class CpuGraph:
         self.launches = launches
 
 
-def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
+def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
+    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
+    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
+    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
+    completion (``_execute``)."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
     if count[0] and count[1] and count[2]:
@@ -113,8 +117,8 @@ def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
             fn(*views, count=count, **kwargs)
         except Exception as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
-            if fail is not None:
-                err = fail(err) or err
+            if mark is not None:
+                err = mark.fail(err)
             raise err from e
 
 
@@ -315,9 +319,9 @@ class CpuBackend(Backend):
         """``{"hardware": False, "device": "numpy <version>"}``: always available."""
         return {"hardware": False, "device": cls.device_name}
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, fail))
+        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, mark))
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -329,12 +333,12 @@ class CpuBackend(Backend):
     def end_graph(self, recording):
         return CpuGraph(tuple(recording))
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         launches = graph.launches
 
         def replay():
             for launch in launches:   # a failing launch stops the replay: the rest never runs
-                _run_launch(*launch, fail, " (in a graph replay)")
+                _run_launch(*launch, mark, " (in a graph replay)")
         self._enqueue(stream, _RUN, replay)
 
     def destroy_graph(self, stream, graph):

@@ -69,7 +69,9 @@ class Window:
         recording: the backend recording (``Backend.begin_graph``).
         reads / writes: handle ids the recorded launches read / write (the graph's read and
             write sets; a ``read_write`` binding counts in both). ``inputs``: ids bound ``read``
-            only (a failure mark on one of them propagates to the replay's writes).
+            only. ``sources``: ids whose contents the graph may read before it writes them (the
+            first binding that uses them, in recorded order, is ``read`` or ``read_write``):
+            its inputs and its state; a failure mark on one of them marks the replay's writes.
         states: ``{handle id: HandleState}`` of every handle the recorded launches use.
         fences: ``{stream id: position}`` of work on other streams pending on those handles at
             record time (their earlier writers and readers, and a reused buffer's previous
@@ -85,14 +87,15 @@ class Window:
             streams can order against the work before it without recording on a capturing stream.
     """
 
-    __slots__ = ("recording", "reads", "writes", "inputs", "states", "fences", "allocs",
-                 "refusals", "deferred", "graveyard", "event", "event_pos", "launches")
+    __slots__ = ("recording", "reads", "writes", "inputs", "sources", "states", "fences",
+                 "allocs", "refusals", "deferred", "graveyard", "event", "event_pos", "launches")
 
     def __init__(self, recording, event, event_pos):
         self.recording = recording
         self.reads: set = set()
         self.writes: set = set()
         self.inputs: set = set()
+        self.sources: set = set()
         self.states: dict = {}
         self.fences: dict = {}
         self.allocs: list = []
@@ -111,9 +114,11 @@ class GraphState:
 
     Attributes:
         id, stream, graph: the graph id, its capture stream id, the backend graph.
-        reads / writes: handle ids it reads / writes; ``inputs``: ids it only reads.
+        reads / writes: handle ids it reads / writes; ``inputs``: ids it only reads;
+            ``sources``: ids it may read before writing them (``Window.sources``).
         handles: the ``HandleState`` s it uses (``wstates``: those it writes; ``istates``: its
-            read-only inputs); ``retained``: every pooled slot it uses, pinned until destroy, so
+            read-only inputs; ``sstates``: its sources, whose marks a replay inherits);
+            ``retained``: every pooled slot it uses, pinned until destroy, so
             no buffer a replay may touch changes owner while the graph lives.
         required: ids of caller-owned handles whose free breaks the graph (``retain=False``:
             ``ComputeClient.stop_capture``'s contract); ``freed``: those freed so far; a replay
@@ -123,17 +128,19 @@ class GraphState:
         last_pos: the capture-stream position of its latest replay.
     """
 
-    __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "handles", "wstates",
-                 "istates", "retained", "allocated", "required", "freed", "fences", "last_pos",
+    __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
+                 "wstates", "istates", "sstates", "retained", "allocated", "required", "freed", "fences", "last_pos",
                  "launches")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
         self.reads, self.writes = frozenset(window.reads), frozenset(window.writes)
         self.inputs = frozenset(window.inputs)
+        self.sources = frozenset(window.sources)
         self.handles = list(window.states.values())
         self.wstates = [st for st in self.handles if st.id in self.writes]
         self.istates = [st for st in self.handles if st.id in self.inputs]
+        self.sstates = [st for st in self.handles if st.id in self.sources]
         allocated = {st.id for st in window.allocs}
         slots = {id(st.slot): st.slot for st in self.handles}
         for st in window.allocs:
@@ -216,6 +223,11 @@ class Capture:
         self.backend.record_launch(w.recording, prog, count, args, params)
         w.launches += 1
         sid = s.id
+        for b, st in zip(kernel.bindings, states):   # before this launch's writes count
+            if b.access != "write" and st.id not in w.writes:
+                w.sources.add(st.id)
+        if cst is not None and cst.id not in w.writes:
+            w.sources.add(cst.id)
         for b, st in zip(kernel.bindings, states):
             w.states[st.id] = st
             w.reads.add(st.id)

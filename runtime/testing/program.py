@@ -24,7 +24,7 @@ def _copy32(x, y, *, n, count):
 
 #: ``y[i] = x[i]`` over ``n`` 4-byte elements of any dtype (bitwise): fills a buffer allocated
 #: inside a capture window, so the graph writes it before anything reads it.
-copy32 = elementwise("copy32", [("x", "u32", "read"), ("y", "u32", "read_write")], "x[i]",
+copy32 = elementwise("copy32", [("x", "u32", "read"), ("y", "u32", "write")], "x[i]",
                      cpu=_copy32)
 
 

@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 from . import kernels as K
-from .client import Handle
+from .frontend import Handle
 
 _DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
 _local = threading.local()
@@ -111,7 +111,9 @@ class Tensor:
         handle: the device buffer (``Handle``); may be larger than the tensor.
         shape: tuple of ints; dtype: ``"f32"`` or ``"i32"``.
 
-    Build one with :meth:`from_numpy` or :meth:`empty`; read it with :meth:`numpy`.
+    Build one with :meth:`from_numpy` or :meth:`empty`; read it with :meth:`numpy`. The
+    constructor wraps an existing handle (4 bytes an element) and raises ``ValueError`` for
+    another dtype or a handle smaller than ``shape`` needs.
     """
 
     __slots__ = ("client", "shape", "dtype", "_buf")
@@ -183,7 +185,9 @@ class Tensor:
         self.client.write(self.handle, a)
 
     def reshape(self, *shape) -> "Tensor":
-        """A view with another shape (same buffer; one ``-1`` is inferred)."""
+        """A view with another shape (same buffer and dtype; one ``-1`` is inferred).
+
+        Raises: ``ValueError`` when the element counts differ."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         shape = tuple(int(d) for d in shape)
         if -1 in shape:
@@ -226,7 +230,10 @@ class Tensor:
         return out
 
     def add(self, other: "Tensor") -> "Tensor":
-        """``self + other``: same shape, or ``other`` a ``[N]`` bias broadcast over the last dim."""
+        """``self + other`` (f32): same shape, or ``other`` a ``[N]`` bias broadcast over the last
+        dim ``N``; a new tensor of ``self``'s shape.
+
+        Raises: ``ValueError`` for shapes that do not broadcast so."""
         n = self.size
         out = self._out(self.shape)
         if other.shape == self.shape:
@@ -280,7 +287,10 @@ class Tensor:
         return attention(self, self, self, mask, heads, offsets=(0, H, 2 * H))
 
     def mean_pool(self, mask: "Tensor") -> "Tensor":
-        """Mean over the tokens of ``self [B, S, H]`` weighted by ``mask [B, S]``: ``[B, H]``."""
+        """Mean over the tokens of ``self [B, S, H]`` (f32) weighted by ``mask [B, S]`` (0/1
+        f32): a new ``[B, H]`` tensor.
+
+        Raises: ``ValueError`` when ``mask`` is not ``[B, S]``."""
         B, S, H = self.shape
         if mask.shape != (B, S):
             raise ValueError(f"mean_pool: mask {mask.shape}, expected {(B, S)}")

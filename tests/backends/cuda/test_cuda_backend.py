@@ -63,9 +63,9 @@ def test_probe_with_zero_devices_raises_unsupported(monkeypatch):
 
 def test_best_backend_selection_skips_cuda_without_a_device_and_keeps_the_reason(monkeypatch):
     monkeypatch.setattr(cuda_backend._rt, "getDeviceCount", lambda: 0)
-    monkeypatch.setattr(server_mod, "_unavailable", {})
-    assert server_mod._usable_best("cuda") is False
-    assert "0 devices" in server_mod._unavailable["cuda"]
+    monkeypatch.setattr(server_mod, "_probes", {})    # private: forget this process's probe
+    assert server_mod.resolve_backend(None) != "cuda"
+    assert "0 devices" in server_mod.backend_unavailable("cuda")
 
 
 class _Buf:

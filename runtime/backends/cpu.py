@@ -137,13 +137,13 @@ class CpuCond:
 DEFAULT_MAX_ITERATIONS = 1 << 20
 
 
-def _run_nodes(items, fail) -> None:
+def _run_nodes(items, mark) -> None:
     """Run a launch list with conditional nodes (a replay); see :class:`CpuCond`."""
     for item in items:
         if type(item) is tuple:
-            _run_launch(*item, fail, " (in a graph replay)")
+            _run_launch(*item, mark, " (in a graph replay)")
         elif item.kind == "if":
-            _run_nodes(item.then if item.cond[0] != 0 else item.other, fail)
+            _run_nodes(item.then if item.cond[0] != 0 else item.other, mark)
         else:
             limit = DEFAULT_MAX_ITERATIONS if item.max_iterations is None else item.max_iterations
             done = 0
@@ -153,10 +153,10 @@ def _run_nodes(items, fail) -> None:
                         f"capture_while node {item.index}: its condition was still non-zero "
                         f"after max_iterations={limit} iterations in a graph replay; the loop "
                         "stopped there")
-                    if fail is not None:
-                        err = fail(err) or err
+                    if mark is not None:
+                        err = mark.fail(err)
                     raise err
-                _run_nodes(item.then, fail)
+                _run_nodes(item.then, mark)
                 done += 1
 
 
@@ -391,7 +391,7 @@ class CpuBackend(Backend):
     def launch_graph(self, stream, graph, mark=None):
         launches = graph.launches
         if graph.nodes:
-            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, fail))
+            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
             return
 
         def replay():

@@ -27,8 +27,10 @@ import numpy as np
 
 from . import kernels as K
 from .frontend import Handle
+from .kernel import DTYPES
 
-_DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+#: the kernel dtypes a Tensor may have (``runtime.kernel.DTYPES`` less ``u32``).
+TENSOR_DTYPES = {d: DTYPES[d] for d in ("f32", "i32")}
 _local = threading.local()
 
 
@@ -119,8 +121,8 @@ class Tensor:
     __slots__ = ("client", "shape", "dtype", "_buf")
 
     def __init__(self, client, handle: Handle, shape, dtype: str = "f32", *, _buf=None):
-        if dtype not in _DTYPES:
-            raise ValueError(f"Tensor dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+        if dtype not in TENSOR_DTYPES:
+            raise ValueError(f"Tensor dtype must be one of {list(TENSOR_DTYPES)}, got {dtype!r}")
         self.client = client
         self.shape = tuple(int(d) for d in shape)
         self.dtype = dtype
@@ -143,7 +145,7 @@ class Tensor:
             dtype = "i32"
         else:
             raise TypeError(f"Tensor.from_numpy takes a float or integer array, got {a.dtype}")
-        a = np.ascontiguousarray(a, dtype=_DTYPES[dtype])
+        a = np.ascontiguousarray(a, dtype=TENSOR_DTYPES[dtype])
         return cls(client, client.create(a), a.shape, dtype)
 
     @classmethod
@@ -153,9 +155,9 @@ class Tensor:
         arenas = getattr(_local, "arenas", None)
         arena = arenas[-1] if arenas else None
         if arena is not None and arena.client is client:
-            h = arena.take(shape, _DTYPES[dtype])
+            h = arena.take(shape, TENSOR_DTYPES[dtype])
             return cls(client, h, shape, dtype, _buf=_Buffer(h, arena))
-        return cls(client, client.empty(shape, _DTYPES[dtype]), shape, dtype)
+        return cls(client, client.empty(shape, TENSOR_DTYPES[dtype]), shape, dtype)
 
     @property
     def handle(self) -> Handle:
@@ -170,14 +172,14 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """Read the tensor to the host (blocks; raises the stream's queued errors)."""
         raw = self.client.read(self.handle).reshape(-1).view(np.uint8)
-        return raw[:self.size * 4].view(_DTYPES[self.dtype]).reshape(self.shape).copy()
+        return raw[:self.size * 4].view(TENSOR_DTYPES[self.dtype]).reshape(self.shape).copy()
 
     def write(self, array) -> None:
         """Overwrite the tensor in place with ``array`` (same number of elements; cast).
 
         Raises: ``ValueError`` when the sizes differ.
         """
-        a = np.ascontiguousarray(array, dtype=_DTYPES[self.dtype]).reshape(-1)
+        a = np.ascontiguousarray(array, dtype=TENSOR_DTYPES[self.dtype]).reshape(-1)
         if a.size != self.size:
             raise ValueError(f"write of {a.size} elements into a tensor of shape {self.shape}")
         if self.handle.size != a.size:

@@ -227,5 +227,19 @@ feed_back = program(
     pos[0] = q;""", cpu=_feed_back_cpu)
 
 
+def _decode_continue_cpu(nxt, pos, stop, go, *, count):
+    go[0] = 1 if (pos[0] < stop[1] and nxt[0] != stop[0]) else 0
+
+
+#: The loop test of a decode loop in one replay (``capture_while``), on one invocation:
+#: ``go[0] = pos[0] < stop[1] && nxt[0] != stop[0]``: keep going while the last position is
+#: not reached and the chosen token is not the end token (``stop = [end token or -1, last
+#: position]``, written by the host once per sequence). Launch over ``(1, 1, 1)``.
+decode_continue = program(
+    "decode_continue", [("nxt", "i32", R), ("pos", "i32", R), ("stop", "i32", R),
+                        ("go", "i32", RW)], [], (1, 1, 1), """
+    go[0] = select(0, 1, pos[0] < stop[1] && nxt[0] != stop[0]);""", cpu=_decode_continue_cpu)
+
+
 __all__ = ["copy_words", "embed_at", "kv_append", "causal_attend", "argmax", "feed_back",
-           "grid", "DECODE_WORKGROUP", "MAX_CACHE", "MAX_HEAD_DIM"]
+           "decode_continue", "grid", "DECODE_WORKGROUP", "MAX_CACHE", "MAX_HEAD_DIM"]

@@ -25,7 +25,7 @@ import runtime.kernels as K
 import runtime.server as server_mod
 from runtime.backends.base import check_interface
 from runtime.errors import CaptureRefused, LaunchError, UnsupportedError
-from runtime.kernel import Binding, Kernel, Param
+from runtime.kernel import DTYPES, Binding, Kernel, Param
 
 cuda_backend = backend_module_or_skip("cuda", "bash setup.sh --test installs cupy-cuda12x")
 try:
@@ -77,7 +77,7 @@ def test_kernel_args_pass_pointers_as_8_bytes_and_params_as_their_exact_c_types(
     kern = Kernel("k", [Binding("x", "f32", "read"), Binding("y", "f32", "read_write")],
                   [Param("alpha", "f32"), Param("shift", "i32"), Param("n", "u32")],
                   cuda="unused")
-    types = tuple(cuda_backend.PARAM_TYPES[p.dtype] for p in kern.params)
+    types = tuple(DTYPES[p.dtype].type for p in kern.params)    # as CudaKernel does
     args = cuda_backend.kernel_args([(_Buf(0x7f0000001000), 16), (_Buf(2**63 + 8), 16)],
                                     kern.pack_params({"alpha": 0.5, "shift": -3, "n": 2**32 - 1}),
                                     types)

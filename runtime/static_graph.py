@@ -59,8 +59,7 @@ from .captured import capture
 from .frontend import ComputeClient, Handle
 from .streams import StreamId
 from .errors import UnknownGraph
-from .kernels import decode as _D
-from .kernels.pointwise import grid
+from .kernels.pointwise import copy_words, grid
 from .tensor import TENSOR_DTYPES, Tensor
 
 __all__ = ["StaticGraph"]
@@ -196,7 +195,7 @@ class StaticGraph:
                                  f"{name!r}, declared {spec!r}")
             dst = self._tensors[name]
             if t.handle is not dst.handle:
-                self.client.launch(_D.copy_words, grid(spec.size), [t.handle, dst.handle],
+                self.client.launch(copy_words, grid(spec.size), [t.handle, dst.handle],
                                    {"n": spec.size})
         return None
 

@@ -1,4 +1,5 @@
-"""Elementwise kernels: fill, copy, add, mul, add_scalar, mul_scalar, accumulate (``y += x``), noop.
+"""Elementwise kernels: fill, copy, add, mul, add_scalar, mul_scalar, accumulate (``y += x``),
+copy_words (bitwise, any 4-byte dtype), noop.
 
 ``elementwise`` writes the WGSL and CUDA C sources from a single expression through the one
 source generator (``shader.program``), so the backends cannot drift apart. Indexing is 2-D
@@ -114,5 +115,8 @@ mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i]
                          [("alpha", "f32")], _mul_scalar)
 #: ``y[i] += x[i]``
 accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate)
+#: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
+#: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
+copy_words = elementwise("copy_words", [("x", "i32", R), ("y", "i32", W)], "x[i]", cpu=_copy)
 #: an empty kernel (one read_write binding, no work): measures pure launch overhead.
 noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop)

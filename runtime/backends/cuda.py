@@ -477,6 +477,29 @@ class CudaBackend(Backend):
             self._reap(stream)
             stream.retire.append((self._event(stream), graph))
 
+    # -- graphs that change ---------------------------------------------------------------------
+    #: ``Graph.update`` on cuda: kernel-node updates of the instantiated graph
+    #: (``cudaGraphExecKernelNodeSetParams``) need the node handles, which CuPy's ``Graph`` does
+    #: not expose; the server recaptures the graph from its recording instead.
+    update_fallback_reason = ("cuda: the graph was recaptured from its recording (CuPy does not "
+                              "expose the kernel nodes of an instantiated graph, so "
+                              "cudaGraphExecKernelNodeSetParams cannot patch it in place)")
+
+    def begin_cond(self, recording, kind, cond, max_iterations):
+        """Conditional nodes are not wired on cuda: raise ``UnsupportedError`` at capture
+        (never at replay), naming the driver. CUDA 12.4+ has IF/WHILE conditional nodes
+        (``cudaGraphConditionalHandleCreate``, a body captured into the node's child graph);
+        CuPy does not expose them and this build does not call the driver for them."""
+        try:
+            driver = _rt.driverGetVersion()
+        except Exception:  # noqa: BLE001 - no device: say so
+            driver = None
+        have = "unknown" if driver is None else f"{driver // 1000}.{driver % 1000 // 10}"
+        raise UnsupportedError(
+            f"capture_{kind} inside a capture is not supported on cuda here (driver {have}): "
+            "CUDA conditional nodes (12.4+) are not wired in this runtime; run it outside the "
+            "capture (eager), or use the cpu or wgpu backend")
+
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):
         return not self.closed

@@ -70,6 +70,8 @@ def describe(g: GraphState, server) -> dict:
     for rec in launch_recs(g.ops):
         for b, hid in zip(rec.kernel.bindings, rec.hids):
             dtypes.setdefault(hid, b.dtype)
+    for c in cond_recs(g.ops):
+        dtypes.setdefault(c.cond, c.dtype)
     order: list = []
     for op in g.ops:
         ids = op.used() if isinstance(op, LaunchRec) else [op.cond] if isinstance(op, CondRec) \
@@ -103,7 +105,7 @@ def describe(g: GraphState, server) -> dict:
 
 
 # -- conditional nodes while recording --------------------------------------------------------
-def cond_begin(server, s, kind: str, hid: int, max_iterations) -> bool:
+def cond_begin(server, s, kind: str, hid: int, max_iterations, dtype: str = "i32") -> bool:
     """Open a ``capture_if``/``capture_while`` node in the window of ``s``; False when ``s``
     is not capturing (the client then runs it eagerly).
 
@@ -123,7 +125,7 @@ def cond_begin(server, s, kind: str, hid: int, max_iterations) -> bool:
     if kind == "while" and max_iterations is None and getattr(be, "unrolls_loops", False):
         raise ValueError(f"capture_while on {be.name}: pass max_iterations= (the loop is "
                          "unrolled to it: one gated copy of the body per iteration)")
-    node = CondRec(kind, len(cond_recs(w.ops)), hid, max_iterations, tuple(w.scopes))
+    node = CondRec(kind, len(cond_recs(w.ops)), hid, max_iterations, tuple(w.scopes), dtype)
     be.begin_cond(w.recording, kind, (st.slot.buf, st.nbytes), max_iterations)
     w.ops.append(node)
     w.scopes.append((node.index, "then" if kind == "if" else "body"))

@@ -592,10 +592,10 @@ class ComputeServer:
             self.checker.on_graph(ng)
         return ng.id, ng.stream, bool(self.backend.hardware_graphs)
 
-    def h_cond_begin(self, sid, kind: str, hid: int, max_iterations) -> bool:
+    def h_cond_begin(self, sid, kind: str, hid: int, max_iterations, dtype: str = "i32") -> bool:
         """Open a ``capture_if``/``capture_while`` node in ``sid``'s window; False when ``sid``
         is not capturing (the client runs it eagerly)."""
-        return graphs.cond_begin(self, self._stream(sid), kind, hid, max_iterations)
+        return graphs.cond_begin(self, self._stream(sid), kind, hid, max_iterations, dtype)
 
     def h_cond_else(self, sid) -> None:
         graphs.cond_else(self, self._stream(sid))

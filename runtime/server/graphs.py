@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..errors import CaptureRefused, InvalidHandle
 from ..kernel import normalize_count
-from .capture import GraphState, Window, merge
+from .capture import GraphState, Window, merge, sources
 from .ops import CondRec, LaunchRec, cond_recs, launch_recs, used_ids
 
 
@@ -371,6 +371,8 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     g.handles = list(w.states.values())
     g.wstates = [st for st in g.handles if st.id in g.writes]
     g.istates = [st for st in g.handles if st.id in g.inputs]
+    g.sources = sources(new_ops)
+    g.sstates = [st for st in g.handles if st.id in g.sources]
     new_ids = {st.id for st in g.handles}
     for hid, st in old_states.items():          # handles it no longer uses
         if hid not in new_ids and g in st.graphs:

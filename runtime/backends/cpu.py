@@ -137,13 +137,13 @@ class CpuCond:
 DEFAULT_MAX_ITERATIONS = 1 << 20
 
 
-def _run_nodes(items, fail) -> None:
+def _run_nodes(items, mark) -> None:
     """Run a launch list with conditional nodes (a replay); see :class:`CpuCond`."""
     for item in items:
         if type(item) is tuple:
-            _run_launch(*item, fail, " (in a graph replay)")
+            _run_launch(*item, mark, " (in a graph replay)")
         elif item.kind == "if":
-            _run_nodes(item.then if item.cond[0] != 0 else item.other, fail)
+            _run_nodes(item.then if item.cond[0] != 0 else item.other, mark)
         else:
             limit = DEFAULT_MAX_ITERATIONS if item.max_iterations is None else item.max_iterations
             done = 0
@@ -153,14 +153,18 @@ def _run_nodes(items, fail) -> None:
                         f"capture_while node {item.index}: its condition was still non-zero "
                         f"after max_iterations={limit} iterations in a graph replay; the loop "
                         "stopped there")
-                    if fail is not None:
-                        err = fail(err) or err
+                    if mark is not None:
+                        err = mark.fail(err)
                     raise err
-                _run_nodes(item.then, fail)
+                _run_nodes(item.then, mark)
                 done += 1
 
 
-def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
+def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
+    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
+    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
+    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
+    completion (``_execute``)."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
     if count[0] and count[1] and count[2]:
@@ -168,8 +172,8 @@ def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
             fn(*views, count=count, **kwargs)
         except Exception as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
-            if fail is not None:
-                err = fail(err) or err
+            if mark is not None:
+                err = mark.fail(err)
             raise err from e
 
 
@@ -370,9 +374,9 @@ class CpuBackend(Backend):
         """``{"hardware": False, "device": "numpy <version>"}``: always available."""
         return {"hardware": False, "device": cls.device_name}
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, fail))
+        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, mark))
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -384,15 +388,15 @@ class CpuBackend(Backend):
     def end_graph(self, recording):
         return CpuGraph(tuple(recording.stack[0]))
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         launches = graph.launches
         if graph.nodes:
-            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, fail))
+            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
             return
 
         def replay():
             for launch in launches:   # a failing launch stops the replay: the rest never runs
-                _run_launch(*launch, fail, " (in a graph replay)")
+                _run_launch(*launch, mark, " (in a graph replay)")
         self._enqueue(stream, _RUN, replay)
 
     def destroy_graph(self, stream, graph):

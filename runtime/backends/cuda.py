@@ -368,7 +368,7 @@ class CudaBackend(Backend):
         self._event(stream).synchronize()   # this event only: never the device
         return tuple(int(v) for v in view.view(np.uint32))
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         """``cuLaunchKernel`` on ``stream``: grid = ``count``, block = ``workgroup_size``.
 
         An indirect ``count`` is read back first (stream-ordered; blocks the owner until the
@@ -457,7 +457,7 @@ class CudaBackend(Backend):
         except Exception:  # noqa: BLE001 - an invalidated capture still ends
             pass
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         """``cudaGraphLaunch`` on the capture stream; returns once enqueued."""
         if graph is not None:
             with _OnDevice(self.device):

@@ -67,6 +67,10 @@ def _threads() -> dict:
         out["torch"] = sys.modules["torch"].get_num_threads()
     if "numba" in sys.modules:
         out["numba"] = sys.modules["numba"].get_num_threads()
+    rule = sys.modules.get("runtime.cpu_threads")
+    if rule is not None and hasattr(rule.RULE, "cpu"):   # the share of the CPU it got
+        out["cpu share"] = round(rule.RULE.cpu.share, 2)
+        out["busy host"] = rule.RULE.cpu.busy
     loops = sys.modules.get("runtime.kernels.cpu_loops")
     if loops is not None:                             # numba's OpenMP, as the runtime starts it
         out["numba OMP_WAIT_POLICY"] = _USER_ENV.get(

@@ -66,12 +66,14 @@ def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
 
 
 class CpuEvent:
-    """Completes when the stream that recorded it reaches it."""
+    """Completes when the stream that recorded it reaches it; ``waiters``: streams the thread
+    scheduler parked on it (their head waits for it), or None."""
 
-    __slots__ = ("done",)
+    __slots__ = ("done", "waiters")
 
     def __init__(self):
         self.done = False
+        self.waiters = None
 
 
 class CpuBuffer:
@@ -85,12 +87,14 @@ class CpuBuffer:
 
 
 class CpuStream:
-    """An in-order queue of ``(kind, payload)`` items and the errors its work raised."""
+    """An in-order queue of ``(kind, payload)`` items and the errors its work raised;
+    ``index`` (never reused) names it in traces, ``busy``/``sched`` belong to the scheduler."""
 
-    __slots__ = ("q", "errors", "index", "busy")
+    __slots__ = ("q", "errors", "index", "busy", "sched")
 
     def __init__(self, index):
         self.busy = False
+        self.sched = 0
         self.q = collections.deque()
         self.errors: list = []
         self.index = index
@@ -166,7 +170,8 @@ class CpuBackend(Backend):
         elif not isinstance(scheduler, Scheduler):
             raise ValueError(f"scheduler must be 'thread', 'interleave', 'trace' or a Scheduler, "
                              f"got {scheduler!r}")
-        self.streams: list[CpuStream] = []
+        self.streams: dict = {}              # {index: CpuStream} of live streams
+        self._indices = itertools.count()     # stream indices, never reused (traces name them)
         self.scheduler = scheduler
         self.enqueued = 0                    # items enqueued (by the server's owner only)
         self.executed = 0                    # items run (any thread; see load())
@@ -184,17 +189,19 @@ class CpuBackend(Backend):
         return (self.enqueued - self.executed, self._bytes)
 
     def release_stream(self, stream) -> bool:
-        """Drop ``stream`` from the scheduler's list once its queue is empty (True), so a pick
-        is linear in live streams only; False while it has work."""
+        """Forget ``stream`` once its queue is empty and nothing runs it (True); False while it
+        has work."""
         lock = getattr(self.scheduler, "cv", None) or threading.Lock()
         with lock:
             if not self.scheduler.is_idle(stream):
                 return False
-            try:
-                self.streams.remove(stream)
-            except ValueError:
-                pass
+            self.streams.pop(stream.index, None)
         return True
+
+    def take_stream_errors(self, stream) -> list:
+        """The errors ``stream``'s kernels raised that no completion reported yet, emptied."""
+        errs, stream.errors = stream.errors, []
+        return errs
 
     # -- execution (scheduler side) ----------------------------------------------------------
     def execute(self, s: CpuStream, kind, payload) -> None:
@@ -217,7 +224,7 @@ class CpuBackend(Backend):
         elif kind == _SIGNAL:
             if isinstance(payload, CpuEvent):
                 payload.done = True
-                self.scheduler.notify_all()
+                self.scheduler.event_done(payload)
             else:
                 if s.errors:
                     errs, s.errors = s.errors, []
@@ -243,8 +250,8 @@ class CpuBackend(Backend):
 
     # -- streams and events -------------------------------------------------------------------
     def new_stream(self):
-        s = CpuStream(len(self.streams))
-        self.streams.append(s)
+        s = CpuStream(next(self._indices))
+        self.streams[s.index] = s
         return s
 
     def record_event(self, stream):
@@ -349,7 +356,7 @@ class CpuBackend(Backend):
         self.closed = True
         self.scheduler.close()
         err = ServerClosed("the cpu server was shut down before this work ran")
-        for s in self.streams:
+        for s in list(self.streams.values()):
             while s.q:
                 kind, payload = s.q.popleft()
                 if kind == _SIGNAL and isinstance(payload, Completion):

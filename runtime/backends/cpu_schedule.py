@@ -10,14 +10,22 @@
 - :class:`TraceScheduler` (``scheduler="trace", trace=...``): runs a recorded trace again, so a
   failing schedule stays reproducible after the code around it changed.
 
-A scheduler sees the backend through ``backend.streams`` (each with ``q``, a deque of
-``(kind, payload)`` items, ``busy`` and ``index``) and ``backend.execute(stream, kind,
-payload)``; item kinds are ``RUN`` (a callable), ``WAIT`` (an event: runnable once
-``event.done``) and ``SIGNAL`` (an event or a completion to finish).
+A scheduler sees the backend through ``backend.streams`` (``{index: stream}``, each stream with
+``q``, a deque of ``(kind, payload)`` items, ``busy``, ``sched`` and ``index``: a number never
+reused, in order of creation) and ``backend.execute(stream, kind, payload)``; item kinds are
+``RUN`` (a callable), ``WAIT`` (an event: runnable once ``event.done``) and ``SIGNAL`` (an event
+or a completion to finish). The backend calls :meth:`Scheduler.event_done` when an event
+completes.
+
+Cost: a pick looks only at streams that have work (the thread scheduler: a FIFO of runnable
+streams; a stream whose head waits on an event sits on that event's ``waiters`` until it
+completes), never at every stream ever created: a server with thousands of idle streams
+schedules as fast as one with a few.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import threading
@@ -26,6 +34,9 @@ from ..errors import LaunchError
 from .base import Completion
 
 RUN, WAIT, SIGNAL = 0, 1, 2
+#: a stream's ``sched`` state in the thread scheduler: in no list, in ``ready``, on an event's
+#: ``waiters``.
+IDLE, READY, BLOCKED = 0, 1, 2
 
 
 class Scheduler:
@@ -45,6 +56,10 @@ class Scheduler:
     def notify_all(self) -> None:
         """An event completed: streams waiting on it may run."""
 
+    def event_done(self, event) -> None:
+        """``event`` completed (``event.done`` is set): streams waiting on it may run."""
+        self.notify_all()
+
     def settle(self, comp: Completion, stream) -> Completion:
         """Called by the server's owner after enqueuing the item on ``stream`` that finishes
         ``comp``."""
@@ -59,7 +74,9 @@ class ThreadScheduler(Scheduler):
 
     A stream is run by at most one worker at a time (per-stream FIFO); different streams run
     concurrently (numpy releases the GIL in large operations), so a stream blocked on an event
-    or a long kernel does not hold up the others.
+    or a long kernel does not hold up the others. Runnable streams wait in ``ready`` (FIFO, so
+    streams take turns); a stream whose head waits on an event is parked on the event's
+    ``waiters`` until :meth:`event_done`: a pick never scans idle or blocked streams.
 
     Args:
         workers: worker threads (default 4).
@@ -71,9 +88,9 @@ class ThreadScheduler(Scheduler):
     def attach(self, backend):
         super().attach(backend)
         self.cv = threading.Condition()
+        self.ready = collections.deque()   # streams that may be runnable (sched == READY)
         self.waiting = 0
         self.closed = False
-        self.rr = 0
         self.threads = [threading.Thread(target=self._loop, name=f"runtime-cpu-worker-{k}",
                                          daemon=True) for k in range(self.workers)]
         for t in self.threads:
@@ -87,6 +104,17 @@ class ThreadScheduler(Scheduler):
     def push(self, s, item):
         with self.cv:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
+            if s.sched == IDLE and not s.busy:
+                s.sched = READY
+                self.ready.append(s)
+                if self.waiting:
+                    self.cv.notify()
+
+    def _requeue(self, s) -> None:
+        """``s`` stopped running or its event completed: ready again if it has work (under cv)."""
+        if s.q and s.sched == IDLE and not s.busy:
+            s.sched = READY
+            self.ready.append(s)
             if self.waiting:
                 self.cv.notify()
 
@@ -94,18 +122,33 @@ class ThreadScheduler(Scheduler):
         with self.cv:
             self.cv.notify_all()
 
+    def event_done(self, event):
+        with self.cv:
+            waiters = getattr(event, "waiters", None)
+            if waiters:
+                event.waiters = None
+                for s in waiters:
+                    if s.sched == BLOCKED:
+                        s.sched = IDLE
+                        self._requeue(s)
+
     def _pick(self):
-        streams = self.backend.streams
-        n = len(streams)
-        for k in range(n):
-            s = streams[(self.rr + k) % n]
-            if s.q and not s.busy:
-                kind, payload = s.q[0]
-                if kind != WAIT or payload.done:
-                    self.rr = (self.rr + k + 1) % n
-                    s.busy = True               # before popleft: see is_idle
-                    s.q.popleft()
-                    return s, kind, payload
+        ready = self.ready
+        while ready:
+            s = ready.popleft()
+            s.sched = IDLE
+            if s.busy or not s.q:               # run elsewhere (help) or emptied meanwhile
+                continue
+            kind, payload = s.q[0]
+            if kind == WAIT and not payload.done:
+                s.sched = BLOCKED               # event_done makes it ready again
+                if payload.waiters is None:
+                    payload.waiters = []
+                payload.waiters.append(s)
+                continue
+            s.busy = True                       # before popleft: see is_idle
+            s.q.popleft()
+            return s, kind, payload
         return None
 
     def _loop(self):
@@ -124,8 +167,7 @@ class ThreadScheduler(Scheduler):
                 finally:
                     cv.acquire()
                     item[0].busy = False
-                    if item[0].q:
-                        cv.notify()             # its next item may be runnable now
+                    self._requeue(item[0])      # its next item may be runnable now
 
     def is_idle(self, stream) -> bool:
         return not stream.q and not stream.busy   # q first: a worker sets busy, then pops
@@ -153,8 +195,7 @@ class ThreadScheduler(Scheduler):
             finally:
                 with cv:
                     stream.busy = False
-                    if stream.q and self.waiting:
-                        cv.notify()
+                    self._requeue(stream)
 
     def is_alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
@@ -220,6 +261,11 @@ class InterleavingScheduler(Scheduler):
         self.seed = seed
         self.rng = random.Random(seed)
         self.picks: list = []
+        self.active: dict = {}        # {index: stream} of streams that may have queued work
+
+    def push(self, stream, item) -> None:
+        stream.q.append(item)
+        self.active[stream.index] = stream
 
     def __repr__(self):
         return f"InterleavingScheduler(seed={self.seed})"
@@ -233,10 +279,22 @@ class InterleavingScheduler(Scheduler):
         """The stream to run next among ``ready`` (runnable heads, in stream index order)."""
         return ready[self.rng.randrange(len(ready))]
 
+    def _ready(self) -> list:
+        """Streams with a runnable head, in index order (only streams with work are looked
+        at; emptied ones leave ``active``)."""
+        active = self.active
+        ready = []
+        for k in sorted(active):
+            s = active[k]
+            if not s.q:
+                del active[k]
+            elif s.q[0][0] != WAIT or s.q[0][1].done:
+                ready.append(s)
+        return ready
+
     def settle(self, comp, stream):
-        streams = self.backend.streams
         while not comp.done:
-            ready = [s for s in streams if s.q and (s.q[0][0] != WAIT or s.q[0][1].done)]
+            ready = self._ready()
             if not ready:
                 comp.fail(LaunchError("interleaving scheduler: no stream can make progress "
                                       "(an event wait that never completes)"))
@@ -285,7 +343,7 @@ class TraceScheduler(InterleavingScheduler):
         planned, streams = self.planned, self.backend.streams
         while self.step < len(planned):
             k = planned[self.step]
-            s = streams[k] if k < len(streams) else None
+            s = streams.get(k)
             if s is not None and s in ready:
                 self.step += 1
                 return s

@@ -14,7 +14,7 @@ from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
 from .handle import Handle
-from .stream import StreamId
+from .stream import StreamId, current_key
 
 
 def _as_bytes(data):
@@ -46,7 +46,9 @@ class ComputeClient:
         self._server = server
         self.backend = backend
         self.device = device
-        self._pinned = stream
+        self._pinned = self._pin = None
+        if stream is not None:
+            self.set_stream(stream)
 
     @property
     def device_name(self) -> str:
@@ -59,6 +61,13 @@ class ComputeClient:
         """The stream this client's work goes to: the pinned one, else the thread's own."""
         return self._pinned if self._pinned is not None else StreamId.current()
 
+    @property
+    def _sid(self) -> int:
+        # the plain int id sent to the server: its tables never hold a StreamId, so a dropped
+        # one lets the server reclaim the stream (runtime.client.stream)
+        pin = self._pin
+        return pin if pin is not None else current_key()
+
     def set_stream(self, stream) -> None:
         """Pin this client to ``stream`` (a ``StreamId``); ``None`` unpins.
 
@@ -67,6 +76,7 @@ class ComputeClient:
         if stream is not None and not isinstance(stream, StreamId):
             raise TypeError(f"set_stream takes a StreamId (runtime.StreamId.new()), got {stream!r}")
         self._pinned = stream
+        self._pin = None if stream is None else int(stream)
 
     def with_stream(self, stream) -> "ComputeClient":
         """A new client on the same server, pinned to ``stream``."""
@@ -97,7 +107,7 @@ class ComputeClient:
         """
         arr = _as_bytes(data)
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         h = Handle(srv, sid, arr.nbytes, arr.dtype, arr.shape)
         payload = arr.reshape(-1).view(np.uint8).copy() if isinstance(data, np.ndarray) else arr
         srv.submit(srv.h_alloc, sid, h.id, arr.nbytes, payload, nbytes=payload.nbytes)
@@ -123,7 +133,7 @@ class ComputeClient:
             raise ValueError(f"shape must be non-negative ints, got {shape!r}")
         nbytes = int(np.prod(shp, dtype=np.int64)) * dtype.itemsize
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         h = Handle(srv, sid, nbytes, dtype, shp)
         srv.submit(srv.h_alloc, sid, h.id, nbytes, None)
         return h
@@ -159,7 +169,7 @@ class ComputeClient:
                 raise InvalidHandle(f"write to handle {hid}: {payload.nbytes} bytes given, the "
                                     f"handle holds {handle.nbytes}")
         srv = self._server
-        srv.submit(srv.h_write, self.stream, hid, payload, nbytes=payload.nbytes)
+        srv.submit(srv.h_write, self._sid, hid, payload, nbytes=payload.nbytes)
 
     def read(self, handle: Handle) -> np.ndarray:
         """Copy ``handle``'s buffer to the host.
@@ -181,7 +191,7 @@ class ComputeClient:
             raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
         hid = handle._check(self._server, "read")
         srv = self._server
-        comp, mark, errors = srv.call(srv.h_read, self.stream, hid)
+        comp, mark, errors = srv.call(srv.h_read, self._sid, hid)
         if not comp.done:
             srv.wait(comp)
         if mark.error is not None:          # its writer failed (found at enqueue or meanwhile)
@@ -252,7 +262,7 @@ class ComputeClient:
                 raise LaunchError(f"launch of {kernel.name}: workgroup count {cnt} exceeds the "
                                   f"{srv.backend.name} limit of {lim} per dimension; split the "
                                   "grid over y and z")
-        srv.submit(srv.h_launch, self.stream, kernel, cnt, hids, kernel.pack_params(params))
+        srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, kernel.pack_params(params))
 
     # -- synchronisation ----------------------------------------------------------------------
     def sync(self) -> None:
@@ -264,7 +274,7 @@ class ComputeClient:
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        comp, errors = srv.call(srv.h_sync, self.stream)
+        comp, errors = srv.call(srv.h_sync, self._sid)
         if not comp.done:
             srv.wait(comp)
         if errors:
@@ -275,20 +285,20 @@ class ComputeClient:
         """Hand this stream's batched work to the device now and raise its queued errors
         (``ServerUnhealthy``); does not wait for the device."""
         srv = self._server
-        srv.call(srv.h_flush, self.stream)
+        srv.call(srv.h_flush, self._sid)
 
     def record_event(self):
         """An event token after the work enqueued on this stream so far (``cudaEventRecord``);
         pass it to ``wait_event`` on another client/stream. Blocks until accepted."""
         srv = self._server
-        return srv.call(srv.h_record_event, self.stream)
+        return srv.call(srv.h_record_event, self._sid)
 
     def wait_event(self, event) -> None:
         """Make this stream wait for ``event`` from ``record_event`` (``cudaStreamWaitEvent``)."""
         if not (isinstance(event, tuple) and len(event) == 2):
             raise TypeError(f"wait_event takes a token from record_event(), got {event!r}")
         srv = self._server
-        srv.call(srv.h_wait_event, self.stream, event)
+        srv.call(srv.h_wait_event, self._sid, event)
 
     # -- capture ------------------------------------------------------------------------------
     def graph_prepare(self) -> None:
@@ -304,7 +314,7 @@ class ComputeClient:
         Raises: ``GraphStateError`` (already prepared or recording; state unchanged).
         """
         srv = self._server
-        srv.call(srv.h_graph_prepare, self.stream)
+        srv.call(srv.h_graph_prepare, self._sid)
 
     def start_capture(self) -> None:
         """Start recording this stream's launches: ``prepared -> capturing``.
@@ -322,7 +332,7 @@ class ComputeClient:
             ``UnsupportedError`` (the backend has no graphs).
         """
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         comp = srv.call(srv.h_warmup_fence, sid)     # the warm-up ran, or its errors are known
         if not comp.done:
             srv.wait(comp)
@@ -343,9 +353,9 @@ class ComputeClient:
             ``ServerUnhealthy`` (launch errors queued in the window).
         """
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         gid, hw = srv.call(srv.h_stop_capture, sid, bool(retain))
-        return Graph(_Owner(srv, gid), sid, hw)
+        return Graph(_Owner(srv, gid), self.stream, hw)
 
     def abort_capture(self) -> None:
         """Abandon a capture on this stream from any state (``prepared`` or ``capturing``): the
@@ -353,7 +363,7 @@ class ComputeClient:
         is back to ``no capture``; a no-op when nothing is open. Queued errors stay queued.
         Blocks until done. See also: CubeCL's capture abort; ``cudaStreamEndCapture`` + drop."""
         srv = self._server
-        srv.call(srv.h_abort_capture, self.stream)
+        srv.call(srv.h_abort_capture, self._sid)
 
     # -- misc ---------------------------------------------------------------------------------
     def memory_usage(self) -> dict:

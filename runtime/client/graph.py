@@ -26,7 +26,7 @@ class _Owner:
             last = self.count == 0
         if last and not self.server.closed:
             # enqueue only: the server destroys it after the work already enqueued against it
-            self.server.post(self.server.h_graph_destroy, self.id)
+            self.server.release(self.server.h_graph_destroy, self.id)
 
 
 class Graph:

@@ -279,3 +279,12 @@ class Checker:
     def on_graph_destroy(self, g) -> None:
         """Graph ``g`` was destroyed."""
         self.replays.pop(g.id, None)
+
+    def on_reclaim(self, s) -> None:
+        """Stream ``s`` is reclaimed (nobody can name it; its work ran, or on wgpu was
+        submitted ahead of anything issued later): count it as synced, so later accesses on
+        other streams, which the server no longer orders after it, are not races; forget its
+        own clock and events (``host`` keeps its position for those comparisons)."""
+        self.on_sync(s)
+        self.clocks.pop(s.id, None)
+        self.events.pop(s.id, None)

@@ -17,6 +17,15 @@ fire-and-forget ``submit`` that finds the queue full waits on its own thread unt
 room (or raises ``ServerClosed`` once the server stops): a flood from one client never grows
 memory without bound. Blocking calls and finalizer posts do not wait for room (each caller has
 at most one blocking call outstanding, and a finalizer may run inside a message).
+
+Releases (a ``Handle``'s free, a graph's destroy, a dropped stream) come from finalizers, which
+may fire by the thousand at once (dropping a list of handles) on any thread, even inside a
+message, and must never block. They are coalesced (:meth:`DeviceQueue.release`): each is
+appended to one release list (a ``deque`` append: no lock, no wait), and one message in the
+queue stands for the whole list, so a burst of 100,000 drops puts one message in the queue, not
+100,000. That message runs at most ``RELEASE_BATCH`` units of releases and, if more are left,
+queues itself again behind the messages that arrived meanwhile: a blocking call of another
+client waits for at most one batch.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ POLL_S = 0.05
 MAX_MESSAGES = 32
 MAX_BYTES = 256 << 20
 MAX_LOAD = 256
+#: release units (a free is 1, a graph destroy 1 + its handles / 8) run per release message.
+RELEASE_BATCH = 256
 
 
 class Slot:
@@ -97,6 +108,8 @@ class DeviceQueue:
         self.closed = False
         self.closing = False            # a normal shutdown is under way (not a death)
         self.death: BaseException | None = None
+        self._releases = collections.deque()   # (fn, args) of coalesced releases
+        self._release_queued = False    # a _run_releases message is in the queue
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -163,6 +176,51 @@ class DeviceQueue:
             return
         self._q.append((fn, args, None))
         self._wake.set()
+
+    def release(self, fn, *args) -> None:
+        """Queue the release ``fn(*args)`` (a free, a graph destroy, a dropped stream) from a
+        finalizer: never blocks, never runs it here, and adds at most one message to the queue
+        however many releases are pending (module doc). Silently dropped once the server
+        stopped. ``fn`` may return its cost in batch units (default 1)."""
+        if self.closed:
+            return
+        self._releases.append((fn, args))
+        if not self._release_queued:
+            self._release_queued = True
+            self._q.append((self._run_releases, (RELEASE_BATCH,), None))
+            if not self._wake.is_set():
+                self._wake.set()
+
+    def run_releases(self, limit=RELEASE_BATCH) -> int:
+        """Run pending releases, at most ``limit`` units (None: all of them); owner only.
+        Returns the releases run. A release that raises is reported like a fire-and-forget
+        message (``on_async_error``) and the others still run."""
+        self._release_queued = False    # before taking any: a later release queues a message
+        rel = self._releases
+        done = units = 0
+        while rel and (limit is None or units < limit):
+            try:
+                fn, args = rel.popleft()
+            except IndexError:
+                break
+            try:
+                cost = fn(*args)
+            except Exception as e:  # noqa: BLE001 - every error goes to the next blocking call
+                cost = 1
+                self._on_async_error(e)
+            units += cost if type(cost) is int and cost > 0 else 1
+            done += 1
+        if rel and not self._release_queued:     # the rest after the messages queued meanwhile
+            self._release_queued = True
+            self._q.append((self._run_releases, (RELEASE_BATCH,), None))
+        return done
+
+    _run_releases = run_releases
+
+    @property
+    def pending_releases(self) -> int:
+        """Releases queued and not run yet (finalizer-safe to read)."""
+        return len(self._releases)
 
     def call(self, fn, *args):
         """Blocking: queue ``fn(*args)`` and return its value (or raise its error).

@@ -22,11 +22,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-#: Element types a binding or param may have, with their numpy dtype.
+#: Element types a binding or param may have (WGSL's names), with their numpy dtype: the one
+#: dtype table (4 bytes each; ``DTYPES[d].char`` is the ``struct`` code params pack with).
 DTYPES: dict[str, np.dtype] = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32),
                                "u32": np.dtype(np.uint32)}
-_PACK = {"f32": "f", "i32": "i", "u32": "I"}
-ACCESS = ("read", "read_write")
+#: The CUDA C name of each dtype (kernels' CUDA sources typedef the WGSL names to these).
+C_TYPES: dict[str, str] = {"f32": "float", "i32": "int", "u32": "unsigned int"}
+ACCESS = ("read", "read_write", "write")
 
 
 class Binding(NamedTuple):
@@ -35,8 +37,13 @@ class Binding(NamedTuple):
     Args:
         name: the argument's name (used in messages).
         dtype: element type, one of ``"f32"``, ``"i32"``, ``"u32"``.
-        access: ``"read"`` or ``"read_write"`` (WebGPU storage access; decides the read and write
-            sets of a captured graph and the cross-stream ordering of a launch).
+        access: ``"read"``, ``"read_write"`` or ``"write"``: decides the read and write sets of
+            a captured graph, the cross-stream ordering of a launch and how a failure mark
+            propagates (docs/contract.md section 4). ``"read_write"``: the launch may read the
+            earlier contents (``y += x``, a KV cache written at one position), so a failure mark
+            on the buffer stays; ``"write"``: the launch never reads them and rewrites what it
+            covers (``y = x + 1``), so a launch whose inputs are clean clears the mark. Both are
+            WebGPU ``read_write`` storage (WebGPU has no write-only storage buffer).
     """
 
     name: str
@@ -155,7 +162,7 @@ class Kernel:
 
     def uniform_bytes(self, values: tuple) -> bytes:
         """Params packed as a WGSL uniform struct: 4 bytes each, padded to 16 bytes."""
-        fmt = "<" + "".join(_PACK[p.dtype] for p in self.params)
+        fmt = "<" + "".join(DTYPES[p.dtype].char for p in self.params)
         data = struct.pack(fmt, *values)
         return data + b"\0" * (-len(data) % 16 or (16 if not data else 0))
 

@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
+from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
 from ..kernels.threads import RULE
 from .base import Backend, Completion
@@ -101,15 +101,74 @@ class CpuStream:
 
 
 class CpuGraph:
-    """The resolved launch list of a capture: ``[(fn, views, kwargs, count, name)]``."""
+    """The resolved launch list of a capture: ``[(fn, views, kwargs, count, name)]``, with
+    :class:`CpuCond` nodes where ``capture_if``/``capture_while`` recorded one (``nodes``)."""
 
-    __slots__ = ("launches",)
+    __slots__ = ("launches", "nodes")
 
     def __init__(self, launches):
         self.launches = launches
+        self.nodes = any(type(x) is not tuple for x in launches)
 
 
-def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
+class CpuRecording:
+    """A recording: ``stack`` of open launch lists (the top level, then each open node's
+    branch), ``nodes``: the open :class:`CpuCond` s, innermost last."""
+
+    __slots__ = ("stack", "nodes", "count")
+
+    def __init__(self):
+        self.stack = [[]]
+        self.nodes: list = []
+        self.count = 0
+
+
+class CpuCond:
+    """A conditional node: ``kind`` ``"if"`` (run ``then`` when ``cond[0] != 0`` else
+    ``other``) or ``"while"`` (run ``then`` while ``cond[0] != 0``, at most ``max_iterations``
+    times, default ``DEFAULT_MAX_ITERATIONS``). ``cond`` is an int32 view of the condition
+    buffer's first 4 bytes, read when a replay reaches the node."""
+
+    __slots__ = ("kind", "cond", "max_iterations", "then", "other", "index")
+
+    def __init__(self, kind, cond, max_iterations):
+        self.kind, self.cond, self.max_iterations = kind, cond, max_iterations
+        self.then, self.other = [], []
+        self.index = None
+
+
+#: ``capture_while(max_iterations=None)``'s bound (``runtime.client.client``'s value).
+DEFAULT_MAX_ITERATIONS = 1 << 20
+
+
+def _run_nodes(items, mark) -> None:
+    """Run a launch list with conditional nodes (a replay); see :class:`CpuCond`."""
+    for item in items:
+        if type(item) is tuple:
+            _run_launch(*item, mark, " (in a graph replay)")
+        elif item.kind == "if":
+            _run_nodes(item.then if item.cond[0] != 0 else item.other, mark)
+        else:
+            limit = DEFAULT_MAX_ITERATIONS if item.max_iterations is None else item.max_iterations
+            done = 0
+            while item.cond[0] != 0:
+                if done >= limit:
+                    err = LoopLimitExceeded(
+                        f"capture_while node {item.index}: its condition was still non-zero "
+                        f"after max_iterations={limit} iterations in a graph replay; the loop "
+                        "stopped there")
+                    if mark is not None:
+                        err = mark.fail(err)
+                    raise err
+                _run_nodes(item.then, mark)
+                done += 1
+
+
+def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
+    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
+    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
+    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
+    completion (``_execute``)."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
     if count[0] and count[1] and count[2]:
@@ -117,8 +176,8 @@ def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
             fn(*views, count=count, **kwargs)
         except Exception as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
-            if fail is not None:
-                err = fail(err) or err
+            if mark is not None:
+                err = mark.fail(err)
             raise err from e
 
 
@@ -322,30 +381,76 @@ class CpuBackend(Backend):
         """``{"hardware": False, "device": "numpy <version>"}``: always available."""
         return {"hardware": False, "device": cls.device_name}
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, fail))
+        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, mark))
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
-        return []
+        return CpuRecording()
 
     def record_launch(self, recording, program, count, args, params):
-        recording.append(self._resolve(program, count, args, params))
+        recording.stack[-1].append(self._resolve(program, count, args, params))
 
     def end_graph(self, recording):
-        return CpuGraph(tuple(recording))
+        return CpuGraph(tuple(recording.stack[0]))
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         launches = graph.launches
+        if graph.nodes:
+            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
+            return
 
         def replay():
             for launch in launches:   # a failing launch stops the replay: the rest never runs
-                _run_launch(*launch, fail, " (in a graph replay)")
+                _run_launch(*launch, mark, " (in a graph replay)")
         self._enqueue(stream, _RUN, replay)
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list
+
+    # -- graphs that change ---------------------------------------------------------------------
+    def begin_cond(self, recording, kind, cond, max_iterations):
+        """Open an ``if``/``while`` node: its condition is read from ``cond``'s buffer each time
+        a replay reaches it (``LoopLimitExceeded`` past ``max_iterations``)."""
+        buf, _ = cond
+        node = CpuCond(kind, buf.data[:4].view(np.int32), max_iterations)
+        node.index, recording.count = recording.count, recording.count + 1
+        recording.stack[-1].append(node)
+        recording.stack.append(node.then)
+        recording.nodes.append(node)
+
+    def else_cond(self, recording):
+        recording.stack.pop()
+        recording.stack.append(recording.nodes[-1].other)
+
+    def end_cond(self, recording):
+        recording.stack.pop()
+        node = recording.nodes.pop()
+        node.then, node.other = tuple(node.then), tuple(node.other)
+
+    def update_graph(self, stream, graph, changes, conds):
+        """Swap in a patched launch list (resolved again only where ``changes``/``conds`` say):
+        replays enqueued before keep the list they captured at enqueue."""
+        counter = itertools.count()
+
+        def patch(items):
+            out = []
+            for item in items:
+                if type(item) is tuple:
+                    i = next(counter)
+                    out.append(self._resolve(*changes[i]) if i in changes else item)
+                else:
+                    cond = item.cond
+                    if item.index in conds:
+                        cond = conds[item.index][0].data[:4].view(np.int32)
+                    node = CpuCond(item.kind, cond, item.max_iterations)
+                    node.index = item.index
+                    node.then, node.other = patch(item.then), patch(item.other)
+                    out.append(node)
+            return tuple(out)
+        graph.launches = patch(graph.launches)
+        return graph
 
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):

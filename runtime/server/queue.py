@@ -50,7 +50,7 @@ MAX_LOAD = 256
 RELEASE_BATCH = 256
 
 
-class Slot:
+class Reply:
     """The answer of one blocking message: a value or an error, set once by the owner."""
 
     __slots__ = ("done", "value", "error", "_event")
@@ -229,7 +229,7 @@ class DeviceQueue:
         """
         if self.closed:
             raise ServerClosed(self._closed_message())
-        slot = Slot()
+        slot = Reply()
         self._q.append((fn, args, slot))
         if self._owner.acquire(False):
             self._drain()
@@ -336,7 +336,7 @@ class DeviceQueue:
         self.closing = True
         with self._room:                # producers waiting for room get ServerClosed now
             self._room.notify_all()
-        done = Slot()
+        done = Reply()
 
         def last():
             try:

@@ -264,7 +264,10 @@ class ComputeClient:
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        comp, errors = srv.call(srv.h_sync, self.stream)
+        sid = self._pinned if self._pinned is not None else StreamId.current()
+        if srv.sync_idle(sid):              # idle stream, nothing to report: no message
+            return
+        comp, errors = srv.call(srv.h_sync, sid)
         if not comp.done:
             srv.wait(comp)
         if errors:

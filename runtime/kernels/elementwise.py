@@ -8,6 +8,9 @@ cannot drift apart. Indexing is 2-D over workgroups so that more than 65,535 wor
 from __future__ import annotations
 
 import re
+from functools import partial
+
+import numpy as np
 
 from ..kernel import Binding, Kernel, Param
 
@@ -30,7 +33,7 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
     return (-(-groups // y), y, 1)
 
 
-def elementwise(name: str, bindings, expr: str, params=(), cpu=None) -> Kernel:
+def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None) -> Kernel:
     """Build an elementwise kernel ``out = expr`` over ``i < n``.
 
     Args:
@@ -40,6 +43,9 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None) -> Kernel:
             (substituted as ``p.alpha`` in WGSL and ``alpha`` in CUDA C).
         params: ``[(name, dtype), ...]`` besides ``n`` (appended as the last ``u32`` param).
         cpu: the numpy callable (see ``runtime.kernel``).
+        bind: ``bind(*views, n=..., **params) -> callable()``: the same work as one
+            zero-argument call with views and params bound once (``Kernel`` cpu ``bind``: what
+            a software graph replays); optional.
     """
     bindings = [Binding(*b) for b in bindings]
     params = [Param(*p) for p in params] + [Param("n", "u32")]
@@ -70,15 +76,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 }}
 """
     return Kernel(name, bindings, params, (WORKGROUP, 1, 1), wgsl=wgsl, cuda=cuda,
-                  cpu=None if cpu is None else _bounded(cpu))
+                  cpu=None if cpu is None else _bounded(cpu, bind))
 
 
-def _bounded(fn):
+def _bounded(fn, bind=None):
     """Run ``fn`` over the elements the launch covers, as the GPU sources do:
-    ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer)."""
+    ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer).
+    With ``bind``, the callable gets a ``bind`` attribute with the same bound (``runtime.kernel``)."""
     def cpu(*views, count, n, **params):
-        return fn(*views, count=count, n=min(n, count[0] * count[1] * WORKGROUP), **params)
+        m = count[0] * count[1] * WORKGROUP
+        return fn(*views, count=count, n=n if n < m else m, **params)
     cpu.__name__ = cpu.__qualname__ = fn.__name__
+    if bind is not None:
+        def bound(*views, count, n, **params):
+            m = count[0] * count[1] * WORKGROUP
+            return bind(*views, n=n if n < m else m, **params)
+        cpu.bind = bound
     return cpu
 
 
@@ -99,11 +112,11 @@ def _mul(a, b, out, *, n, count):
 
 
 def _add_scalar(x, y, *, alpha, n, count):
-    y[:n] = x[:n] + y.dtype.type(alpha)
+    np.add(x[:n], y.dtype.type(alpha), y[:n])
 
 
 def _mul_scalar(x, y, *, alpha, n, count):
-    y[:n] = x[:n] * y.dtype.type(alpha)
+    np.multiply(x[:n], y.dtype.type(alpha), y[:n])
 
 
 def _accumulate(x, y, *, n, count):
@@ -114,22 +127,60 @@ def _noop(y, *, n, count):
     pass
 
 
+def _nothing():
+    pass
+
+
+# binds: the same work as one call with views and params bound once (numpy ufuncs take the
+# output as their last positional argument)
+def _bind_fill(y, *, value, n):
+    return partial(y[:n].fill, y.dtype.type(value))
+
+
+def _bind_copy(x, y, *, n):
+    return partial(np.copyto, y[:n], x[:n])
+
+
+def _bind_ufunc2(ufunc):
+    def bind(a, b, out, *, n):
+        return partial(ufunc, a[:n], b[:n], out[:n])
+    return bind
+
+
+def _bind_scalar(ufunc):
+    def bind(x, y, *, alpha, n):
+        return partial(ufunc, x[:n], y.dtype.type(alpha), y[:n])
+    return bind
+
+
+def _bind_accumulate(x, y, *, n):
+    return partial(np.add, y[:n], x[:n], y[:n])
+
+
+def _bind_noop(y, *, n):
+    return _nothing
+
+
 R, RW = "read", "read_write"
 #: ``y[i] = value``
-fill = elementwise("fill", [("y", "f32", RW)], "{value}", [("value", "f32")], _fill)
+fill = elementwise("fill", [("y", "f32", RW)], "{value}", [("value", "f32")], _fill, _bind_fill)
 #: ``y[i] = x[i]``
-copy = elementwise("copy", [("x", "f32", R), ("y", "f32", RW)], "x[i]", cpu=_copy)
+copy = elementwise("copy", [("x", "f32", R), ("y", "f32", RW)], "x[i]", cpu=_copy,
+                  bind=_bind_copy)
 #: ``out[i] = a[i] + b[i]``
-add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] + b[i]", cpu=_add)
+add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] + b[i]", cpu=_add,
+                 bind=_bind_ufunc2(np.add))
 #: ``out[i] = a[i] * b[i]``
-mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] * b[i]", cpu=_mul)
+mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] * b[i]", cpu=_mul,
+                 bind=_bind_ufunc2(np.multiply))
 #: ``y[i] = x[i] + alpha``
 add_scalar = elementwise("add_scalar", [("x", "f32", R), ("y", "f32", RW)], "x[i] + {alpha}",
-                         [("alpha", "f32")], _add_scalar)
+                         [("alpha", "f32")], _add_scalar, _bind_scalar(np.add))
 #: ``y[i] = x[i] * alpha``
 mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", RW)], "x[i] * {alpha}",
-                         [("alpha", "f32")], _mul_scalar)
+                         [("alpha", "f32")], _mul_scalar, _bind_scalar(np.multiply))
 #: ``y[i] += x[i]``
-accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate)
+accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate,
+                        bind=_bind_accumulate)
 #: an empty kernel (one read_write binding, no work): measures pure launch overhead.
-noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop)
+noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop, bind=_bind_noop)

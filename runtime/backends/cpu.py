@@ -28,7 +28,7 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
+from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
 from ..kernels.threads import RULE
 from .base import Backend, Completion
@@ -99,21 +99,23 @@ class CpuStream:
 
 class CpuGraph:
     """The resolved launch list of a capture: ``launches`` = ``[(fn, views, kwargs, count,
-    name)]``, and each launch resolved once into its cheapest call (``calls``, with the kernel
-    ``names``): the kernel's cpu ``bind`` (views, params and output bound at capture), else the
-    callable with its arguments bound; zero-count launches are dropped (they run nothing).
-    Whoever changes ``launches`` calls :meth:`rebind`."""
+    name)]``, with :class:`CpuCond` nodes where ``capture_if``/``capture_while`` recorded one
+    (``nodes``). Without nodes each launch is also resolved once into its cheapest call
+    (``calls``, with the kernel ``names``; issue 26): the kernel's cpu ``bind`` (views, params
+    and output bound at capture), else the callable with its arguments bound; zero-count
+    launches are dropped (they run nothing). Whoever changes ``launches`` calls :meth:`rebind`."""
 
-    __slots__ = ("launches", "calls", "names", "small", "plain")
+    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain")
 
     def __init__(self, launches):
         self.launches = launches
         self.rebind()
 
     def rebind(self) -> None:
-        """Resolve ``launches`` into ``calls`` and ``names`` again."""
-        calls, names, largest, plain = [], [], 0, True
-        for launch in self.launches:
+        """Resolve ``launches`` into ``calls`` and ``names`` again (none with nodes)."""
+        self.nodes = any(type(x) is not tuple for x in self.launches)
+        calls, names, largest, plain = [], [], 0, not self.nodes
+        for launch in () if self.nodes else self.launches:
             call = _bind(*launch)
             if call is not None:
                 calls.append(call)
@@ -121,8 +123,61 @@ class CpuGraph:
                 largest = max(largest, sum(v.nbytes for v in launch[1]))
                 plain = plain and hasattr(launch[0], "bind") and launch[3].__class__ is tuple
         self.calls, self.names = tuple(calls), tuple(names)
-        self.small = largest <= DEFER_BYTES     # tiny kernels only: a waiting caller runs it
+        self.small = not self.nodes and largest <= DEFER_BYTES  # tiny kernels: a waiter runs it
         self.plain = plain                      # numpy ufunc calls only: no library pool
+
+
+class CpuRecording:
+    """A recording: ``stack`` of open launch lists (the top level, then each open node's
+    branch), ``nodes``: the open :class:`CpuCond` s, innermost last."""
+
+    __slots__ = ("stack", "nodes", "count")
+
+    def __init__(self):
+        self.stack = [[]]
+        self.nodes: list = []
+        self.count = 0
+
+
+class CpuCond:
+    """A conditional node: ``kind`` ``"if"`` (run ``then`` when ``cond[0] != 0`` else
+    ``other``) or ``"while"`` (run ``then`` while ``cond[0] != 0``, at most ``max_iterations``
+    times, default ``DEFAULT_MAX_ITERATIONS``). ``cond`` is an int32 view of the condition
+    buffer's first 4 bytes, read when a replay reaches the node."""
+
+    __slots__ = ("kind", "cond", "max_iterations", "then", "other", "index")
+
+    def __init__(self, kind, cond, max_iterations):
+        self.kind, self.cond, self.max_iterations = kind, cond, max_iterations
+        self.then, self.other = [], []
+        self.index = None
+
+
+#: ``capture_while(max_iterations=None)``'s bound (``runtime.client.client``'s value).
+DEFAULT_MAX_ITERATIONS = 1 << 20
+
+
+def _run_nodes(items, fail) -> None:
+    """Run a launch list with conditional nodes (a replay); see :class:`CpuCond`."""
+    for item in items:
+        if type(item) is tuple:
+            _run_launch(*item, fail, " (in a graph replay)")
+        elif item.kind == "if":
+            _run_nodes(item.then if item.cond[0] != 0 else item.other, fail)
+        else:
+            limit = DEFAULT_MAX_ITERATIONS if item.max_iterations is None else item.max_iterations
+            done = 0
+            while item.cond[0] != 0:
+                if done >= limit:
+                    err = LoopLimitExceeded(
+                        f"capture_while node {item.index}: its condition was still non-zero "
+                        f"after max_iterations={limit} iterations in a graph replay; the loop "
+                        "stopped there")
+                    if fail is not None:
+                        err = fail(err) or err
+                    raise err
+                _run_nodes(item.then, fail)
+                done += 1
 
 
 #: work whose kernels each touch at most this many bytes (their bindings summed) is left queued
@@ -386,15 +441,19 @@ class CpuBackend(Backend):
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
-        return []
+        return CpuRecording()
 
     def record_launch(self, recording, program, count, args, params):
-        recording.append(self._resolve(program, count, args, params))
+        recording.stack[-1].append(self._resolve(program, count, args, params))
 
     def end_graph(self, recording):
-        return CpuGraph(tuple(recording))
+        return CpuGraph(tuple(recording.stack[0]))
 
     def launch_graph(self, stream, graph, fail=None):
+        if graph.nodes:
+            launches = graph.launches
+            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, fail))
+            return
         calls, names = graph.calls, graph.names
 
         def replay():
@@ -413,6 +472,50 @@ class CpuBackend(Backend):
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list
+
+    # -- graphs that change ---------------------------------------------------------------------
+    def begin_cond(self, recording, kind, cond, max_iterations):
+        """Open an ``if``/``while`` node: its condition is read from ``cond``'s buffer each time
+        a replay reaches it (``LoopLimitExceeded`` past ``max_iterations``)."""
+        buf, _ = cond
+        node = CpuCond(kind, buf.data[:4].view(np.int32), max_iterations)
+        node.index, recording.count = recording.count, recording.count + 1
+        recording.stack[-1].append(node)
+        recording.stack.append(node.then)
+        recording.nodes.append(node)
+
+    def else_cond(self, recording):
+        recording.stack.pop()
+        recording.stack.append(recording.nodes[-1].other)
+
+    def end_cond(self, recording):
+        recording.stack.pop()
+        node = recording.nodes.pop()
+        node.then, node.other = tuple(node.then), tuple(node.other)
+
+    def update_graph(self, stream, graph, changes, conds):
+        """Swap in a patched launch list (resolved again only where ``changes``/``conds`` say):
+        replays enqueued before keep the list they captured at enqueue."""
+        counter = itertools.count()
+
+        def patch(items):
+            out = []
+            for item in items:
+                if type(item) is tuple:
+                    i = next(counter)
+                    out.append(self._resolve(*changes[i]) if i in changes else item)
+                else:
+                    cond = item.cond
+                    if item.index in conds:
+                        cond = conds[item.index][0].data[:4].view(np.int32)
+                    node = CpuCond(item.kind, cond, item.max_iterations)
+                    node.index = item.index
+                    node.then, node.other = patch(item.then), patch(item.other)
+                    out.append(node)
+            return tuple(out)
+        graph.launches = patch(graph.launches)
+        graph.rebind()
+        return graph
 
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .core import E2E, rows
-from .machine import machine, write_json
+from .results import machine, write_json
 
 #: rows whose speed-up the goal of issue 26 covers (>= 2x against aef0e49).
 CORE = ("sync", "launch", "replay", "replay_read", "launch_read")

@@ -19,7 +19,9 @@ Per backend (default: every backend that answers here; cuda only with a GPU), th
    sentence-transformers where installed;
 4. ``stalls`` (:mod:`runtime.bench.stalls`): one client's replay/read latency while another
    reads a heavy result or floods launches, and RSS under unsynced churn (cpu only in
-   ``--quick``).
+   ``--quick``);
+5. ``decode`` (:mod:`runtime.bench.decode`): greedy decoding tokens/s, eager vs one replay per
+   token vs one replay per sequence (``capture_while``, the loop on the device).
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
 (the CI smoke run) uses few repetitions, graph lengths up to 1000 (large kernels up to 10) and
@@ -38,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import device_thread, minilm, replay, report, stalls
-from .machine import machine, write_json
+from . import decode, device_thread, minilm, replay, report, stalls
+from .results import machine, write_json
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ SECTIONS: list[Section] = [
     Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
             stalls.suite_targets),
+    Section("decode", decode.measure, decode.units, decode.markdown),
 ]
 
 

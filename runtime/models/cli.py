@@ -28,7 +28,7 @@ def embed_main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="launch kernels one by one (no graph)")
     args = ap.parse_args(argv)
 
-    from ..client import client
+    from ..frontend.client import client
     from .minilm import MiniLM
 
     t0 = time.perf_counter()

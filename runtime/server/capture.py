@@ -23,6 +23,7 @@ Errors: a transition out of order raises ``GraphStateError`` and leaves the stat
 from __future__ import annotations
 
 from ..errors import CaptureRefused, GraphStateError, ServerUnhealthy
+from .ops import LaunchRec
 
 NO_CAPTURE, PREPARE, CAPTURE = "no capture", "prepared", "capturing"
 
@@ -86,7 +87,8 @@ class Window:
     """
 
     __slots__ = ("recording", "reads", "writes", "inputs", "states", "fences", "allocs",
-                 "refusals", "deferred", "graveyard", "event", "event_pos", "launches")
+                 "refusals", "deferred", "graveyard", "event", "event_pos", "launches", "ops",
+                 "scopes")
 
     def __init__(self, recording, event, event_pos):
         self.recording = recording
@@ -101,6 +103,8 @@ class Window:
         self.graveyard: list = []
         self.event, self.event_pos = event, event_pos
         self.launches = 0
+        self.ops: list = []       # what was recorded, in order (graphs.py: launches, nodes)
+        self.scopes: list = []    # the open capture_if/capture_while nodes (graphs.CondRec)
 
     def uses(self, hid: int) -> bool:
         return hid in self.states
@@ -125,7 +129,7 @@ class GraphState:
 
     __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "handles", "wstates",
                  "istates", "retained", "allocated", "required", "freed", "fences", "last_pos",
-                 "launches")
+                 "launches", "ops", "alloc_slots", "retain", "fallback_reason")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
@@ -146,6 +150,12 @@ class GraphState:
         self.fences = dict(window.fences)
         self.last_pos = 0
         self.launches = window.launches
+        # graphs.py: the recorded ops (update/instantiate/describe), the slots of the window's
+        # own allocations, the retain choice, and why an update had to rebuild the graph
+        self.ops = list(window.ops)
+        self.alloc_slots = [st.slot for st in window.allocs]
+        self.retain = retain
+        self.fallback_reason = None
 
 
 class Capture:
@@ -215,6 +225,9 @@ class Capture:
         w = s.window
         self.backend.record_launch(w.recording, prog, count, args, params)
         w.launches += 1
+        w.ops.append(LaunchRec(kernel, count if cst is None else cst.id,
+                               tuple(st.id for st in states), params,
+                               tuple(w.scopes)))
         sid = s.id
         for b, st in zip(kernel.bindings, states):
             w.states[st.id] = st
@@ -240,6 +253,9 @@ class Capture:
         """
         transition(s.state, "end", s.id)
         w = s.window
+        if w.scopes:
+            w.refusals.append(f"conditional node {w.scopes[-1][0]} was still open (stop_capture "
+                              "was called inside a capture_if/capture_while body)")
         if w.refusals:
             self.abort(s)
             s.errors = []

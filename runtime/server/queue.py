@@ -39,7 +39,7 @@ MAX_BYTES = 256 << 20
 MAX_LOAD = 256
 
 
-class Slot:
+class Reply:
     """The answer of one blocking message: a value or an error, set once by the owner."""
 
     __slots__ = ("done", "value", "error", "_event")
@@ -196,11 +196,11 @@ class DeviceQueue:
                     raise ServerClosed(self._closed_message()) from None
                 finally:
                     self._release()
-            slot = Slot()
+            slot = Reply()
             q.append((fn, args, slot))
             self._drain()
         else:
-            slot = Slot()
+            slot = Reply()
             q.append((fn, args, slot))
             if self._owner.acquire(False):
                 self._drain()
@@ -316,7 +316,7 @@ class DeviceQueue:
         self.closing = True
         with self._room:                # producers waiting for room get ServerClosed now
             self._room.notify_all()
-        done = Slot()
+        done = Reply()
 
         def last():
             try:

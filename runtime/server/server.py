@@ -24,6 +24,7 @@ from ..streams import watch_thread_ends
 from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
                       UnknownGraph, UnsupportedError)
 from . import capture as cap
+from . import graphs
 from .capture import merge
 from .marks import CLEAN, Mark, Marks
 from .memory import Pool
@@ -593,6 +594,50 @@ class ComputeServer:
             self.checker.on_graph_destroy(g)
         if self.ended:
             self._reap_streams()
+
+    # -- graphs that change (graphs.py) ---------------------------------------------------------
+    def _graph(self, gid: int, what: str):
+        g = self.graphs.get(gid)
+        if g is None:
+            raise UnknownGraph(f"{what} of graph {gid}: unknown or already destroyed on server "
+                               f"{self.name}; keep a Graph clone alive while you use it")
+        return g
+
+    def h_graph_launches(self, gid: int) -> list:
+        """``Graph.launches()``: the recorded launches as plain data (``graphs.launches``)."""
+        return graphs.launches(self._graph(gid, "launches"), self)
+
+    def h_graph_describe(self, gid: int) -> dict:
+        """``Graph.describe()`` (``graphs.describe``)."""
+        return graphs.describe(self._graph(gid, "describe"), self)
+
+    def h_graph_update(self, gid: int, rebind: dict, params: dict, count: dict):
+        """``Graph.update``: patch graph ``gid`` for the replays enqueued after it, all or
+        nothing (``graphs.update``); returns its ``fallback_reason``."""
+        g = self._graph(gid, "update")
+        graphs.update(self, g, rebind, params, count)
+        return g.fallback_reason
+
+    def h_graph_instantiate(self, gid: int, rebind: dict, sid) -> tuple:
+        """``Graph.instantiate``: a new graph from the recording of ``gid`` against other
+        buffers; returns ``(graph id, stream id, is_hardware)``."""
+        g = self._graph(gid, "instantiate")
+        ng = graphs.instantiate(self, g, rebind, next(_graph_ids), sid)
+        self.graphs[ng.id] = ng
+        if self.checker is not None:
+            self.checker.on_graph(ng)
+        return ng.id, ng.stream, bool(self.backend.hardware_graphs)
+
+    def h_cond_begin(self, sid, kind: str, hid: int, max_iterations) -> bool:
+        """Open a ``capture_if``/``capture_while`` node in ``sid``'s window; False when ``sid``
+        is not capturing (the client runs it eagerly)."""
+        return graphs.cond_begin(self, self._stream(sid), kind, hid, max_iterations)
+
+    def h_cond_else(self, sid) -> None:
+        graphs.cond_else(self, self._stream(sid))
+
+    def h_cond_end(self, sid, error=None) -> None:
+        graphs.cond_end(self, self._stream(sid), error)
 
     # -- introspection --------------------------------------------------------------------------
     def h_memory_usage(self) -> dict:

@@ -23,7 +23,8 @@ from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (Clone, Create, Empty, Free, KernelSpec, Launch, Prepare, Program, Read,
                       RecordEvent, Release, Replay, StartCapture, StopCapture, Sync, WaitEvent,
                       Write, copy32)
-from .run import ProgramMismatch, ProgramRun, Step, backend_unavailable, run_program
+from ..server import backend_unavailable
+from .run import ProgramMismatch, ProgramRun, Step, run_program
 from .strategies import programs
 
 __all__ = ["programs", "run_program", "Program", "ProgramRun", "ProgramMismatch", "Step",

@@ -26,7 +26,7 @@ LAYERS = [
     ["runtime.tensor", "runtime.captured", "runtime.static_graph"],
     ["runtime.models"],
     ["runtime", "runtime.serving", "runtime.corpus", "runtime.cluster", "runtime.bench",
-     "runtime.testing", "runtime.demo", "runtime.__main__"],
+     "runtime.testing", "runtime.__main__"],
 ]
 
 #: Edges the owners are removing (each owner deletes its line when it lands; the goal is none):

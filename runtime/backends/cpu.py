@@ -157,13 +157,13 @@ class CpuCond:
 DEFAULT_MAX_ITERATIONS = 1 << 20
 
 
-def _run_nodes(items, fail) -> None:
+def _run_nodes(items, mark) -> None:
     """Run a launch list with conditional nodes (a replay); see :class:`CpuCond`."""
     for item in items:
         if type(item) is tuple:
-            _run_launch(*item, fail, " (in a graph replay)")
+            _run_launch(*item, mark, " (in a graph replay)")
         elif item.kind == "if":
-            _run_nodes(item.then if item.cond[0] != 0 else item.other, fail)
+            _run_nodes(item.then if item.cond[0] != 0 else item.other, mark)
         else:
             limit = DEFAULT_MAX_ITERATIONS if item.max_iterations is None else item.max_iterations
             done = 0
@@ -173,10 +173,10 @@ def _run_nodes(items, fail) -> None:
                         f"capture_while node {item.index}: its condition was still non-zero "
                         f"after max_iterations={limit} iterations in a graph replay; the loop "
                         "stopped there")
-                    if fail is not None:
-                        err = fail(err) or err
+                    if mark is not None:
+                        err = mark.fail(err)
                     raise err
-                _run_nodes(item.then, fail)
+                _run_nodes(item.then, mark)
                 done += 1
 
 
@@ -212,7 +212,11 @@ def _bind(fn, views, kwargs, count, name):
     return partial(fn, *views, count=count, **kwargs)
 
 
-def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
+def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
+    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
+    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
+    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
+    completion (``_execute``)."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = _counts(count)
     if count[0] and count[1] and count[2]:
@@ -220,8 +224,8 @@ def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
             fn(*views, count=count, **kwargs)
         except Exception as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
-            if fail is not None:
-                err = fail(err) or err
+            if mark is not None:
+                err = mark.fail(err)
             raise err from e
 
 
@@ -433,11 +437,11 @@ class CpuBackend(Backend):
         """``{"hardware": False, "device": "numpy <version>"}``: always available."""
         return {"hardware": False, "device": cls.device_name}
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
         small = sum(v.nbytes for v in views) <= DEFER_BYTES
         self._enqueue(stream, _CALL if small and hasattr(fn, "bind") else _RUN,
-                      lambda: _run_launch(fn, views, kwargs, count, name, fail), small)
+                      lambda: _run_launch(fn, views, kwargs, count, name, mark), small)
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -449,10 +453,10 @@ class CpuBackend(Backend):
     def end_graph(self, recording):
         return CpuGraph(tuple(recording.stack[0]))
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         if graph.nodes:
             launches = graph.launches
-            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, fail))
+            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
             return
         calls, names = graph.calls, graph.names
 
@@ -465,8 +469,8 @@ class CpuBackend(Backend):
                 name = next(n for c, n in zip(calls, names) if c is f)
                 err = LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
                                   f"{type(e).__name__}: {e}")
-                if fail is not None:
-                    err = fail(err) or err
+                if mark is not None:
+                    err = mark.fail(err)
                 raise err from e
         self._enqueue(stream, _CALL if graph.plain else _RUN, replay, graph.small)
 

@@ -31,7 +31,7 @@ from .pointwise import WORKGROUP, elementwise, grid
 from .shader import program
 from .threads import RULE
 
-R, RW = "read", "read_write"
+R, RW, W = "read", "read_write", "write"
 
 #: matmul tile columns: a workgroup of 16x16 invocations computes a (16 r) x 128 block of ``out``
 #: (r x 8 each, r = 8, 4 or 1 by the variant), stepping through K by MM_BK.
@@ -134,7 +134,7 @@ def _gelu_cpu(x, out, *, n, count):
 
 #: ``out[i] = gelu(x[i])`` over ``i < n``; launch over ``grid(n)``.
 gelu = program(
-    "gelu", [("x", "f32", R), ("out", "f32", RW)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
+    "gelu", [("x", "f32", R), ("out", "f32", W)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (i < p.n) {{ out[i] = gelu_erf(x[i]); }}""", helpers=_GELU_HELPERS, cpu=_gelu_cpu)
 
@@ -147,7 +147,7 @@ def _add_bias_cpu(x, b, out, *, N, n, count):
 
 #: ``out[i] = x[i] + b[i % N]`` (a bias broadcast over the rows of an ``[*, N]`` tensor);
 #: launch over ``grid(n)``.
-add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f32", RW)],
+add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f32", W)],
                        "x[i] + b[i % {N}]", [("N", "u32")], _add_bias_cpu)
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
 #: and must index inside their tables (not checked on the device). Launch over ``grid(n)``.
 embedding = program(
     "embedding", [("ids", "i32", R), ("types", "i32", R), ("word", "f32", R), ("pos", "f32", R),
-                  ("ttab", "f32", R), ("out", "f32", RW)],
+                  ("ttab", "f32", R), ("out", "f32", W)],
     [("H", "u32"), ("S", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (i < p.n) {{
@@ -244,7 +244,7 @@ def _matmul(name: str, bias: bool, act: str | None, rows: int = 8):
     }}
 """ + "\n".join(stores)
     binds = [("a", "f32", R), ("w", "f32", R)] + ([("bias", "f32", R)] if bias else [])
-    return program(name, binds + [("out", "f32", RW)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
+    return program(name, binds + [("out", "f32", W)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
                    (th, th, 1), body, shared=[("As", "f32", bk * tm), ("Ws", "f32", bk * tn)],
                    helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act))
 
@@ -347,7 +347,7 @@ def _layer_norm(name: str, residual: bool):
         }}
     }}"""
     binds = [("x", "f32", R)] + ([("res", "f32", R)] if residual else [])
-    binds += [("gamma", "f32", R), ("beta", "f32", R), ("out", "f32", RW)]
+    binds += [("gamma", "f32", R), ("beta", "f32", R), ("out", "f32", W)]
     return program(name, binds, [("rows", "u32"), ("n", "u32"), ("eps", "f32")],
                    (ROW_WORKGROUP, 1, 1), body, shared=[("red", "f32", ROW_WORKGROUP)],
                    cpu=_layer_norm_cpu(residual))
@@ -367,7 +367,7 @@ def _l2_cpu(x, out, *, rows, n, count):
 #: ``out[r] = x[r] / max(||x[r]||_2, 1e-12)`` per row of ``[rows, n]`` (torch ``F.normalize``);
 #: launch over :func:`rows_count`.
 l2_normalize = program(
-    "l2_normalize", [("x", "f32", R), ("out", "f32", RW)], [("rows", "u32"), ("n", "u32")],
+    "l2_normalize", [("x", "f32", R), ("out", "f32", W)], [("rows", "u32"), ("n", "u32")],
     (ROW_WORKGROUP, 1, 1), f"""
     let row = wg.y * nwg.x + wg.x;
     let valid = row < p.rows;
@@ -396,7 +396,7 @@ def _mean_pool_cpu(x, mask, out, *, S, H, n, count):
 #: ``out[b, c] = sum_s x[b, s, c] mask[b, s] / max(sum_s mask[b, s], 1e-9)`` for ``x [B, S, H]``,
 #: ``mask [B, S]`` (0/1 floats), ``n = B * H``; launch over ``grid(n)``.
 mean_pool = program(
-    "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", RW)],
+    "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", W)],
     [("S", "u32"), ("H", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (i < p.n) {{
@@ -586,7 +586,7 @@ def _attention(hd: int):
     }}"""
     return program(
         f"attention_hd{hd}", [("q", "f32", R), ("k", "f32", R), ("v", "f32", R),
-                              ("mask", "f32", R), ("out", "f32", RW)],
+                              ("mask", "f32", R), ("out", "f32", W)],
         [("S", "u32"), ("heads", "u32"), ("hd", "u32"), ("ld_in", "u32"), ("q_off", "u32"),
          ("k_off", "u32"), ("v_off", "u32"), ("ld_out", "u32"), ("scale", "f32")],
         (ATTN_WORKGROUP, 1, 1), body,

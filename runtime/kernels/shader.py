@@ -85,7 +85,7 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
     params = [Param(*p) for p in params]
     wgx, wgy, wgz = tuple(workgroup_size) + (1,) * (3 - len(workgroup_size))
     # WGSL: storage bindings, one uniform struct, workgroup arrays, helpers, main.
-    access = {"read": "read", "read_write": "read_write"}
+    access = {"read": "read", "read_write": "read_write", "write": "read_write"}
     lines = [f"@group(0) @binding({k}) var<storage, {access[b.access]}> {b.name}: array<{b.dtype}>;"
              for k, b in enumerate(bindings)]
     if params:

@@ -113,7 +113,10 @@ def _worker_product(job: dict) -> dict:
                                job["budget_s"])
     try:               # numba's count is per thread: report what one executing stream gets
         from runtime.kernels.cpu_loops import set_threads
-        from runtime.kernels.threads import RULE
+        try:
+            from runtime.cpu_threads import RULE
+        except ImportError:                        # a checkout before the leaf module
+            from runtime.kernels.threads import RULE
         RULE.enter()
         set_threads(RULE.threads())
         RULE.exit()
@@ -301,8 +304,8 @@ def _kernels_runtime(batch: int, seq: int, reps: int) -> dict:
     "numpy"}}``. Runs on the calling thread as one executing stream under the cpu backend's
     thread rule (BLAS and numba at every core unless the environment says otherwise)."""
     sys.path.insert(0, str(ROOT))
+    from runtime.cpu_threads import RULE
     from runtime.kernels import nn
-    from runtime.kernels.threads import RULE
     H, FF, heads, hd = 384, 1536, 12, 32
     M, f = batch * seq, np.float32
     d = _kernel_inputs(batch, seq)

@@ -11,7 +11,7 @@ order as one queue item.
 
 Threads: a stream's kernels run one after another on one worker thread, and each kernel may fan
 out into a library pool, OpenBLAS (numpy's matmuls) or numba (the compiled loops of
-``runtime.kernels.cpu_loops``). The thread rule (:mod:`runtime.kernels.threads`, README "The cpu
+``runtime.kernels.cpu_loops``). The thread rule (:mod:`runtime.cpu_threads`, README "The cpu
 backend: kernels and threads") gives both pools ``cores // items executing now`` threads,
 counted over every cpu backend of the process: one busy stream uses every core, concurrent
 streams split them, and no pool waits for a thread another worker holds. ``threads=`` sets the
@@ -29,40 +29,11 @@ import numpy as np
 
 from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
-from ..kernels.threads import RULE
+from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
                            TraceScheduler, decode_trace, encode_trace)
 from .cpu_schedule import RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
-
-
-def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
-    """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
-
-    A fixed count, outside the thread rule (:mod:`runtime.kernels.threads`, which sizes BLAS
-    itself while cpu streams execute; ``CpuBackend(blas_threads=n)`` fixes it through this).
-
-    Args:
-        n: threads (>= 1).
-        force: apply even when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
-            is set (otherwise the user's setting wins and nothing is done).
-    Returns: the previous thread count (pass it back, with ``force=True``, to restore), or
-        ``None`` when skipped, when no BLAS was found or ``threadpoolctl`` is missing.
-    """
-    import os
-
-    try:
-        from threadpoolctl import threadpool_info, threadpool_limits
-    except ImportError:
-        return None
-    if not force and any(os.environ.get(v) for v in
-                         ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")):
-        return None
-    prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
-               default=None)
-    if prev is not None and prev != n:
-        threadpool_limits(int(n), user_api="blas")
-    return prev
 
 
 class CpuEvent:

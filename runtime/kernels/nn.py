@@ -22,14 +22,13 @@ its scratch owned by the worker thread.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 
 from .pointwise import WORKGROUP, elementwise, grid
 from .shader import program
-from .threads import RULE
+from ..cpu_threads import FAN_OUT, RULE
 
 R, RW, W = "read", "read_write", "write"
 
@@ -104,7 +103,7 @@ _tls = threading.local()
 def _loops():
     """:mod:`runtime.kernels.cpu_loops`, imported on the first cpu launch (numba loads there, not
     when ``runtime`` is imported), with numba's threads for the calling thread set by the thread
-    rule (:mod:`runtime.kernels.threads`: cores shared among the stream items executing now)."""
+    rule (:mod:`runtime.cpu_threads`: cores shared among the stream items executing now)."""
     global _LOOPS
     if _LOOPS is None:
         from . import cpu_loops
@@ -456,54 +455,22 @@ def _attend(views, madd, pieces, S, hd, scale):
         np.matmul(s, vv[b0:b1, h0:h1], out=ov[b0:b1, h0:h1])
 
 
-def _on_pool_thread(fn, part):
-    # a fan-out pool thread: numba at one thread here (numba's count is per calling thread)
-    if getattr(_tls, "threads", 0) != 1:
-        _tls.threads = _LOOPS.set_threads(1)
-    fn(part)
-
-
-_FAN_OUT = None
-_FAN_OUT_LOCK = threading.Lock()
-
-
-def _fan_out_pool():
-    """The threads cpu sources hand parts of their work to (created on first use; threads are
-    started as needed, at most one fewer than the CPUs)."""
-    global _FAN_OUT
-    with _FAN_OUT_LOCK:
-        if _FAN_OUT is None:
-            from concurrent.futures import ThreadPoolExecutor
-            _FAN_OUT = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
-                                          thread_name_prefix="runtime-cpu-kernel")
-    return _FAN_OUT
-
-
-def _fan_out(fn, parts) -> None:
-    """``fn(part)`` for every part at once: the first on the calling (worker) thread, the others
-    on pool threads; numba and OpenBLAS at one thread in each meanwhile (``RULE.fan_out``,
-    :mod:`runtime.kernels.threads`). Returns when every part is done; raises the first error."""
-    pool, futures = _fan_out_pool(), []
-    with RULE.fan_out():
-        try:
-            for part in parts[1:]:
-                futures.append(pool.submit(_on_pool_thread, fn, part))
-            _LOOPS.set_threads(1)
-            try:
-                fn(parts[0])
-            finally:
-                _LOOPS.set_threads(_tls.threads)
-        finally:
-            for f in futures:                    # every part done (and its error raised)
-                f.result()
+def _one_thread_piece(fn):
+    # numba at one thread on whichever thread runs a piece (numba's count is per calling
+    # thread; the worker's next kernel sets its own count again in _loops)
+    def run(piece):
+        if getattr(_tls, "threads", 0) != 1:
+            _tls.threads = _LOOPS.set_threads(1)
+        fn(piece)
+    return run
 
 
 def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_off, ld_out,
                    scale, count):
     # Pieces of whole sequences (several when their [heads, S, S] scores fit ATTN_CPU_CHUNK) or
     # of heads of one sequence; from ATTN_FAN_OUT_MACS on, the pieces are dealt out to the
-    # thread rule's threads (_fan_out: this worker and pool threads, 1-thread BLAS and numba
-    # each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
+    # thread rule's threads (cpu_threads.FAN_OUT: this worker and pool threads take pieces in
+    # turn, 1-thread BLAS and numba each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
     # allocated once warm but the pool's futures.
     L = _loops()
     B = count[1] // heads
@@ -523,12 +490,11 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     np.subtract(1.0, mask[:B * S].reshape(B, S), out=madd)     # the additive mask, once
     madd *= np.float32(-1e9)
     sc = np.float32(scale)
-    n = min(want, len(pieces))
-    if n <= 1:
+    if want <= 1 or len(pieces) <= 1:
         _attend(views, madd, pieces, S, hd, sc)
     else:
-        _fan_out(lambda part: _attend(views, madd, part, S, hd, sc),
-                 [pieces[i::n] for i in range(n)])
+        FAN_OUT.run(_one_thread_piece(lambda piece: _attend(views, madd, (piece,), S, hd, sc)),
+                    pieces, want)
 
 
 def _attention(hd: int):

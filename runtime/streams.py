@@ -8,6 +8,7 @@ Imports nothing of the runtime."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 
@@ -37,10 +38,14 @@ def _dropped(key: int) -> None:
                 pass
 
 
-def key(stream) -> int:
-    """The plain int id of ``stream`` (``StreamId``): what servers key their tables by, so a
-    table never keeps a ``StreamId`` alive (a stream is reclaimed once the last one is gone)."""
-    return int(stream)
+def _after_fork_in_child() -> None:
+    global _watchers_lock, _watchers
+    _watchers_lock = threading.Lock()      # another thread may have held it at the fork
+    _watchers = ()                         # the parent's servers are closed in the child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def current_key() -> int:

@@ -294,3 +294,27 @@ def test_destroying_graphs_that_share_buffers_is_linear(backend, monkeypatch):
     assert compared[0] <= 300, f"{compared[0]} comparisons destroying 300 graphs"
     x2 = c.create(ONES)
     np.testing.assert_array_equal(c.read(x2), ONES)
+
+
+def test_a_free_never_runs_before_a_message_queued_before_the_drop(backend):
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    a = c.create(ONES)
+    b = c.create(np.full(4, 5, np.float32))
+    y = c.empty(4, np.float32)
+    c.sync()
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        gate.wait(LIMIT_S)
+    srv.queue.post(hold)
+    assert holding.wait(LIMIT_S)
+    try:
+        del a                                        # a release message is now queued...
+        c.launch(K.add_scalar, 1, [b, y], {"alpha": 1.0, "n": 4})   # ...then a launch using b
+        del b                                        # b's free must not join the first batch
+    finally:
+        gate.set()
+    np.testing.assert_array_equal(c.read(y), np.full(4, 6, np.float32))

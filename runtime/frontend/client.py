@@ -11,7 +11,8 @@ import warnings
 
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError, LoopLimitExceeded, error_list, unhealthy
+from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, UnsupportedError, error_list,
+                      unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
@@ -59,6 +60,40 @@ class ComputeClient:
     def device_name(self) -> str:
         """What the backend runs on: numpy's version, the wgpu adapter, the GPU's name."""
         return self._server.backend.device_name
+
+    @property
+    def capabilities(self) -> dict:
+        """What this client's server and device do, the same for every client of the server:
+
+        - ``hardware_graphs`` (bool): a graph is a driver graph, one dispatch per replay (cuda;
+          CUDA graphs); a fresh allocation inside a capture window is then refused. False: a
+          software graph the server re-issues (cpu, wgpu).
+        - ``max_workgroups``: the largest workgroup count per dimension ``(x, y, z)`` (WebGPU's
+          ``maxComputeWorkgroupsPerDimension``, CUDA's grid limits), or ``None`` for no limit;
+          ``launch`` refuses a larger count with ``LaunchError``.
+        - ``checked`` (bool): the server runs the stream-ordering checker (``check=True``;
+          see :meth:`checker_violations`).
+        """
+        srv = self._server
+        mw = srv.backend.max_workgroups
+        return {"hardware_graphs": bool(srv.backend.hardware_graphs),
+                "max_workgroups": None if mw is None else tuple(mw),
+                "checked": srv.checker is not None}
+
+    def checker_violations(self) -> list:
+        """Every ``LivenessError`` / ``StreamRaceError`` the stream-ordering checker of this
+        client's server found so far, oldest first (a copy; each was also raised to the call
+        that made it, or queued on its stream). All clients of the server share the list.
+
+        Raises: ``UnsupportedError`` when the server runs without the checker (open it with
+        ``runtime.client(backend, check=True)`` or ``RUNTIME_CHECK=1``): an empty list would
+        read as "no races" when nothing looked.
+        """
+        checker = self._server.checker
+        if checker is None:
+            raise UnsupportedError(f"server {self._server.name} runs without the stream-ordering "
+                                   f"checker: open it with runtime.client(..., check=True)")
+        return list(checker.violations)
 
     # -- streams ------------------------------------------------------------------------------
     @property
@@ -273,7 +308,10 @@ class ComputeClient:
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        comp, errors = srv.call(srv.h_sync, self.stream)
+        sid = self._pinned if self._pinned is not None else StreamId.current()
+        if srv.sync_idle(sid):              # idle stream, nothing to report: no message
+            return
+        comp, errors = srv.call(srv.h_sync, sid)
         if not comp.done:
             srv.wait(comp)
         if errors:

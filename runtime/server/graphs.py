@@ -290,8 +290,6 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
             cnt = new_counts.get(li, op.count)
             if not isinstance(cnt, tuple):
                 cnt = rb.get(cnt, cnt)
-            if li in new_counts and not isinstance(op.count, tuple):
-                pass                          # an indirect launch becomes a static one
             out.append(op.replace(hids=tuple(rb.get(h, h) for h in op.hids), count=cnt,
                                   params=new_params.get(li, op.params)))
             li += 1
@@ -299,6 +297,14 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
             out.append(op.replace(cond=rb.get(op.cond, op.cond)))
         else:
             out.append(op)
+    for i, op in enumerate(launch_recs(out)):        # the launch rule, kept by a rebind
+        written = {h for b, h in zip(op.kernel.bindings, op.hids) if b.access != "read"}
+        for b, h in zip(op.kernel.bindings, op.hids):
+            if b.access == "read" and h in written:
+                raise ValueError(f"rebind of graph {g.id}: launch {i} ({op.kernel.name}) would "
+                                 f"bind handle {h} to {b.name} (read) and to a read_write "
+                                 "binding; aliasing a written buffer with a read binding is "
+                                 "refused on every backend (the WebGPU rule)")
     return out
 
 

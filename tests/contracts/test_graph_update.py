@@ -84,6 +84,7 @@ def test_update_errors_change_nothing(client):
         # all or nothing: a valid change with an invalid one
         dict(params={0: {"alpha": 7.0}}, rebind={y: client.empty(8, np.float32)}),
         dict(params={0: {"alpha": 7.0}}, count={0: (-1, 1, 1)}),
+        dict(rebind={x: y}),                     # y bound read and read_write in one launch
     ]
     for kw in cases:
         with pytest.raises(ValueError):

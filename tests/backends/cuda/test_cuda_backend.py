@@ -1,5 +1,6 @@
 """cuda-specific behaviour: device reporting, the device verbs on CuPy, and the hardware-graph
-scenarios A1-A5 of research/cubecl-scenarios.md (CubeCL ``cubecl-cuda/tests/graph.rs``).
+scenarios A1-A5 of research/cubecl-scenarios.md (CubeCL ``cubecl-cuda/tests/graph.rs``). It
+patches the backend's private runtime binding (``cuda_backend._rt``) to stand in for a driver.
 
 The contracts every backend shares live in ``tests/contracts/`` (run them on cuda with
 ``RUNTIME_TEST_BACKENDS=cuda``). Two groups here:

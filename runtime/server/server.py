@@ -143,6 +143,9 @@ class ComputeServer:
             self.ended.discard(sid)
             for other in self.streams.values():
                 other.synced.pop(sid, None)
+            self.marks.on_reclaim(s)
+            if self.checker is not None:
+                self.checker.on_reclaim(sid)
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)

@@ -14,22 +14,24 @@ start.
 """
 
 from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError, LivenessError,
-                     OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
+                     LoopLimitExceeded, OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
                      StreamRaceError, UnknownGraph, UnsupportedError)
 from .kernel import Binding, Kernel, Param
-from .client import ComputeClient, Graph, Handle, StreamId, client
+from .frontend import ComputeClient, Graph, Handle
+from .frontend.client import client
+from .streams import Event, StreamId
 from .server import available_backends, shutdown
 from . import kernels
 from .tensor import Tensor
-from .capture import CapturedGraph, capture
+from .captured import CapturedGraph, capture
 from .static_graph import StaticGraph
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId",
+    "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId", "Event",
     "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
-    "LivenessError", "StreamRaceError", "UnsupportedError",
+    "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
 ]

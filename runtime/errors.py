@@ -43,6 +43,12 @@ class LaunchError(ServerError):
     """A kernel launch that cannot run: compile failure, bad bindings, bad params."""
 
 
+class LoopLimitExceeded(LaunchError):
+    """A ``capture_while`` loop whose condition was still true after ``max_iterations`` runs of
+    its body (eagerly, or in a replay on cpu): the loop stopped there, and a replay's write set
+    is marked with this error (``ReplayFailed`` on read), never silently truncated."""
+
+
 class InvalidHandle(ServerError):
     """A handle that is unknown, freed, from another server, or of the wrong size."""
 
@@ -124,5 +130,5 @@ def error_list(error) -> list:
 __all__ = [
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
-    "LivenessError", "StreamRaceError", "UnsupportedError", "unhealthy",
+    "LivenessError", "StreamRaceError", "UnsupportedError", "unhealthy", "LoopLimitExceeded",
 ]

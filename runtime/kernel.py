@@ -22,10 +22,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-#: Element types a binding or param may have, with their numpy dtype.
+#: Element types a binding or param may have (WGSL's names), with their numpy dtype: the one
+#: dtype table (4 bytes each; ``DTYPES[d].char`` is the ``struct`` code params pack with).
 DTYPES: dict[str, np.dtype] = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32),
                                "u32": np.dtype(np.uint32)}
-_PACK = {"f32": "f", "i32": "i", "u32": "I"}
+#: The CUDA C name of each dtype (kernels' CUDA sources typedef the WGSL names to these).
+C_TYPES: dict[str, str] = {"f32": "float", "i32": "int", "u32": "unsigned int"}
 ACCESS = ("read", "read_write")
 
 
@@ -155,7 +157,7 @@ class Kernel:
 
     def uniform_bytes(self, values: tuple) -> bytes:
         """Params packed as a WGSL uniform struct: 4 bytes each, padded to 16 bytes."""
-        fmt = "<" + "".join(_PACK[p.dtype] for p in self.params)
+        fmt = "<" + "".join(DTYPES[p.dtype].char for p in self.params)
         data = struct.pack(fmt, *values)
         return data + b"\0" * (-len(data) % 16 or (16 if not data else 0))
 

@@ -245,6 +245,40 @@ class Backend:
     def destroy_graph(self, stream, graph) -> None:
         """Free ``graph`` once the work already enqueued on ``stream`` no longer needs it."""
 
+    # -- graphs that change (runtime.server.graphs) ---------------------------------------
+    #: True when ``capture_while`` is unrolled to ``max_iterations`` (then required).
+    unrolls_loops = False
+    #: why ``update_graph`` cannot patch (``Graph.fallback_reason`` after an update), or None.
+    update_fallback_reason = None
+
+    def update_graph(self, stream, graph, changes: dict, conds: dict):
+        """Patch ``graph`` for the replays enqueued after this call (those enqueued before keep
+        the old dispatches): ``changes`` = ``{launch index: (program, count, args, params)}``
+        (launches in recording order, bodies of conditional nodes included), ``conds`` =
+        ``{node index: (buf, nbytes)}`` (a new condition buffer). All or nothing: raise before
+        changing anything. Returns the graph to use from now on (the same object or a new one;
+        the server destroys the old one), or None: cannot patch, the server rebuilds the graph
+        from its recording (``begin_graph`` ... ``end_graph``)."""
+        return None
+
+    def begin_cond(self, recording, kind: str, cond, max_iterations) -> None:
+        """Open a conditional node in ``recording``: ``kind`` ``"if"`` (the launches recorded
+        until ``else_cond``/``end_cond`` run when the 1-element i32/u32 at ``cond`` =
+        ``(buf, nbytes)`` is non-zero at replay) or ``"while"`` (they run while it is non-zero,
+        at most ``max_iterations`` times, else the replay fails with ``LoopLimitExceeded``).
+        Raises ``UnsupportedError`` (at capture, never at replay) where there are none."""
+        raise UnsupportedError(f"capture_if/capture_while are not supported by the {self.name} "
+                               "backend")
+
+    def else_cond(self, recording) -> None:
+        """Switch the innermost open ``"if"`` node to its false branch."""
+        raise UnsupportedError(f"capture_if is not supported by the {self.name} backend")
+
+    def end_cond(self, recording) -> None:
+        """Close the innermost open conditional node."""
+        raise UnsupportedError(f"capture_if/capture_while are not supported by the {self.name} "
+                               "backend")
+
     # -- lifetime -------------------------------------------------------------------------
     def is_alive(self) -> bool:
         """False once a backend worker died; waiting callers then get ``ServerClosed``."""

@@ -34,11 +34,11 @@ except Exception as _e:  # noqa: BLE001 - any broken cupy install means "not ava
     raise ImportError(f"cupy is not importable ({type(_e).__name__}: {_e}); install the wheel "
                       "matching your CUDA, e.g. pip install cupy-cuda12x") from _e
 
+from ..kernel import DTYPES
 from ..errors import CaptureRefused, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
 from .base import Backend, Completion
 
 #: kernel param dtype -> the numpy scalar type CuPy packs as that C type (by value, 4 bytes).
-PARAM_TYPES = {"f32": np.float32, "i32": np.int32, "u32": np.uint32}
 # seconds: a completion's waiter yields the GIL between event queries for this long, then sleeps
 _SPIN_S, _SLEEP_MAX_S = 200e-6, 1e-3
 
@@ -145,7 +145,7 @@ class CudaProgram:
     def __init__(self, kernel, raw, function):
         self.kernel, self.raw, self.function = kernel, raw, function
         self.block = tuple(kernel.workgroup_size)
-        self.param_types = tuple(PARAM_TYPES[p.dtype] for p in kernel.params)
+        self.param_types = tuple(DTYPES[p.dtype].type for p in kernel.params)
 
 
 class CudaStream:

@@ -345,19 +345,86 @@ def _fail_closed(comp: MapCompletion) -> None:
 
 class WgpuGraph:
     """A software graph: resolved dispatches ``(pipeline, bind_group, count, indirect_buf,
-    kernel, written buffers)``.
+    kernel, written buffers)``; for an indirect dispatch ``count`` is the byte offset of its
+    three u32 in ``indirect_buf`` (0 for a launch's own count buffer).
+
+    ``tree`` is what was recorded: dispatches and :class:`WgpuCond` nodes; ``tasks`` is its
+    flattening (the two are the same list when there are no nodes). ``stack``/``nodes`` are the
+    open lists and nodes while recording.
 
     Holding the bind groups keeps their buffers and uniform buffers alive on the device side;
     the server retains the runtime handles (CubeCL ``cubecl-wgpu/src/compute/graph.rs``).
     """
 
-    __slots__ = ("stream", "tasks")
+    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count")
 
     def __init__(self, stream):
         self.stream, self.tasks = stream, []
+        self.tree = self.tasks
+        self.stack = [self.tasks]
+        self.nodes: list = []
+        self.count = 0
 
     def __len__(self):
         return len(self.tasks)
+
+
+class WgpuCond:
+    """A ``capture_if``/``capture_while`` node of a :class:`WgpuGraph`, with no host round trip.
+
+    A gate dispatch (:data:`GATE`, one invocation) reads the condition and the enclosing
+    node's flag and writes this node's flags (``[then, else]`` for an if; ``[body]`` for a
+    while, and-ed with its previous value each iteration) and, for every dispatch directly in
+    its branches, the three u32 indirect counts: the recorded count if its branch is on, else
+    0. A while loop is unrolled: ``max_iterations`` times (gate, body). Nested nodes read this
+    node's flag as their parent flag.
+
+    Attributes: ``kind``, ``cond`` (``(buf, nbytes)``), ``max_iterations``, ``index``,
+    ``then``/``other`` (recorded dispatches and nested nodes), ``parent`` (``(flags buffer,
+    flag index)`` of the enclosing branch), ``flags`` (8-byte buffer), ``flat`` (the
+    flattened dispatches).
+    """
+
+    __slots__ = ("kind", "cond", "max_iterations", "index", "then", "other", "parent", "flags",
+                 "flat")
+
+    def __init__(self, kind, cond, max_iterations, index, parent, flags):
+        self.kind, self.cond, self.max_iterations, self.index = kind, cond, max_iterations, index
+        self.then, self.other = [], []
+        self.parent, self.flags = parent, flags
+        self.flat: list = []
+
+
+#: The gate of a conditional node (see :class:`WgpuCond`): mode 0 = if, 1 = first while
+#: iteration, 2 = a later one; ``pidx``: the parent's flag; ``n``: dispatches it gates.
+GATE_WGSL = """
+@group(0) @binding(0) var<storage, read> cond: array<u32>;
+@group(0) @binding(1) var<storage, read> parent: array<u32>;
+@group(0) @binding(2) var<storage, read_write> flags: array<u32>;
+@group(0) @binding(3) var<storage, read> counts: array<u32>;
+@group(0) @binding(4) var<storage, read_write> args: array<u32>;
+struct Params { mode: u32, pidx: u32, n: u32 }
+@group(0) @binding(5) var<uniform> p: Params;
+@compute @workgroup_size(1)
+fn main() {
+    let on = parent[p.pidx] != 0u;
+    let c = cond[0] != 0u;
+    if (p.mode == 0u) {
+        flags[0] = select(0u, 1u, on && c);
+        flags[1] = select(0u, 1u, on && !c);
+    } else if (p.mode == 1u) {
+        flags[0] = select(0u, 1u, on && c);
+    } else {
+        flags[0] = select(0u, 1u, on && c && flags[0] != 0u);
+    }
+    for (var i = 0u; i < p.n; i = i + 1u) {
+        let f = flags[counts[4u * i + 3u]] != 0u;
+        for (var k = 0u; k < 3u; k = k + 1u) {
+            args[3u * i + k] = select(0u, counts[4u * i + k], f);
+        }
+    }
+}
+"""
 
 
 class WgpuBackend(Backend):
@@ -510,7 +577,7 @@ class WgpuBackend(Backend):
                 if indirect is None:
                     cpass.dispatch_workgroups(*xyz)
                 else:
-                    cpass.dispatch_workgroups_indirect(indirect, 0)
+                    cpass.dispatch_workgroups_indirect(indirect, xyz or 0)
                 cpass.end()
                 try:
                     cbs.append(enc.finish())
@@ -730,28 +797,176 @@ class WgpuBackend(Backend):
             self._submit(stream)
 
     # -- graphs ---------------------------------------------------------------------------
+    unrolls_loops = True
+
     def begin_graph(self, stream) -> WgpuGraph:
         """An empty recording for ``stream`` (nothing is encoded while it records)."""
         return WgpuGraph(stream)
 
+    def _task(self, program, count, args, params: tuple, keep_empty: bool = False):
+        """One resolved dispatch (see :class:`WgpuGraph`), or None for an empty static one
+        (kept as a zero dispatch with ``keep_empty``, so launch indices stay aligned)."""
+        resolved = self._count(program, count)
+        if resolved is None:
+            if not keep_empty:
+                return None
+            resolved = ((0, 0, 0), None)
+        return ((program.pipeline, self._bind_group(program, args, params)) + resolved
+                + (program.kernel, written_buffers(program.kernel, args)))
+
     def record_launch(self, recording: WgpuGraph, program, count, args, params: tuple) -> None:
         """Resolve one dispatch now: pipeline, bind group (uniforms uploaded once), count.
 
-        An empty static dispatch records nothing; an indirect count keeps its buffer, read at
-        every replay. See also: CubeCL ``wstream.rs`` ``record_pipeline``.
+        An indirect count keeps its buffer, read at every replay; inside a conditional node it
+        is refused (``LaunchError``: the gate writes the node's indirect counts itself).
+        See also: CubeCL ``wstream.rs`` ``record_pipeline``.
         """
-        resolved = self._count(program, count)
-        if resolved is not None:
-            recording.tasks.append((program.pipeline, self._bind_group(program, args, params))
-                                   + resolved + (program.kernel, written_buffers(program.kernel, args)))
+        if recording.nodes and len(count) == 2:
+            raise LaunchError(f"kernel {program.kernel.name}: an indirect count inside a "
+                              "capture_if/capture_while body is not supported on wgpu (the "
+                              "node's gate writes the indirect counts); use an (x, y, z) count")
+        task = self._task(program, count, args, params, keep_empty=True)
+        recording.stack[-1].append(task)
 
     def end_graph(self, recording: WgpuGraph) -> WgpuGraph:
-        """The finished graph (the recording itself; no device work)."""
+        """The finished graph (the recording itself; no device work). With conditional nodes,
+        ``tasks`` becomes the flattening of ``tree``."""
+        recording.stack = []
+        if recording.count:
+            recording.tasks = self._flatten(recording.tree)
         return recording
+
+    # -- conditional nodes (WgpuCond) ------------------------------------------------------
+    def _gate_program(self):
+        prog = getattr(self, "_gate", None)
+        if prog is None:
+            from ..kernel import Binding, Kernel, Param
+            kernel = Kernel("cond_gate", [Binding("cond", "u32", "read"),
+                                          Binding("parent", "u32", "read"),
+                                          Binding("flags", "u32", "read_write"),
+                                          Binding("counts", "u32", "read"),
+                                          Binding("args", "u32", "read_write")],
+                            [Param("mode", "u32"), Param("pidx", "u32"), Param("n", "u32")],
+                            (1, 1, 1), wgsl=GATE_WGSL)
+            prog = self._gate = self.compile(kernel)
+            self._one = self._new_buffer(8, _STORAGE)       # the top level's flags: on
+            self.qt.push((_WRITE, self._one, np.ones(2, np.uint32).view(np.uint8)))
+        return prog
+
+    def begin_cond(self, recording: WgpuGraph, kind: str, cond, max_iterations) -> None:
+        """Open a :class:`WgpuCond` (``max_iterations`` is required for a while loop)."""
+        if kind == "while" and max_iterations is None:
+            raise LaunchError("capture_while on wgpu needs max_iterations (the loop is unrolled)")
+        self._gate_program()
+        if recording.nodes:
+            outer = recording.nodes[-1]
+            parent = (outer.flags, 1 if recording.stack[-1] is outer.other else 0)
+        else:
+            parent = (self._one, 0)
+        node = WgpuCond(kind, cond, max_iterations, recording.count, parent,
+                        self._new_buffer(8, _STORAGE))
+        recording.count += 1
+        recording.stack[-1].append(node)
+        recording.stack.append(node.then)
+        recording.nodes.append(node)
+
+    def else_cond(self, recording: WgpuGraph) -> None:
+        recording.stack.pop()
+        recording.stack.append(recording.nodes[-1].other)
+
+    def end_cond(self, recording: WgpuGraph) -> None:
+        recording.stack.pop()
+        self._finish(recording.nodes.pop())
+
+    def _finish(self, node: WgpuCond) -> None:
+        """Build ``node.flat``: its gate(s) and its branches' dispatches made indirect."""
+        direct = [(t, 0) for t in node.then if isinstance(t, tuple)] + [
+            (t, 1) for t in node.other if isinstance(t, tuple)]
+        n = len(direct)
+        counts = np.zeros((max(n, 1), 4), np.uint32)
+        for k, (t, which) in enumerate(direct):
+            counts[k, :3] = t[2] if t[3] is None else (0, 0, 0)
+            counts[k, 3] = which
+        cbuf = self._new_buffer(counts.nbytes, _STORAGE)
+        self.qt.push((_WRITE, cbuf, counts.reshape(-1).view(np.uint8)))
+        abuf = self._new_buffer(12 * max(n, 1), _STORAGE)
+        gate = self._gate
+        pbuf, pidx = node.parent
+        bufs = [node.cond, (pbuf, 8), (node.flags, 8), (cbuf, counts.nbytes),
+                (abuf, 12 * max(n, 1))]
+
+        def gate_task(mode):
+            return (gate.pipeline, self._bind_group(gate, bufs, (mode, pidx, n)), (1, 1, 1),
+                    None, gate.kernel, (node.flags, abuf))
+        slot = {}
+        for k, (t, _) in enumerate(direct):
+            slot[id(t)] = (t[0], t[1], 12 * k, abuf, t[4], t[5])
+
+        def expand(items):
+            out = []
+            for t in items:
+                out.extend([slot[id(t)]] if isinstance(t, tuple) else t.flat)
+            return out
+        if node.kind == "if":
+            node.flat = [gate_task(0)] + expand(node.then) + expand(node.other)
+        else:
+            body = expand(node.then)
+            node.flat = []
+            for j in range(node.max_iterations):
+                node.flat.append(gate_task(1 if j == 0 else 2))
+                node.flat.extend(body)
+
+    @staticmethod
+    def _flatten(tree) -> list:
+        out = []
+        for t in tree:
+            out.extend([t] if isinstance(t, tuple) else t.flat)
+        return out
+
+    def update_graph(self, stream, graph: WgpuGraph, changes: dict, conds: dict):
+        """Swap in patched dispatches: a new bind group (and uniform) only for the launches in
+        ``changes``; a conditional node is rebuilt (gate bind groups, count table) only when
+        something in it changed. Replays enqueued before were encoded with the old ones."""
+        counter = iter(range(1 << 62))
+        built: list = []
+
+        def patch(items, parent):
+            out, changed = [], False
+            for t in items:
+                if isinstance(t, tuple):
+                    i = next(counter)
+                    if i in changes:
+                        if parent is not None and len(changes[i][1]) == 2:
+                            raise LaunchError("an indirect count inside a conditional node is "
+                                              "not supported on wgpu")
+                        t = self._task(*changes[i], keep_empty=True)
+                        changed = True
+                    out.append(t)
+                    continue
+                node = WgpuCond(t.kind, conds.get(t.index, t.cond), t.max_iterations, t.index,
+                                t.parent, t.flags)
+                if parent is not None:
+                    node.parent = (parent.flags, t.parent[1])
+                node.then, c1 = patch(t.then, node)
+                node.other, c2 = patch(t.other, node)
+                if c1 or c2 or t.index in conds:
+                    built.append(node)
+                    changed = True
+                    out.append(node)
+                else:
+                    out.append(t)
+            return out, changed
+        tree, _ = patch(graph.tree, None)
+        for node in built:           # innermost first: patch appends children before parents
+            self._finish(node)
+        graph.tree = tree
+        graph.tasks = self._flatten(tree) if graph.count else tree
+        return graph
 
     def abort_graph(self, recording: WgpuGraph) -> None:
         """Drop an unfinished recording."""
-        recording.tasks = []
+        recording.tasks = recording.tree = []
+        recording.stack, recording.nodes = [], []
 
     def launch_graph(self, stream, graph: WgpuGraph, fail=None) -> None:
         """Re-encode ``graph`` after ``stream``'s pending work and submit it once.
@@ -775,7 +990,7 @@ class WgpuBackend(Backend):
             if indirect is None:
                 dispatch(*xyz)
             else:
-                indirect_dispatch(indirect, 0)
+                indirect_dispatch(indirect, xyz or 0)
         stream.pipeline = last
         stream.tasks += len(graph.tasks)
         stream.log.append((graph, graph.tasks, self.issue_pos))

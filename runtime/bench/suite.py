@@ -2,6 +2,11 @@
 
     python -m runtime bench [--backend cpu,wgpu] [--quick] [--out DIR] [--readme]
                             [--sections a,b] [--skip minilm] [--no-plots]
+    python -m runtime bench --compare REF [--rounds 3] [--reps 300] [--quick] [--json FILE]
+
+``--compare REF`` runs only the core rows of the cpu backend against another commit or
+checkout in alternating fresh processes and prints the ratios (:mod:`runtime.bench.refcompare`):
+run it before and after changing the hot path (launch, replay, read, sync, the queue).
 
 Per backend (default: every backend that answers here; cuda only with a GPU), the sections of
 :data:`SECTIONS` in order:
@@ -14,7 +19,9 @@ Per backend (default: every backend that answers here; cuda only with a GPU), th
    sentence-transformers where installed;
 4. ``stalls`` (:mod:`runtime.bench.stalls`): one client's replay/read latency while another
    reads a heavy result or floods launches, and RSS under unsynced churn (cpu only in
-   ``--quick``).
+   ``--quick``);
+5. ``decode`` (:mod:`runtime.bench.decode`): greedy decoding tokens/s, eager vs one replay per
+   token vs one replay per sequence (``capture_while``, the loop on the device).
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
 (the CI smoke run) uses few repetitions, graph lengths up to 1000 (large kernels up to 10) and
@@ -33,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import device_thread, minilm, replay, report, stalls
-from .machine import machine, write_json
+from . import decode, device_thread, minilm, replay, report, stalls
+from .results import machine, write_json
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ SECTIONS: list[Section] = [
     Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
             stalls.suite_targets),
+    Section("decode", decode.measure, decode.units, decode.markdown),
 ]
 
 
@@ -146,6 +154,9 @@ def main(argv=None) -> int:
     backend can run. Raises: ``ValueError`` (unknown backend or section), ``OSError`` (the
     output folder cannot be written), ``FileNotFoundError`` (``--readme`` outside a checkout).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--compare" in argv or any(a.startswith("--compare=") for a in argv):
+        return _compare(argv)
     ap = argparse.ArgumentParser(prog="python -m runtime bench",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--backend", help="comma-separated: cpu, wgpu, cuda (default: all that answer)")
@@ -159,6 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", help="comma-separated sections not to run")
     ap.add_argument("--no-minilm", action="store_true", help="the same as --skip minilm")
     ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")
+    ap.add_argument("--compare", metavar="REF",
+                    help="only the core rows against another git commit or checkout, in "
+                         "alternating processes (see runtime.bench.refcompare; its own options: "
+                         "--against, --rounds, --reps, --quick, --json)")
     args = ap.parse_args(argv)
     sections = select(args.sections, ",".join(filter(None, [args.skip,
                                                             "minilm" if args.no_minilm else ""])))
@@ -205,3 +220,24 @@ def main(argv=None) -> int:
     for line in failed:
         print(f"python -m runtime bench: section failed: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _compare(argv: list) -> int:
+    """``--compare REF ...``: hand the rest of the arguments to :mod:`runtime.bench.compare`."""
+    from . import refcompare
+    rest, ref, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--compare":
+            if i + 1 >= len(argv):
+                raise ValueError("--compare needs a git commit or a checkout path")
+            ref, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--compare="):
+            ref = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if not ref:
+        raise ValueError("--compare needs a git commit or a checkout path")
+    return refcompare.main(ref, rest)

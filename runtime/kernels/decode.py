@@ -11,8 +11,9 @@ kernels read the token id and the position from one-element ``i32`` device buffe
 - :data:`argmax`: the index of the largest logit, on the device (ties: the lowest index, as
   ``np.argmax``);
 - :data:`feed_back`: the device-to-device copy of the chosen token into the token buffer, the
-  token's record in the history buffer, and ``pos += 1``;
-- :data:`copy_words`: a bitwise copy of 4-byte words (any dtype: bound as ``i32``).
+  token's record in the history buffer, and ``pos += 1``.
+
+(The bitwise copy ``StaticGraph`` restores its inputs with is ``runtime.kernels.copy_words``.)
 
 Each is one description (:func:`runtime.kernels.shader.program`): a single body gives the WGSL and
 CUDA C sources, and a numpy callable the cpu one. Positions are clamped to ``[0, T)`` on the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .elementwise import WORKGROUP, grid
+from .pointwise import WORKGROUP, grid
 from .shader import program
 
 R, RW = "read", "read_write"
@@ -48,19 +49,6 @@ def _reduce(op: str) -> str:
         if (lidx < st) {{ red[lidx] = {combine}; }}
         workgroupBarrier();
     }}"""
-
-
-# ---------------------------------------------------------------------------------------------
-def _copy_words_cpu(x, y, *, n, count):
-    y[:n] = x[:n]
-
-
-#: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
-#: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
-copy_words = program(
-    "copy_words", [("x", "i32", R), ("y", "i32", RW)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
-    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
-    if (i < p.n) {{ y[i] = x[i]; }}""", cpu=_copy_words_cpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,5 +215,19 @@ feed_back = program(
     pos[0] = q;""", cpu=_feed_back_cpu)
 
 
-__all__ = ["copy_words", "embed_at", "kv_append", "causal_attend", "argmax", "feed_back",
-           "grid", "DECODE_WORKGROUP", "MAX_CACHE", "MAX_HEAD_DIM"]
+def _decode_continue_cpu(nxt, pos, stop, go, *, count):
+    go[0] = 1 if (pos[0] < stop[1] and nxt[0] != stop[0]) else 0
+
+
+#: The loop test of a decode loop in one replay (``capture_while``), on one invocation:
+#: ``go[0] = pos[0] < stop[1] && nxt[0] != stop[0]``: keep going while the last position is
+#: not reached and the chosen token is not the end token (``stop = [end token or -1, last
+#: position]``, written by the host once per sequence). Launch over ``(1, 1, 1)``.
+decode_continue = program(
+    "decode_continue", [("nxt", "i32", R), ("pos", "i32", R), ("stop", "i32", R),
+                        ("go", "i32", RW)], [], (1, 1, 1), """
+    go[0] = select(0, 1, pos[0] < stop[1] && nxt[0] != stop[0]);""", cpu=_decode_continue_cpu)
+
+
+__all__ = ["embed_at", "kv_append", "causal_attend", "argmax", "feed_back",
+           "decode_continue", "grid", "DECODE_WORKGROUP", "MAX_CACHE", "MAX_HEAD_DIM"]

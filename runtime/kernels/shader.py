@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import re
 
-from ..kernel import Binding, Kernel, Param
+from ..kernel import C_TYPES, Binding, Kernel, Param
 
-_CUDA_PRELUDE = """typedef float f32;
-typedef int i32;
-typedef unsigned int u32;
-template <typename T> __device__ __forceinline__ T select(T f, T t, bool c) { return c ? t : f; }
+_CUDA_PRELUDE = "".join(f"typedef {c} {w};\n" for w, c in C_TYPES.items()) + """template <typename T> __device__ __forceinline__ T select(T f, T t, bool c) { return c ? t : f; }
 __device__ __forceinline__ f32 inverseSqrt(f32 x) { return rsqrtf(x); }
 #define workgroupBarrier() __syncthreads()
 """

@@ -39,7 +39,7 @@ MAX_BYTES = 256 << 20
 MAX_LOAD = 256
 
 
-class Slot:
+class Reply:
     """The answer of one blocking message: a value or an error, set once by the owner."""
 
     __slots__ = ("done", "value", "error", "_event")
@@ -171,7 +171,7 @@ class DeviceQueue:
         """
         if self.closed:
             raise ServerClosed(self._closed_message())
-        slot = Slot()
+        slot = Reply()
         self._q.append((fn, args, slot))
         if self._owner.acquire(False):
             self._drain()
@@ -278,7 +278,7 @@ class DeviceQueue:
         self.closing = True
         with self._room:                # producers waiting for room get ServerClosed now
             self._room.notify_all()
-        done = Slot()
+        done = Reply()
 
         def last():
             try:

@@ -5,34 +5,15 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-from ..backends.cpu import InterleavingScheduler, TraceScheduler
-from ..client import StreamId, client as make_client
+from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
+from ..frontend.client import client as make_client
+from ..streams import StreamId
 from ..errors import LivenessError, ServerError, StreamRaceError
-from ..server import backend_class
 from .model import Model
 from .program import Objects
 
 #: seconds one call may take before the run reports it as hung.
 CALL_TIMEOUT_S = 60.0
-_unavailable: dict = {}
-
-
-def backend_unavailable(name: str):
-    """None when backend ``name`` can run here, else the reason it cannot (cached per process).
-
-    Opens the backend's shared server once (``runtime.client(name)``) after its ``probe``.
-    """
-    if name not in _unavailable:
-        try:
-            cls = backend_class(name)
-            probe = getattr(cls, "probe", None)
-            if probe is not None:
-                probe()
-            make_client(name)
-            _unavailable[name] = None
-        except Exception as e:  # noqa: BLE001 - the reason is the answer
-            _unavailable[name] = f"{name} backend unavailable here: {type(e).__name__}: {e}"
-    return _unavailable[name]
 
 
 class Step(NamedTuple):

@@ -1,21 +1,22 @@
-"""Elementwise kernels: fill, copy, add, mul, add_scalar, mul_scalar, accumulate (``y += x``), noop.
+"""Elementwise kernels: fill, copy, add, mul, add_scalar, mul_scalar, accumulate (``y += x``),
+copy_words (bitwise, any 4-byte dtype), noop.
 
-One generator writes the WGSL and CUDA C sources from a single expression, so the backends
-cannot drift apart. Indexing is 2-D over workgroups so that more than 65,535 workgroups
-(WebGPU's and CUDA's per-dimension limit) fit: ``i = (wg.y * nwg.x + wg.x) * 64 + lid.x``.
+``elementwise`` writes the WGSL and CUDA C sources from a single expression through the one
+source generator (``shader.program``), so the backends cannot drift apart. Indexing is 2-D
+over workgroups so that more than 65,535 workgroups (WebGPU's and CUDA's per-dimension limit)
+fit: ``i = (wg.y * nwg.x + wg.x) * 64 + lid.x``.
 """
 
 from __future__ import annotations
 
 import re
 
-from ..kernel import Binding, Kernel, Param
+from ..kernel import Kernel
+from .shader import program
 
 #: invocations per workgroup of every elementwise kernel.
 WORKGROUP = 64
 _MAX_DIM = 65535
-_WGSL_T = {"f32": "f32", "i32": "i32", "u32": "u32"}
-_CUDA_T = {"f32": "float", "i32": "int", "u32": "unsigned int"}
 
 
 def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
@@ -31,46 +32,29 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
 
 
 def elementwise(name: str, bindings, expr: str, params=(), cpu=None) -> Kernel:
-    """Build an elementwise kernel ``out = expr`` over ``i < n``.
+    """Build an elementwise kernel ``out = expr`` over ``i < n``: a thin wrapper over
+    :func:`~runtime.kernels.shader.program`, the one source generator.
 
     Args:
         name: kernel name.
         bindings: ``[(name, dtype, access), ...]``; the assignment target is the last binding.
-        expr: the right-hand side, written with ``x[i]`` for bindings and ``{alpha}`` for params
-            (substituted as ``p.alpha`` in WGSL and ``alpha`` in CUDA C).
+        expr: the right-hand side in the WGSL subset of ``runtime.kernels.shader``, written
+            with ``x[i]`` for bindings and ``{alpha}`` for params (``p.alpha`` in the body);
+            empty for a kernel that does nothing.
         params: ``[(name, dtype), ...]`` besides ``n`` (appended as the last ``u32`` param).
-        cpu: the numpy callable (see ``runtime.kernel``).
+        cpu: the numpy callable (see ``runtime.kernel``), run over the elements the launch
+            covers.
+    Returns: a ``Kernel`` launched over ``grid(n)`` workgroups of ``WORKGROUP`` invocations.
+    Raises: ``ValueError`` for a malformed description (from ``Kernel``).
     """
-    bindings = [Binding(*b) for b in bindings]
-    params = [Param(*p) for p in params] + [Param("n", "u32")]
-    target = bindings[-1].name
-    wgsl_expr = re.sub(r"\{(\w+)\}", r"p.\1", expr)
-    cuda_expr = re.sub(r"\{(\w+)\}", r"\1", expr)
-    decls = "\n".join(
-        f"@group(0) @binding({k}) var<storage, {'read' if b.access == 'read' else 'read_write'}> "
-        f"{b.name}: array<{_WGSL_T[b.dtype]}>;" for k, b in enumerate(bindings))
-    fields = ", ".join(f"{p.name}: {_WGSL_T[p.dtype]}" for p in params)
-    body = f"{target}[i] = {wgsl_expr};" if expr else "_ = &" + target + ";"
-    wgsl = f"""{decls}
-struct Params {{ {fields} }}
-@group(0) @binding({len(bindings)}) var<uniform> p: Params;
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_id) lid: vec3<u32>) {{
-    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;
-    if (i < p.n) {{ {body} }}
-}}
-"""
-    args = ", ".join([f"{_CUDA_T[b.dtype]}* __restrict__ {b.name}" for b in bindings]
-                     + [f"{_CUDA_T[p.dtype]} {p.name}" for p in params])
-    cbody = f"{target}[i] = {cuda_expr};" if expr else ""
-    cuda = f"""extern "C" __global__ void {name}({args}) {{
-    unsigned int i = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i < n) {{ {cbody} }}
-}}
-"""
-    return Kernel(name, bindings, params, (WORKGROUP, 1, 1), wgsl=wgsl, cuda=cuda,
-                  cpu=None if cpu is None else _bounded(cpu))
+    target = bindings[-1][0]
+    rhs = re.sub(r"\{(\w+)\}", r"p.\1", expr)
+    # an empty kernel still names its binding (WGSL drops unused ones) but never writes it
+    store = f"{target}[i] = {rhs};" if expr else f"if (p.n == 0u) {{ {target}[i] = {target}[i]; }}"
+    body = (f"    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;\n"
+            f"    if (i < p.n) {{ {store} }}")
+    return program(name, bindings, list(params) + [("n", "u32")], (WORKGROUP,), body,
+                   cpu=None if cpu is None else _bounded(cpu))
 
 
 def _bounded(fn):
@@ -131,5 +115,8 @@ mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", RW)], "x[i
                          [("alpha", "f32")], _mul_scalar)
 #: ``y[i] += x[i]``
 accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate)
+#: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
+#: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
+copy_words = elementwise("copy_words", [("x", "i32", R), ("y", "i32", RW)], "x[i]", cpu=_copy)
 #: an empty kernel (one read_write binding, no work): measures pure launch overhead.
 noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop)

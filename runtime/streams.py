@@ -1,4 +1,8 @@
-"""Stream ids (docs/contract.md section 3; CubeCL ``cubecl-environment/src/stream/id.rs``)."""
+"""Stream ids and the thread-end watcher (docs/contract.md section 3).
+
+Below both the client and the server (CubeCL keeps its stream id below both too,
+``cubecl-environment/src/stream/id.rs``): the client mints ids, the server reclaims a thread's
+stream when the thread ends. Imports nothing of the runtime."""
 
 from __future__ import annotations
 
@@ -65,3 +69,36 @@ class StreamId(int):
 
     def __repr__(self):
         return f"StreamId({int(self)})"
+
+
+class Event:
+    """A point in one stream's work: everything enqueued on ``stream`` before
+    ``ComputeClient.record_event()`` returned it (CUDA's ``cudaEventRecord``; CuPy's
+    ``cupy.cuda.Event`` and Warp's ``wp.Event`` are objects too).
+
+    Pass it to ``ComputeClient.wait_event`` of any client of the same server (same backend,
+    device and options) to order that client's stream after it; a client of another server
+    raises ``ValueError``. Users do not construct one.
+
+    Attributes:
+        stream: the ``StreamId`` it was recorded on.
+        position: how many operations had been enqueued on that stream before it (an int).
+    """
+
+    __slots__ = ("stream", "position", "_server")
+
+    def __init__(self, stream, position: int, server=None):
+        self.stream = StreamId(stream)
+        self.position = int(position)
+        self._server = server
+
+    def __iter__(self):
+        """``stream, position = event``, as when ``record_event()`` returned a tuple
+        (deprecated: read ``.stream`` and ``.position``)."""
+        import warnings
+        warnings.warn("unpacking an Event is deprecated; read event.stream and event.position",
+                      DeprecationWarning, stacklevel=2)
+        return iter((self.stream, self.position))
+
+    def __repr__(self):
+        return f"Event(stream={int(self.stream)}, position={self.position})"

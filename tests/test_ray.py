@@ -184,10 +184,12 @@ def served(cluster):
     """The embeddings deployment with 2 replicas behind Serve's proxy on 127.0.0.1."""
     from ray import serve
 
-    from runtime.serving.cli import parse_args
+    from runtime.serving.cli import parse_args, settings_from_args
     from runtime.serving.ray_serve import build_app_from_args, deploy
 
-    url = deploy(build_app_from_args(parse_args(SERVE_ARGS)), host=LOOPBACK, port=_free_port())
+    args = parse_args(SERVE_ARGS)
+    url = deploy(build_app_from_args(args, settings_from_args(args)), host=LOOPBACK,
+                 port=_free_port())
     assert url.startswith(f"http://{LOOPBACK}:")
     yield url
     serve.shutdown()

@@ -50,7 +50,7 @@ from .batcher import BatchFailed, BatcherClosed, QueueFull
 from .metrics import CONTENT_TYPE, ServingMetrics
 from .parse import ApiError as _ApiError
 from .parse import parse_off_loop
-from .replica import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS, MAX_INPUTS  # noqa: F401
+from .limits import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS, MAX_INPUTS  # noqa: F401
 from .token_ids import MODES, OpenAIIds
 
 #: The served model's id (what ``model`` defaults to and what responses carry).

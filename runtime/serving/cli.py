@@ -29,8 +29,9 @@ import os
 import sys
 
 from .. import flags
-from .replica import (BODY_TIMEOUT, GRACE, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS,
-                      MAX_INPUTS, Settings)
+from .limits import (BODY_TIMEOUT, GRACE, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS,
+                     MAX_INPUTS)
+from .replica import Settings
 from .token_ids import MODES
 
 #: ``parse_buckets`` and ``parse_sizes`` are the flag validators of :mod:`runtime.flags`.
@@ -184,12 +185,61 @@ def exposure_warning(host: str, api_key) -> str | None:
             "use the model (set --api-key or RUNTIME_API_KEY)")
 
 
+def main_ray(args, settings=None) -> int:
+    """``python -m runtime serve --ray``: deploy on Ray and serve until interrupted.
+
+    Starts a loopback-only local cluster, or joins ``--address``; deploys ``--replicas``
+    replicas (autoscaling with ``--min-replicas``/``--max-replicas``/
+    ``--target-ongoing-requests``) of the server built from ``settings`` (every ``serve`` flag)
+    behind Serve's proxy on ``--host``:``--port``. On Ctrl-C or SIGTERM the application is
+    deleted (each replica drains for ``--grace``) and a local cluster stopped.
+
+    Args: args: the parsed ``serve`` arguments (:func:`runtime.serving.cli.parse_args`);
+        settings: their :class:`~runtime.serving.replica.Settings` (default: translated here).
+    Returns: the exit status (0).
+    Raises: ``ValueError`` (bad counts); Ray's errors (cluster unreachable).
+    """
+    import signal
+    import time
+
+    import ray
+    from ray import serve
+
+    from ..cluster import init_ray
+    from .ray_serve import APP_NAME, build_app_from_args, deploy
+
+    settings = settings or settings_from_args(args)
+    app = build_app_from_args(args, settings)
+    warning = exposure_warning(settings.host, settings.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    if settings.token_ids == "openai":               # fail here, not in every replica
+        from .token_ids import load_openai_encoding
+        load_openai_encoding()
+    init_ray(args.address)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # `kill` stops it like Ctrl-C
+    try:
+        url = deploy(app, host=settings.host, port=settings.port)
+        print(f"serving all-MiniLM-L6-v2 on Ray Serve ({args.replicas} replica(s), "
+              f"{args.backend}, token ids: {settings.token_ids}) at {url}; Ctrl-C stops",
+              file=sys.stderr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)
+        if args.address is None:
+            serve.shutdown()
+            ray.shutdown()
+    return 0
+
+
 def main(argv=None) -> int:
     """Run the server until interrupted. Returns the exit code (2 when the model is missing)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)
     if args.ray:                         # Ray Serve: the same settings, per replica
-        from .ray_serve import main_ray
         return main_ray(args, settings)
     from .http import serve
     from .replica import Replica

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from .replica import GRACE, HEADER_TIMEOUT  # header timeout, shutdown grace (s)
+from .limits import GRACE, HEADER_TIMEOUT  # header timeout, shutdown grace (s)
 
 #: Seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``).
 KEEP_ALIVE = 5.0

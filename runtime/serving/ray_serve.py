@@ -3,8 +3,8 @@
 Each replica is a Ray actor that builds the single-process server's
 :class:`runtime.serving.replica.Replica` from the same settings (every ``serve`` flag): it loads
 all-MiniLM-L6-v2 once on its device (its own device server and captured bucket graphs) and
-serves the app (:func:`runtime.serving.create_app`) through Serve's ASGI ingress: ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``,
-answered by whichever replica Serve's router picked (the metrics are that replica's; Serve's own
+serves the app (:func:`runtime.serving.create_app`) through Serve's ASGI ingress:
+``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, answered by whichever replica Serve's router picked (the metrics are that replica's; Serve's own
 request metrics cover the deployment). Every answer carries the replica's id in the
 ``x-runtime-replica`` header.
 
@@ -13,15 +13,11 @@ Replicas map to devices through ``ray_actor_options``: one GPU each with ``backe
 CPUs otherwise. Serve restarts a replica whose actor dies or whose :meth:`check_health` raises
 (its batcher stopped).
 
-``python -m runtime serve --ray`` runs :func:`main_ray`; :func:`build_app` and :func:`deploy`
-are the library entry points.
+``python -m runtime serve --ray`` (:func:`runtime.serving.cli.main_ray`) deploys it;
+:func:`build_app` and :func:`deploy` are the library entry points.
 """
 
 from __future__ import annotations
-
-import signal
-import sys
-import time
 
 from ray import serve
 
@@ -184,60 +180,11 @@ def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NA
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
-def build_app_from_args(args, settings=None):
-    """:func:`build_app` for parsed ``serve --ray`` arguments: the replicas get
-    :func:`runtime.serving.cli.settings_from_args` (the same settings as ``serve`` without
-    ``--ray``), the deployment the Ray flags."""
-    if settings is None:
-        from .cli import settings_from_args
-        settings = settings_from_args(args)
+def build_app_from_args(args, settings):
+    """:func:`build_app` for parsed ``serve --ray`` arguments: the replicas get ``settings``
+    (:func:`runtime.serving.cli.settings_from_args` of the same arguments: what ``serve``
+    without ``--ray`` runs), the deployment the Ray flags."""
     return build_app(settings, replicas=args.replicas, min_replicas=args.min_replicas,
                      max_replicas=args.max_replicas,
                      target_ongoing_requests=args.target_ongoing_requests,
                      num_cpus=args.replica_cpus)
-
-
-def main_ray(args, settings=None) -> int:
-    """``python -m runtime serve --ray``: deploy on Ray and serve until interrupted.
-
-    Starts a loopback-only local cluster, or joins ``--address``; deploys ``--replicas``
-    replicas (autoscaling with ``--min-replicas``/``--max-replicas``/
-    ``--target-ongoing-requests``) of the server built from ``settings`` (every ``serve`` flag)
-    behind Serve's proxy on ``--host``:``--port``. On Ctrl-C or SIGTERM the application is
-    deleted (each replica drains for ``--grace``) and a local cluster stopped.
-
-    Args: args: the parsed ``serve`` arguments (:func:`runtime.serving.cli.parse_args`);
-        settings: their :class:`~runtime.serving.replica.Settings` (default: translated here).
-    Returns: the exit status (0).
-    Raises: ``ValueError`` (bad counts); Ray's errors (cluster unreachable).
-    """
-    import ray
-
-    from ..cluster import init_ray
-    from .cli import exposure_warning, settings_from_args
-
-    settings = settings or settings_from_args(args)
-    app = build_app_from_args(args, settings)
-    warning = exposure_warning(settings.host, settings.api_key)
-    if warning:
-        print(warning, file=sys.stderr)
-    if settings.token_ids == "openai":               # fail here, not in every replica
-        from .token_ids import load_openai_encoding
-        load_openai_encoding()
-    init_ray(args.address)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)   # `kill` stops it like Ctrl-C
-    try:
-        url = deploy(app, host=settings.host, port=settings.port)
-        print(f"serving all-MiniLM-L6-v2 on Ray Serve ({args.replicas} replica(s), "
-              f"{args.backend}, token ids: {settings.token_ids}) at {url}; Ctrl-C stops",
-              file=sys.stderr)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        serve.delete(APP_NAME)
-        if args.address is None:
-            serve.shutdown()
-            ray.shutdown()
-    return 0

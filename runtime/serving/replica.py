@@ -16,12 +16,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from .batcher import Batcher
+from .limits import (BODY_TIMEOUT, GRACE, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS,
+                     MAX_INPUTS)
 
-#: Default request limits (each a ``serve`` flag): inputs per request, characters per text,
-#: body bytes, and seconds for the body to arrive.
-MAX_INPUTS, MAX_INPUT_CHARS, MAX_BODY_BYTES, BODY_TIMEOUT = 2048, 100_000, 16 << 20, 30.0
-#: Seconds a connection may take to send a request's headers; seconds of grace on shutdown.
-HEADER_TIMEOUT, GRACE = 10.0, 10.0
 
 
 @dataclass(frozen=True)

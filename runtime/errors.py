@@ -62,6 +62,14 @@ class ServerClosed(ServerError):
     waiting caller gets this instead of hanging."""
 
 
+class ServerForked(ServerClosed):
+    """This process is a fork of the one that started the server (``os.fork()``,
+    ``multiprocessing``'s ``fork`` start method, gunicorn ``--preload``): the device thread and
+    the backend's workers stayed in the parent, so the parent's clients, handles and graphs
+    cannot be used here. ``runtime.client(...)`` in the child starts a fresh server (as CUDA
+    refuses a context inherited across fork: ``cudaErrorInitializationError``)."""
+
+
 class LivenessError(ServerError):
     """(check mode) A replay would touch a buffer whose handle was freed (seed 001: liveness)."""
 

@@ -40,7 +40,9 @@ values (zeros unless given) and on the initial state, which is restored afterwar
 State: buffers that persist across calls and that the body both reads and writes (a KV cache, a
 position, a token fed back on the device). Set them with :meth:`write`, read them with
 :meth:`read`, restore the initial values with :meth:`reset`; :meth:`replay` runs steps without
-host data for graphs that feed themselves (``runtime.models.decoder``).
+host data for graphs that feed themselves (``runtime.models.decoder``). A failed call marks the
+state (docs/contract.md section 4): every later call raises ``ReplayFailed`` rather than return
+outputs computed from the stale state, until the state is written (:meth:`write`, :meth:`reset`).
 
 Fallback: where the backend cannot record (or the body reads to the host), the graph re-runs the
 body on every call with the same checks and ordering; ``is_hardware``/``recorded``/

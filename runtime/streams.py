@@ -7,6 +7,7 @@ stream when the thread ends. Imports nothing of the runtime."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 
@@ -32,6 +33,15 @@ def _thread_ended(sid) -> None:
             server.thread_ended(sid)
         except Exception:  # noqa: BLE001 - a closed server, interpreter shutdown
             pass
+
+
+def _after_fork_in_child() -> None:
+    global _watchers_lock
+    _watchers_lock = threading.Lock()      # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _ThreadEnd:

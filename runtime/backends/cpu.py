@@ -11,7 +11,7 @@ order as one queue item.
 
 Threads: a stream's kernels run one after another on one worker thread, and each kernel may fan
 out into a library pool, OpenBLAS (numpy's matmuls) or numba (the compiled loops of
-``runtime.kernels.cpu_loops``). The thread rule (:mod:`runtime.kernels.threads`, README "The cpu
+``runtime.kernels.cpu_loops``). The thread rule (:mod:`runtime.cpu_threads`, README "The cpu
 backend: kernels and threads") gives both pools ``cores // items executing now`` threads,
 counted over every cpu backend of the process: one busy stream uses every core, concurrent
 streams split them, and no pool waits for a thread another worker holds. ``threads=`` sets the
@@ -29,40 +29,11 @@ import numpy as np
 
 from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
-from ..kernels.threads import RULE
+from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
                            TraceScheduler, decode_trace, encode_trace)
 from .cpu_schedule import RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
-
-
-def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
-    """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
-
-    A fixed count, outside the thread rule (:mod:`runtime.kernels.threads`, which sizes BLAS
-    itself while cpu streams execute; ``CpuBackend(blas_threads=n)`` fixes it through this).
-
-    Args:
-        n: threads (>= 1).
-        force: apply even when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
-            is set (otherwise the user's setting wins and nothing is done).
-    Returns: the previous thread count (pass it back, with ``force=True``, to restore), or
-        ``None`` when skipped, when no BLAS was found or ``threadpoolctl`` is missing.
-    """
-    import os
-
-    try:
-        from threadpoolctl import threadpool_info, threadpool_limits
-    except ImportError:
-        return None
-    if not force and any(os.environ.get(v) for v in
-                         ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")):
-        return None
-    prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
-               default=None)
-    if prev is not None and prev != n:
-        threadpool_limits(int(n), user_api="blas")
-    return prev
 
 
 class CpuEvent:
@@ -137,13 +108,13 @@ class CpuCond:
 DEFAULT_MAX_ITERATIONS = 1 << 20
 
 
-def _run_nodes(items, fail) -> None:
+def _run_nodes(items, mark) -> None:
     """Run a launch list with conditional nodes (a replay); see :class:`CpuCond`."""
     for item in items:
         if type(item) is tuple:
-            _run_launch(*item, fail, " (in a graph replay)")
+            _run_launch(*item, mark, " (in a graph replay)")
         elif item.kind == "if":
-            _run_nodes(item.then if item.cond[0] != 0 else item.other, fail)
+            _run_nodes(item.then if item.cond[0] != 0 else item.other, mark)
         else:
             limit = DEFAULT_MAX_ITERATIONS if item.max_iterations is None else item.max_iterations
             done = 0
@@ -153,14 +124,18 @@ def _run_nodes(items, fail) -> None:
                         f"capture_while node {item.index}: its condition was still non-zero "
                         f"after max_iterations={limit} iterations in a graph replay; the loop "
                         "stopped there")
-                    if fail is not None:
-                        err = fail(err) or err
+                    if mark is not None:
+                        err = mark.fail(err)
                     raise err
-                _run_nodes(item.then, fail)
+                _run_nodes(item.then, mark)
                 done += 1
 
 
-def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
+def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
+    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
+    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
+    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
+    completion (``_execute``)."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
     if count[0] and count[1] and count[2]:
@@ -168,8 +143,8 @@ def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
             fn(*views, count=count, **kwargs)
         except Exception as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
-            if fail is not None:
-                err = fail(err) or err
+            if mark is not None:
+                err = mark.fail(err)
             raise err from e
 
 
@@ -370,9 +345,9 @@ class CpuBackend(Backend):
         """``{"hardware": False, "device": "numpy <version>"}``: always available."""
         return {"hardware": False, "device": cls.device_name}
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, fail))
+        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, mark))
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -384,15 +359,15 @@ class CpuBackend(Backend):
     def end_graph(self, recording):
         return CpuGraph(tuple(recording.stack[0]))
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         launches = graph.launches
         if graph.nodes:
-            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, fail))
+            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
             return
 
         def replay():
             for launch in launches:   # a failing launch stops the replay: the rest never runs
-                _run_launch(*launch, fail, " (in a graph replay)")
+                _run_launch(*launch, mark, " (in a graph replay)")
         self._enqueue(stream, _RUN, replay)
 
     def destroy_graph(self, stream, graph):

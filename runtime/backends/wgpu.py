@@ -33,8 +33,11 @@ Device verbs only (see ``runtime.backends.base``); the server owns every policy.
   for a fence before the next one (CubeCL's submission load). ``load()`` reports the dispatches
   and bytes queued on that thread, which the device queue bounds.
 - One invalid dispatch does not fail its batch: when ``finish()`` refuses a batch, each dispatch
-  is encoded alone, the valid ones are submitted in order and each invalid one becomes a
-  ``LaunchFailure`` for the server (issue 13 case 3).
+  is encoded alone, the valid ones are submitted in order and each invalid one fails its
+  launch's mark (issue 13 case 3). Failures found after the enqueue follow the backends' one
+  protocol (``base.py``, ``mark``): ``mark.fail`` marks what the work would have written, and
+  the error is reported on the stream by its next completion (a read or a fence, failed on the
+  queue thread after every earlier submit of that stream ran or was refused).
 
 wgpu-py objects other than the queue are only touched by the server's single owner, except a
 mapped staging buffer, which belongs to the one reader waiting on it until it is handed back.
@@ -50,8 +53,9 @@ import threading
 
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
-from .base import Backend, Completion, LaunchFailure, written_buffers
+from ..errors import (InvalidHandle, LaunchError, OutOfMemory, ServerClosed, UnsupportedError,
+                      error_list, unhealthy)
+from .base import Backend, Completion, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
 # they only need it to exist, and never write there for compute.
@@ -151,16 +155,40 @@ class WgpuProgram:
 class WgpuStream:
     """A logical stream: an open command encoder and compute pass not yet submitted.
 
-    ``log`` lists what the open batch holds, ``(graph or None, tasks, server position)``, so a
-    batch that fails validation can be split into its dispatches.
+    ``log`` lists what the open batch holds, ``(graph or None, tasks, mark or None)``, so a
+    batch that fails validation can be split into its dispatches. ``errors``: failures found
+    after the enqueue (at submit: server's owner or queue thread), reported by the stream's
+    next completion (a deque: appended and drained on different threads).
     """
 
-    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log")
+    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log", "errors")
 
     def __init__(self):
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
+        self.errors: collections.deque = collections.deque()
+
+
+class _Batch:
+    """A stream's submitted command buffer and the marks of the work it holds (a refused
+    submit fails them and is reported on the stream)."""
+
+    __slots__ = ("cb", "stream", "marks")
+
+    def __init__(self, cb, stream, marks):
+        self.cb, self.stream, self.marks = cb, stream, marks
+
+
+def _report(comp: "MapCompletion") -> None:
+    """Queue thread, at a stream's read or fence: fail it with the stream's reported errors
+    (every earlier submit of the stream ran or was refused by now)."""
+    s = comp.stream
+    if s is not None and s.errors:
+        errs = []
+        while s.errors:
+            errs.append(s.errors.popleft())
+        comp.error = unhealthy(error_list(comp.error) + errs)
 
 
 class MapCompletion(Completion):
@@ -173,11 +201,12 @@ class MapCompletion(Completion):
     ``LaunchError`` when the map fails and ``ServerClosed`` when the server shuts down first.
     """
 
-    __slots__ = ("qt", "staging", "size", "nbytes", "issued", "promise", "_lock")
+    __slots__ = ("qt", "staging", "size", "nbytes", "issued", "promise", "_lock", "stream")
 
-    def __init__(self, qt, staging, size: int, nbytes):
+    def __init__(self, qt, staging, size: int, nbytes, stream=None):
         super().__init__()
         self.qt, self.staging, self.size, self.nbytes = qt, staging, size, nbytes
+        self.stream = stream                # its errors are reported by this completion
         self.issued = threading.Event()     # set once map_async was called (or it failed)
         self.promise = None
         self._lock = threading.Lock()
@@ -207,8 +236,9 @@ class MapCompletion(Completion):
                     value = np.frombuffer(staging.read_mapped(0, self.size), np.uint8)[:self.nbytes]
             except Exception as exc:  # noqa: BLE001 - a failed map (device lost, closed)
                 self.qt.push((_UNMAP, staging, 0))
-                self.fail(ServerClosed(_CLOSED_MSG) if self.qt.closed
-                          else LaunchError(f"wgpu: reading back {self.size} bytes failed: {exc}"))
+                err = (ServerClosed(_CLOSED_MSG) if self.qt.closed
+                       else LaunchError(f"wgpu: reading back {self.size} bytes failed: {exc}"))
+                self.fail(unhealthy(error_list(self.error) + [err]) if self.error else err)
                 return
             self.qt.push((_UNMAP, staging, 0))
             self.set(value)
@@ -283,11 +313,12 @@ class QueueThread:
         if kind == _SUBMIT:
             if self.inflight >= self.max_inflight:
                 self._fence()
-            self.queue.submit([obj])
+            self.queue.submit([obj.cb if type(obj) is _Batch else obj])
             self.inflight += 1
         elif kind == _WRITE:
             self.queue.write_buffer(obj, 0, arg)
         elif kind == _MAP:
+            _report(obj)
             try:
                 obj.promise = obj.staging.map_async(wgpu.MapMode.READ, 0, obj.size)
             finally:
@@ -493,16 +524,24 @@ class WgpuBackend(Backend):
         return (qt.items, qt.bytes)
 
     def _queue_error(self, op, exc) -> None:
-        """An operation of the queue thread failed. A read fails its completion; a refused
-        submit or write is reported unattributed (the next blocking call on any stream raises
-        it): never dropped silently."""
+        """An operation of the queue thread failed; never dropped silently. A read fails its
+        completion; a refused submit of a stream's batch fails the marks of the work it held
+        (what it would have written reads as stale) and is reported on that stream (its next
+        completion); a refused write or readback submit is reported unattributed (the next
+        blocking call on any stream raises it)."""
         kind, obj, _ = op
         if kind == _MAP:
-            obj.fail(LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}"))
+            err = LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}")
+            obj.fail(unhealthy(error_list(obj.error) + [err]) if obj.error else err)
             obj.issued.set()
+        elif kind == _SUBMIT and type(obj) is _Batch:
+            err = _gpu_error(exc, "a submit")
+            for mark in obj.marks:
+                mark.fail(err)
+            obj.stream.errors.append(err)
         elif kind in (_SUBMIT, _WRITE):
             what = "a submit" if kind == _SUBMIT else "a write_buffer"
-            self.failures.append(LaunchFailure(None, None, (), _gpu_error(exc, what)))
+            self.failures.append(_gpu_error(exc, what))
 
     def is_alive(self) -> bool:
         """False once the queue thread stopped or died (waiting callers get ``ServerClosed``)."""
@@ -561,14 +600,16 @@ class WgpuBackend(Backend):
         except Exception:  # noqa: BLE001 - validation error of one batched dispatch
             cbs = self._split(s, log)
             n = 1
+        marks = tuple(m for _, _, m in log if m is not None)
         for cb in cbs:
-            self.qt.push((_SUBMIT, cb, n))
+            self.qt.push((_SUBMIT, _Batch(cb, s, marks), n))
 
     def _split(self, s: WgpuStream, log) -> list:
         """Encode each dispatch of a refused batch alone, in order: the valid ones become
-        command buffers, each invalid one a ``LaunchFailure`` naming its kernel (and graph)."""
+        command buffers, each invalid one fails its launch's (or replay's) mark and is reported
+        on the stream, naming its kernel (and graph: ``Mark.fail``)."""
         cbs = []
-        for graph, tasks, pos in log:
+        for graph, tasks, mark in log:
             for pipeline, group, xyz, indirect, kernel, written in tasks:
                 enc = self.dev.create_command_encoder()
                 cpass = enc.begin_compute_pass()
@@ -582,8 +623,9 @@ class WgpuBackend(Backend):
                 try:
                     cbs.append(enc.finish())
                 except Exception as exc:  # noqa: BLE001 - GPUValidationError
-                    err = _gpu_error(exc, f"dispatch of kernel {kernel.name}")
-                    self.failures.append(LaunchFailure(s, kernel, written, err, graph, pos=pos))
+                    err = _gpu_error(exc, f"dispatch of kernel {kernel.name}"
+                                     + (": the dispatch did not run" if graph else ""))
+                    s.errors.append(err if mark is None else mark.fail(err))
         return cbs
 
     def _submit_all(self) -> None:
@@ -618,9 +660,10 @@ class WgpuBackend(Backend):
         """Submit ``stream``'s batched dispatches now (``GPUQueue.submit``)."""
         self._submit(stream)
 
-    def _readback(self, src, size: int, nbytes):
+    def _readback(self, src, size: int, nbytes, stream=None):
         """Copy ``size`` bytes of ``src`` into a staging buffer and map them, on the queue
-        thread; returns the :class:`MapCompletion` (``nbytes`` None: a fence, no value)."""
+        thread; returns the :class:`MapCompletion` (``nbytes`` None: a fence, no value), which
+        reports ``stream``'s errors."""
         cls = 4 if size == 4 else 1 << max(12, (size - 1).bit_length())
         lst = self.qt.free_staging.get(cls)
         staging = lst.pop() if lst else None
@@ -628,7 +671,7 @@ class WgpuBackend(Backend):
             staging = self._new_buffer(cls, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         enc = self.dev.create_command_encoder()
         enc.copy_buffer_to_buffer(src, 0, staging, 0, size)
-        comp = MapCompletion(self.qt, staging, size, nbytes)
+        comp = MapCompletion(self.qt, staging, size, nbytes, stream)
         self.qt.push((_SUBMIT, enc.finish(), 1))
         self.qt.push((_MAP, comp, 0))
         return comp
@@ -642,7 +685,7 @@ class WgpuBackend(Backend):
         See also: ``GPUQueue.submit``, ``GPUBuffer.map_async`` on a 4-byte fence buffer.
         """
         self._submit(stream)
-        return self._readback(self._fence_src, 4, None)
+        return self._readback(self._fence_src, 4, None, stream)
 
     # -- copies -------------------------------------------------------------------------
     def copy_in(self, stream, buf, data: np.ndarray) -> None:
@@ -678,7 +721,7 @@ class WgpuBackend(Backend):
         if nbytes == 0:
             return Completion.ready(np.zeros(0, np.uint8))
         self._submit(stream)
-        return self._readback(buf, _align4(nbytes), nbytes)
+        return self._readback(buf, _align4(nbytes), nbytes, stream)
 
     # -- kernels ------------------------------------------------------------------------
     def compile(self, kernel) -> WgpuProgram:
@@ -764,13 +807,13 @@ class WgpuBackend(Backend):
             return None
         return tuple(count), None   # the per-dimension limit is checked by the client
 
-    def launch(self, stream, program: WgpuProgram, count, args, params: tuple, fail=None) -> None:
+    def launch(self, stream, program: WgpuProgram, count, args, params: tuple, mark=None) -> None:
         """Encode one dispatch on ``stream``'s batch; submit when ``max_tasks`` are batched.
 
         Args:
             count: ``(x, y, z)`` workgroups, or ``(buf, nbytes)``: three u32 read at execution.
         Raises: ``LaunchError`` (bad bindings, count over the limit). A dispatch that fails
-            validation when its batch is finished becomes a ``LaunchFailure`` (``failures``).
+            validation when its batch is finished fails ``mark`` (module doc).
         Streams: after ``stream``'s earlier work; submitted at ``max_tasks`` or the next blocking
             call, ``flush``, ``wait_event`` from another stream, or ``copy_in``.
         See also: ``GPUComputePassEncoder.set_pipeline``, ``set_bind_group``,
@@ -791,7 +834,7 @@ class WgpuBackend(Backend):
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
         stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   written_buffers(program.kernel, args)),), self.issue_pos))
+                                   written_buffers(program.kernel, args)),), mark))
         stream.tasks += 1
         if stream.tasks >= self.max_tasks:
             self._submit(stream)
@@ -968,7 +1011,7 @@ class WgpuBackend(Backend):
         recording.tasks = recording.tree = []
         recording.stack, recording.nodes = [], []
 
-    def launch_graph(self, stream, graph: WgpuGraph, fail=None) -> None:
+    def launch_graph(self, stream, graph: WgpuGraph, mark=None) -> None:
         """Re-encode ``graph`` after ``stream``'s pending work and submit it once.
 
         The pipeline is set only when it changes from the previous dispatch; everything else
@@ -993,7 +1036,7 @@ class WgpuBackend(Backend):
                 indirect_dispatch(indirect, xyz or 0)
         stream.pipeline = last
         stream.tasks += len(graph.tasks)
-        stream.log.append((graph, graph.tasks, self.issue_pos))
+        stream.log.append((graph, graph.tasks, mark))
         self._submit(stream)
 
     def destroy_graph(self, stream, graph: WgpuGraph) -> None:

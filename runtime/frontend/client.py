@@ -421,7 +421,7 @@ class ComputeClient:
             raise TypeError("capture_if: on_true and on_false must be callables")
         srv = self._server
         sid = self.stream
-        if not srv.call(srv.h_cond_begin, sid, "if", hid, None):
+        if not srv.call(srv.h_cond_begin, sid, "if", hid, None, _dtype_name(cond)):
             branch = on_true if self._cond_value(cond) else on_false
             if branch is not None:
                 branch()
@@ -458,7 +458,8 @@ class ComputeClient:
         sid = self.stream
         limit = DEFAULT_MAX_ITERATIONS if max_iterations is None else int(max_iterations)
         if not srv.call(srv.h_cond_begin, sid, "while", hid,
-                        None if max_iterations is None else int(max_iterations)):
+                        None if max_iterations is None else int(max_iterations),
+                        _dtype_name(cond)):
             done = 0
             while self._cond_value(cond):
                 if done >= limit:
@@ -512,6 +513,11 @@ class ComputeClient:
 
     def __repr__(self):
         return f"ComputeClient(backend={self.backend!r}, device={self.device}, stream={self.stream!r})"
+
+
+def _dtype_name(handle) -> str:
+    """``"i32"`` or ``"u32"`` for a condition handle (checked by ``_cond_handle``)."""
+    return "u32" if handle.dtype == np.dtype(np.uint32) else "i32"
 
 
 def _check_aliasing(kernel, hids) -> None:

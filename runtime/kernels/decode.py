@@ -28,7 +28,7 @@ import numpy as np
 from .pointwise import WORKGROUP, grid
 from .shader import program
 
-R, RW = "read", "read_write"
+R, RW, W = "read", "read_write", "write"
 #: invocations per workgroup of :data:`causal_attend` and :data:`argmax`.
 DECODE_WORKGROUP = 64
 #: largest cache length :data:`causal_attend` supports (its scores live in workgroup memory).
@@ -62,7 +62,7 @@ def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
 #: ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
 embed_at = program(
     "embed_at", [("token", "i32", R), ("pos", "i32", R), ("wte", "f32", R), ("wpe", "f32", R),
-                 ("out", "f32", RW)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
+                 ("out", "f32", W)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
     let c = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (c < p.H) {{
         let t = u32(token[0]);
@@ -115,7 +115,7 @@ def _causal_attend_cpu(qkv, pos, kc, vc, out, *, heads, hd, T, off, scale, count
 #: Launch over ``(heads, 1, 1)``.
 causal_attend = program(
     "causal_attend", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", R), ("vc", "f32", R),
-                      ("out", "f32", RW)],
+                      ("out", "f32", W)],
     [("heads", "u32"), ("hd", "u32"), ("T", "u32"), ("off", "u32"), ("scale", "f32")],
     (DECODE_WORKGROUP, 1, 1), f"""
     let h = wg.x;
@@ -164,7 +164,7 @@ def _argmax_cpu(x, out, *, n, count):
 #: ``out[0] = argmax_i x[i]`` over ``i < n`` (``i32``; ties go to the lowest index, as
 #: ``np.argmax``; keep NaNs out). One workgroup: launch over ``(1, 1, 1)``.
 argmax = program(
-    "argmax", [("x", "f32", R), ("out", "i32", RW)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
+    "argmax", [("x", "f32", R), ("out", "i32", W)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
     f"""
     var bv = -3.4e38f;
     var bi = 0xffffffffu;

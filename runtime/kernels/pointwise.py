@@ -98,25 +98,25 @@ def _noop(y, *, n, count):
     pass
 
 
-R, RW = "read", "read_write"
+R, RW, W = "read", "read_write", "write"
 #: ``y[i] = value``
-fill = elementwise("fill", [("y", "f32", RW)], "{value}", [("value", "f32")], _fill)
+fill = elementwise("fill", [("y", "f32", W)], "{value}", [("value", "f32")], _fill)
 #: ``y[i] = x[i]``
-copy = elementwise("copy", [("x", "f32", R), ("y", "f32", RW)], "x[i]", cpu=_copy)
+copy = elementwise("copy", [("x", "f32", R), ("y", "f32", W)], "x[i]", cpu=_copy)
 #: ``out[i] = a[i] + b[i]``
-add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] + b[i]", cpu=_add)
+add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] + b[i]", cpu=_add)
 #: ``out[i] = a[i] * b[i]``
-mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] * b[i]", cpu=_mul)
+mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] * b[i]", cpu=_mul)
 #: ``y[i] = x[i] + alpha``
-add_scalar = elementwise("add_scalar", [("x", "f32", R), ("y", "f32", RW)], "x[i] + {alpha}",
+add_scalar = elementwise("add_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] + {alpha}",
                          [("alpha", "f32")], _add_scalar)
 #: ``y[i] = x[i] * alpha``
-mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", RW)], "x[i] * {alpha}",
+mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] * {alpha}",
                          [("alpha", "f32")], _mul_scalar)
 #: ``y[i] += x[i]``
 accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate)
 #: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
 #: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
-copy_words = elementwise("copy_words", [("x", "i32", R), ("y", "i32", RW)], "x[i]", cpu=_copy)
+copy_words = elementwise("copy_words", [("x", "i32", R), ("y", "i32", W)], "x[i]", cpu=_copy)
 #: an empty kernel (one read_write binding, no work): measures pure launch overhead.
 noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop)

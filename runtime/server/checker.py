@@ -16,8 +16,8 @@ itself, checker or not: ``LivenessError``):
   stream without ordering -> ``StreamRaceError``.
 
 Model. Each operation sits at a position ``p`` of its stream (``StreamState.pos`` after it is
-enqueued). Per pooled buffer (``PooledBuffer``, whichever handle holds it) the checker keeps the last write and the latest read per
-stream since, each as ``(stream, position, operation)``. Per stream it keeps a vector clock
+enqueued). Per pooled buffer (``PooledBuffer``, whichever handle holds it) the checker keeps
+the last write and the latest read per stream since, each as ``(stream, position, operation)``. Per stream it keeps a vector clock
 ``{other stream: position}``: the positions of other streams that happen-before its next
 operation. Clocks advance through
 

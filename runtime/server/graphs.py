@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..errors import CaptureRefused, InvalidHandle
 from ..kernel import normalize_count
-from .capture import GraphState, Window, merge
+from .capture import GraphState, Window, merge, sources
 from .ops import CondRec, LaunchRec, cond_recs, launch_recs, used_ids
 
 
@@ -70,6 +70,8 @@ def describe(g: GraphState, server) -> dict:
     for rec in launch_recs(g.ops):
         for b, hid in zip(rec.kernel.bindings, rec.hids):
             dtypes.setdefault(hid, b.dtype)
+    for c in cond_recs(g.ops):
+        dtypes.setdefault(c.cond, c.dtype)
     order: list = []
     for op in g.ops:
         ids = op.used() if isinstance(op, LaunchRec) else [op.cond] if isinstance(op, CondRec) \
@@ -103,7 +105,7 @@ def describe(g: GraphState, server) -> dict:
 
 
 # -- conditional nodes while recording --------------------------------------------------------
-def cond_begin(server, s, kind: str, hid: int, max_iterations) -> bool:
+def cond_begin(server, s, kind: str, hid: int, max_iterations, dtype: str = "i32") -> bool:
     """Open a ``capture_if``/``capture_while`` node in the window of ``s``; False when ``s``
     is not capturing (the client then runs it eagerly).
 
@@ -123,7 +125,7 @@ def cond_begin(server, s, kind: str, hid: int, max_iterations) -> bool:
     if kind == "while" and max_iterations is None and getattr(be, "unrolls_loops", False):
         raise ValueError(f"capture_while on {be.name}: pass max_iterations= (the loop is "
                          "unrolled to it: one gated copy of the body per iteration)")
-    node = CondRec(kind, len(cond_recs(w.ops)), hid, max_iterations, tuple(w.scopes))
+    node = CondRec(kind, len(cond_recs(w.ops)), hid, max_iterations, tuple(w.scopes), dtype)
     be.begin_cond(w.recording, kind, (st.slot.buf, st.nbytes), max_iterations)
     w.ops.append(node)
     w.scopes.append((node.index, "then" if kind == "if" else "body"))
@@ -288,8 +290,6 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
             cnt = new_counts.get(li, op.count)
             if not isinstance(cnt, tuple):
                 cnt = rb.get(cnt, cnt)
-            if li in new_counts and not isinstance(op.count, tuple):
-                pass                          # an indirect launch becomes a static one
             out.append(op.replace(hids=tuple(rb.get(h, h) for h in op.hids), count=cnt,
                                   params=new_params.get(li, op.params)))
             li += 1
@@ -297,6 +297,14 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
             out.append(op.replace(cond=rb.get(op.cond, op.cond)))
         else:
             out.append(op)
+    for i, op in enumerate(launch_recs(out)):        # the launch rule, kept by a rebind
+        written = {h for b, h in zip(op.kernel.bindings, op.hids) if b.access != "read"}
+        for b, h in zip(op.kernel.bindings, op.hids):
+            if b.access == "read" and h in written:
+                raise ValueError(f"rebind of graph {g.id}: launch {i} ({op.kernel.name}) would "
+                                 f"bind handle {h} to {b.name} (read) and to a read_write "
+                                 "binding; aliasing a written buffer with a read binding is "
+                                 "refused on every backend (the WebGPU rule)")
     return out
 
 
@@ -363,6 +371,8 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     g.handles = list(w.states.values())
     g.wstates = [st for st in g.handles if st.id in g.writes]
     g.istates = [st for st in g.handles if st.id in g.inputs]
+    g.sources = sources(new_ops)
+    g.sstates = [st for st in g.handles if st.id in g.sources]
     new_ids = {st.id for st in g.handles}
     for hid, st in old_states.items():          # handles it no longer uses
         if hid not in new_ids and g in st.graphs:

@@ -37,14 +37,15 @@ class CondRec:
     Attributes:
         kind, index (its number among the graph's nodes, in recording order), cond (handle id
         of its 1-element i32/u32 condition), max_iterations (None: the backend's default
-        bound), scope (the nodes it sits in, as ``LaunchRec.scope``).
+        bound), scope (the nodes it sits in, as ``LaunchRec.scope``), dtype (``"i32"`` or
+        ``"u32"``: the condition handle's).
     """
 
-    __slots__ = ("kind", "index", "cond", "max_iterations", "scope")
+    __slots__ = ("kind", "index", "cond", "max_iterations", "scope", "dtype")
 
-    def __init__(self, kind, index, cond, max_iterations, scope=()):
+    def __init__(self, kind, index, cond, max_iterations, scope=(), dtype="i32"):
         self.kind, self.index, self.cond = kind, index, cond
-        self.max_iterations, self.scope = max_iterations, scope
+        self.max_iterations, self.scope, self.dtype = max_iterations, scope, dtype
 
     def replace(self, **kw) -> "CondRec":
         d = {k: getattr(self, k) for k in self.__slots__}

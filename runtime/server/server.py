@@ -323,8 +323,9 @@ class ComputeServer:
         ``count`` is ``(x, y, z)`` workgroups or a handle id (indirect: three u32 read at run).
         A failure found here is queued on the stream and marks what the launch would have
         written; so does one the backend finds later (``Mark.fail``). A launch reading a marked
-        buffer through a ``read`` binding marks what it writes (the failure propagates, also
-        when it is found after this launch was enqueued: ``Marks.inherit``).
+        buffer through a ``read`` or ``read_write`` binding marks what it writes (the failure
+        propagates, also when it is found after this launch was enqueued: ``Marks.inherit``);
+        only a ``write`` binding does not read (docs/contract.md section 4).
         """
         s = self._stream(sid)
         states = [self.handles.get(hid) for hid in hids]
@@ -363,14 +364,13 @@ class ComputeServer:
                 if b.access != "read":
                     self._wait_for(s, st.reads)
             self.marks.inherit(mark, [(st.id, st.mark) for b, st in zip(bindings, states)
-                                 if b.access == "read"])
+                                      if b.access != "write"])
             if cst is not None:
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
                 for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
-            self.backend.issue_pos = s.pos + 1      # carried by a LaunchFailure, if any
-            self.backend.launch(s.raw, prog, count, args, params, mark.fail)
+            self.backend.launch(s.raw, prog, count, args, params, mark)
         except Exception as e:  # noqa: BLE001 - a device API's own exception type
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
@@ -490,7 +490,9 @@ class ComputeServer:
         is capturing); ``LivenessError`` (a caller-owned handle it uses was freed); the
         backend's refusal. Any failure, here or later while it executes, marks the graph's
         write set (``ReplayFailed`` on read) until a later write to each buffer lands; so does
-        a failure of the last writer of one of its read-only inputs, whenever it is found.
+        a failure of the last writer of a buffer the graph reads before it writes it (an input,
+        or state it reads and writes: ``GraphState.sources``), whenever it is found. A graph
+        whose state is marked keeps failing until the state is written from the host.
         """
         g = self.graphs.get(gid)
         if g is None:
@@ -514,9 +516,8 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            self.marks.inherit(mark, [(st.id, st.mark) for st in g.istates])
-            self.backend.issue_pos = s.pos + 1
-            self.backend.launch_graph(s.raw, g.graph, mark.fail)
+            self.marks.inherit(mark, [(st.id, st.mark) for st in g.sstates])
+            self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
                 f"replay of graph {gid} failed on {self.backend.name}: {e}")
@@ -528,7 +529,6 @@ class ComputeServer:
         g.last_pos = s.pos
         for st in g.wstates:
             st.mark = mark
-        self.marks.collect()       # dispatches of this replay refused at submit
 
     def h_graph_destroy(self, gid: int) -> None:
         """Destroy graph ``gid`` after the work enqueued on its stream; unknown id: no-op.
@@ -592,10 +592,10 @@ class ComputeServer:
             self.checker.on_graph(ng)
         return ng.id, ng.stream, bool(self.backend.hardware_graphs)
 
-    def h_cond_begin(self, sid, kind: str, hid: int, max_iterations) -> bool:
+    def h_cond_begin(self, sid, kind: str, hid: int, max_iterations, dtype: str = "i32") -> bool:
         """Open a ``capture_if``/``capture_while`` node in ``sid``'s window; False when ``sid``
         is not capturing (the client runs it eagerly)."""
-        return graphs.cond_begin(self, self._stream(sid), kind, hid, max_iterations)
+        return graphs.cond_begin(self, self._stream(sid), kind, hid, max_iterations, dtype)
 
     def h_cond_else(self, sid) -> None:
         graphs.cond_else(self, self._stream(sid))

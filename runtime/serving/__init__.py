@@ -37,7 +37,7 @@ def __getattr__(name):
     if name in _WHERE:
         value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
     elif name == "limit_blas_threads":          # a fixed BLAS count; re-exported for callers
-        from ..backends.cpu import limit_blas_threads as value
+        from ..cpu_threads import limit_blas_threads as value
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

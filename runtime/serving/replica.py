@@ -7,7 +7,7 @@ servers their app with :class:`Replica`, from one :class:`Settings`: every ``ser
 field, so a flag takes the same effect on every path. The batcher is
 :class:`runtime.serving.Batcher` over :func:`runtime.serving.load_model` (MiniLM on
 ``runtime.client(backend)``, that process's one device server); the cpu thread rule's cores come
-from :mod:`runtime.kernels.threads`.
+from :mod:`runtime.cpu_threads`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
     Raises: ``FileNotFoundError`` (no model files); ``UnsupportedError`` (backend missing);
         ``ValueError`` (bad buckets or limits, ``cpu_threads < 1``).
     """
-    from ..kernels.threads import RULE
+    from ..cpu_threads import RULE
     from . import load_model
 
     if backend in (None, "cpu") and cpu_threads and model is None:

@@ -35,7 +35,7 @@ def test_launches_are_plain_data_of_what_was_recorded(client):
     assert [ln["kernel"] for ln in ls] == ["add_scalar", "mul"]
     assert ls[0]["params"] == {"alpha": 1.5, "n": 4} and ls[0]["count"] == [1, 1, 1]
     assert [(b["name"], b["access"], b["handle"], b["nbytes"]) for b in ls[1]["bindings"]] == [
-        ("a", "read", x.id, 16), ("b", "read", y.id, 16), ("out", "read_write", out.id, 16)]
+        ("a", "read", x.id, 16), ("b", "read", y.id, 16), ("out", "write", out.id, 16)]
     assert all(ln["scope"] == [] for ln in ls)
     assert len(g.launches()) == 1
 
@@ -84,6 +84,7 @@ def test_update_errors_change_nothing(client):
         # all or nothing: a valid change with an invalid one
         dict(params={0: {"alpha": 7.0}}, rebind={y: client.empty(8, np.float32)}),
         dict(params={0: {"alpha": 7.0}}, count={0: (-1, 1, 1)}),
+        dict(rebind={x: y}),                     # y bound read and read_write in one launch
     ]
     for kw in cases:
         with pytest.raises(ValueError):

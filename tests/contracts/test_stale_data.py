@@ -182,8 +182,9 @@ def _checked_copy():
   if (g.x < arrayLength(&t)) { t[g.x] = x[g.x]; } }"""
     cuda = """extern "C" __global__ void checked_copy(const float* x, float* t) {
   unsigned i = blockIdx.x * blockDim.x + threadIdx.x; t[i] = x[i]; }"""
+    # t is rewritten, never read: "write", so a replay with clean inputs clears its mark
     return runtime.Kernel("checked_copy", [runtime.Binding("x", "f32", "read"),
-                                           runtime.Binding("t", "f32", "read_write")],
+                                           runtime.Binding("t", "f32", "write")],
                           cpu=cpu, wgsl=wgsl, cuda=cuda)
 
 
@@ -195,10 +196,10 @@ def _fail_replays_while(client, monkeypatch, bad):
     be = client._server.backend
     real = be.launch_graph
 
-    def launch_graph(stream, graph, fail=None):
-        real(stream, graph, fail)
-        if bad() and fail is not None:
-            fail(LaunchError("checked_copy: injected failure found after the enqueue"))
+    def launch_graph(stream, graph, mark=None):
+        real(stream, graph, mark)
+        if bad() and mark is not None:
+            mark.fail(LaunchError("checked_copy: injected failure found after the enqueue"))
     monkeypatch.setattr(be, "launch_graph", launch_graph)
 
 

@@ -20,8 +20,11 @@ class GraphStateError(ServerError):
 
 
 class CaptureRefused(ServerError):
-    """An operation the capture window forbids: read/sync/replay on the capturing stream (raised at
-    once), or a write / free of a used handle inside the window (raised by ``stop_capture``)."""
+    """An operation the capture window forbids: read/sync/replay/record_event/wait_event on the
+    capturing stream (raised at once), or a write / free of a used handle / refused launch
+    inside the window (raised by ``stop_capture``). Any refusal invalidates the window (CUDA's
+    ``cudaErrorStreamCaptureInvalidated``): ``stop_capture`` raises this naming the first
+    refused operation, and makes no graph."""
 
 
 class UnknownGraph(ServerError):

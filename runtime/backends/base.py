@@ -201,6 +201,12 @@ class Backend:
     def flush(self, stream) -> None:
         """Hand batched work of ``stream`` to the device now (wgpu: submit the encoder)."""
 
+    def idle(self, stream) -> bool:
+        """True only when every piece of work enqueued on ``stream`` has run and left no error
+        to report (a sync of it may return at once: ``ComputeServer.sync_idle``); False when
+        unknown (the default: the server then synchronizes as usual)."""
+        return False
+
     # -- copies ---------------------------------------------------------------------------
     def copy_in(self, stream, buf, data: np.ndarray) -> None:
         """Stream-ordered host-to-device copy of ``data`` (a contiguous ``uint8`` array the

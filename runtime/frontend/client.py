@@ -11,7 +11,8 @@ import warnings
 
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError, LoopLimitExceeded, error_list, unhealthy
+from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, UnsupportedError, error_list,
+                      unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
@@ -59,6 +60,40 @@ class ComputeClient:
     def device_name(self) -> str:
         """What the backend runs on: numpy's version, the wgpu adapter, the GPU's name."""
         return self._server.backend.device_name
+
+    @property
+    def capabilities(self) -> dict:
+        """What this client's server and device do, the same for every client of the server:
+
+        - ``hardware_graphs`` (bool): a graph is a driver graph, one dispatch per replay (cuda;
+          CUDA graphs); a fresh allocation inside a capture window is then refused. False: a
+          software graph the server re-issues (cpu, wgpu).
+        - ``max_workgroups``: the largest workgroup count per dimension ``(x, y, z)`` (WebGPU's
+          ``maxComputeWorkgroupsPerDimension``, CUDA's grid limits), or ``None`` for no limit;
+          ``launch`` refuses a larger count with ``LaunchError``.
+        - ``checked`` (bool): the server runs the stream-ordering checker (``check=True``;
+          see :meth:`checker_violations`).
+        """
+        srv = self._server
+        mw = srv.backend.max_workgroups
+        return {"hardware_graphs": bool(srv.backend.hardware_graphs),
+                "max_workgroups": None if mw is None else tuple(mw),
+                "checked": srv.checker is not None}
+
+    def checker_violations(self) -> list:
+        """Every ``LivenessError`` / ``StreamRaceError`` the stream-ordering checker of this
+        client's server found so far, oldest first (a copy; each was also raised to the call
+        that made it, or queued on its stream). All clients of the server share the list.
+
+        Raises: ``UnsupportedError`` when the server runs without the checker (open it with
+        ``runtime.client(backend, check=True)`` or ``RUNTIME_CHECK=1``): an empty list would
+        read as "no races" when nothing looked.
+        """
+        checker = self._server.checker
+        if checker is None:
+            raise UnsupportedError(f"server {self._server.name} runs without the stream-ordering "
+                                   f"checker: open it with runtime.client(..., check=True)")
+        return list(checker.violations)
 
     # -- streams ------------------------------------------------------------------------------
     @property
@@ -173,7 +208,8 @@ class ComputeClient:
 
         Returns: a new ``np.ndarray`` of ``handle.dtype`` and ``handle.shape``. Blocks until the
             work before it on this stream (and the buffer's last write on any stream) ran.
-        Raises: ``CaptureRefused`` (this stream is recording); ``InvalidHandle``; ``ReplayFailed``
+        Raises: ``CaptureRefused`` (this stream is recording; the window is invalidated, its
+            ``stop_capture`` raises too); ``InvalidHandle``; ``ReplayFailed``
             (the buffer's last writer failed, found at enqueue or while this read waited: a
             replay, a launch, a host write; raised on every read until a later write lands);
             ``ServerUnhealthy`` (queued errors of this stream); ``ServerClosed``. Except for
@@ -265,13 +301,17 @@ class ComputeClient:
     def sync(self) -> None:
         """Wait for everything enqueued on this client's stream.
 
-        Raises: ``CaptureRefused`` (the stream is recording, at once); ``ServerUnhealthy`` (the
-            errors of the work enqueued on this stream, found at enqueue or at execution, all
-            together and drained: raised once, after that work ran); ``ServerClosed``.
+        Raises: ``CaptureRefused`` (the stream is recording, at once; the window is invalidated);
+            ``ServerUnhealthy`` (the errors of the work enqueued on this stream, found at
+            enqueue or at execution, all together and drained: raised once, after that work
+            ran); ``ServerClosed``.
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        comp, errors = srv.call(srv.h_sync, self.stream)
+        sid = self._pinned if self._pinned is not None else StreamId.current()
+        if srv.sync_idle(sid):              # idle stream, nothing to report: no message
+            return
+        comp, errors = srv.call(srv.h_sync, sid)
         if not comp.done:
             srv.wait(comp)
         if errors:
@@ -289,7 +329,8 @@ class ComputeClient:
         (``cudaEventRecord``); pass it to ``wait_event`` of a client of this server (another
         stream, another thread). Blocks until the device thread accepted it.
 
-        Raises: ``CaptureRefused`` (this stream is capturing); ``ServerClosed``.
+        Raises: ``CaptureRefused`` (this stream is capturing: the window is invalidated, its
+            ``stop_capture`` raises too); ``ServerClosed``.
         """
         srv = self._server
         sid, pos = srv.call(srv.h_record_event, self.stream)
@@ -300,8 +341,9 @@ class ComputeClient:
         work enqueued here afterwards runs after the event's work.
 
         Raises: ``TypeError`` (not an ``Event``); ``ValueError`` (an event of another server:
-        another backend, device or options); ``CaptureRefused`` (this stream is capturing);
-        ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
+        another backend, device or options); ``CaptureRefused`` (this stream is capturing: the
+        join would be missing from the graph, so the window is invalidated and its
+        ``stop_capture`` raises too); ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
         before, is accepted with a ``DeprecationWarning`` for one release.
         """
         srv = self._server
@@ -338,10 +380,11 @@ class ComputeClient:
     def start_capture(self) -> None:
         """Start recording this stream's launches: ``prepared -> capturing``.
 
-        Inside the window, on this stream: ``launch`` is recorded, not run; ``read``, ``sync``
-        and ``replay`` raise ``CaptureRefused`` at once (the capture goes on); ``write`` and
-        freeing a handle the window uses are refused late, by ``stop_capture``. Other streams
-        work normally meanwhile.
+        Inside the window, on this stream: ``launch`` is recorded, not run; ``read``, ``sync``,
+        ``replay``, ``record_event`` and ``wait_event`` raise ``CaptureRefused`` at once;
+        ``write``, freeing a handle the window uses and a refused launch are refused late. Any
+        refusal invalidates the window: ``stop_capture`` raises ``CaptureRefused`` (CUDA's
+        ``cudaErrorStreamCaptureInvalidated``). Other streams work normally meanwhile.
 
         Blocks until the warm-up has run: a warm-up that failed (at the call, at submit or while
         executing) is never captured over.
@@ -367,9 +410,12 @@ class ComputeClient:
                 buffers are the caller's to keep alive: a replay after one was freed raises
                 ``LivenessError`` (its buffer never goes to another owner while the graph lives).
         Returns: a ``Graph`` (empty window: a graph whose replay does nothing).
-        Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` naming the
-            late refusals (write, freed handle, allocation on a hardware graph): no graph is made;
-            ``ServerUnhealthy`` (launch errors queued in the window).
+        Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` when any
+            operation was refused in the window (at once: read, sync, replay, record_event,
+            wait_event; late: write, freed handle, refused launch, allocation on a hardware
+            graph), naming the first, with every other error queued in the window (one error
+            that is an instance of each class): no graph is made, the stream is back to no
+            capture; ``ServerUnhealthy`` (launch errors queued in the window).
         """
         srv = self._server
         sid = self.stream

@@ -58,7 +58,10 @@ class Mark:
         self.op, self._error = op, None
         self.stream, self.pos = stream, pos
         self.since = Mark.failures        # the failure count when its oldest ancestor was made
-        self.set_parents(parents)
+        if parents:
+            self.set_parents(parents)
+        else:
+            self.parents = ()
         if error is not None:
             self.error = error
 

@@ -147,11 +147,26 @@ class DeviceQueue:
             raise self.closed_error()
         if self.full():
             self.wait_room()
+        q = self._q
         if nbytes:
             with self._room:
                 self.bytes += nbytes
             fn = _Counted(self, fn, nbytes)
-        self._q.append((fn, args, None))
+        elif not q and self._owner.acquire(False):
+            if not q and not self.closed:   # idle: run it here, with nothing queued to wrap
+                try:
+                    fn(*args)
+                except (SystemExit, KeyboardInterrupt, _Fatal) as e:
+                    self._die(e)
+                except BaseException as e:  # noqa: BLE001 - queued on a stream, as in _drain
+                    self._on_async_error(e)
+                finally:
+                    self._release()
+                return
+            q.append((fn, args, None))
+            self._drain()
+            return
+        q.append((fn, args, None))
         if self._owner.acquire(False):
             self._drain()
         else:
@@ -175,12 +190,26 @@ class DeviceQueue:
         """
         if self.closed:
             raise self.closed_error()
-        slot = Reply()
-        self._q.append((fn, args, slot))
-        if self._owner.acquire(False):
+        q = self._q
+        if not q and self._owner.acquire(False):
+            if not q and not self.closed:   # idle: run it here, no slot (the combining path)
+                try:
+                    return fn(*args)
+                except (SystemExit, KeyboardInterrupt, _Fatal) as e:
+                    self._die(e)
+                    raise self.closed_error() from None
+                finally:
+                    self._release()
+            slot = Reply()
+            q.append((fn, args, slot))
             self._drain()
         else:
-            self._wake.set()
+            slot = Reply()
+            q.append((fn, args, slot))
+            if self._owner.acquire(False):
+                self._drain()
+            else:
+                self._wake.set()
         if not slot.done:
             self.wait(slot)
         if slot.error is not None:
@@ -201,6 +230,15 @@ class DeviceQueue:
                 raise self.closed_error()
 
     # -- the owner ------------------------------------------------------------------------
+    def _release(self) -> None:
+        """Release the owner lock after running one message directly (``call``/``submit`` on an
+        idle server), then drain what was queued meanwhile (the module doc's invariant)."""
+        self._owner.release()
+        if self.room_waiters:
+            self.notify_room()
+        if self._q and not self.closed and self._owner.acquire(False):
+            self._drain()
+
     def _drain(self) -> None:
         """Run queued messages in FIFO order; the caller holds the owner lock, released here."""
         q = self._q

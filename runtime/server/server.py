@@ -294,14 +294,15 @@ class ComputeServer:
         ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
         ``ServerUnhealthy`` (queued errors of this stream).
         """
-        s = self._stream(sid)
-        self.capture.on_event(s, f"read of handle {hid}")
+        s = self.streams.get(sid) or self._stream(sid)
+        if s.window is not None:            # (the message is built only when it refuses)
+            self.capture.on_event(s, f"read of handle {hid}")
         st = self.handles.get(hid)
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
         errs = self.marks.take_errors(s)
-        if self.marks.error_of(st.mark) is not None or errs:
+        if errs or (st.mark is not CLEAN and self.marks.error_of(st.mark) is not None):
             self._wait_for(s, st.writes)    # as a read that returns: after the buffer's writer
             comp, errs = self.marks.fence_then_raise(s, errs)
             return comp, st.mark, errs
@@ -327,29 +328,30 @@ class ComputeServer:
         propagates, also when it is found after this launch was enqueued: ``Marks.inherit``);
         only a ``write`` binding does not read (docs/contract.md section 4).
         """
-        s = self._stream(sid)
-        states = [self.handles.get(hid) for hid in hids]
+        s = self.streams.get(sid) or self._stream(sid)
+        handles = self.handles
+        states = [handles.get(hid) for hid in hids]
         cst = None
-        if not isinstance(count, tuple):
+        if count.__class__ is not tuple:
             cst = self.handles.get(count)
             if cst is None:
                 states.append(None)
                 hids = list(hids) + [count]
         bindings = kernel.bindings
-        outs = [st for b, st in zip(bindings, states) if st is not None and b.access != "read"]
         w = s.window
         if None in states:
+            outs = [st for b, st in zip(bindings, states)
+                    if st is not None and b.access != "read"]
             hid = hids[states.index(None)]
             err = InvalidHandle(f"launch of {kernel.name}: handle {hid} is unknown or freed on "
                                 f"server {self.name}; keep the Handle alive while it is in use")
             s.errors.append(err)
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            self._launch_failed(s, outs, kernel, err)
             return
-        prog = self._program(s, kernel)
+        prog = self.programs.get(kernel) or self._program(s, kernel)
         if prog is None:
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), s.errors[-1])
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, s.errors[-1])
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
@@ -358,13 +360,19 @@ class ComputeServer:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
-            mark = Mark(("launch", kernel.name, sid), stream=s, pos=s.pos + 1)
+            mark = Mark(("launch", kernel.name, sid), None, (), s, s.pos + 1)
+            reads = None
             for b, st in zip(bindings, states):
                 self._wait_for(s, st.writes)
                 if b.access != "read":
-                    self._wait_for(s, st.reads)
-            self.marks.inherit(mark, [(st.id, st.mark) for b, st in zip(bindings, states)
-                                      if b.access != "write"])
+                    if st.reads:
+                        self._wait_for(s, st.reads)
+                if b.access != "write" and st.mark is not CLEAN:
+                    if reads is None:
+                        reads = []
+                    reads.append((st.id, st.mark))
+            if reads is not None:
+                self.marks.inherit(mark, reads)
             if cst is not None:
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
@@ -375,8 +383,8 @@ class ComputeServer:
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, err)
             return
         s.pos += 1
         pos = s.pos
@@ -390,15 +398,44 @@ class ComputeServer:
         if cst is not None:
             cst.reads[sid] = pos
 
+    def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
+        """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
+        would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
+        if s.window is None:
+            self.marks.fail(outs, ("launch", kernel.name, s.id), err)
+        else:
+            self.capture.refuse(s, f"launch of {kernel.name} ({type(err).__name__}: {err})")
+
     # -- synchronisation ------------------------------------------------------------------------
     def h_sync(self, sid) -> tuple:
         """``(completion of everything enqueued on sid, queued errors)``: the caller waits on
         the completion, then raises the queued errors together with the completion's own
         (``Marks.fence_then_raise``: a sync that raises has waited too)."""
-        s = self._stream(sid)
-        self.capture.on_event(s, "sync")
+        s = self.streams.get(sid) or self._stream(sid)
+        if s.window is not None:
+            self.capture.on_event(s, "sync")
         self.backend.flush(s.raw)
         return self.marks.fence_then_raise(s, self.marks.take_errors(s))
+
+    def sync_idle(self, sid) -> bool:
+        """The fast path of ``sync()`` (issue 26): True when stream ``sid`` is idle with nothing
+        to report, so the sync is done; False sends the caller to ``h_sync``. Runs on the
+        caller's thread holding the owner lock, only when no message is queued (every message
+        the caller queued before ran), so it is ordered like a message. Records that the stream
+        ran up to its position (``done_pos``: its marks are final), as a fence would."""
+        queue = self.queue
+        if queue._q or not queue._owner.acquire(False):
+            return False
+        try:
+            s = self.streams.get(sid)
+            if (s is None or s.window is not None or s.errors or self.marks.async_errors
+                    or self.checker is not None or self.backend.failures
+                    or queue._q or queue.closed or not self.backend.idle(s.raw)):
+                return False
+            s.done_pos = s.pos
+            return True
+        finally:
+            queue._release()
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
@@ -474,7 +511,9 @@ class ComputeServer:
                 it); else a replay after the free of a caller-owned handle raises
                 ``LivenessError``. Either way no buffer it uses changes owner while it lives.
         Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
-        late refusals (no graph is made); ``ServerUnhealthy`` (errors queued in the window).
+        window's refusals, first first (at once or late: any refusal invalidates the window; no
+        graph is made), with the errors queued in the window; ``ServerUnhealthy`` (errors
+        queued in the window). See ``Capture.end``.
         """
         g = self.capture.end(self._stream(sid), next(_graph_ids), retain)
         self.graphs[g.id] = g
@@ -499,9 +538,10 @@ class ComputeServer:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
         s = self.streams[g.stream]
-        mark = Mark(("replay", gid), stream=s, pos=s.pos + 1)
+        mark = Mark(("replay", gid), None, (), s, s.pos + 1)
         try:
-            self.capture.on_event(s, f"replay of graph {gid}")
+            if s.window is not None:
+                self.capture.on_event(s, f"replay of graph {gid}")
             if g.freed:
                 hid = g.freed[0]
                 err = LivenessError(
@@ -516,7 +556,9 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            self.marks.inherit(mark, [(st.id, st.mark) for st in g.sstates])
+            if g.sstates:
+                self.marks.inherit(mark, [(st.id, st.mark) for st in g.sstates
+                                          if st.mark is not CLEAN])
             self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(

@@ -182,15 +182,9 @@ class Backend:
 
     def release_stream(self, stream) -> bool:
         """Forget ``stream`` if its work is done (True); False: work is pending, ask again
-        later. The server calls it for a stream nobody can name any more (its last
-        ``StreamId`` was dropped); the stream is never used again after True."""
+        later. The server calls it for the default stream of a thread that ended. Errors the
+        stream's work left and did not report yet go to ``failures`` (never dropped)."""
         return True
-
-    def take_stream_errors(self, stream) -> list:
-        """Errors the work of a released ``stream`` raised that no completion reported (the
-        server raises them at the next blocking call of any stream); emptied. Default: none
-        (backends that report failures through ``take_failures`` keep nothing per stream)."""
-        return []
 
     def record_event(self, stream):
         """An event that completes once everything enqueued on ``stream`` so far has run."""

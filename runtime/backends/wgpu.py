@@ -170,6 +170,7 @@ class WgpuStream:
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
         self.errors: collections.deque = collections.deque()
+        self.released = False      # reclaimed: later errors go to the backend's ``failures``
 
 
 class _Batch:
@@ -541,13 +542,7 @@ class WgpuBackend(Backend):
             for mark in obj.marks:
                 mark.fail(err)
             s = obj.stream
-            s.errors.append(err)
-            if s.released:                # forgotten meanwhile: raised by any blocking call
-                while s.errors:           # (popleft: each error taken once, here or there)
-                    try:
-                        self.failures.append(s.errors.popleft())
-                    except IndexError:
-                        break
+            (self.failures if s.released else s.errors).append(err)
         elif kind in (_SUBMIT, _WRITE):
             what = "a submit" if kind == _SUBMIT else "a write_buffer"
             self.failures.append(_gpu_error(exc, what))
@@ -650,21 +645,14 @@ class WgpuBackend(Backend):
 
     def release_stream(self, stream) -> bool:
         """Submit ``stream``'s batch and forget it (True): on the one queue, submitted work is
-        ordered before anything any stream submits later."""
+        ordered before anything any stream submits later. Errors it reported and did not hand
+        to a completion yet (and any found later) go to ``failures``: never dropped."""
         self._submit(stream)
+        stream.released = True
+        while stream.errors:
+            self.failures.append(stream.errors.popleft())
         return True
 
-    def take_stream_errors(self, stream) -> list:
-        """The errors reported on ``stream`` and not raised yet, emptied; a submit of its work
-        refused later on the queue thread goes to ``failures`` (the next blocking call)."""
-        stream.released = True
-        errs = []
-        while stream.errors:
-            try:
-                errs.append(stream.errors.popleft())
-            except IndexError:
-                break
-        return errs
 
     def record_event(self, stream):
         """A token for "everything enqueued on ``stream`` so far" (the stream itself: on one

@@ -184,6 +184,22 @@ class Checker:
             host[s.id] = s.pos
         self.host_ver += 1
 
+    def on_reclaim(self, sid) -> None:
+        """Stream ``sid`` was reclaimed: its work is done and everything issued later on any
+        stream runs after it (the server orders nothing against it any more). So its accesses
+        count as synchronized: they leave every buffer's history, and its clock and events go
+        (the checker's tables stay bounded by live streams)."""
+        self.clocks.pop(sid, None)
+        self.events.pop(sid, None)
+        self.host.pop(sid, None)
+        for ent in self.clocks.values():
+            ent[0].pop(sid, None)
+        for b in self.bufs.values():
+            if b.w_sid == sid:
+                b.w_sid, b.w_pos, b.w_op, b.w_hid = None, 0, None, None
+            if b.reads:
+                b.reads.pop(sid, None)
+
     # -- accesses -------------------------------------------------------------------------------
     def _conflicts(self, b: _Buf, sid, vc: dict, is_write: bool) -> list:
         out = []
@@ -279,12 +295,3 @@ class Checker:
     def on_graph_destroy(self, g) -> None:
         """Graph ``g`` was destroyed."""
         self.replays.pop(g.id, None)
-
-    def on_reclaim(self, s) -> None:
-        """Stream ``s`` is reclaimed (nobody can name it; its work ran, or on wgpu was
-        submitted ahead of anything issued later): count it as synced, so later accesses on
-        other streams, which the server no longer orders after it, are not races; forget its
-        own clock and events (``host`` keeps its position for those comparisons)."""
-        self.on_sync(s)
-        self.clocks.pop(s.id, None)
-        self.events.pop(s.id, None)

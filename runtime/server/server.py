@@ -35,18 +35,21 @@ _graph_ids = itertools.count(1)
 
 class _Folded(ServerError):
     """Errors past ``ComputeServer.MAX_ASYNC_ERRORS`` waiting for a blocking call, folded into
-    one: their count and the latest message (so the queue stays bounded, nothing is silent)."""
+    one: their count and the latest message (so the list stays bounded, nothing is silent)."""
 
-    def __init__(self, first, where: str):
+    def __init__(self, first):
         super().__init__()
-        self.count, self.where, self.last = 0, where, None
+        self.count, self.last = 0, None
         self.add(first)
 
     def add(self, err) -> None:
         self.count += 1
         self.last = err
-        self.args = (f"{self.count} more errors of {self.where} (the latest: "
-                     f"{type(err).__name__}: {err})",)
+        self.args = (f"{self.count} errors of reclaimed streams or fire-and-forget messages "
+                     f"(the latest: {type(err).__name__}: {err})",)
+
+    def __reduce__(self):
+        return (ServerError, self.args)       # a plain ServerError with the same message
 
 
 class StreamState:
@@ -163,8 +166,8 @@ class ComputeServer:
         backend's (``release_stream``) unless a live graph replays on it or its queued work has
         not run yet (then False: tried again later). A capture or warm-up left open on it is
         aborted (its window's buffers and primed slots go back to the pool); errors queued on
-        it, here or in the backend (``Backend.take_stream_errors``), go to the next blocking
-        call of any stream (``_orphan_errors``)."""
+        it go to the next blocking call of any stream (``Marks.on_reclaim``; the backend's
+        through ``failures``), bounded (``_bound_async_errors``)."""
         s = self.streams.get(sid)
         if s is None:
             self.ended.discard(sid)
@@ -175,15 +178,13 @@ class ComputeServer:
             self.capture.abort(s)
         if not self.backend.release_stream(s.raw):
             return False
-        if self.checker is not None:
-            self.checker.on_reclaim(s)
         del self.streams[sid]
         self.ended.discard(sid)
-        errs = s.errors + self.backend.take_stream_errors(s.raw)
-        s.errors = []
-        if errs:
-            self._orphan_errors(errs, f"stream {sid}, reclaimed after its last StreamId was "
-                                      "dropped")
+        self.marks.on_reclaim(s)      # its queued errors: to the next blocking call (bounded)
+        self.marks.collect()          # (release_stream handed the backend's to failures)
+        self._bound_async_errors()
+        if self.checker is not None:
+            self.checker.on_reclaim(sid)
         self._reaped += 1
         if self._reaped > 64 + len(self.handles) + len(self.graphs) + len(self.streams):
             self._sweep()
@@ -216,23 +217,24 @@ class ComputeServer:
     #: unattributed errors kept for the next blocking call; past it the rest are summarised.
     MAX_ASYNC_ERRORS = 64
 
-    def _orphan_errors(self, errs: list, where: str) -> None:
-        """Queue errors nobody can drain on their own stream any more for the next blocking
-        call of any stream (``async_errors``), bounded: past ``MAX_ASYNC_ERRORS`` they are
-        folded into one ``ServerError`` that counts them and keeps the last message."""
+    def _bound_async_errors(self) -> None:
+        """Keep the errors waiting for the next blocking call of any stream
+        (``Marks.async_errors``: of reclaimed streams, of fire-and-forget messages) bounded:
+        past ``MAX_ASYNC_ERRORS`` the rest are folded into one ``ServerError`` that counts
+        them and keeps the latest message (nothing is dropped silently)."""
         a = self.marks.async_errors
-        for e in errs:
-            if len(a) < self.MAX_ASYNC_ERRORS - 1:
-                a.append(e)
-            elif len(a) == self.MAX_ASYNC_ERRORS - 1:
-                a.append(_Folded(e, where))
-            else:
-                a[-1].add(e)
+        n = self.MAX_ASYNC_ERRORS
+        if len(a) > n:
+            folded = a[n - 1] if isinstance(a[n - 1], _Folded) else _Folded(a[n - 1])
+            for e in a[n:]:
+                folded.add(e)
+            del a[n - 1:]
+            a.append(folded)
 
     def _on_async_error(self, exc) -> None:
         # a fire-and-forget message raised past its own error handling: the next blocking call
-        self._orphan_errors([exc if isinstance(exc, ServerError) else ServerError(
-            f"internal error in a queued message: {exc!r}")], "fire-and-forget messages")
+        self.marks.on_async_error(exc)
+        self._bound_async_errors()
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -437,14 +439,12 @@ class ComputeServer:
             err = InvalidHandle(f"launch of {kernel.name}: handle {hid} is unknown or freed on "
                                 f"server {self.name}; keep the Handle alive while it is in use")
             s.errors.append(err)
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            self._launch_failed(s, outs, kernel, err)
             return
         prog = self.programs.get(kernel) or self._program(s, kernel)
         if prog is None:
-            if w is None:
-                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
-                self.marks.fail(outs, ("launch", kernel.name, sid), s.errors[-1])
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, s.errors[-1])
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
@@ -476,9 +476,8 @@ class ComputeServer:
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
-            if w is None:
-                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, err)
             return
         s.pos += 1
         pos = s.pos
@@ -491,6 +490,14 @@ class ComputeServer:
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
+
+    def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
+        """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
+        would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
+        if s.window is None:
+            self.marks.fail(outs, ("launch", kernel.name, s.id), err)
+        else:
+            self.capture.refuse(s, f"launch of {kernel.name} ({type(err).__name__}: {err})")
 
     # -- synchronisation ------------------------------------------------------------------------
     def h_sync(self, sid) -> tuple:
@@ -599,7 +606,9 @@ class ComputeServer:
                 it); else a replay after the free of a caller-owned handle raises
                 ``LivenessError``. Either way no buffer it uses changes owner while it lives.
         Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
-        late refusals (no graph is made); ``ServerUnhealthy`` (errors queued in the window).
+        window's refusals, first first (at once or late: any refusal invalidates the window; no
+        graph is made), with the errors queued in the window; ``ServerUnhealthy`` (errors
+        queued in the window). See ``Capture.end``.
         """
         self.queue.run_releases()     # frees dropped in the window are refused
         s = self._stream(sid)

@@ -137,7 +137,7 @@ def test_a_stream_dropped_in_a_capture_state_is_aborted_and_returns_its_buffers(
 def test_errors_queued_on_a_dropped_stream_are_raised_by_the_next_blocking_call(backend):
     if backend == "cuda":
         pytest.skip("an out-of-bounds store is undefined behaviour on cuda, not an error")
-    from contracts.test_launch_failures import PAST_END
+    from helpers import PAST_END
     c = runtime.client(backend)
     c.set_stream(runtime.StreamId.new())
     c.sync()
@@ -318,3 +318,27 @@ def test_a_free_never_runs_before_a_message_queued_before_the_drop(backend):
     finally:
         gate.set()
     np.testing.assert_array_equal(c.read(y), np.full(4, 6, np.float32))
+
+
+def test_errors_of_many_dropped_failing_streams_stay_bounded_and_are_all_reported(own):
+    from helpers import PAST_END
+    c = own
+    if c.backend == "cuda":
+        pytest.skip("an out-of-bounds store is undefined behaviour on cuda, not an error")
+    c.set_stream(runtime.StreamId.new())
+    c.sync()
+    srv = c._server
+    for _ in range(150):
+        r = c.with_stream(runtime.StreamId.new())
+        small = r.empty(4, np.float32)
+        r.launch(PAST_END, 1, [small])               # fails; nobody syncs r
+        del r, small
+    gc.collect()
+    _until(lambda: _streams(c) <= 1, "the failed requests' streams to be reclaimed")
+    waiting = srv.call(lambda: len(srv.marks.async_errors) + len(srv.backend.failures))
+    assert waiting <= srv.MAX_ASYNC_ERRORS
+    with pytest.raises(LaunchError) as ei:
+        c.sync()
+    text = str(ei.value)
+    assert "past_end" in text and "errors of reclaimed streams" in text
+    c.sync()

@@ -31,8 +31,6 @@ LAYERS = [
 
 #: Edges the owners are removing (each owner deletes its line when it lands; the goal is none):
 KNOWN = {
-    # H8 (issue 29 item 1) after H7's suite rework: each section owns its renderer.
-    ("runtime.bench.report", "runtime.bench.suite"),
 }
 
 

@@ -27,9 +27,9 @@ def code_lines(path: pathlib.Path) -> int:
 
 
 def main():
-    parts = ["runtime/server", "runtime/client", "runtime/backends", "runtime/kernels",
+    parts = ["runtime/server", "runtime/frontend", "runtime/backends", "runtime/kernels",
              "runtime/models", "runtime/serving", "runtime/bench", "runtime/corpus",
-             "runtime"]
+             "runtime/testing", "runtime"]
     seen = set()
     print("code lines (docstrings and comments excluded):")
     for part in parts:

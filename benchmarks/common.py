@@ -1,5 +1,5 @@
 """The suite's timing helpers, for scripts written against ``benchmarks.common``: they live in
 :mod:`runtime.bench` (``compare``, ``interleaved``, ``summarize``, ``machine``, ...)."""
 
-from runtime.bench.machine import machine, write_json  # noqa: F401
+from runtime.bench.results import machine, write_json  # noqa: F401
 from runtime.bench.timing import clock, interleaved, ratio, summarize  # noqa: F401

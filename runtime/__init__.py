@@ -17,11 +17,13 @@ from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError
                      OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
                      StreamRaceError, UnknownGraph, UnsupportedError)
 from .kernel import Binding, Kernel, Param
-from .client import ComputeClient, Graph, Handle, StreamId, client
+from .frontend import ComputeClient, Graph, Handle
+from .frontend.client import client
+from .streams import StreamId
 from .server import available_backends, shutdown
 from . import kernels
 from .tensor import Tensor
-from .capture import CapturedGraph, capture
+from .captured import CapturedGraph, capture
 from .static_graph import StaticGraph
 
 __version__ = "0.1.0"

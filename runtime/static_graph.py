@@ -53,11 +53,12 @@ import threading
 
 import numpy as np
 
-from .capture import capture
-from .client import ComputeClient, Handle, StreamId
+from .captured import capture
+from .frontend import ComputeClient, Handle
+from .streams import StreamId
 from .errors import UnknownGraph
 from .kernels import decode as _D
-from .kernels.elementwise import grid
+from .kernels.pointwise import grid
 from .tensor import Tensor
 
 __all__ = ["StaticGraph"]

@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 from . import kernels as K
-from .client import Handle
+from .frontend import Handle
 
 _DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
 _local = threading.local()

@@ -155,17 +155,19 @@ def test_a_budget_cut_is_reported_and_an_interrupted_run_keeps_its_sections(tmp_
     assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     res = data["backends"]["cpu"]
-    assert 2 <= res["first"]["reps"] < 50          # cut, but not below the minimum
-    assert res["second"] == {"reps": 3}
-    assert "interrupted" in res["third"]["error"]
-    assert data["interrupted"].startswith("Interrupted during cpu third")
+    why = f"{data}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert 2 <= res["first"]["reps"] < 50, why     # cut, but not below the minimum
+    assert res["second"] == {"reps": 3}, why
+    assert "interrupted" in res["third"]["error"], why
+    assert data["interrupted"].startswith("Interrupted during cpu third"), why
     t = data["timing"]["cpu"]
     assert t["first"]["cuts"] == [f"fake row: {res['first']['reps']} of 50 repetitions"]
     assert t["second"]["budgeted"] is False and t["second"]["cuts"] == []
     md = (tmp_path / "out" / "bench.md").read_text()
-    assert "Partial run" in md and "fake row:" in md and "takes no budget" in md
+    assert "Partial run" in md and "fake row:" in md and "takes no budget" in md, md
     # each section's table was printed as it finished, in order
     out = proc.stdout
+    assert "== cpu first" in out and "== cpu second" in out, why
     assert out.index("== cpu first") < out.index("== cpu second") < out.index("cpu: {'reps': 3}")
 
 

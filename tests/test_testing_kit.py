@@ -271,3 +271,14 @@ def test_the_model_expects_a_failure_to_propagate_to_what_is_computed_from_it():
     for op in ops[:5]:
         assert model.step(op, None, None) is None
     assert "must raise ReplayFailed" in model.step(ops[5], np.full(4, 2, np.float32), None)
+
+
+def test_the_schedulers_live_in_their_own_module_and_the_old_import_paths_still_work():
+    from runtime.backends import cpu, cpu_schedule
+    for name in ("Scheduler", "ThreadScheduler", "InterleavingScheduler", "TraceScheduler",
+                 "encode_trace", "decode_trace"):
+        assert getattr(cpu, name) is getattr(cpu_schedule, name)
+    assert runtime.testing.encode_trace is cpu_schedule.encode_trace
+    be = cpu.CpuBackend(scheduler="trace", trace="0*2")
+    assert isinstance(be.scheduler, cpu_schedule.TraceScheduler)
+    be.close()

@@ -1,17 +1,10 @@
 """The cpu backend (numpy): the embedded default, always available.
 
 Buffers are ``uint8`` numpy arrays. Streams are real asynchronous in-order queues: work is
-enqueued by the server and executed by a scheduler, never by the caller. The schedulers:
-
-- :class:`ThreadScheduler` (default): one worker thread runs any stream head as soon as it is
-  runnable (per-stream FIFO, event waits honoured).
-- :class:`InterleavingScheduler` (``seed``): defers all work, and when someone waits runs the
-  runnable stream heads in a seeded random order, honouring only per-stream FIFO and events.
-  A missing cross-stream dependency then gives wrong data deterministically for some seed;
-  the property tests and ``runtime.testing`` use it. It records the order it ran stream heads
-  (``trace``, a compact string).
-- :class:`TraceScheduler` (``scheduler="trace", trace=...``): runs a recorded trace again, so a
-  failing schedule stays reproducible after the code around it changed.
+enqueued by the server and executed by a scheduler, never by the caller. The schedulers
+(:mod:`runtime.backends.cpu_schedule`, re-exported here): ``ThreadScheduler`` (default, worker
+threads), ``InterleavingScheduler`` (seeded deterministic interleavings, with a ``trace``) and
+``TraceScheduler`` (runs a recorded trace again).
 
 The graph is a software graph: the resolved launch list (callable, views, params), replayed in
 order as one queue item.
@@ -30,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import random
 import threading
 
 import numpy as np
@@ -39,8 +31,9 @@ from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
 from ..kernels.threads import RULE
 from .base import Backend, Completion
-
-_RUN, _WAIT, _SIGNAL = 0, 1, 2
+from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
+                           TraceScheduler, decode_trace, encode_trace)
+from .cpu_schedule import RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
 
 
 def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
@@ -123,275 +116,6 @@ def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
             if fail is not None:
                 err = fail(err) or err
             raise err from e
-
-
-class Scheduler:
-    """Decides when queued stream items run. Subclasses: ``ThreadScheduler``,
-    ``InterleavingScheduler``."""
-
-    def attach(self, backend: "CpuBackend") -> None:
-        self.backend = backend
-
-    def notify(self) -> None:
-        """Work was enqueued."""
-
-    def push(self, stream, item) -> None:
-        """Append ``item`` to ``stream``'s queue and let a worker know."""
-        stream.q.append(item)
-
-    def notify_all(self) -> None:
-        """An event completed: streams waiting on it may run."""
-
-    def settle(self, comp: Completion, stream) -> Completion:
-        """Called by the server's owner after enqueuing the item on ``stream`` that finishes
-        ``comp``."""
-        return comp
-
-    def close(self) -> None:
-        pass
-
-
-class ThreadScheduler(Scheduler):
-    """Run every stream head as soon as it is runnable, on a few worker threads.
-
-    A stream is run by at most one worker at a time (per-stream FIFO); different streams run
-    concurrently (numpy releases the GIL in large operations), so a stream blocked on an event
-    or a long kernel does not hold up the others.
-
-    Args:
-        workers: worker threads (default 4).
-    """
-
-    def __init__(self, workers: int = 4):
-        self.workers = workers
-
-    def attach(self, backend):
-        super().attach(backend)
-        self.cv = threading.Condition()
-        self.waiting = 0
-        self.closed = False
-        self.rr = 0
-        self.threads = [threading.Thread(target=self._loop, name=f"runtime-cpu-worker-{k}",
-                                         daemon=True) for k in range(self.workers)]
-        for t in self.threads:
-            t.start()
-
-    def notify(self):
-        if self.waiting:
-            with self.cv:
-                self.cv.notify()
-
-    def push(self, s, item):
-        with self.cv:                           # atomic with a worker's pick-then-wait
-            s.q.append(item)
-            if self.waiting:
-                self.cv.notify()
-
-    def notify_all(self):
-        with self.cv:
-            self.cv.notify_all()
-
-    def _pick(self):
-        streams = self.backend.streams
-        n = len(streams)
-        for k in range(n):
-            s = streams[(self.rr + k) % n]
-            if s.q and not s.busy:
-                kind, payload = s.q[0]
-                if kind != _WAIT or payload.done:
-                    self.rr = (self.rr + k + 1) % n
-                    s.busy = True               # before popleft: see is_idle
-                    s.q.popleft()
-                    return s, kind, payload
-        return None
-
-    def _loop(self):
-        cv = self.cv
-        with cv:
-            while not self.closed:
-                item = self._pick()
-                if item is None:
-                    self.waiting += 1
-                    cv.wait()
-                    self.waiting -= 1
-                    continue
-                cv.release()
-                try:
-                    self.backend.execute(*item)
-                finally:
-                    cv.acquire()
-                    item[0].busy = False
-                    if item[0].q:
-                        cv.notify()             # its next item may be runnable now
-
-    def is_idle(self, stream) -> bool:
-        return not stream.q and not stream.busy   # q first: a worker sets busy, then pops
-
-    def settle(self, comp, stream):
-        comp.helper = lambda: self.help(stream, comp)
-        return comp
-
-    def help(self, stream, comp) -> None:
-        """Run ``stream``'s runnable head items on the calling (waiting) thread until ``comp``
-        is done, unless a worker already holds the stream: saves two thread hand-offs on a
-        read or sync. Runs outside the server's lock; ``busy`` keeps per-stream FIFO."""
-        cv = self.cv
-        while not comp.done:
-            with cv:
-                if stream.busy or not stream.q or self.closed:
-                    return
-                kind, payload = stream.q[0]
-                if kind == _WAIT and not payload.done:
-                    return
-                stream.busy = True
-                stream.q.popleft()
-            try:
-                self.backend.execute(stream, kind, payload)
-            finally:
-                with cv:
-                    stream.busy = False
-                    if stream.q and self.waiting:
-                        cv.notify()
-
-    def is_alive(self) -> bool:
-        return all(t.is_alive() for t in self.threads)
-
-    def close(self):
-        with self.cv:
-            self.closed = True
-            self.cv.notify_all()
-        for t in self.threads:
-            t.join(timeout=5.0)
-
-
-def encode_trace(picks) -> str:
-    """A schedule as a compact string: stream indices, runs written ``index*count``.
-
-    Args:
-        picks: the stream index (``CpuStream.index``, the order streams were first used) of
-            every stream head the scheduler ran, in order.
-    Returns: e.g. ``"0*3,1,0*2"`` for ``[0, 0, 0, 1, 0, 0]``; ``""`` for no picks.
-    """
-    out = []
-    for k, group in itertools.groupby(picks):
-        n = len(list(group))
-        out.append(f"{k}*{n}" if n > 1 else str(k))
-    return ",".join(out)
-
-
-def decode_trace(trace) -> list:
-    """The stream indices of a trace from :func:`encode_trace` (a list or tuple of ints is
-    returned as a list).
-
-    Raises: ``ValueError`` (not a trace: entries must be ``index`` or ``index*count``, both
-        non-negative ints); ``TypeError`` (neither a string nor a sequence of ints).
-    """
-    if isinstance(trace, (list, tuple)):
-        if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in trace):
-            raise ValueError(f"a trace holds non-negative stream indices, got {trace!r}")
-        return list(trace)
-    if not isinstance(trace, str):
-        raise TypeError(f"trace must be a string from encode_trace or a list of ints, got "
-                        f"{type(trace).__name__}")
-    picks: list = []
-    for entry in filter(None, trace.replace(" ", "").split(",")):
-        k, star, n = entry.partition("*")
-        if not k.isdigit() or (star and not n.isdigit()):
-            raise ValueError(f"bad trace entry {entry!r} in {trace[:80]!r}: write index or "
-                             "index*count")
-        picks.extend([int(k)] * (int(n) if n else 1))
-    return picks
-
-
-class InterleavingScheduler(Scheduler):
-    """Defer all work; on a wait, run runnable stream heads in a seeded random order.
-
-    Every pick is recorded: ``trace`` is the schedule as a compact string (see
-    :func:`encode_trace`), and ``TraceScheduler(trace)`` runs it again exactly.
-
-    Args:
-        seed: the interleaving; the same program and seed give the same order.
-    """
-
-    def __init__(self, seed: int = 0):
-        self.seed = seed
-        self.rng = random.Random(seed)
-        self.picks: list = []
-
-    def __repr__(self):
-        return f"InterleavingScheduler(seed={self.seed})"
-
-    @property
-    def trace(self) -> str:
-        """The stream heads run so far, in order, as a compact string (:func:`encode_trace`)."""
-        return encode_trace(self.picks)
-
-    def choose(self, ready: list):
-        """The stream to run next among ``ready`` (runnable heads, in stream index order)."""
-        return ready[self.rng.randrange(len(ready))]
-
-    def settle(self, comp, stream):
-        streams = self.backend.streams
-        while not comp.done:
-            ready = [s for s in streams if s.q and (s.q[0][0] != _WAIT or s.q[0][1].done)]
-            if not ready:
-                comp.fail(LaunchError("interleaving scheduler: no stream can make progress "
-                                      "(an event wait that never completes)"))
-                break
-            s = self.choose(ready)
-            self.picks.append(s.index)
-            kind, payload = s.q.popleft()
-            self.backend.execute(s, kind, payload)
-        return comp
-
-    def is_idle(self, stream) -> bool:
-        return not stream.q
-
-
-class TraceScheduler(InterleavingScheduler):
-    """Run a recorded schedule again: the stream heads in the order of ``trace``.
-
-    Args:
-        trace: a trace string (``InterleavingScheduler.trace``) or a list of stream indices.
-    Raises: ``ValueError``/``TypeError`` for a malformed trace.
-
-    When the program changed since the trace was recorded, a step can name a stream that has
-    nothing queued (the step is skipped) or whose head waits on an event (the lowest runnable
-    stream runs instead, and the step is kept for later); past the end of the trace the lowest
-    runnable stream runs. ``diverged`` counts those steps, ``first_divergence`` is the first
-    pick that did not follow the trace (None while it is followed exactly), and ``trace`` is
-    the schedule really run.
-    """
-
-    def __init__(self, trace):
-        super().__init__(0)
-        self.planned = decode_trace(trace)
-        self.step = 0
-        self.diverged = 0
-        self.first_divergence = None
-
-    def __repr__(self):
-        return f"TraceScheduler({encode_trace(self.planned)!r})"
-
-    def _off_trace(self):
-        self.diverged += 1
-        if self.first_divergence is None:
-            self.first_divergence = len(self.picks)
-
-    def choose(self, ready):
-        planned, streams = self.planned, self.backend.streams
-        while self.step < len(planned):
-            k = planned[self.step]
-            s = streams[k] if k < len(streams) else None
-            if s is not None and s in ready:
-                self.step += 1
-                return s
-            self._off_trace()
-            if s is not None and s.q:
-                return ready[0]           # blocked on an event: run another, keep the step
-            self.step += 1                # nothing queued there: skip the step
-        self._off_trace()
-        return ready[0]
 
 
 class CpuBackend(Backend):

@@ -56,7 +56,7 @@ Adding a section
    ``--skip <name>`` leaves it out; ``tests/test_bench_smoke.py`` shows how to check its rows.
 """
 
-from .machine import machine, write_json
+from .results import machine, write_json
 from .timing import clock, compare, interleaved, ratio, summarize
 
 __all__ = ["compare", "interleaved", "summarize", "ratio", "clock", "machine", "write_json"]

@@ -33,7 +33,7 @@ import numpy as np
 import runtime
 import runtime.kernels as K
 
-from .machine import machine, write_json
+from .results import machine, write_json
 from .timing import clock, summarize
 
 MM = 384                  # A's matmul size

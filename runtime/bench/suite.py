@@ -2,6 +2,11 @@
 
     python -m runtime bench [--backend cpu,wgpu] [--quick] [--out DIR] [--readme]
                             [--sections a,b] [--skip minilm] [--no-plots] [--budget-s S]
+    python -m runtime bench --compare REF [--rounds 3] [--reps 300] [--quick] [--json FILE]
+
+``--compare REF`` runs only the core rows of the cpu backend against another commit or
+checkout in alternating fresh processes and prints the ratios (:mod:`runtime.bench.refcompare`):
+run it before and after changing the hot path (launch, replay, read, sync, the queue).
 
 Per backend (default: every backend that answers here; cuda only with a GPU), the sections of
 :data:`SECTIONS` in order:
@@ -46,7 +51,7 @@ from typing import Callable
 
 from . import device_thread, minilm, replay, report, stalls
 from .budget import Budget
-from .machine import machine, write_json
+from .results import machine, write_json
 
 #: the run's default ``--budget-s``: the full cpu,wgpu run ends in about 10 minutes on 2 cores
 #: (the sections' fixed costs, compiles and captures, come on top of their shares).
@@ -217,6 +222,9 @@ def main(argv=None) -> int:
     ``OSError`` (the output folder cannot be written), ``FileNotFoundError`` (``--readme``
     outside a checkout).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--compare" in argv or any(a.startswith("--compare=") for a in argv):
+        return _compare(argv)
     ap = argparse.ArgumentParser(prog="python -m runtime bench",
                                  description=__doc__.split("\n")[0], epilog=_help_epilog(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,6 +244,10 @@ def main(argv=None) -> int:
                          f"section past its share runs fewer repetitions (never fewer rows) and "
                          f"the report says so (default: {DEFAULT_BUDGET_S:g}; --quick: none; "
                          f"0: none)")
+    ap.add_argument("--compare", metavar="REF",
+                    help="only the core rows against another git commit or checkout, in "
+                         "alternating processes (see runtime.bench.refcompare; its own options: "
+                         "--against, --rounds, --reps, --quick, --json)")
     args = ap.parse_args(argv)
     if args.budget_s is not None and args.budget_s < 0:
         raise ValueError(f"--budget-s must be >= 0, got {args.budget_s:g}")
@@ -329,3 +341,24 @@ def main(argv=None) -> int:
     for line in failed:
         print(f"python -m runtime bench: section failed: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _compare(argv: list) -> int:
+    """``--compare REF ...``: hand the rest of the arguments to :mod:`runtime.bench.compare`."""
+    from . import refcompare
+    rest, ref, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--compare":
+            if i + 1 >= len(argv):
+                raise ValueError("--compare needs a git commit or a checkout path")
+            ref, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--compare="):
+            ref = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if not ref:
+        raise ValueError("--compare needs a git commit or a checkout path")
+    return refcompare.main(ref, rest)

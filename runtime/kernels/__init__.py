@@ -5,7 +5,7 @@ Elementwise kernels take their element count ``n`` as the last param and are lau
 ``grid(n)`` workgroups of 64 invocations.
 """
 
-from .elementwise import (WORKGROUP, grid, elementwise, fill, copy, add, mul, add_scalar,
+from .pointwise import (WORKGROUP, grid, elementwise, fill, copy, add, mul, add_scalar,
                           mul_scalar, accumulate, noop)
 from .nn import (gelu, add_bias, embedding, matmul, matmul_bias, matmul_bias_gelu, matmul_count,
                  layer_norm, add_layer_norm, l2_normalize, rows_count, mean_pool, attention,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .elementwise import WORKGROUP, grid
+from .pointwise import WORKGROUP, grid
 from .shader import program
 
 R, RW = "read", "read_write"

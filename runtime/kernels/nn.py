@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from .elementwise import WORKGROUP, elementwise, grid
+from .pointwise import WORKGROUP, elementwise, grid
 from .shader import program
 from .threads import RULE
 

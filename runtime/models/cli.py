@@ -28,12 +28,12 @@ def embed_main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="launch kernels one by one (no graph)")
     args = ap.parse_args(argv)
 
-    import runtime
+    from ..frontend.client import client
     from .minilm import MiniLM
 
     t0 = time.perf_counter()
     try:
-        model = MiniLM.load(runtime.client(args.backend), args.model_dir)
+        model = MiniLM.load(client(args.backend), args.model_dir)
     except (FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..client import StreamId
+from ..streams import StreamId
 from ..kernels import decode as D
-from ..kernels.elementwise import grid
+from ..kernels.pointwise import grid
 from ..kernels.nn import erf_np
 from ..static_graph import StaticGraph
 from ..tensor import Tensor

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..capture import capture
-from ..client import StreamId
+from ..captured import capture
+from ..streams import StreamId
 from ..tensor import Arena, Tensor, embedding
 from .tokens import encode_truncated, ids_batch
 
@@ -162,7 +162,7 @@ class MiniLM:
         from tokenizers import Tokenizer
 
         if client is None:
-            from .. import client as make_client
+            from ..frontend.client import client as make_client
             client = make_client()
         d = Path(path) if path is not None else default_model_dir()
         for f in ("model.safetensors", "tokenizer.json", "config.json"):

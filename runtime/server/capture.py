@@ -155,11 +155,17 @@ class Capture:
     id to its open :class:`Window` (frees on any stream check them).
 
     Args:
-        server: the ``ComputeServer`` (its backend, pool helpers and tables).
+        backend: the server's backend (the graph verbs, ``hardware_graphs``).
+        marks: the server's ``Marks`` (queued errors of the stream; ``marks.py``).
+        release_slot: ``release_slot(handle state)``: give a buffer back to the pool with the
+            fences of its pending work (a window's deferred frees, warm-up priming).
+        event_at: ``event_at(stream state, position) -> (event, position)``: an event of the
+            stream at or after a position (recorded as the window opens).
     """
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, backend, marks, release_slot, event_at):
+        self.backend, self.marks = backend, marks
+        self.release_slot, self.event_at = release_slot, event_at
         self.windows: dict = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -181,19 +187,19 @@ class Capture:
         Raises: ``GraphStateError`` (out of order, unchanged); ``ServerUnhealthy`` (the warm-up
             left errors: aborted, back to ``NO_CAPTURE``); ``UnsupportedError`` (aborted).
         """
-        srv = self.server
+        marks = self.marks
         new_state = transition(s.state, "begin", s.id)
-        srv._collect_failures()         # failures the backend found after enqueue (submit)
+        marks.collect()                 # failures the backend found after enqueue (submit)
         if warmup_error is not None:
             s.errors.extend(warmup_error.errors if isinstance(warmup_error, ServerUnhealthy)
                             else [warmup_error])
-        if s.errors or srv.async_errors:
+        if s.errors or marks.async_errors:
             self.abort(s)
-            srv._drain_errors(s)
+            marks.drain(s)
         self._release_primed(s)
-        ev, epos = srv._event_at(s, s.pos)
+        ev, epos = self.event_at(s, s.pos)
         try:
-            recording = srv.backend.begin_graph(s.raw)
+            recording = self.backend.begin_graph(s.raw)
         except BaseException:
             self.abort(s)
             raise
@@ -207,8 +213,7 @@ class Capture:
         ``Window.fences``). Raises what ``Backend.record_launch`` raises.
         """
         w = s.window
-        srv = self.server
-        srv.backend.record_launch(w.recording, prog, count, args, params)
+        self.backend.record_launch(w.recording, prog, count, args, params)
         w.launches += 1
         sid = s.id
         for b, st in zip(kernel.bindings, states):
@@ -242,9 +247,9 @@ class Capture:
                                  "graph was made: " + "; ".join(w.refusals))
         if s.errors:
             self.abort(s)
-            self.server._drain_errors(s)
+            self.marks.drain(s)
         try:
-            graph = self.server.backend.end_graph(w.recording)
+            graph = self.backend.end_graph(w.recording)
         except BaseException:
             self._close(s, w, recorded=True)
             raise
@@ -261,26 +266,25 @@ class Capture:
         w = s.window
         if w is not None:
             try:
-                self.server.backend.abort_graph(w.recording)
+                self.backend.abort_graph(w.recording)
             finally:
                 self._close(s, w, recorded=False)
         self._release_primed(s)
         s.state = NO_CAPTURE
 
     def _close(self, s, w: Window, recorded: bool) -> None:
-        srv = self.server
         s.window = None
         s.state = NO_CAPTURE
         self.windows.pop(s.id, None)
         for st in w.deferred:
-            srv._release_slot(st)
+            self.release_slot(st)
         for graph in w.graveyard:
-            srv.backend.destroy_graph(s.raw, graph)
+            self.backend.destroy_graph(s.raw, graph)
 
     def _release_primed(self, s) -> None:
         primed, s.primed = s.primed, []
         for st in primed:
-            self.server._release_slot(st)
+            self.release_slot(st)
 
     # -- hooks ----------------------------------------------------------------------------------
     def on_alloc(self, s, st, fresh: bool) -> None:
@@ -289,7 +293,7 @@ class Capture:
         w = s.window
         if w is not None:
             w.allocs.append(st)
-            if fresh and self.server.backend.hardware_graphs:
+            if fresh and self.backend.hardware_graphs:
                 w.refusals.append(f"handle {st.id} ({st.nbytes} bytes) was allocated inside the "
                                   "window and grew the pool: a hardware graph cannot hold a "
                                   "memory node; run the work once after graph_prepare() so the "

@@ -26,9 +26,10 @@ readers check after their completion finished (ordered after the failing work by
 
 from __future__ import annotations
 
+import collections
 import threading
 
-from ..errors import LaunchError, ReplayFailed, ServerUnhealthy, unhealthy
+from ..errors import LaunchError, ReplayFailed, ServerError, ServerUnhealthy, unhealthy
 
 
 class Mark:
@@ -169,3 +170,174 @@ class Mark:
 
 #: the mark of a buffer whose last writer cannot fail later (a host write, a fresh buffer).
 CLEAN = Mark(("host", "host write"))
+
+
+class Marks:
+    """The failure-mark and fence policy of one server (design.md section 4), in one place.
+
+    Holds what the server knows about failures and completed work: the errors queued on
+    streams (``StreamState.errors``) and unattributed ones (``async_errors``), the fences that
+    tell which work is known to have run (``StreamState.fences``/``done_pos``), and the marks
+    of the handles (``HandleState.mark``). Runs on the server's single owner, like every
+    handler; the common path (a launch with clean inputs, a read of a clean buffer) costs a
+    few attribute tests.
+
+    Args:
+        backend: the server's backend (``synchronize``, ``take_failures``).
+        streams, handles, graphs: the server's tables (``{id: StreamState}``,
+            ``{id: HandleState}``, ``{id: GraphState}``), read to attribute failures.
+    Attributes:
+        async_errors: errors of queued messages no stream owns, raised by the next blocking
+            call on any stream.
+        checker: the stream-ordering checker or None (a call that raised still synced).
+    """
+
+    __slots__ = ("backend", "streams", "handles", "graphs", "async_errors", "checker")
+
+    def __init__(self, backend, streams: dict, handles: dict, graphs: dict):
+        self.backend = backend
+        self.streams, self.handles, self.graphs = streams, handles, graphs
+        self.async_errors: list = []
+        self.checker = None
+
+    # -- queued errors --------------------------------------------------------------------------
+    def on_async_error(self, exc) -> None:
+        """A fire-and-forget handler raised past its own error handling: report it at the next
+        drain of any stream (typed: a ``ServerError``)."""
+        self.async_errors.append(exc if isinstance(exc, ServerError)
+                                 else ServerError(f"internal error in a queued message: {exc!r}"))
+
+    def collect(self) -> None:
+        """Attribute the backend's ``LaunchFailure`` records: each error goes to the stream that
+        enqueued the launch (never another), naming the graph for a replay, and marks the
+        handles the launch would have written, or the replay's whole write set (design.md
+        section 4; ``ReplayFailed`` on read), unless a later write was enqueued."""
+        failures = self.backend.take_failures()
+        if not failures:
+            return
+        by_raw = {id(st.raw): st for st in self.streams.values()}
+        for f in failures:
+            g = next((g for g in self.graphs.values() if g.graph is f.graph), None)
+            gid = g.id if g is not None else None
+            err = f.error
+            if gid is not None:
+                err = type(err)(f"{err} (in a replay of graph {gid}: the dispatch did not run)")
+            s = by_raw.get(id(f.stream))
+            if f.reported:
+                pass                      # the backend raises it on its stream itself
+            elif s is not None:
+                s.errors.append(err)
+            else:
+                self.async_errors.append(err)
+            written = {id(b) for b in f.written}
+            fsid = s.id if s is not None else None
+            for st in (self.handles.values() if g is None else g.wstates):
+                if g is None and id(st.slot.buf) not in written:
+                    continue                  # a replay marks its whole write set
+                if f.pos is not None and (st.writes.get(fsid, -1) > f.pos or (
+                        gid is None and st.writes.get(fsid) != f.pos)):
+                    continue                  # a later write was enqueued after it
+                if st.mark is CLEAN:          # (a host write cannot fail later: never CLEAN)
+                    st.mark = Mark(("replay", gid) if gid is not None
+                                   else ("launch", f.kernel.name, fsid), err)
+                elif st.mark._error is None:  # the mark of that launch or replay: reads see it
+                    st.mark.error = err
+
+    def take_errors(self, s) -> list:
+        """The errors queued on ``s`` and the unattributed ones, emptied (after attributing the
+        backend's ``LaunchFailure`` s)."""
+        self.collect()
+        if not (s.errors or self.async_errors):
+            return []
+        errs = s.errors + self.async_errors
+        s.errors, self.async_errors = [], []
+        return errs
+
+    def drain(self, s) -> None:
+        """Raise the errors queued on ``s`` (and unattributed ones) together, emptying the queue."""
+        errs = self.take_errors(s)
+        if errs:
+            raise unhealthy(errs)
+
+    # -- fences ---------------------------------------------------------------------------------
+    def fence(self, s, comp) -> None:
+        """Remember that ``comp`` finishes once ``s`` ran up to its current position (a read's
+        copy, a sync, a warm-up fence): marks of that work are then final (``done``). Only a
+        tick is kept (``Completion.tick``), never the completion or its value."""
+        tick = [False]
+        comp.tick = tick
+        if comp.done:                     # finished already, or before the tick was attached
+            tick[0] = True
+        fences = s.fences
+        fences.append((s.pos, tick))
+        if len(fences) > 64:              # nobody waited on them yet: forget the oldest
+            fences.popleft()
+
+    def fence_then_raise(self, s, errs: list):
+        """A blocking call on ``s`` that will raise: a completion of everything enqueued on
+        ``s`` before it (its errors found at execution come with it) and the queued errors
+        ``errs``, plus any the fence's own submit found. The caller waits on the completion,
+        then raises them all together, once: errors of the work before a blocking call are
+        raised by that call, never left for a later one (design.md section 1), and a call that
+        raised has still waited for its stream, like one that returned (so the host may count
+        it as a sync: ``checker.on_sync``)."""
+        comp = self.backend.synchronize(s.raw)
+        self.fence(s, comp)
+        errs = errs + self.take_errors(s)
+        if self.checker is not None:
+            self.checker.on_sync(s)
+        return comp, errs
+
+    def done(self, mark) -> bool:
+        """Whether the operation of ``mark`` is known to have run (a fence after it finished;
+        a stream runs in order, so any finished fence covers everything before it)."""
+        s = mark.stream
+        if mark.pos <= s.done_pos:
+            return True
+        fences = s.fences
+        last = None
+        for i, (pos, tick) in enumerate(fences):
+            if tick[0]:
+                last = i
+        if last is not None:
+            s.done_pos = max(s.done_pos, fences[last][0])
+            for _ in range(last + 1):
+                fences.popleft()
+        return mark.pos <= s.done_pos
+
+    # -- marks ----------------------------------------------------------------------------------
+    def inherit(self, mark, reads) -> None:
+        """Give ``mark`` (a launch or replay) the marks of what it reads, ``reads`` =
+        ``[(handle id, Mark)]``: a failed one fails it now; those that may still fail become
+        its ``parents`` (it inherits their failure when it is found, e.g. at execution after it
+        was enqueued); final clean ones are dropped."""
+        parents = []
+        done = self.done
+        for hid, m in reads:
+            if m is CLEAN:
+                continue
+            if m._error is None and m.parents and done(m):
+                m.resolve(done)           # ran: settle its chain once (amortised)
+            if m._error is not None:
+                mark.error = LaunchError(f"it read handle {hid}, whose last writer, the "
+                                         f"{m.describe()}, failed ({m._error})")
+                mark.parents = ()
+                return
+            if not m.final(done):
+                parents.append((hid, m))
+        if parents:
+            mark.set_parents(parents)
+
+    def error_of(self, mark):
+        """The error of ``mark`` (own or inherited), pruning what is final; None when clean."""
+        if mark is CLEAN:
+            return None
+        return mark.resolve(self.done)
+
+    @staticmethod
+    def fail(states, op: tuple, err) -> None:
+        """Mark ``states`` as written by the failed operation ``op`` (``Mark.op``)."""
+        if states:
+            m = Mark(op, err)
+            for st in states:
+                st.mark = m

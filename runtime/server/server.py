@@ -5,6 +5,8 @@ device thread, or a caller on the combining fast path, see ``queue.py``) and is 
 that touches the tables or the backend. Policy lives here once for every backend (style.md
 section 2): cross-stream ordering of ordinary operations, the capture window's refusals,
 retention of window allocations, queued errors, the replay-failure mark on a graph's write set.
+Two collaborators hold their part of it: ``Capture`` (capture.py: the window's lifecycle and
+hooks) and ``Marks`` (marks.py: queued errors, fences, failure marks and their propagation).
 
 Positions: each stream counts the operations it executed (``StreamState.pos``). A handle keeps
 ``writes`` and ``reads`` as ``{stream id: position}``; a use on stream B waits on an event of
@@ -18,12 +20,12 @@ import collections
 import itertools
 
 from ..backends.base import Completion
-from ..client.stream import watch_thread_ends
+from ..streams import watch_thread_ends
 from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
-                      UnknownGraph, UnsupportedError, unhealthy)
+                      UnknownGraph, UnsupportedError)
 from . import capture as cap
 from .capture import merge
-from .marks import CLEAN, Mark
+from .marks import CLEAN, Mark, Marks
 from .memory import Pool
 from .queue import DeviceQueue
 
@@ -89,14 +91,14 @@ class ComputeServer:
         self.ended: set = set()        # default streams of ended threads, not yet reclaimed
         self.handles: dict = {}
         self.graphs: dict = {}
-        self.capture = cap.Capture(self)
+        self.marks = marks = Marks(backend, self.streams, self.handles, self.graphs)
+        self.capture = cap.Capture(backend, marks, self._release_slot, self._event_at)
         self.programs: dict = {}
-        self.async_errors: list = []
         self.checker = None
         if check:
             from .checker import Checker
-            self.checker = Checker(self)
-        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load)
+            self.checker = marks.checker = Checker(self)
+        self.queue = DeviceQueue(name, marks.on_async_error, backend.is_alive, backend.load)
         backend.on_room = self.queue.notify_room
         watch_thread_ends(self)
         self.submit = self.queue.submit
@@ -115,7 +117,7 @@ class ComputeServer:
 
     def thread_ended(self, sid) -> None:
         """The thread whose default stream is ``sid`` ended (called on that thread, by
-        ``runtime.client.stream``): queue its reclamation. Never blocks."""
+        ``runtime.streams``): queue its reclamation. Never blocks."""
         self.post(self.h_stream_ended, sid)
 
     def h_stream_ended(self, sid) -> None:
@@ -140,78 +142,6 @@ class ComputeServer:
             self.ended.discard(sid)
             for other in self.streams.values():
                 other.synced.pop(sid, None)
-
-    def _collect_failures(self) -> None:
-        """Attribute the backend's ``LaunchFailure`` records: each error goes to the stream that
-        enqueued the launch (never another), naming the graph for a replay, and marks the
-        handles the launch would have written, or the replay's whole write set (design.md
-        section 4; ``ReplayFailed`` on read), unless a later write was enqueued."""
-        failures = self.backend.take_failures()
-        if not failures:
-            return
-        by_raw = {id(st.raw): st for st in self.streams.values()}
-        for f in failures:
-            g = next((g for g in self.graphs.values() if g.graph is f.graph), None)
-            gid = g.id if g is not None else None
-            err = f.error
-            if gid is not None:
-                err = type(err)(f"{err} (in a replay of graph {gid}: the dispatch did not run)")
-            s = by_raw.get(id(f.stream))
-            if f.reported:
-                pass                      # the backend raises it on its stream itself
-            elif s is not None:
-                s.errors.append(err)
-            else:
-                self.async_errors.append(err)
-            written = {id(b) for b in f.written}
-            fsid = s.id if s is not None else None
-            for st in (self.handles.values() if g is None else g.wstates):
-                if g is None and id(st.slot.buf) not in written:
-                    continue                  # a replay marks its whole write set
-                if f.pos is not None and (st.writes.get(fsid, -1) > f.pos or (
-                        gid is None and st.writes.get(fsid) != f.pos)):
-                    continue                  # a later write was enqueued after it
-                if st.mark is CLEAN:          # (a host write cannot fail later: never CLEAN)
-                    st.mark = Mark(("replay", gid) if gid is not None
-                                   else ("launch", f.kernel.name, fsid), err)
-                elif st.mark._error is None:  # the mark of that launch or replay: reads see it
-                    st.mark.error = err
-
-    def _on_async_error(self, exc) -> None:
-        # a fire-and-forget handler raised past its own error handling: report at the next drain
-        self.async_errors.append(exc if isinstance(exc, ServerError)
-                                 else ServerError(f"internal error in a queued message: {exc!r}"))
-
-    def _drain_errors(self, s: StreamState) -> None:
-        """Raise the errors queued on ``s`` (and unattributed ones) together, emptying the queue."""
-        errs = self._take_errors(s)
-        if errs:
-            raise unhealthy(errs)
-
-    def _take_errors(self, s: StreamState) -> list:
-        """The errors queued on ``s`` and the unattributed ones, emptied (after attributing the
-        backend's ``LaunchFailure`` s)."""
-        self._collect_failures()
-        if not (s.errors or self.async_errors):
-            return []
-        errs = s.errors + self.async_errors
-        s.errors, self.async_errors = [], []
-        return errs
-
-    def _fence_then_raise(self, s: StreamState, errs: list):
-        """A blocking call on ``s`` that will raise: a completion of everything enqueued on
-        ``s`` before it (its errors found at execution come with it) and the queued errors
-        ``errs``, plus any the fence's own submit found. The caller waits on the completion,
-        then raises them all together, once: errors of the work before a blocking call are
-        raised by that call, never left for a later one (design.md section 1), and a call that
-        raised has still waited for its stream, like one that returned (so the host may count
-        it as a sync: ``checker.on_sync``)."""
-        comp = self.backend.synchronize(s.raw)
-        self._fence(s, comp)
-        errs = errs + self._take_errors(s)
-        if self.checker is not None:
-            self.checker.on_sync(s)
-        return comp, errs
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -283,64 +213,6 @@ class ComputeServer:
             if self.pool.idle_bytes > self.pool.max_idle:
                 self._trim(self.pool.max_idle)
 
-    # -- marks ----------------------------------------------------------------------------------
-    def _fence(self, s: StreamState, comp) -> None:
-        """Remember that ``comp`` finishes once ``s`` ran up to its current position (a read's
-        copy, a sync, a warm-up fence): marks of that work are then final (``_done``). Only a
-        tick is kept (``Completion.tick``), never the completion or its value."""
-        tick = [False]
-        comp.tick = tick
-        if comp.done:                     # finished already, or before the tick was attached
-            tick[0] = True
-        fences = s.fences
-        fences.append((s.pos, tick))
-        if len(fences) > 64:              # nobody waited on them yet: forget the oldest
-            fences.popleft()
-
-    def _done(self, mark) -> bool:
-        """Whether the operation of ``mark`` is known to have run (a fence after it finished;
-        a stream runs in order, so any finished fence covers everything before it)."""
-        s = mark.stream
-        if mark.pos <= s.done_pos:
-            return True
-        fences = s.fences
-        last = None
-        for i, (pos, tick) in enumerate(fences):
-            if tick[0]:
-                last = i
-        if last is not None:
-            s.done_pos = max(s.done_pos, fences[last][0])
-            for _ in range(last + 1):
-                fences.popleft()
-        return mark.pos <= s.done_pos
-
-    def _inherit(self, mark, reads) -> None:
-        """Give ``mark`` (a launch or replay) the marks of what it reads through ``read``
-        bindings, ``reads`` = ``[(handle id, Mark)]``: a failed one fails it now; those that may
-        still fail become its ``parents`` (it inherits their failure when it is found, e.g. at
-        execution after it was enqueued); final clean ones are dropped (marks.py)."""
-        parents = []
-        for hid, m in reads:
-            if m._error is None and m.parents and self._done(m):
-                m.resolve(self._done)     # ran: settle its chain once (amortised)
-            if m._error is not None:
-                mark.error = LaunchError(f"it read handle {hid}, whose last writer, the "
-                                         f"{m.describe()}, failed ({m._error})")
-                mark.parents = ()
-                return
-            if m is not CLEAN and not m.final(self._done):
-                parents.append((hid, m))
-        if parents:
-            mark.set_parents(parents)
-
-    @staticmethod
-    def _mark(states, op: tuple, err) -> None:
-        """Mark ``states`` as written by the failed operation ``op`` (``Mark.op``)."""
-        if states:
-            m = Mark(op, err)
-            for st in states:
-                st.mark = m
-
     # -- memory ---------------------------------------------------------------------------------
     def _trim(self, keep: int) -> int:
         """Give idle pool buffers back to the device until at most ``keep`` idle bytes remain;
@@ -400,7 +272,7 @@ class ComputeServer:
             self.backend.copy_in(s.raw, st.slot.buf, data)
         except ServerError as e:              # queued on the stream like any fire-and-forget error
             s.errors.append(e)
-            self._mark((st,), ("write", hid, sid), e)
+            self.marks.fail((st,), ("write", hid, sid), e)
             return
         s.pos += 1
         st.writes = {sid: s.pos}
@@ -414,7 +286,7 @@ class ComputeServer:
 
         A read that will raise (its buffer is marked, or errors are queued on the stream) copies
         nothing: it waits like a read that returns (for the buffer's last writer on any stream)
-        and its completion is a fence of the stream (``_fence_then_raise``), so it raises every
+        and its completion is a fence of the stream (``Marks.fence_then_raise``), so it raises every
         error of the work before it, once, after that work ran.
 
         Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``; through the client:
@@ -427,17 +299,17 @@ class ComputeServer:
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
-        errs = self._take_errors(s)
-        if st.mark.resolve(self._done) is not None or errs:
+        errs = self.marks.take_errors(s)
+        if self.marks.error_of(st.mark) is not None or errs:
             self._wait_for(s, st.writes)    # as a read that returns: after the buffer's writer
-            comp, errs = self._fence_then_raise(s, errs)
+            comp, errs = self.marks.fence_then_raise(s, errs)
             return comp, st.mark, errs
         self._wait_for(s, st.writes)
         if self.checker is not None:
             self.checker.on_access(s, st, "read", False)
         comp = self.backend.copy_out(s.raw, st.slot.buf, st.nbytes)
         s.pos += 1
-        self._fence(s, comp)
+        self.marks.fence(s, comp)
         st.reads[sid] = s.pos
         if self.checker is not None:
             self.checker.on_sync(s)     # the read returns only once s ran up to it
@@ -451,7 +323,7 @@ class ComputeServer:
         A failure found here is queued on the stream and marks what the launch would have
         written; so does one the backend finds later (``Mark.fail``). A launch reading a marked
         buffer through a ``read`` binding marks what it writes (the failure propagates, also
-        when it is found after this launch was enqueued: ``_inherit``).
+        when it is found after this launch was enqueued: ``Marks.inherit``).
         """
         s = self._stream(sid)
         states = [self.handles.get(hid) for hid in hids]
@@ -470,12 +342,12 @@ class ComputeServer:
                                 f"server {self.name}; keep the Handle alive while it is in use")
             s.errors.append(err)
             if w is None:
-                self._mark(outs, ("launch", kernel.name, sid), err)
+                self.marks.fail(outs, ("launch", kernel.name, sid), err)
             return
         prog = self._program(s, kernel)
         if prog is None:
             if w is None:
-                self._mark(outs, ("launch", kernel.name, sid), s.errors[-1])
+                self.marks.fail(outs, ("launch", kernel.name, sid), s.errors[-1])
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
@@ -489,7 +361,7 @@ class ComputeServer:
                 self._wait_for(s, st.writes)
                 if b.access != "read":
                     self._wait_for(s, st.reads)
-            self._inherit(mark, [(st.id, st.mark) for b, st in zip(bindings, states)
+            self.marks.inherit(mark, [(st.id, st.mark) for b, st in zip(bindings, states)
                                  if b.access == "read"])
             if cst is not None:
                 self._wait_for(s, cst.writes)
@@ -503,7 +375,7 @@ class ComputeServer:
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
             if w is None:
-                self._mark(outs, ("launch", kernel.name, sid), err)
+                self.marks.fail(outs, ("launch", kernel.name, sid), err)
             return
         s.pos += 1
         pos = s.pos
@@ -521,18 +393,18 @@ class ComputeServer:
     def h_sync(self, sid) -> tuple:
         """``(completion of everything enqueued on sid, queued errors)``: the caller waits on
         the completion, then raises the queued errors together with the completion's own
-        (``_fence_then_raise``: a sync that raises has waited too)."""
+        (``Marks.fence_then_raise``: a sync that raises has waited too)."""
         s = self._stream(sid)
         self.capture.on_event(s, "sync")
         self.backend.flush(s.raw)
-        return self._fence_then_raise(s, self._take_errors(s))
+        return self.marks.fence_then_raise(s, self.marks.take_errors(s))
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
         window refusals are reported by ``stop_capture``)."""
         s = self._stream(sid)
         self.backend.flush(s.raw)
-        self._drain_errors(s)
+        self.marks.drain(s)
 
     def h_record_event(self, sid):
         """An event on ``sid`` after its work so far (for ``ComputeClient.record_event``).
@@ -576,7 +448,7 @@ class ComputeServer:
         # also when errors are queued already: the warm-up's failures found at execution are
         # raised with them by start_capture, never left for a later call
         comp = self.backend.synchronize(s.raw)
-        self._fence(s, comp)
+        self.marks.fence(s, comp)
         return comp
 
     def h_start_capture(self, sid, warmup_error=None) -> None:
@@ -641,7 +513,7 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            self._inherit(mark, [(st.id, st.mark) for st in g.istates])
+            self.marks.inherit(mark, [(st.id, st.mark) for st in g.istates])
             self.backend.issue_pos = s.pos + 1
             self.backend.launch_graph(s.raw, g.graph, mark.fail)
         except Exception as e:
@@ -655,7 +527,7 @@ class ComputeServer:
         g.last_pos = s.pos
         for st in g.wstates:
             st.mark = mark
-        self._collect_failures()       # dispatches of this replay refused at submit
+        self.marks.collect()       # dispatches of this replay refused at submit
 
     def h_graph_destroy(self, gid: int) -> None:
         """Destroy graph ``gid`` after the work enqueued on its stream; unknown id: no-op.

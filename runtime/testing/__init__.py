@@ -19,7 +19,7 @@ Three tools, usable alone or together (README "Testing your stream ordering"):
 ``import runtime.testing`` needs numpy only; ``programs()`` imports hypothesis when called.
 """
 
-from ..backends.cpu import decode_trace, encode_trace
+from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (Clone, Create, Empty, Free, KernelSpec, Launch, Prepare, Program, Read,
                       RecordEvent, Release, Replay, StartCapture, StopCapture, Sync, WaitEvent,
                       Write, copy32)

@@ -24,8 +24,9 @@ from typing import NamedTuple
 
 import pytest
 
-from ..backends.cpu import InterleavingScheduler, TraceScheduler
-from ..client import StreamId, client as make_client
+from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
+from ..frontend.client import client as make_client
+from ..streams import StreamId
 from .run import backend_unavailable
 
 #: seeds per test when neither ``--runtime-seeds`` nor the marker says.

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..kernel import DTYPES, Kernel, normalize_count
 from .. import kernels as library
-from ..kernels.elementwise import elementwise
+from ..kernels.pointwise import elementwise
 
 
 def _copy32(x, y, *, n, count):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-from ..backends.cpu import InterleavingScheduler, TraceScheduler
-from ..client import StreamId, client as make_client
+from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
+from ..frontend.client import client as make_client
+from ..streams import StreamId
 from ..errors import LivenessError, ServerError, StreamRaceError
 from ..server import backend_class
 from .model import Model

@@ -7,7 +7,7 @@ import pytest
 
 from runtime import kernels as K
 from runtime.backends.base import Backend, Completion
-from runtime.client import ComputeClient, StreamId
+from runtime import ComputeClient, StreamId
 from runtime.errors import CaptureRefused
 from runtime.server import ComputeServer
 

@@ -14,7 +14,7 @@ from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
 from .handle import Handle
-from .stream import StreamId
+from ..streams import StreamId
 
 
 def _as_bytes(data):

@@ -65,7 +65,7 @@ import threading
 
 import numpy as np
 
-from .client import ComputeClient, Handle
+from .frontend import ComputeClient, Handle
 from .errors import CaptureRefused, UnknownGraph, UnsupportedError
 from .tensor import Tensor
 

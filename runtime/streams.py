@@ -1,4 +1,8 @@
-"""Stream ids (docs/contract.md section 3; CubeCL ``cubecl-environment/src/stream/id.rs``)."""
+"""Stream ids and the thread-end watcher (docs/contract.md section 3).
+
+Below both the client and the server (CubeCL keeps its stream id below both too,
+``cubecl-environment/src/stream/id.rs``): the client mints ids, the server reclaims a thread's
+stream when the thread ends. Imports nothing of the runtime."""
 
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
         start, r = clock(), 0
         while r < max_reps and (r < min_reps or clock() - start < budget_s):
             if r >= 1 and part.expired():
-                part.cut(f"MiniLM batch {batch} seq {seq}: {r} repetitions (the section's "
-                         f"own rule: {min_reps}-{max_reps} within {budget_s:g} s)")
+                part.cut(f"MiniLM batch {batch} seq {seq}: {r} repetition(s), planned "
+                         f"{min_reps}-{max_reps}")
                 break
             names = list(paths)[r % len(paths):] + list(paths)[:r % len(paths)]
             for name in names:

@@ -3,7 +3,8 @@
 # outside it (the `device` tool's machine). Under 5 minutes:
 #   1. install wheels carried in .whl/ (if any) into /tmp/site; nothing is fetched;
 #   2. record the environment (GPU, driver, python, numpy, cupy);
-#   3. the conformance suite and the cuda tests on cuda (RUNTIME_TEST_BACKENDS=cuda);
+#   3. the conformance suite (graph update/instantiate and conditionals included), the cuda
+#      tests and the one-replay decode loop on cuda (RUNTIME_TEST_BACKENDS=cuda);
 #   4. the latency benchmarks (benchmarks/cuda_latency.py: eager vs replay for graph lengths
 #      1/10/100/1000, replay enqueue p50/p99, MiniLM forward eager vs replay).
 # Writes into $OUT when set (else benchmarks/results/): device_check.json (summary), env.txt,
@@ -53,7 +54,7 @@ EOF
 T0=$(date +%s)
 RUNTIME_TEST_BACKENDS=cuda timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider \
     -o faulthandler_timeout=60 --junitxml="$RES/cuda_tests.xml" \
-    tests/contracts tests/backends/cuda > "$RES/cuda_tests.log" 2>&1
+    tests/contracts tests/backends/cuda tests/test_decode_loop.py > "$RES/cuda_tests.log" 2>&1
 TESTS_RC=$?
 TESTS_S=$(( $(date +%s) - T0 ))
 tail -n 25 "$RES/cuda_tests.log"

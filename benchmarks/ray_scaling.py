@@ -3,7 +3,7 @@ replicas beside the single-process server.
 
 Everything runs on one local Ray cluster on 127.0.0.1 (``runtime.cluster.init_ray``; its
 logical CPUs = this machine's cores) and on the cpu backend, each model process sharing out
-its cores by the cpu thread rule (``runtime.kernels.threads``; a Ray worker's cores are its
+its cores by the cpu thread rule (``runtime.cpu_threads``; a Ray worker's cores are its
 ``num_cpus``, through the ``OMP_NUM_THREADS`` Ray sets).
 
 - **Corpus** (``embed_corpus``): a JSON Lines file of ``--rows`` distinct short sentences,

@@ -30,7 +30,7 @@ texts padded to the longest, as ``SentenceTransformer.encode`` runs them, not to
 when it is installed
 (``--no-st`` skips it; run this script with ``/work/venv-st/bin/python`` or any environment
 that has it). The cpu backend shares out the cores by its thread rule
-(``runtime.kernels.threads``, as ``serve`` does); torch keeps its default threads unless
+(``runtime.cpu_threads``, as ``serve`` does); torch keeps its default threads unless
 ``--st-threads`` says otherwise. The paths take turns (order rotated), so slow drift hits all alike.
 
 The script only uses APIs an older checkout also has, so the same file measures before and

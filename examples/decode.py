@@ -2,6 +2,7 @@
 
     python examples/decode.py                       # cpu, 64 tokens
     python examples/decode.py --backend wgpu --tokens 64 --repeats 3
+    python examples/decode.py --end-token 7         # stop after token 7 (every mode)
 
 The decoder (``runtime.models.decoder``) has random weights (seed 0): the tokens are
 deterministic but meaningless. The step reads the token id and the position from device buffers,
@@ -12,9 +13,13 @@ It decodes ``--tokens`` tokens four ways and prints the per-token latency of eac
 ``--repeats`` runs, after a warm-up that compiles every kernel and captures the step):
 
 - eager, tokens read once at the end / read after every step (a host round trip per token);
-- replayed, tokens read once at the end / read after every step.
+- replayed, tokens read once at the end / read after every step;
+- one replay per sequence: ``capture_while`` around the step, the end test (last position or
+  ``--end-token``) computed on the device by ``kernels.decode.decode_continue``, so the whole
+  generation is one ``replay()`` (``Decoder.loop_graph``; cpu and wgpu, not cuda here).
 
-All four must produce identical tokens; the script exits with status 1 if they do not.
+All modes must produce identical tokens (with ``--end-token``, up to and including it); the
+script exits with status 1 if they do not.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per mode (best kept)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--end-token", type=int, default=None,
+                    help="stop after this token id (default: generate --tokens tokens)")
     args = ap.parse_args(argv)
 
     cfg = DecoderConfig(layers=args.layers, dim=args.dim,
@@ -49,21 +56,26 @@ def main(argv=None) -> int:
     g = dec.step_graph()
     dec.generate(args.prompt, 2, graph=True)
     print(f"step graph: {g.recorded and 'recorded' or 'fallback'}, hardware={g.is_hardware}, "
-          f"{g._cap.graph.info()['launches'] if g.recorded else '-'} launches per replay")
+          f"{g.graph.info()['launches'] if g.recorded else '-'} launches per replay")
 
+    modes = [(f"{'replayed' if graph else 'eager':8s} read {'each step' if each else 'at end':9s}",
+              dict(graph=graph, read_each_step=each)) for graph in (False, True)
+             for each in (False, True)]
+    try:
+        dec.generate(args.prompt, 2, per_sequence=True)       # captures the loop graph
+        modes.append(("one replay per sequence", dict(per_sequence=True)))
+    except runtime.UnsupportedError as e:
+        print(f"one replay per sequence: not available here ({e})")
     rows, tokens = [], {}
-    for graph in (False, True):
-        for each in (False, True):
-            best, toks = None, None
-            for _ in range(max(1, args.repeats)):
-                t = {}
-                toks = dec.generate(args.prompt, args.tokens, graph=graph, read_each_step=each,
-                                    timings=t)
-                best = t if best is None or t["per_token_ms"] < best["per_token_ms"] else best
-            how = "each step" if each else "at end"
-            name = f"{'replayed' if graph else 'eager':8s} read {how:9s}"
-            rows.append((name, best))
-            tokens[name] = toks
+    for name, kw in modes:
+        best, toks = None, None
+        for _ in range(max(1, args.repeats)):
+            t = {}
+            toks = dec.generate(args.prompt, args.tokens, timings=t, end_token=args.end_token,
+                                **kw)
+            best = t if best is None or t["per_token_ms"] < best["per_token_ms"] else best
+        rows.append((name, best))
+        tokens[name] = toks
     print(f"\n{'mode':30s} {'steps':>5s} {'per token (ms)':>15s} {'total (ms)':>11s}")
     for name, t in rows:
         print(f"{name:30s} {t['steps']:5d} {t['per_token_ms']:15.3f} {1e3 * t['seconds']:11.1f}")
@@ -74,6 +86,8 @@ def main(argv=None) -> int:
     eager = rows[0][1]["per_token_ms"]
     replay = rows[2][1]["per_token_ms"]
     print(f"replay speed-up (read at end): {eager / replay:.1f}x")
+    if len(rows) > 4:
+        print(f"one replay per sequence speed-up: {eager / rows[4][1]['per_token_ms']:.1f}x")
     return 0 if same else 1
 
 

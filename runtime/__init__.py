@@ -14,12 +14,13 @@ start.
 """
 
 from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError, LivenessError,
-                     OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
-                     StreamRaceError, UnknownGraph, UnsupportedError)
+                     LoopLimitExceeded, OutOfMemory, ReplayFailed, ServerClosed, ServerError,
+                     ServerForked, ServerUnhealthy, StreamRaceError, UnknownGraph,
+                     UnsupportedError)
 from .kernel import Binding, Kernel, Param
 from .frontend import ComputeClient, Graph, Handle
 from .frontend.client import client
-from .streams import StreamId
+from .streams import Event, StreamId
 from .server import available_backends, shutdown
 from . import kernels
 from .tensor import Tensor
@@ -29,9 +30,9 @@ from .static_graph import StaticGraph
 __version__ = "0.1.0"
 
 __all__ = [
-    "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId",
+    "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId", "Event",
     "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
-    "LivenessError", "StreamRaceError", "UnsupportedError",
+    "ServerForked", "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
 ]

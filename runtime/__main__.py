@@ -22,7 +22,7 @@ COMMANDS = {
     "embed": ("runtime.models.cli", "embed_main", "print embeddings of texts"),
     "embed-corpus": ("runtime.corpus.cli", "main", "embed a JSONL/CSV/Parquet file into Parquet"),
     "bench": ("runtime.bench.suite", "main", "run the latency benchmarks"),
-    "capture-demo": ("runtime.demo", "main", "capture a launch chain and replay it"),
+    "capture-demo": ("runtime.bench.capture_demo", "main", "capture a launch chain and replay it"),
 }
 
 

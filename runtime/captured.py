@@ -279,7 +279,6 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
     try:
         graph = c.stop_capture(retain=True)
     except CaptureRefused as e:
-        out = None      # the refused run's output: never computed
         return CapturedGraph(fn, fn(), pinned, None,
                              f"the capture window was refused ({e}); fn is re-run on every "
                              "replay")

@@ -43,6 +43,12 @@ class LaunchError(ServerError):
     """A kernel launch that cannot run: compile failure, bad bindings, bad params."""
 
 
+class LoopLimitExceeded(LaunchError):
+    """A ``capture_while`` loop whose condition was still true after ``max_iterations`` runs of
+    its body (eagerly, or in a replay on cpu): the loop stopped there, and a replay's write set
+    is marked with this error (``ReplayFailed`` on read), never silently truncated."""
+
+
 class InvalidHandle(ServerError):
     """A handle that is unknown, freed, from another server, or of the wrong size."""
 
@@ -54,6 +60,14 @@ class OutOfMemory(ServerError):
 class ServerClosed(ServerError):
     """The server stopped (``runtime.shutdown()``, interpreter exit) or its thread died; every
     waiting caller gets this instead of hanging."""
+
+
+class ServerForked(ServerClosed):
+    """This process is a fork of the one that started the server (``os.fork()``,
+    ``multiprocessing``'s ``fork`` start method, gunicorn ``--preload``): the device thread and
+    the backend's workers stayed in the parent, so the parent's clients, handles and graphs
+    cannot be used here. ``runtime.client(...)`` in the child starts a fresh server (as CUDA
+    refuses a context inherited across fork: ``cudaErrorInitializationError``)."""
 
 
 class LivenessError(ServerError):
@@ -124,5 +138,5 @@ def error_list(error) -> list:
 __all__ = [
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
-    "LivenessError", "StreamRaceError", "UnsupportedError", "unhealthy",
+    "LivenessError", "StreamRaceError", "UnsupportedError", "unhealthy", "LoopLimitExceeded",
 ]

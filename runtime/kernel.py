@@ -13,6 +13,11 @@ Conventions every backend follows:
   ``workgroup_size``, grid = ``count``.
 - cpu: ``cpu(*views, count=(x, y, z), **params)``; each binding arrives as a 1-D numpy view of the
   whole buffer (the handle's bytes) in its dtype; the callable mutates the views in place.
+  Optionally the callable has a ``bind`` attribute, ``cpu.bind(*views, count=..., **params) ->
+  callable()``: the same work as one zero-argument call with views, params and output bound once
+  (e.g. ``functools.partial(np.add, x[:n], alpha, y[:n])``). A software graph on the cpu
+  backend resolves each recorded launch into it at capture, so a replay is a loop of such calls
+  (issue 26); without it the graph calls ``cpu`` with the recorded arguments.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-#: Element types a binding or param may have, with their numpy dtype.
+#: Element types a binding or param may have (WGSL's names), with their numpy dtype: the one
+#: dtype table (4 bytes each; ``DTYPES[d].char`` is the ``struct`` code params pack with).
 DTYPES: dict[str, np.dtype] = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32),
                                "u32": np.dtype(np.uint32)}
-_PACK = {"f32": "f", "i32": "i", "u32": "I"}
-ACCESS = ("read", "read_write")
+#: The CUDA C name of each dtype (kernels' CUDA sources typedef the WGSL names to these).
+C_TYPES: dict[str, str] = {"f32": "float", "i32": "int", "u32": "unsigned int"}
+ACCESS = ("read", "read_write", "write")
 
 
 class Binding(NamedTuple):
@@ -35,8 +42,13 @@ class Binding(NamedTuple):
     Args:
         name: the argument's name (used in messages).
         dtype: element type, one of ``"f32"``, ``"i32"``, ``"u32"``.
-        access: ``"read"`` or ``"read_write"`` (WebGPU storage access; decides the read and write
-            sets of a captured graph and the cross-stream ordering of a launch).
+        access: ``"read"``, ``"read_write"`` or ``"write"``: decides the read and write sets of
+            a captured graph, the cross-stream ordering of a launch and how a failure mark
+            propagates (docs/contract.md section 4). ``"read_write"``: the launch may read the
+            earlier contents (``y += x``, a KV cache written at one position), so a failure mark
+            on the buffer stays; ``"write"``: the launch never reads them and rewrites what it
+            covers (``y = x + 1``), so a launch whose inputs are clean clears the mark. Both are
+            WebGPU ``read_write`` storage (WebGPU has no write-only storage buffer).
     """
 
     name: str
@@ -155,7 +167,7 @@ class Kernel:
 
     def uniform_bytes(self, values: tuple) -> bytes:
         """Params packed as a WGSL uniform struct: 4 bytes each, padded to 16 bytes."""
-        fmt = "<" + "".join(_PACK[p.dtype] for p in self.params)
+        fmt = "<" + "".join(DTYPES[p.dtype].char for p in self.params)
         data = struct.pack(fmt, *values)
         return data + b"\0" * (-len(data) % 16 or (16 if not data else 0))
 
@@ -167,6 +179,11 @@ def normalize_count(count) -> tuple:
         TypeError: not an int or a sequence of 1 to 3 ints.
         ValueError: a negative entry.
     """
+    if count.__class__ is tuple and len(count) == 3:      # the common case, checked cheaply
+        x, y, z = count
+        if x.__class__ is int and y.__class__ is int and z.__class__ is int and (
+                x >= 0 and y >= 0 and z >= 0):
+            return count
     if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
         c = (int(count), 1, 1)
     elif isinstance(count, (tuple, list)) and 1 <= len(count) <= 3 and all(

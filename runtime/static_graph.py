@@ -40,7 +40,9 @@ values (zeros unless given) and on the initial state, which is restored afterwar
 State: buffers that persist across calls and that the body both reads and writes (a KV cache, a
 position, a token fed back on the device). Set them with :meth:`write`, read them with
 :meth:`read`, restore the initial values with :meth:`reset`; :meth:`replay` runs steps without
-host data for graphs that feed themselves (``runtime.models.decoder``).
+host data for graphs that feed themselves (``runtime.models.decoder``). A failed call marks the
+state (docs/contract.md section 4): every later call raises ``ReplayFailed`` rather than return
+outputs computed from the stale state, until the state is written (:meth:`write`, :meth:`reset`).
 
 Fallback: where the backend cannot record (or the body reads to the host), the graph re-runs the
 body on every call with the same checks and ordering; ``is_hardware``/``recorded``/
@@ -57,23 +59,19 @@ from .captured import capture
 from .frontend import ComputeClient, Handle
 from .streams import StreamId
 from .errors import UnknownGraph
-from .kernels import decode as _D
-from .kernels.pointwise import grid
-from .tensor import Tensor
+from .kernels.pointwise import copy_words, grid
+from .tensor import TENSOR_DTYPES, Tensor
 
 __all__ = ["StaticGraph"]
 
-_DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
-
-
 def _dtype_name(dtype, where: str) -> str:
-    if isinstance(dtype, str) and dtype in _DTYPES:
+    if isinstance(dtype, str) and dtype in TENSOR_DTYPES:
         return dtype
     try:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
-    for name, d in _DTYPES.items():
+    for name, d in TENSOR_DTYPES.items():
         if dt == d:
             return name
     raise TypeError(f"StaticGraph: {where} has dtype {dtype!r}; use 'f32' or 'i32' "
@@ -93,7 +91,7 @@ class _Spec:
         if isinstance(spec, np.ndarray):
             self.dtype = _dtype_name(spec.dtype, f"{kind} {name!r}")
             self.shape = tuple(spec.shape)
-            self.init = np.ascontiguousarray(spec, _DTYPES[self.dtype]).copy()
+            self.init = np.ascontiguousarray(spec, TENSOR_DTYPES[self.dtype]).copy()
             return
         if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
             raise TypeError(f"StaticGraph: {kind} {name!r} must be (shape, dtype) or a numpy "
@@ -106,7 +104,7 @@ class _Spec:
                              f"got {spec[0]!r}")
         self.shape = tuple(int(d) for d in shape)
         self.dtype = _dtype_name(dtype, f"{kind} {name!r}")
-        self.init = np.zeros(self.shape, _DTYPES[self.dtype])
+        self.init = np.zeros(self.shape, TENSOR_DTYPES[self.dtype])
 
     @property
     def size(self) -> int:
@@ -197,7 +195,7 @@ class StaticGraph:
                                  f"{name!r}, declared {spec!r}")
             dst = self._tensors[name]
             if t.handle is not dst.handle:
-                self.client.launch(_D.copy_words, grid(spec.size), [t.handle, dst.handle],
+                self.client.launch(copy_words, grid(spec.size), [t.handle, dst.handle],
                                    {"n": spec.size})
         return None
 
@@ -217,10 +215,10 @@ class StaticGraph:
                             "to be copied in place")
         if isinstance(value, np.ndarray) or isinstance(value, np.generic):
             arr = np.asarray(value)
-            if arr.dtype != _DTYPES[spec.dtype]:
+            if arr.dtype != TENSOR_DTYPES[spec.dtype]:
                 raise TypeError(f"{what}: {spec.kind} {name!r} must be {spec.dtype} "
-                                f"({_DTYPES[spec.dtype]}), got {arr.dtype}; convert it with "
-                                f".astype(np.{_DTYPES[spec.dtype]})")
+                                f"({TENSOR_DTYPES[spec.dtype]}), got {arr.dtype}; convert it with "
+                                f".astype(np.{TENSOR_DTYPES[spec.dtype]})")
         else:
             try:
                 arr = np.asarray(value)
@@ -233,7 +231,7 @@ class StaticGraph:
                                 f"{type(value).__name__} of {arr.dtype}")
             if spec.dtype == "i32" and arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
                 raise ValueError(f"{what}: {spec.kind} {name!r} has values outside i32")
-            arr = arr.astype(_DTYPES[spec.dtype])
+            arr = arr.astype(TENSOR_DTYPES[spec.dtype])
         if arr.shape != spec.shape:
             raise ValueError(f"{what}: {spec.kind} {name!r} must have shape {spec.shape}, got "
                              f"{arr.shape}")
@@ -371,6 +369,13 @@ class StaticGraph:
     def is_hardware(self) -> bool:
         """True when a replay is one driver-graph dispatch (cuda)."""
         return self._cap.is_hardware
+
+    @property
+    def graph(self):
+        """The recorded :class:`~runtime.Graph` calls replay (``info()``, ``describe()``,
+        ``to_dot()``), or ``None`` on the fallback (:attr:`fallback_reason`) and after
+        ``release``. Owned by this StaticGraph: do not release it yourself."""
+        return self._cap.graph
 
     @property
     def recorded(self) -> bool:

@@ -7,6 +7,7 @@ stream when the thread ends. Imports nothing of the runtime."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 
@@ -32,6 +33,15 @@ def _thread_ended(sid) -> None:
             server.thread_ended(sid)
         except Exception:  # noqa: BLE001 - a closed server, interpreter shutdown
             pass
+
+
+def _after_fork_in_child() -> None:
+    global _watchers_lock
+    _watchers_lock = threading.Lock()      # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _ThreadEnd:
@@ -69,3 +79,36 @@ class StreamId(int):
 
     def __repr__(self):
         return f"StreamId({int(self)})"
+
+
+class Event:
+    """A point in one stream's work: everything enqueued on ``stream`` before
+    ``ComputeClient.record_event()`` returned it (CUDA's ``cudaEventRecord``; CuPy's
+    ``cupy.cuda.Event`` and Warp's ``wp.Event`` are objects too).
+
+    Pass it to ``ComputeClient.wait_event`` of any client of the same server (same backend,
+    device and options) to order that client's stream after it; a client of another server
+    raises ``ValueError``. Users do not construct one.
+
+    Attributes:
+        stream: the ``StreamId`` it was recorded on.
+        position: how many operations had been enqueued on that stream before it (an int).
+    """
+
+    __slots__ = ("stream", "position", "_server")
+
+    def __init__(self, stream, position: int, server=None):
+        self.stream = StreamId(stream)
+        self.position = int(position)
+        self._server = server
+
+    def __iter__(self):
+        """``stream, position = event``, as when ``record_event()`` returned a tuple
+        (deprecated: read ``.stream`` and ``.position``)."""
+        import warnings
+        warnings.warn("unpacking an Event is deprecated; read event.stream and event.position",
+                      DeprecationWarning, stacklevel=2)
+        return iter((self.stream, self.position))
+
+    def __repr__(self):
+        return f"Event(stream={int(self.stream)}, position={self.position})"

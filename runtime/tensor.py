@@ -27,8 +27,10 @@ import numpy as np
 
 from . import kernels as K
 from .frontend import Handle
+from .kernel import DTYPES
 
-_DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+#: the kernel dtypes a Tensor may have (``runtime.kernel.DTYPES`` less ``u32``).
+TENSOR_DTYPES = {d: DTYPES[d] for d in ("f32", "i32")}
 _local = threading.local()
 
 
@@ -111,14 +113,16 @@ class Tensor:
         handle: the device buffer (``Handle``); may be larger than the tensor.
         shape: tuple of ints; dtype: ``"f32"`` or ``"i32"``.
 
-    Build one with :meth:`from_numpy` or :meth:`empty`; read it with :meth:`numpy`.
+    Build one with :meth:`from_numpy` or :meth:`empty`; read it with :meth:`numpy`. The
+    constructor wraps an existing handle (4 bytes an element) and raises ``ValueError`` for
+    another dtype or a handle smaller than ``shape`` needs.
     """
 
     __slots__ = ("client", "shape", "dtype", "_buf")
 
     def __init__(self, client, handle: Handle, shape, dtype: str = "f32", *, _buf=None):
-        if dtype not in _DTYPES:
-            raise ValueError(f"Tensor dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+        if dtype not in TENSOR_DTYPES:
+            raise ValueError(f"Tensor dtype must be one of {list(TENSOR_DTYPES)}, got {dtype!r}")
         self.client = client
         self.shape = tuple(int(d) for d in shape)
         self.dtype = dtype
@@ -141,7 +145,7 @@ class Tensor:
             dtype = "i32"
         else:
             raise TypeError(f"Tensor.from_numpy takes a float or integer array, got {a.dtype}")
-        a = np.ascontiguousarray(a, dtype=_DTYPES[dtype])
+        a = np.ascontiguousarray(a, dtype=TENSOR_DTYPES[dtype])
         return cls(client, client.create(a), a.shape, dtype)
 
     @classmethod
@@ -151,9 +155,9 @@ class Tensor:
         arenas = getattr(_local, "arenas", None)
         arena = arenas[-1] if arenas else None
         if arena is not None and arena.client is client:
-            h = arena.take(shape, _DTYPES[dtype])
+            h = arena.take(shape, TENSOR_DTYPES[dtype])
             return cls(client, h, shape, dtype, _buf=_Buffer(h, arena))
-        return cls(client, client.empty(shape, _DTYPES[dtype]), shape, dtype)
+        return cls(client, client.empty(shape, TENSOR_DTYPES[dtype]), shape, dtype)
 
     @property
     def handle(self) -> Handle:
@@ -168,14 +172,14 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """Read the tensor to the host (blocks; raises the stream's queued errors)."""
         raw = self.client.read(self.handle).reshape(-1).view(np.uint8)
-        return raw[:self.size * 4].view(_DTYPES[self.dtype]).reshape(self.shape).copy()
+        return raw[:self.size * 4].view(TENSOR_DTYPES[self.dtype]).reshape(self.shape).copy()
 
     def write(self, array) -> None:
         """Overwrite the tensor in place with ``array`` (same number of elements; cast).
 
         Raises: ``ValueError`` when the sizes differ.
         """
-        a = np.ascontiguousarray(array, dtype=_DTYPES[self.dtype]).reshape(-1)
+        a = np.ascontiguousarray(array, dtype=TENSOR_DTYPES[self.dtype]).reshape(-1)
         if a.size != self.size:
             raise ValueError(f"write of {a.size} elements into a tensor of shape {self.shape}")
         if self.handle.size != a.size:
@@ -183,7 +187,9 @@ class Tensor:
         self.client.write(self.handle, a)
 
     def reshape(self, *shape) -> "Tensor":
-        """A view with another shape (same buffer; one ``-1`` is inferred)."""
+        """A view with another shape (same buffer and dtype; one ``-1`` is inferred).
+
+        Raises: ``ValueError`` when the element counts differ."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         shape = tuple(int(d) for d in shape)
         if -1 in shape:
@@ -226,7 +232,10 @@ class Tensor:
         return out
 
     def add(self, other: "Tensor") -> "Tensor":
-        """``self + other``: same shape, or ``other`` a ``[N]`` bias broadcast over the last dim."""
+        """``self + other`` (f32): same shape, or ``other`` a ``[N]`` bias broadcast over the last
+        dim ``N``; a new tensor of ``self``'s shape.
+
+        Raises: ``ValueError`` for shapes that do not broadcast so."""
         n = self.size
         out = self._out(self.shape)
         if other.shape == self.shape:
@@ -280,7 +289,10 @@ class Tensor:
         return attention(self, self, self, mask, heads, offsets=(0, H, 2 * H))
 
     def mean_pool(self, mask: "Tensor") -> "Tensor":
-        """Mean over the tokens of ``self [B, S, H]`` weighted by ``mask [B, S]``: ``[B, H]``."""
+        """Mean over the tokens of ``self [B, S, H]`` (f32) weighted by ``mask [B, S]`` (0/1
+        f32): a new ``[B, H]`` tensor.
+
+        Raises: ``ValueError`` when ``mask`` is not ``[B, S]``."""
         B, S, H = self.shape
         if mask.shape != (B, S):
             raise ValueError(f"mean_pool: mask {mask.shape}, expected {(B, S)}")

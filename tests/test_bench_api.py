@@ -92,6 +92,7 @@ def test_every_public_name_of_runtime_bench_has_a_docstring():
 def test_sections_are_selected_by_name_and_unknown_names_are_refused():
     from runtime.bench import suite
     assert [s.name for s in suite.select("replay,device_thread")] == ["device_thread", "replay"]
-    assert [s.name for s in suite.select(skip="minilm")] == ["device_thread", "replay", "stalls"]
+    assert [s.name for s in suite.select(skip="minilm")] == ["device_thread", "replay", "stalls",
+                                                         "decode"]
     with pytest.raises(ValueError, match="unknown section"):
         suite.select("nope")

@@ -52,7 +52,7 @@ def test_quick_bench_exits_zero_and_writes_json_and_report(quick_run):
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     data = json.loads((out / "bench.json").read_text())
     assert data["quick"] is True
-    assert data["sections"] == ["device_thread", "replay", "minilm", "stalls"]
+    assert data["sections"] == ["device_thread", "replay", "minilm", "stalls", "decode"]
     assert sorted(data["backends"]) == sorted(backends)
     assert data["machine"]["cpus"] > 0
     md = (out / "bench.md").read_text()

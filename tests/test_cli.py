@@ -61,3 +61,19 @@ def test_a_failing_command_in_a_subprocess_from_another_folder(tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 2
     assert "unknown backend 'nope'" in _one_line(r.stderr, "bench")
+
+
+def test_capture_demo_runs_the_replay_workload_and_checks_it(tmp_path):
+    """``capture-demo`` (runtime/bench/capture_demo.py, on the bench's replay workload): the
+    buffers hold the count of launches that ran, on both paths."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "runtime", "capture-demo", "--length", "10",
+                        "--rounds", "3", "--elems", "64"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # 2 passes at capture, 1 warm-up and 3 timed passes per path: 10 launches each
+    assert "values match numpy: True (a=100, b=99" in r.stdout
+    assert "µs/launch" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "runtime", "capture-demo", "--length", "3"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--length must be even" in r.stderr

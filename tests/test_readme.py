@@ -20,3 +20,7 @@ def test_every_python_block_of_the_readme_runs():
     assert "[11. 11. 11. 11.]" in outputs[0]
     assert "True False None" in outputs[1]
     assert "['eager', 'replay'] True" in outputs[2]
+    # Graphs that change (docs/contract.md section 4b)
+    assert any("{'alpha': 1.0, 'n': 4}\n[10. 11. 12. 13.]\n[10. 11. 12. 13.]\nGraph " in o
+               for o in outputs)
+    assert any("[3. 3. 3. 3.]\n[8. 8. 8. 8.]" in o for o in outputs)

@@ -12,11 +12,16 @@ Terms:
 - ``buf``: a raw device buffer of at least the requested bytes (from :meth:`Backend.alloc`).
 - ``args``: a list of ``(buf, nbytes)`` pairs, one per kernel binding; ``nbytes`` is the handle's
   size in bytes (the pool may hand out a larger buffer).
-- ``fail``: ``None`` or a callable ``fail(error)`` the backend calls, from any thread, when the
-  work of this call fails after the call returned (at execution on a worker, at a later submit):
-  the server then marks what the work would have written (``runtime.server.marks``); it returns
-  the error to report on the stream (or None: report ``error``). A failure found during the call
-  is raised instead. (wgpu reports failures found at a later submit as ``LaunchFailure`` s.)
+- ``mark``: the failure protocol of ``launch``/``launch_graph``, one for every backend. A
+  failure found during the call is raised (a ``ServerError``; the server queues it on the
+  stream and marks what the work would have written). A failure found after the call returned
+  (at execution on a worker, at a later submit, on a queue thread) is handed to
+  ``mark.fail(error)`` (any thread; ``mark`` is the operation's
+  ``runtime.server.marks.Mark``, or None), which marks what the work would have written and
+  returns the error to report; the backend reports that on ``stream`` by failing the stream's
+  next completion (``synchronize``, ``copy_out``) with it, as CUDA reports an asynchronous
+  error at the next synchronize. Errors no stream owns (wgpu: a refused ``write_buffer``) go to
+  ``failures``, raised by the next blocking call on any stream.
 - ``count``: a 3-tuple ``(x, y, z)`` of workgroups, or a 2-tuple ``(buf, nbytes)`` for an
   indirect dispatch whose three ``u32`` counts are read from the buffer when the launch executes
   (WebGPU ``dispatch_workgroups_indirect``); tell them apart by length.
@@ -140,11 +145,8 @@ class Backend:
         #: set by the server: called (from any thread) when ``load()`` shrank, so producers
         #: waiting for room in the device queue re-check (design.md section 1).
         self.on_room = _nothing
-        #: failures found after enqueue that the server attributes (see ``take_failures``).
+        #: errors no stream owns, found after enqueue (see ``take_failures``); any thread.
         self.failures: collections.deque = collections.deque()
-        #: set by the server before ``launch``/``launch_graph``: the stream position of the
-        #: work being enqueued; a ``LaunchFailure`` carries it (``pos``).
-        self.issue_pos = None
 
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int):
@@ -165,8 +167,8 @@ class Backend:
         return (0, 0)
 
     def take_failures(self) -> list:
-        """Failures found after enqueue, as ``LaunchFailure`` records, emptied; the server
-        reports each on its stream and marks what the failed launch would have written."""
+        """Errors no stream owns found after enqueue (``ServerError`` s), emptied; the server
+        raises them at the next blocking call on any stream (see the module doc: ``mark``)."""
         out = []
         failures = self.failures
         while failures:
@@ -199,6 +201,12 @@ class Backend:
     def flush(self, stream) -> None:
         """Hand batched work of ``stream`` to the device now (wgpu: submit the encoder)."""
 
+    def idle(self, stream) -> bool:
+        """True only when every piece of work enqueued on ``stream`` has run and left no error
+        to report (a sync of it may return at once: ``ComputeServer.sync_idle``); False when
+        unknown (the default: the server then synchronizes as usual)."""
+        return False
+
     # -- copies ---------------------------------------------------------------------------
     def copy_in(self, stream, buf, data: np.ndarray) -> None:
         """Stream-ordered host-to-device copy of ``data`` (a contiguous ``uint8`` array the
@@ -216,8 +224,8 @@ class Backend:
         ``LaunchError`` (no source for this backend, or a compile failure)."""
         raise NotImplementedError
 
-    def launch(self, stream, program, count, args, params: tuple, fail=None) -> None:
-        """Enqueue one dispatch of ``program`` on ``stream``; ``fail``: see the module doc."""
+    def launch(self, stream, program, count, args, params: tuple, mark=None) -> None:
+        """Enqueue one dispatch of ``program`` on ``stream``; ``mark``: see the module doc."""
         raise NotImplementedError
 
     # -- graphs ---------------------------------------------------------------------------
@@ -237,13 +245,47 @@ class Backend:
     def abort_graph(self, recording) -> None:
         """Drop an unfinished recording (a refused window)."""
 
-    def launch_graph(self, stream, graph, fail=None) -> None:
-        """Enqueue one replay of ``graph`` on ``stream``; return once it is enqueued; ``fail``:
+    def launch_graph(self, stream, graph, mark=None) -> None:
+        """Enqueue one replay of ``graph`` on ``stream``; return once it is enqueued; ``mark``:
         see the module doc (a launch of the graph failed while it executed)."""
         raise UnsupportedError(f"graph replay is not supported by the {self.name} backend")
 
     def destroy_graph(self, stream, graph) -> None:
         """Free ``graph`` once the work already enqueued on ``stream`` no longer needs it."""
+
+    # -- graphs that change (runtime.server.graphs) ---------------------------------------
+    #: True when ``capture_while`` is unrolled to ``max_iterations`` (then required).
+    unrolls_loops = False
+    #: why ``update_graph`` cannot patch (``Graph.fallback_reason`` after an update), or None.
+    update_fallback_reason = None
+
+    def update_graph(self, stream, graph, changes: dict, conds: dict):
+        """Patch ``graph`` for the replays enqueued after this call (those enqueued before keep
+        the old dispatches): ``changes`` = ``{launch index: (program, count, args, params)}``
+        (launches in recording order, bodies of conditional nodes included), ``conds`` =
+        ``{node index: (buf, nbytes)}`` (a new condition buffer). All or nothing: raise before
+        changing anything. Returns the graph to use from now on (the same object or a new one;
+        the server destroys the old one), or None: cannot patch, the server rebuilds the graph
+        from its recording (``begin_graph`` ... ``end_graph``)."""
+        return None
+
+    def begin_cond(self, recording, kind: str, cond, max_iterations) -> None:
+        """Open a conditional node in ``recording``: ``kind`` ``"if"`` (the launches recorded
+        until ``else_cond``/``end_cond`` run when the 1-element i32/u32 at ``cond`` =
+        ``(buf, nbytes)`` is non-zero at replay) or ``"while"`` (they run while it is non-zero,
+        at most ``max_iterations`` times, else the replay fails with ``LoopLimitExceeded``).
+        Raises ``UnsupportedError`` (at capture, never at replay) where there are none."""
+        raise UnsupportedError(f"capture_if/capture_while are not supported by the {self.name} "
+                               "backend")
+
+    def else_cond(self, recording) -> None:
+        """Switch the innermost open ``"if"`` node to its false branch."""
+        raise UnsupportedError(f"capture_if is not supported by the {self.name} backend")
+
+    def end_cond(self, recording) -> None:
+        """Close the innermost open conditional node."""
+        raise UnsupportedError(f"capture_if/capture_while are not supported by the {self.name} "
+                               "backend")
 
     # -- lifetime -------------------------------------------------------------------------
     def is_alive(self) -> bool:
@@ -256,29 +298,6 @@ class Backend:
 
 def _nothing() -> None:
     return None
-
-
-class LaunchFailure:
-    """One launch that did not run, found after it was enqueued (wgpu: a dispatch its batch
-    failed validation on at submit).
-
-    Attributes:
-        stream: the backend stream it was enqueued on.
-        kernel: its ``runtime.Kernel`` (the message names it).
-        written: the raw buffers its ``read_write`` bindings would have written.
-        error: the ``ServerError`` to report on its stream.
-        graph: the backend graph it belongs to (a replay), or None (an eager launch).
-        reported: True when the backend already reports ``error`` on its stream (cpu: the
-            stream's next completion fails with it); the server then only marks.
-        pos: the server's stream position of the launch (``Backend.issue_pos`` when it was
-            enqueued); a buffer written again after it is not marked. None: always marked.
-    """
-
-    __slots__ = ("stream", "kernel", "written", "error", "graph", "reported", "pos")
-
-    def __init__(self, stream, kernel, written, error, graph=None, reported=False, pos=None):
-        self.stream, self.kernel, self.written = stream, kernel, written
-        self.error, self.graph, self.reported, self.pos = error, graph, reported, pos
 
 
 def written_buffers(kernel, args) -> tuple:

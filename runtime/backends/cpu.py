@@ -11,7 +11,7 @@ order as one queue item.
 
 Threads: a stream's kernels run one after another on one worker thread, and each kernel may fan
 out into a library pool, OpenBLAS (numpy's matmuls) or numba (the compiled loops of
-``runtime.kernels.cpu_loops``). The thread rule (:mod:`runtime.kernels.threads`, README "The cpu
+``runtime.kernels.cpu_loops``). The thread rule (:mod:`runtime.cpu_threads`, README "The cpu
 backend: kernels and threads") gives both pools ``cores // items executing now`` threads,
 counted over every cpu backend of the process: one busy stream uses every core, concurrent
 streams split them, and no pool waits for a thread another worker holds. ``threads=`` sets the
@@ -24,45 +24,17 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from functools import partial
 
 import numpy as np
 
-from ..errors import LaunchError, OutOfMemory, ServerClosed, unhealthy
+from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
 from ..kernel import DTYPES
-from ..kernels.threads import RULE
+from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
                            TraceScheduler, decode_trace, encode_trace)
-from .cpu_schedule import RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
-
-
-def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
-    """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
-
-    A fixed count, outside the thread rule (:mod:`runtime.kernels.threads`, which sizes BLAS
-    itself while cpu streams execute; ``CpuBackend(blas_threads=n)`` fixes it through this).
-
-    Args:
-        n: threads (>= 1).
-        force: apply even when ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
-            is set (otherwise the user's setting wins and nothing is done).
-    Returns: the previous thread count (pass it back, with ``force=True``, to restore), or
-        ``None`` when skipped, when no BLAS was found or ``threadpoolctl`` is missing.
-    """
-    import os
-
-    try:
-        from threadpoolctl import threadpool_info, threadpool_limits
-    except ImportError:
-        return None
-    if not force and any(os.environ.get(v) for v in
-                         ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")):
-        return None
-    prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
-               default=None)
-    if prev is not None and prev != n:
-        threadpool_limits(int(n), user_api="blas")
-    return prev
+from .cpu_schedule import CALL as _CALL, RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
 
 
 class CpuEvent:
@@ -97,24 +69,134 @@ class CpuStream:
 
 
 class CpuGraph:
-    """The resolved launch list of a capture: ``[(fn, views, kwargs, count, name)]``."""
+    """The resolved launch list of a capture: ``launches`` = ``[(fn, views, kwargs, count,
+    name)]``, with :class:`CpuCond` nodes where ``capture_if``/``capture_while`` recorded one
+    (``nodes``). Without nodes each launch is also resolved once into its cheapest call
+    (``calls``, with the kernel ``names``; issue 26): the kernel's cpu ``bind`` (views, params
+    and output bound at capture), else the callable with its arguments bound; zero-count
+    launches are dropped (they run nothing). Whoever changes ``launches`` calls :meth:`rebind`."""
 
-    __slots__ = ("launches",)
+    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain")
 
     def __init__(self, launches):
         self.launches = launches
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Resolve ``launches`` into ``calls`` and ``names`` again (none with nodes)."""
+        self.nodes = any(type(x) is not tuple for x in self.launches)
+        calls, names, largest, plain = [], [], 0, not self.nodes
+        for launch in () if self.nodes else self.launches:
+            call = _bind(*launch)
+            if call is not None:
+                calls.append(call)
+                names.append(launch[4])
+                largest = max(largest, sum(v.nbytes for v in launch[1]))
+                plain = plain and hasattr(launch[0], "bind") and launch[3].__class__ is tuple
+        self.calls, self.names = tuple(calls), tuple(names)
+        self.small = not self.nodes and largest <= DEFER_BYTES  # tiny kernels: a waiter runs it
+        self.plain = plain                      # numpy ufunc calls only: no library pool
 
 
-def _run_launch(fn, views, kwargs, count, name, fail=None, where=""):
+class CpuRecording:
+    """A recording: ``stack`` of open launch lists (the top level, then each open node's
+    branch), ``nodes``: the open :class:`CpuCond` s, innermost last."""
+
+    __slots__ = ("stack", "nodes", "count")
+
+    def __init__(self):
+        self.stack = [[]]
+        self.nodes: list = []
+        self.count = 0
+
+
+class CpuCond:
+    """A conditional node: ``kind`` ``"if"`` (run ``then`` when ``cond[0] != 0`` else
+    ``other``) or ``"while"`` (run ``then`` while ``cond[0] != 0``, at most ``max_iterations``
+    times, default ``DEFAULT_MAX_ITERATIONS``). ``cond`` is an int32 view of the condition
+    buffer's first 4 bytes, read when a replay reaches the node."""
+
+    __slots__ = ("kind", "cond", "max_iterations", "then", "other", "index")
+
+    def __init__(self, kind, cond, max_iterations):
+        self.kind, self.cond, self.max_iterations = kind, cond, max_iterations
+        self.then, self.other = [], []
+        self.index = None
+
+
+#: ``capture_while(max_iterations=None)``'s bound (``runtime.client.client``'s value).
+DEFAULT_MAX_ITERATIONS = 1 << 20
+
+
+def _run_nodes(items, mark) -> None:
+    """Run a launch list with conditional nodes (a replay); see :class:`CpuCond`."""
+    for item in items:
+        if type(item) is tuple:
+            _run_launch(*item, mark, " (in a graph replay)")
+        elif item.kind == "if":
+            _run_nodes(item.then if item.cond[0] != 0 else item.other, mark)
+        else:
+            limit = DEFAULT_MAX_ITERATIONS if item.max_iterations is None else item.max_iterations
+            done = 0
+            while item.cond[0] != 0:
+                if done >= limit:
+                    err = LoopLimitExceeded(
+                        f"capture_while node {item.index}: its condition was still non-zero "
+                        f"after max_iterations={limit} iterations in a graph replay; the loop "
+                        "stopped there")
+                    if mark is not None:
+                        err = mark.fail(err)
+                    raise err
+                _run_nodes(item.then, mark)
+                done += 1
+
+
+#: work whose kernels each touch at most this many bytes (their bindings summed) is left queued
+#: for the caller that waits for it, without waking a worker (``ThreadScheduler``, issue 26):
+#: numpy keeps the GIL on small arrays, so a worker could not run it beside the caller anyway,
+#: and the hand-off (a wake-up, the GIL passed over and back) costs more than the work.
+DEFER_BYTES = 1 << 20
+
+
+def _counts(count) -> tuple:
+    """An indirect count's three u32 (``count``: the bytes of the count buffer), read now."""
+    return tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
+
+
+def _run_indirect(fn, views, kwargs, count):
+    count = _counts(count)
+    if count[0] and count[1] and count[2]:
+        fn(*views, count=count, **kwargs)
+
+
+def _bind(fn, views, kwargs, count, name):
+    """One resolved launch as the cheapest zero-argument call doing its work: ``fn.bind`` (see
+    ``runtime.kernel``), else ``fn`` with its arguments bound; ``None`` for a zero count (it
+    runs nothing); an indirect count is read when the call runs."""
+    if not isinstance(count, tuple):
+        return partial(_run_indirect, fn, views, kwargs, count)
+    if not (count[0] and count[1] and count[2]):
+        return None
+    bind = getattr(fn, "bind", None)
+    if bind is not None:
+        return bind(*views, count=count, **kwargs)
+    return partial(fn, *views, count=count, **kwargs)
+
+
+def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
+    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
+    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
+    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
+    completion (``_execute``)."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
-        count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
+        count = _counts(count)
     if count[0] and count[1] and count[2]:
         try:
             fn(*views, count=count, **kwargs)
         except Exception as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
-            if fail is not None:
-                err = fail(err) or err
+            if mark is not None:
+                err = mark.fail(err)
             raise err from e
 
 
@@ -173,13 +255,14 @@ class CpuBackend(Backend):
         self._executed = itertools.count(1)  # next() is atomic under the GIL
         self._bytes = 0                      # host bytes held by queued writes
         self._bytes_lock = threading.Lock()
+        self._threaded = isinstance(scheduler, ThreadScheduler)
         scheduler.attach(self)
         self.closed = False
 
     def load(self) -> tuple:
         """``(items, bytes)`` enqueued on the streams and not yet run (design.md section 1).
         ``(0, 0)`` under the interleaving scheduler, which runs nothing until someone waits."""
-        if not isinstance(self.scheduler, ThreadScheduler):
+        if not self._threaded:
             return (0, 0)
         return (self.enqueued - self.executed, self._bytes)
 
@@ -205,7 +288,13 @@ class CpuBackend(Backend):
             self.on_room()
 
     def _execute(self, s: CpuStream, kind, payload) -> None:
-        if kind == _RUN:
+        if kind == _CALL:                   # no library pool: outside the thread rule
+            try:
+                payload()
+            except Exception as e:  # noqa: BLE001 - kernel code is user code
+                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                    f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+        elif kind == _RUN:
             RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
@@ -225,11 +314,11 @@ class CpuBackend(Backend):
                 else:
                     payload.set(payload.value)
 
-    def _enqueue(self, s: CpuStream, kind, payload) -> None:
+    def _enqueue(self, s: CpuStream, kind, payload, defer: bool = False) -> None:
         if self.closed:
             raise ServerClosed("cpu backend is closed")
         self.enqueued += 1
-        self.scheduler.push(s, (kind, payload))
+        self.scheduler.push(s, (kind, payload), defer)
 
     # -- memory -------------------------------------------------------------------------------
     def alloc(self, nbytes):
@@ -259,11 +348,14 @@ class CpuBackend(Backend):
         if not event.done:
             self._enqueue(stream, _WAIT, event)
 
+    def idle(self, stream):
+        return not stream.q and not stream.busy and not stream.errors and not self.closed
+
     def synchronize(self, stream):
         if self.scheduler.is_idle(stream) and not stream.errors:
             return Completion.ready()
         comp = Completion()
-        self._enqueue(stream, _SIGNAL, comp)
+        self._enqueue(stream, _SIGNAL, comp, True)
         return self.scheduler.settle(comp, stream)
 
     # -- copies -------------------------------------------------------------------------------
@@ -278,7 +370,8 @@ class CpuBackend(Backend):
                     self._bytes -= n
         with self._bytes_lock:
             self._bytes += n
-        self._enqueue(stream, _RUN, write)
+        small = n <= DEFER_BYTES
+        self._enqueue(stream, _CALL if small else _RUN, write, small)
 
     def copy_out(self, stream, buf, nbytes):
         comp = Completion()
@@ -286,8 +379,8 @@ class CpuBackend(Backend):
 
         def read():
             comp.value = src[:nbytes].copy()
-        self._enqueue(stream, _RUN, read)
-        self._enqueue(stream, _SIGNAL, comp)
+        self._enqueue(stream, _CALL if nbytes <= DEFER_BYTES else _RUN, read, True)
+        self._enqueue(stream, _SIGNAL, comp, True)
         return self.scheduler.settle(comp, stream)
 
     # -- kernels ------------------------------------------------------------------------------
@@ -315,30 +408,89 @@ class CpuBackend(Backend):
         """``{"hardware": False, "device": "numpy <version>"}``: always available."""
         return {"hardware": False, "device": cls.device_name}
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, fail))
+        small = sum(v.nbytes for v in views) <= DEFER_BYTES
+        self._enqueue(stream, _CALL if small and hasattr(fn, "bind") else _RUN,
+                      lambda: _run_launch(fn, views, kwargs, count, name, mark), small)
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
-        return []
+        return CpuRecording()
 
     def record_launch(self, recording, program, count, args, params):
-        recording.append(self._resolve(program, count, args, params))
+        recording.stack[-1].append(self._resolve(program, count, args, params))
 
     def end_graph(self, recording):
-        return CpuGraph(tuple(recording))
+        return CpuGraph(tuple(recording.stack[0]))
 
-    def launch_graph(self, stream, graph, fail=None):
-        launches = graph.launches
+    def launch_graph(self, stream, graph, mark=None):
+        if graph.nodes:
+            launches = graph.launches
+            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
+            return
+        calls, names = graph.calls, graph.names
 
         def replay():
-            for launch in launches:   # a failing launch stops the replay: the rest never runs
-                _run_launch(*launch, fail, " (in a graph replay)")
-        self._enqueue(stream, _RUN, replay)
+            f = None
+            try:
+                for f in calls:     # a failing launch stops the replay: the rest never runs
+                    f()
+            except Exception as e:  # noqa: BLE001 - kernel code is user code
+                name = next(n for c, n in zip(calls, names) if c is f)
+                err = LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
+                                  f"{type(e).__name__}: {e}")
+                if mark is not None:
+                    err = mark.fail(err)
+                raise err from e
+        self._enqueue(stream, _CALL if graph.plain else _RUN, replay, graph.small)
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list
+
+    # -- graphs that change ---------------------------------------------------------------------
+    def begin_cond(self, recording, kind, cond, max_iterations):
+        """Open an ``if``/``while`` node: its condition is read from ``cond``'s buffer each time
+        a replay reaches it (``LoopLimitExceeded`` past ``max_iterations``)."""
+        buf, _ = cond
+        node = CpuCond(kind, buf.data[:4].view(np.int32), max_iterations)
+        node.index, recording.count = recording.count, recording.count + 1
+        recording.stack[-1].append(node)
+        recording.stack.append(node.then)
+        recording.nodes.append(node)
+
+    def else_cond(self, recording):
+        recording.stack.pop()
+        recording.stack.append(recording.nodes[-1].other)
+
+    def end_cond(self, recording):
+        recording.stack.pop()
+        node = recording.nodes.pop()
+        node.then, node.other = tuple(node.then), tuple(node.other)
+
+    def update_graph(self, stream, graph, changes, conds):
+        """Swap in a patched launch list (resolved again only where ``changes``/``conds`` say):
+        replays enqueued before keep the list they captured at enqueue."""
+        counter = itertools.count()
+
+        def patch(items):
+            out = []
+            for item in items:
+                if type(item) is tuple:
+                    i = next(counter)
+                    out.append(self._resolve(*changes[i]) if i in changes else item)
+                else:
+                    cond = item.cond
+                    if item.index in conds:
+                        cond = conds[item.index][0].data[:4].view(np.int32)
+                    node = CpuCond(item.kind, cond, item.max_iterations)
+                    node.index = item.index
+                    node.then, node.other = patch(item.then), patch(item.other)
+                    out.append(node)
+            return tuple(out)
+        graph.launches = patch(graph.launches)
+        graph.rebind()
+        return graph
 
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):

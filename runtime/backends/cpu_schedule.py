@@ -12,7 +12,8 @@
 
 A scheduler sees the backend through ``backend.streams`` (each with ``q``, a deque of
 ``(kind, payload)`` items, ``busy`` and ``index``) and ``backend.execute(stream, kind,
-payload)``; item kinds are ``RUN`` (a callable), ``WAIT`` (an event: runnable once
+payload)``; item kinds are ``RUN`` (a callable; ``CALL``: one that uses no library thread
+pool), ``WAIT`` (an event: runnable once
 ``event.done``) and ``SIGNAL`` (an event or a completion to finish).
 """
 
@@ -26,6 +27,14 @@ from ..errors import LaunchError
 from .base import Completion
 
 RUN, WAIT, SIGNAL = 0, 1, 2
+#: a ``RUN`` item that uses no library thread pool (a copy, numpy ufunc calls): it runs
+#: outside the thread rule's count (``runtime.kernels.threads``); schedulers treat it as ``RUN``.
+CALL = 3
+#: items a ``ThreadScheduler`` leaves queued without waking a worker (``push(defer=True)``):
+#: past this backlog it wakes one.
+DEFER_MAX = 16
+#: seconds deferred work waits at most for a caller before the polling worker runs it.
+DEFER_S = 0.005
 
 
 class Scheduler:
@@ -38,9 +47,14 @@ class Scheduler:
     def notify(self) -> None:
         """Work was enqueued."""
 
-    def push(self, stream, item) -> None:
-        """Append ``item`` to ``stream``'s queue and let a worker know."""
+    def push(self, stream, item, defer: bool = False) -> None:
+        """Append ``item`` to ``stream``'s queue and let a worker know (``defer``: the work is
+        small and a caller will probably wait for it soon; a scheduler may leave it for that
+        caller to run, see ``ThreadScheduler``)."""
         stream.q.append(item)
+
+    def kick(self) -> None:
+        """Make sure deferred work runs without a caller waiting for it."""
 
     def notify_all(self) -> None:
         """An event completed: streams waiting on it may run."""
@@ -61,6 +75,18 @@ class ThreadScheduler(Scheduler):
     concurrently (numpy releases the GIL in large operations), so a stream blocked on an event
     or a long kernel does not hold up the others.
 
+    Small work is not handed to a worker (issue 26, the combining idea applied to execution):
+    an item pushed with ``defer=True`` stays queued without waking a worker, and the caller
+    that waits for it (a read, a sync: :meth:`help`) runs its stream's queue itself, in order,
+    on its own thread. That saves the two thread hand-offs (a wake-up, the GIL passed to the
+    worker and back), which cost more than tiny work itself. A worker is woken as before when
+    the work is large (not deferred), when more than :data:`DEFER_MAX` items wait
+    unannounced, when a waiting caller cannot make progress itself (its stream waits on
+    another stream's event), and by :meth:`kick`. Nobody has to wait for deferred work to
+    run: worker 0 polls every :data:`DEFER_S` while deferred pushes keep coming (one wake-up
+    when they start again after a pause), so a fire-and-forget launch runs within a few
+    milliseconds on its own (a stream is asynchronous to the caller, design.md section 3).
+
     Args:
         workers: worker threads (default 4).
     """
@@ -74,8 +100,12 @@ class ThreadScheduler(Scheduler):
         self.waiting = 0
         self.closed = False
         self.rr = 0
-        self.threads = [threading.Thread(target=self._loop, name=f"runtime-cpu-worker-{k}",
-                                         daemon=True) for k in range(self.workers)]
+        self.pushes = 0                 # deferred pushes so far (by the server's owner only)
+        self._seen = 0                  # ... when the polling worker last looked
+        self.poller_asleep = False      # the polling worker waits without a timeout
+        self.threads = [threading.Thread(target=self._loop, args=(k == 0,),
+                                         name=f"runtime-cpu-worker-{k}", daemon=True)
+                        for k in range(self.workers)]
         for t in self.threads:
             t.start()
 
@@ -84,11 +114,25 @@ class ThreadScheduler(Scheduler):
             with self.cv:
                 self.cv.notify()
 
-    def push(self, s, item):
+    def push(self, s, item, defer=False):
+        if defer:
+            be = self.backend
+            if be.enqueued - be.executed <= DEFER_MAX:
+                s.q.append(item)            # left for the caller that waits (help) to run
+                self.pushes += 1
+                if self.poller_asleep:      # (read after the count: see _loop)
+                    with self.cv:
+                        self.cv.notify_all()
+                return
         with self.cv:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
             if self.waiting:
                 self.cv.notify()
+
+    def kick(self):
+        if self.waiting:
+            with self.cv:
+                self.cv.notify_all()
 
     def notify_all(self):
         with self.cv:
@@ -108,14 +152,26 @@ class ThreadScheduler(Scheduler):
                     return s, kind, payload
         return None
 
-    def _loop(self):
+    def _loop(self, poller=False):
         cv = self.cv
         with cv:
             while not self.closed:
                 item = self._pick()
                 if item is None:
                     self.waiting += 1
-                    cv.wait()
+                    if poller:
+                        # asleep first, then the count: a push that read asleep=False counted
+                        # before this read, so it is seen here and the wait is timed
+                        self.poller_asleep = True
+                        if self.pushes != self._seen:
+                            self._seen = self.pushes
+                            self.poller_asleep = False
+                            cv.wait(DEFER_S)
+                        else:
+                            cv.wait()
+                            self.poller_asleep = False
+                    else:
+                        cv.wait()
                     self.waiting -= 1
                     continue
                 cv.release()
@@ -137,24 +193,29 @@ class ThreadScheduler(Scheduler):
     def help(self, stream, comp) -> None:
         """Run ``stream``'s runnable head items on the calling (waiting) thread until ``comp``
         is done, unless a worker already holds the stream: saves two thread hand-offs on a
-        read or sync. Runs outside the server's lock; ``busy`` keeps per-stream FIFO."""
+        read or sync. Runs outside the server's lock; ``busy`` keeps per-stream FIFO (held for
+        the whole run, so the items are popped without the lock). When it stops short of
+        ``comp`` (the stream waits on another stream's event), the workers are woken."""
         cv = self.cv
-        while not comp.done:
-            with cv:
-                if stream.busy or not stream.q or self.closed:
-                    return
-                kind, payload = stream.q[0]
+        with cv:
+            if stream.busy or not stream.q or self.closed:
+                if not comp.done and self.waiting:
+                    cv.notify_all()
+                return
+            stream.busy = True
+        q, execute = stream.q, self.backend.execute
+        try:
+            while not comp.done and q:
+                kind, payload = q[0]
                 if kind == WAIT and not payload.done:
-                    return
-                stream.busy = True
-                stream.q.popleft()
-            try:
-                self.backend.execute(stream, kind, payload)
-            finally:
-                with cv:
-                    stream.busy = False
-                    if stream.q and self.waiting:
-                        cv.notify()
+                    break
+                q.popleft()
+                execute(stream, kind, payload)
+        finally:
+            with cv:
+                stream.busy = False
+                if (q or not comp.done) and self.waiting:
+                    cv.notify_all()
 
     def is_alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)

@@ -34,11 +34,11 @@ except Exception as _e:  # noqa: BLE001 - any broken cupy install means "not ava
     raise ImportError(f"cupy is not importable ({type(_e).__name__}: {_e}); install the wheel "
                       "matching your CUDA, e.g. pip install cupy-cuda12x") from _e
 
+from ..kernel import DTYPES
 from ..errors import CaptureRefused, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
 from .base import Backend, Completion
 
 #: kernel param dtype -> the numpy scalar type CuPy packs as that C type (by value, 4 bytes).
-PARAM_TYPES = {"f32": np.float32, "i32": np.int32, "u32": np.uint32}
 # seconds: a completion's waiter yields the GIL between event queries for this long, then sleeps
 _SPIN_S, _SLEEP_MAX_S = 200e-6, 1e-3
 
@@ -145,7 +145,7 @@ class CudaProgram:
     def __init__(self, kernel, raw, function):
         self.kernel, self.raw, self.function = kernel, raw, function
         self.block = tuple(kernel.workgroup_size)
-        self.param_types = tuple(PARAM_TYPES[p.dtype] for p in kernel.params)
+        self.param_types = tuple(DTYPES[p.dtype].type for p in kernel.params)
 
 
 class CudaStream:
@@ -368,7 +368,7 @@ class CudaBackend(Backend):
         self._event(stream).synchronize()   # this event only: never the device
         return tuple(int(v) for v in view.view(np.uint32))
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         """``cuLaunchKernel`` on ``stream``: grid = ``count``, block = ``workgroup_size``.
 
         An indirect ``count`` is read back first (stream-ordered; blocks the owner until the
@@ -457,7 +457,7 @@ class CudaBackend(Backend):
         except Exception:  # noqa: BLE001 - an invalidated capture still ends
             pass
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         """``cudaGraphLaunch`` on the capture stream; returns once enqueued."""
         if graph is not None:
             with _OnDevice(self.device):
@@ -476,6 +476,29 @@ class CudaBackend(Backend):
         with _OnDevice(self.device):
             self._reap(stream)
             stream.retire.append((self._event(stream), graph))
+
+    # -- graphs that change ---------------------------------------------------------------------
+    #: ``Graph.update`` on cuda: kernel-node updates of the instantiated graph
+    #: (``cudaGraphExecKernelNodeSetParams``) need the node handles, which CuPy's ``Graph`` does
+    #: not expose; the server recaptures the graph from its recording instead.
+    update_fallback_reason = ("cuda: the graph was recaptured from its recording (CuPy does not "
+                              "expose the kernel nodes of an instantiated graph, so "
+                              "cudaGraphExecKernelNodeSetParams cannot patch it in place)")
+
+    def begin_cond(self, recording, kind, cond, max_iterations):
+        """Conditional nodes are not wired on cuda: raise ``UnsupportedError`` at capture
+        (never at replay), naming the driver. CUDA 12.4+ has IF/WHILE conditional nodes
+        (``cudaGraphConditionalHandleCreate``, a body captured into the node's child graph);
+        CuPy does not expose them and this build does not call the driver for them."""
+        try:
+            driver = _rt.driverGetVersion()
+        except Exception:  # noqa: BLE001 - no device: say so
+            driver = None
+        have = "unknown" if driver is None else f"{driver // 1000}.{driver % 1000 // 10}"
+        raise UnsupportedError(
+            f"capture_{kind} inside a capture is not supported on cuda here (driver {have}): "
+            "CUDA conditional nodes (12.4+) are not wired in this runtime; run it outside the "
+            "capture (eager), or use the cpu or wgpu backend")
 
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):

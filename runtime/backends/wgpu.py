@@ -33,8 +33,11 @@ Device verbs only (see ``runtime.backends.base``); the server owns every policy.
   for a fence before the next one (CubeCL's submission load). ``load()`` reports the dispatches
   and bytes queued on that thread, which the device queue bounds.
 - One invalid dispatch does not fail its batch: when ``finish()`` refuses a batch, each dispatch
-  is encoded alone, the valid ones are submitted in order and each invalid one becomes a
-  ``LaunchFailure`` for the server (issue 13 case 3).
+  is encoded alone, the valid ones are submitted in order and each invalid one fails its
+  launch's mark (issue 13 case 3). Failures found after the enqueue follow the backends' one
+  protocol (``base.py``, ``mark``): ``mark.fail`` marks what the work would have written, and
+  the error is reported on the stream by its next completion (a read or a fence, failed on the
+  queue thread after every earlier submit of that stream ran or was refused).
 
 wgpu-py objects other than the queue are only touched by the server's single owner, except a
 mapped staging buffer, which belongs to the one reader waiting on it until it is handed back.
@@ -50,8 +53,9 @@ import threading
 
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
-from .base import Backend, Completion, LaunchFailure, written_buffers
+from ..errors import (InvalidHandle, LaunchError, OutOfMemory, ServerClosed, UnsupportedError,
+                      error_list, unhealthy)
+from .base import Backend, Completion, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
 # they only need it to exist, and never write there for compute.
@@ -151,16 +155,40 @@ class WgpuProgram:
 class WgpuStream:
     """A logical stream: an open command encoder and compute pass not yet submitted.
 
-    ``log`` lists what the open batch holds, ``(graph or None, tasks, server position)``, so a
-    batch that fails validation can be split into its dispatches.
+    ``log`` lists what the open batch holds, ``(graph or None, tasks, mark or None)``, so a
+    batch that fails validation can be split into its dispatches. ``errors``: failures found
+    after the enqueue (at submit: server's owner or queue thread), reported by the stream's
+    next completion (a deque: appended and drained on different threads).
     """
 
-    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log")
+    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log", "errors")
 
     def __init__(self):
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
+        self.errors: collections.deque = collections.deque()
+
+
+class _Batch:
+    """A stream's submitted command buffer and the marks of the work it holds (a refused
+    submit fails them and is reported on the stream)."""
+
+    __slots__ = ("cb", "stream", "marks")
+
+    def __init__(self, cb, stream, marks):
+        self.cb, self.stream, self.marks = cb, stream, marks
+
+
+def _report(comp: "MapCompletion") -> None:
+    """Queue thread, at a stream's read or fence: fail it with the stream's reported errors
+    (every earlier submit of the stream ran or was refused by now)."""
+    s = comp.stream
+    if s is not None and s.errors:
+        errs = []
+        while s.errors:
+            errs.append(s.errors.popleft())
+        comp.error = unhealthy(error_list(comp.error) + errs)
 
 
 class MapCompletion(Completion):
@@ -173,11 +201,12 @@ class MapCompletion(Completion):
     ``LaunchError`` when the map fails and ``ServerClosed`` when the server shuts down first.
     """
 
-    __slots__ = ("qt", "staging", "size", "nbytes", "issued", "promise", "_lock")
+    __slots__ = ("qt", "staging", "size", "nbytes", "issued", "promise", "_lock", "stream")
 
-    def __init__(self, qt, staging, size: int, nbytes):
+    def __init__(self, qt, staging, size: int, nbytes, stream=None):
         super().__init__()
         self.qt, self.staging, self.size, self.nbytes = qt, staging, size, nbytes
+        self.stream = stream                # its errors are reported by this completion
         self.issued = threading.Event()     # set once map_async was called (or it failed)
         self.promise = None
         self._lock = threading.Lock()
@@ -207,8 +236,9 @@ class MapCompletion(Completion):
                     value = np.frombuffer(staging.read_mapped(0, self.size), np.uint8)[:self.nbytes]
             except Exception as exc:  # noqa: BLE001 - a failed map (device lost, closed)
                 self.qt.push((_UNMAP, staging, 0))
-                self.fail(ServerClosed(_CLOSED_MSG) if self.qt.closed
-                          else LaunchError(f"wgpu: reading back {self.size} bytes failed: {exc}"))
+                err = (ServerClosed(_CLOSED_MSG) if self.qt.closed
+                       else LaunchError(f"wgpu: reading back {self.size} bytes failed: {exc}"))
+                self.fail(unhealthy(error_list(self.error) + [err]) if self.error else err)
                 return
             self.qt.push((_UNMAP, staging, 0))
             self.set(value)
@@ -283,11 +313,12 @@ class QueueThread:
         if kind == _SUBMIT:
             if self.inflight >= self.max_inflight:
                 self._fence()
-            self.queue.submit([obj])
+            self.queue.submit([obj.cb if type(obj) is _Batch else obj])
             self.inflight += 1
         elif kind == _WRITE:
             self.queue.write_buffer(obj, 0, arg)
         elif kind == _MAP:
+            _report(obj)
             try:
                 obj.promise = obj.staging.map_async(wgpu.MapMode.READ, 0, obj.size)
             finally:
@@ -345,19 +376,86 @@ def _fail_closed(comp: MapCompletion) -> None:
 
 class WgpuGraph:
     """A software graph: resolved dispatches ``(pipeline, bind_group, count, indirect_buf,
-    kernel, written buffers)``.
+    kernel, written buffers)``; for an indirect dispatch ``count`` is the byte offset of its
+    three u32 in ``indirect_buf`` (0 for a launch's own count buffer).
+
+    ``tree`` is what was recorded: dispatches and :class:`WgpuCond` nodes; ``tasks`` is its
+    flattening (the two are the same list when there are no nodes). ``stack``/``nodes`` are the
+    open lists and nodes while recording.
 
     Holding the bind groups keeps their buffers and uniform buffers alive on the device side;
     the server retains the runtime handles (CubeCL ``cubecl-wgpu/src/compute/graph.rs``).
     """
 
-    __slots__ = ("stream", "tasks")
+    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count")
 
     def __init__(self, stream):
         self.stream, self.tasks = stream, []
+        self.tree = self.tasks
+        self.stack = [self.tasks]
+        self.nodes: list = []
+        self.count = 0
 
     def __len__(self):
         return len(self.tasks)
+
+
+class WgpuCond:
+    """A ``capture_if``/``capture_while`` node of a :class:`WgpuGraph`, with no host round trip.
+
+    A gate dispatch (:data:`GATE`, one invocation) reads the condition and the enclosing
+    node's flag and writes this node's flags (``[then, else]`` for an if; ``[body]`` for a
+    while, and-ed with its previous value each iteration) and, for every dispatch directly in
+    its branches, the three u32 indirect counts: the recorded count if its branch is on, else
+    0. A while loop is unrolled: ``max_iterations`` times (gate, body). Nested nodes read this
+    node's flag as their parent flag.
+
+    Attributes: ``kind``, ``cond`` (``(buf, nbytes)``), ``max_iterations``, ``index``,
+    ``then``/``other`` (recorded dispatches and nested nodes), ``parent`` (``(flags buffer,
+    flag index)`` of the enclosing branch), ``flags`` (8-byte buffer), ``flat`` (the
+    flattened dispatches).
+    """
+
+    __slots__ = ("kind", "cond", "max_iterations", "index", "then", "other", "parent", "flags",
+                 "flat")
+
+    def __init__(self, kind, cond, max_iterations, index, parent, flags):
+        self.kind, self.cond, self.max_iterations, self.index = kind, cond, max_iterations, index
+        self.then, self.other = [], []
+        self.parent, self.flags = parent, flags
+        self.flat: list = []
+
+
+#: The gate of a conditional node (see :class:`WgpuCond`): mode 0 = if, 1 = first while
+#: iteration, 2 = a later one; ``pidx``: the parent's flag; ``n``: dispatches it gates.
+GATE_WGSL = """
+@group(0) @binding(0) var<storage, read> cond: array<u32>;
+@group(0) @binding(1) var<storage, read> parent: array<u32>;
+@group(0) @binding(2) var<storage, read_write> flags: array<u32>;
+@group(0) @binding(3) var<storage, read> counts: array<u32>;
+@group(0) @binding(4) var<storage, read_write> args: array<u32>;
+struct Params { mode: u32, pidx: u32, n: u32 }
+@group(0) @binding(5) var<uniform> p: Params;
+@compute @workgroup_size(1)
+fn main() {
+    let on = parent[p.pidx] != 0u;
+    let c = cond[0] != 0u;
+    if (p.mode == 0u) {
+        flags[0] = select(0u, 1u, on && c);
+        flags[1] = select(0u, 1u, on && !c);
+    } else if (p.mode == 1u) {
+        flags[0] = select(0u, 1u, on && c);
+    } else {
+        flags[0] = select(0u, 1u, on && c && flags[0] != 0u);
+    }
+    for (var i = 0u; i < p.n; i = i + 1u) {
+        let f = flags[counts[4u * i + 3u]] != 0u;
+        for (var k = 0u; k < 3u; k = k + 1u) {
+            args[3u * i + k] = select(0u, counts[4u * i + k], f);
+        }
+    }
+}
+"""
 
 
 class WgpuBackend(Backend):
@@ -426,16 +524,24 @@ class WgpuBackend(Backend):
         return (qt.items, qt.bytes)
 
     def _queue_error(self, op, exc) -> None:
-        """An operation of the queue thread failed. A read fails its completion; a refused
-        submit or write is reported unattributed (the next blocking call on any stream raises
-        it): never dropped silently."""
+        """An operation of the queue thread failed; never dropped silently. A read fails its
+        completion; a refused submit of a stream's batch fails the marks of the work it held
+        (what it would have written reads as stale) and is reported on that stream (its next
+        completion); a refused write or readback submit is reported unattributed (the next
+        blocking call on any stream raises it)."""
         kind, obj, _ = op
         if kind == _MAP:
-            obj.fail(LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}"))
+            err = LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}")
+            obj.fail(unhealthy(error_list(obj.error) + [err]) if obj.error else err)
             obj.issued.set()
+        elif kind == _SUBMIT and type(obj) is _Batch:
+            err = _gpu_error(exc, "a submit")
+            for mark in obj.marks:
+                mark.fail(err)
+            obj.stream.errors.append(err)
         elif kind in (_SUBMIT, _WRITE):
             what = "a submit" if kind == _SUBMIT else "a write_buffer"
-            self.failures.append(LaunchFailure(None, None, (), _gpu_error(exc, what)))
+            self.failures.append(_gpu_error(exc, what))
 
     def is_alive(self) -> bool:
         """False once the queue thread stopped or died (waiting callers get ``ServerClosed``)."""
@@ -494,14 +600,16 @@ class WgpuBackend(Backend):
         except Exception:  # noqa: BLE001 - validation error of one batched dispatch
             cbs = self._split(s, log)
             n = 1
+        marks = tuple(m for _, _, m in log if m is not None)
         for cb in cbs:
-            self.qt.push((_SUBMIT, cb, n))
+            self.qt.push((_SUBMIT, _Batch(cb, s, marks), n))
 
     def _split(self, s: WgpuStream, log) -> list:
         """Encode each dispatch of a refused batch alone, in order: the valid ones become
-        command buffers, each invalid one a ``LaunchFailure`` naming its kernel (and graph)."""
+        command buffers, each invalid one fails its launch's (or replay's) mark and is reported
+        on the stream, naming its kernel (and graph: ``Mark.fail``)."""
         cbs = []
-        for graph, tasks, pos in log:
+        for graph, tasks, mark in log:
             for pipeline, group, xyz, indirect, kernel, written in tasks:
                 enc = self.dev.create_command_encoder()
                 cpass = enc.begin_compute_pass()
@@ -510,13 +618,14 @@ class WgpuBackend(Backend):
                 if indirect is None:
                     cpass.dispatch_workgroups(*xyz)
                 else:
-                    cpass.dispatch_workgroups_indirect(indirect, 0)
+                    cpass.dispatch_workgroups_indirect(indirect, xyz or 0)
                 cpass.end()
                 try:
                     cbs.append(enc.finish())
                 except Exception as exc:  # noqa: BLE001 - GPUValidationError
-                    err = _gpu_error(exc, f"dispatch of kernel {kernel.name}")
-                    self.failures.append(LaunchFailure(s, kernel, written, err, graph, pos=pos))
+                    err = _gpu_error(exc, f"dispatch of kernel {kernel.name}"
+                                     + (": the dispatch did not run" if graph else ""))
+                    s.errors.append(err if mark is None else mark.fail(err))
         return cbs
 
     def _submit_all(self) -> None:
@@ -551,9 +660,10 @@ class WgpuBackend(Backend):
         """Submit ``stream``'s batched dispatches now (``GPUQueue.submit``)."""
         self._submit(stream)
 
-    def _readback(self, src, size: int, nbytes):
+    def _readback(self, src, size: int, nbytes, stream=None):
         """Copy ``size`` bytes of ``src`` into a staging buffer and map them, on the queue
-        thread; returns the :class:`MapCompletion` (``nbytes`` None: a fence, no value)."""
+        thread; returns the :class:`MapCompletion` (``nbytes`` None: a fence, no value), which
+        reports ``stream``'s errors."""
         cls = 4 if size == 4 else 1 << max(12, (size - 1).bit_length())
         lst = self.qt.free_staging.get(cls)
         staging = lst.pop() if lst else None
@@ -561,7 +671,7 @@ class WgpuBackend(Backend):
             staging = self._new_buffer(cls, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         enc = self.dev.create_command_encoder()
         enc.copy_buffer_to_buffer(src, 0, staging, 0, size)
-        comp = MapCompletion(self.qt, staging, size, nbytes)
+        comp = MapCompletion(self.qt, staging, size, nbytes, stream)
         self.qt.push((_SUBMIT, enc.finish(), 1))
         self.qt.push((_MAP, comp, 0))
         return comp
@@ -575,7 +685,7 @@ class WgpuBackend(Backend):
         See also: ``GPUQueue.submit``, ``GPUBuffer.map_async`` on a 4-byte fence buffer.
         """
         self._submit(stream)
-        return self._readback(self._fence_src, 4, None)
+        return self._readback(self._fence_src, 4, None, stream)
 
     # -- copies -------------------------------------------------------------------------
     def copy_in(self, stream, buf, data: np.ndarray) -> None:
@@ -611,7 +721,7 @@ class WgpuBackend(Backend):
         if nbytes == 0:
             return Completion.ready(np.zeros(0, np.uint8))
         self._submit(stream)
-        return self._readback(buf, _align4(nbytes), nbytes)
+        return self._readback(buf, _align4(nbytes), nbytes, stream)
 
     # -- kernels ------------------------------------------------------------------------
     def compile(self, kernel) -> WgpuProgram:
@@ -697,13 +807,13 @@ class WgpuBackend(Backend):
             return None
         return tuple(count), None   # the per-dimension limit is checked by the client
 
-    def launch(self, stream, program: WgpuProgram, count, args, params: tuple, fail=None) -> None:
+    def launch(self, stream, program: WgpuProgram, count, args, params: tuple, mark=None) -> None:
         """Encode one dispatch on ``stream``'s batch; submit when ``max_tasks`` are batched.
 
         Args:
             count: ``(x, y, z)`` workgroups, or ``(buf, nbytes)``: three u32 read at execution.
         Raises: ``LaunchError`` (bad bindings, count over the limit). A dispatch that fails
-            validation when its batch is finished becomes a ``LaunchFailure`` (``failures``).
+            validation when its batch is finished fails ``mark`` (module doc).
         Streams: after ``stream``'s earlier work; submitted at ``max_tasks`` or the next blocking
             call, ``flush``, ``wait_event`` from another stream, or ``copy_in``.
         See also: ``GPUComputePassEncoder.set_pipeline``, ``set_bind_group``,
@@ -724,36 +834,184 @@ class WgpuBackend(Backend):
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
         stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   written_buffers(program.kernel, args)),), self.issue_pos))
+                                   written_buffers(program.kernel, args)),), mark))
         stream.tasks += 1
         if stream.tasks >= self.max_tasks:
             self._submit(stream)
 
     # -- graphs ---------------------------------------------------------------------------
+    unrolls_loops = True
+
     def begin_graph(self, stream) -> WgpuGraph:
         """An empty recording for ``stream`` (nothing is encoded while it records)."""
         return WgpuGraph(stream)
 
+    def _task(self, program, count, args, params: tuple, keep_empty: bool = False):
+        """One resolved dispatch (see :class:`WgpuGraph`), or None for an empty static one
+        (kept as a zero dispatch with ``keep_empty``, so launch indices stay aligned)."""
+        resolved = self._count(program, count)
+        if resolved is None:
+            if not keep_empty:
+                return None
+            resolved = ((0, 0, 0), None)
+        return ((program.pipeline, self._bind_group(program, args, params)) + resolved
+                + (program.kernel, written_buffers(program.kernel, args)))
+
     def record_launch(self, recording: WgpuGraph, program, count, args, params: tuple) -> None:
         """Resolve one dispatch now: pipeline, bind group (uniforms uploaded once), count.
 
-        An empty static dispatch records nothing; an indirect count keeps its buffer, read at
-        every replay. See also: CubeCL ``wstream.rs`` ``record_pipeline``.
+        An indirect count keeps its buffer, read at every replay; inside a conditional node it
+        is refused (``LaunchError``: the gate writes the node's indirect counts itself).
+        See also: CubeCL ``wstream.rs`` ``record_pipeline``.
         """
-        resolved = self._count(program, count)
-        if resolved is not None:
-            recording.tasks.append((program.pipeline, self._bind_group(program, args, params))
-                                   + resolved + (program.kernel, written_buffers(program.kernel, args)))
+        if recording.nodes and len(count) == 2:
+            raise LaunchError(f"kernel {program.kernel.name}: an indirect count inside a "
+                              "capture_if/capture_while body is not supported on wgpu (the "
+                              "node's gate writes the indirect counts); use an (x, y, z) count")
+        task = self._task(program, count, args, params, keep_empty=True)
+        recording.stack[-1].append(task)
 
     def end_graph(self, recording: WgpuGraph) -> WgpuGraph:
-        """The finished graph (the recording itself; no device work)."""
+        """The finished graph (the recording itself; no device work). With conditional nodes,
+        ``tasks`` becomes the flattening of ``tree``."""
+        recording.stack = []
+        if recording.count:
+            recording.tasks = self._flatten(recording.tree)
         return recording
+
+    # -- conditional nodes (WgpuCond) ------------------------------------------------------
+    def _gate_program(self):
+        prog = getattr(self, "_gate", None)
+        if prog is None:
+            from ..kernel import Binding, Kernel, Param
+            kernel = Kernel("cond_gate", [Binding("cond", "u32", "read"),
+                                          Binding("parent", "u32", "read"),
+                                          Binding("flags", "u32", "read_write"),
+                                          Binding("counts", "u32", "read"),
+                                          Binding("args", "u32", "read_write")],
+                            [Param("mode", "u32"), Param("pidx", "u32"), Param("n", "u32")],
+                            (1, 1, 1), wgsl=GATE_WGSL)
+            prog = self._gate = self.compile(kernel)
+            self._one = self._new_buffer(8, _STORAGE)       # the top level's flags: on
+            self.qt.push((_WRITE, self._one, np.ones(2, np.uint32).view(np.uint8)))
+        return prog
+
+    def begin_cond(self, recording: WgpuGraph, kind: str, cond, max_iterations) -> None:
+        """Open a :class:`WgpuCond` (``max_iterations`` is required for a while loop)."""
+        if kind == "while" and max_iterations is None:
+            raise LaunchError("capture_while on wgpu needs max_iterations (the loop is unrolled)")
+        self._gate_program()
+        if recording.nodes:
+            outer = recording.nodes[-1]
+            parent = (outer.flags, 1 if recording.stack[-1] is outer.other else 0)
+        else:
+            parent = (self._one, 0)
+        node = WgpuCond(kind, cond, max_iterations, recording.count, parent,
+                        self._new_buffer(8, _STORAGE))
+        recording.count += 1
+        recording.stack[-1].append(node)
+        recording.stack.append(node.then)
+        recording.nodes.append(node)
+
+    def else_cond(self, recording: WgpuGraph) -> None:
+        recording.stack.pop()
+        recording.stack.append(recording.nodes[-1].other)
+
+    def end_cond(self, recording: WgpuGraph) -> None:
+        recording.stack.pop()
+        self._finish(recording.nodes.pop())
+
+    def _finish(self, node: WgpuCond) -> None:
+        """Build ``node.flat``: its gate(s) and its branches' dispatches made indirect."""
+        direct = [(t, 0) for t in node.then if isinstance(t, tuple)] + [
+            (t, 1) for t in node.other if isinstance(t, tuple)]
+        n = len(direct)
+        counts = np.zeros((max(n, 1), 4), np.uint32)
+        for k, (t, which) in enumerate(direct):
+            counts[k, :3] = t[2] if t[3] is None else (0, 0, 0)
+            counts[k, 3] = which
+        cbuf = self._new_buffer(counts.nbytes, _STORAGE)
+        self.qt.push((_WRITE, cbuf, counts.reshape(-1).view(np.uint8)))
+        abuf = self._new_buffer(12 * max(n, 1), _STORAGE)
+        gate = self._gate
+        pbuf, pidx = node.parent
+        bufs = [node.cond, (pbuf, 8), (node.flags, 8), (cbuf, counts.nbytes),
+                (abuf, 12 * max(n, 1))]
+
+        def gate_task(mode):
+            return (gate.pipeline, self._bind_group(gate, bufs, (mode, pidx, n)), (1, 1, 1),
+                    None, gate.kernel, (node.flags, abuf))
+        slot = {}
+        for k, (t, _) in enumerate(direct):
+            slot[id(t)] = (t[0], t[1], 12 * k, abuf, t[4], t[5])
+
+        def expand(items):
+            out = []
+            for t in items:
+                out.extend([slot[id(t)]] if isinstance(t, tuple) else t.flat)
+            return out
+        if node.kind == "if":
+            node.flat = [gate_task(0)] + expand(node.then) + expand(node.other)
+        else:
+            body = expand(node.then)
+            node.flat = []
+            for j in range(node.max_iterations):
+                node.flat.append(gate_task(1 if j == 0 else 2))
+                node.flat.extend(body)
+
+    @staticmethod
+    def _flatten(tree) -> list:
+        out = []
+        for t in tree:
+            out.extend([t] if isinstance(t, tuple) else t.flat)
+        return out
+
+    def update_graph(self, stream, graph: WgpuGraph, changes: dict, conds: dict):
+        """Swap in patched dispatches: a new bind group (and uniform) only for the launches in
+        ``changes``; a conditional node is rebuilt (gate bind groups, count table) only when
+        something in it changed. Replays enqueued before were encoded with the old ones."""
+        counter = iter(range(1 << 62))
+        built: list = []
+
+        def patch(items, parent):
+            out, changed = [], False
+            for t in items:
+                if isinstance(t, tuple):
+                    i = next(counter)
+                    if i in changes:
+                        if parent is not None and len(changes[i][1]) == 2:
+                            raise LaunchError("an indirect count inside a conditional node is "
+                                              "not supported on wgpu")
+                        t = self._task(*changes[i], keep_empty=True)
+                        changed = True
+                    out.append(t)
+                    continue
+                node = WgpuCond(t.kind, conds.get(t.index, t.cond), t.max_iterations, t.index,
+                                t.parent, t.flags)
+                if parent is not None:
+                    node.parent = (parent.flags, t.parent[1])
+                node.then, c1 = patch(t.then, node)
+                node.other, c2 = patch(t.other, node)
+                if c1 or c2 or t.index in conds:
+                    built.append(node)
+                    changed = True
+                    out.append(node)
+                else:
+                    out.append(t)
+            return out, changed
+        tree, _ = patch(graph.tree, None)
+        for node in built:           # innermost first: patch appends children before parents
+            self._finish(node)
+        graph.tree = tree
+        graph.tasks = self._flatten(tree) if graph.count else tree
+        return graph
 
     def abort_graph(self, recording: WgpuGraph) -> None:
         """Drop an unfinished recording."""
-        recording.tasks = []
+        recording.tasks = recording.tree = []
+        recording.stack, recording.nodes = [], []
 
-    def launch_graph(self, stream, graph: WgpuGraph, fail=None) -> None:
+    def launch_graph(self, stream, graph: WgpuGraph, mark=None) -> None:
         """Re-encode ``graph`` after ``stream``'s pending work and submit it once.
 
         The pipeline is set only when it changes from the previous dispatch; everything else
@@ -775,10 +1033,10 @@ class WgpuBackend(Backend):
             if indirect is None:
                 dispatch(*xyz)
             else:
-                indirect_dispatch(indirect, 0)
+                indirect_dispatch(indirect, xyz or 0)
         stream.pipeline = last
         stream.tasks += len(graph.tasks)
-        stream.log.append((graph, graph.tasks, self.issue_pos))
+        stream.log.append((graph, graph.tasks, mark))
         self._submit(stream)
 
     def destroy_graph(self, stream, graph: WgpuGraph) -> None:

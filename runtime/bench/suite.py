@@ -19,7 +19,9 @@ Per backend (default: every backend that answers here; cuda only with a GPU), th
    sentence-transformers where installed;
 4. ``stalls`` (:mod:`runtime.bench.stalls`): one client's replay/read latency while another
    reads a heavy result or floods launches, and RSS under unsynced churn (cpu only in
-   ``--quick``).
+   ``--quick``);
+5. ``decode`` (:mod:`runtime.bench.decode`): greedy decoding tokens/s, eager vs one replay per
+   token vs one replay per sequence (``capture_while``, the loop on the device).
 
 A run never loses what it measured: ``bench.json`` and ``bench.md`` are written after every
 section (plots at the end), each section's table is printed as it finishes, and a run cut by
@@ -49,8 +51,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+<<<<<<< HEAD
 from . import device_thread, minilm, replay, report, stalls
 from .budget import Budget
+=======
+from . import decode, device_thread, minilm, replay, report, stalls
+>>>>>>> main
 from .results import machine, write_json
 
 #: the run's default ``--budget-s``: the full cpu,wgpu run ends in about 10 minutes on 2 cores
@@ -119,7 +125,12 @@ SECTIONS: list[Section] = [
     Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm,
             weight={"cpu": 1.0, "*": 3.0}, takes="~"),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
+<<<<<<< HEAD
             stalls.suite_targets, weight=1.0, takes="~"),
+=======
+            stalls.suite_targets),
+    Section("decode", decode.measure, decode.units, decode.markdown),
+>>>>>>> main
 ]
 
 

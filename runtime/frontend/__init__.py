@@ -5,6 +5,6 @@ section 2). ``runtime.client()`` lives in :mod:`runtime.frontend.client`; ``Stre
 from .client import ComputeClient
 from .graph import Graph
 from .handle import Handle
-from ..streams import StreamId
+from ..streams import Event, StreamId
 
-__all__ = ["ComputeClient", "Graph", "Handle", "StreamId"]
+__all__ = ["ComputeClient", "Graph", "Handle", "StreamId", "Event"]

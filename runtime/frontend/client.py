@@ -7,14 +7,22 @@ fire-and-forget work, ``call`` for blocking work.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError, error_list, unhealthy
+from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, UnsupportedError, error_list,
+                      unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
 from .handle import Handle
-from ..streams import StreamId
+from ..streams import Event, StreamId
+
+
+#: the iteration bound of ``capture_while(max_iterations=None)`` (eager and cpu replays): a
+#: loop whose condition never clears fails with ``LoopLimitExceeded`` instead of hanging.
+DEFAULT_MAX_ITERATIONS = 1 << 20
 
 
 def _as_bytes(data):
@@ -52,6 +60,40 @@ class ComputeClient:
     def device_name(self) -> str:
         """What the backend runs on: numpy's version, the wgpu adapter, the GPU's name."""
         return self._server.backend.device_name
+
+    @property
+    def capabilities(self) -> dict:
+        """What this client's server and device do, the same for every client of the server:
+
+        - ``hardware_graphs`` (bool): a graph is a driver graph, one dispatch per replay (cuda;
+          CUDA graphs); a fresh allocation inside a capture window is then refused. False: a
+          software graph the server re-issues (cpu, wgpu).
+        - ``max_workgroups``: the largest workgroup count per dimension ``(x, y, z)`` (WebGPU's
+          ``maxComputeWorkgroupsPerDimension``, CUDA's grid limits), or ``None`` for no limit;
+          ``launch`` refuses a larger count with ``LaunchError``.
+        - ``checked`` (bool): the server runs the stream-ordering checker (``check=True``;
+          see :meth:`checker_violations`).
+        """
+        srv = self._server
+        mw = srv.backend.max_workgroups
+        return {"hardware_graphs": bool(srv.backend.hardware_graphs),
+                "max_workgroups": None if mw is None else tuple(mw),
+                "checked": srv.checker is not None}
+
+    def checker_violations(self) -> list:
+        """Every ``LivenessError`` / ``StreamRaceError`` the stream-ordering checker of this
+        client's server found so far, oldest first (a copy; each was also raised to the call
+        that made it, or queued on its stream). All clients of the server share the list.
+
+        Raises: ``UnsupportedError`` when the server runs without the checker (open it with
+        ``runtime.client(backend, check=True)`` or ``RUNTIME_CHECK=1``): an empty list would
+        read as "no races" when nothing looked.
+        """
+        checker = self._server.checker
+        if checker is None:
+            raise UnsupportedError(f"server {self._server.name} runs without the stream-ordering "
+                                   f"checker: open it with runtime.client(..., check=True)")
+        return list(checker.violations)
 
     # -- streams ------------------------------------------------------------------------------
     @property
@@ -264,7 +306,10 @@ class ComputeClient:
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        comp, errors = srv.call(srv.h_sync, self.stream)
+        sid = self._pinned if self._pinned is not None else StreamId.current()
+        if srv.sync_idle(sid):              # idle stream, nothing to report: no message
+            return
+        comp, errors = srv.call(srv.h_sync, sid)
         if not comp.done:
             srv.wait(comp)
         if errors:
@@ -277,18 +322,40 @@ class ComputeClient:
         srv = self._server
         srv.call(srv.h_flush, self.stream)
 
-    def record_event(self):
-        """An event token after the work enqueued on this stream so far (``cudaEventRecord``);
-        pass it to ``wait_event`` on another client/stream. Blocks until accepted."""
-        srv = self._server
-        return srv.call(srv.h_record_event, self.stream)
+    def record_event(self) -> Event:
+        """An :class:`~runtime.Event` after the work enqueued on this stream so far
+        (``cudaEventRecord``); pass it to ``wait_event`` of a client of this server (another
+        stream, another thread). Blocks until the device thread accepted it.
 
-    def wait_event(self, event) -> None:
-        """Make this stream wait for ``event`` from ``record_event`` (``cudaStreamWaitEvent``)."""
-        if not (isinstance(event, tuple) and len(event) == 2):
-            raise TypeError(f"wait_event takes a token from record_event(), got {event!r}")
+        Raises: ``CaptureRefused`` (this stream is capturing); ``ServerClosed``.
+        """
         srv = self._server
-        srv.call(srv.h_wait_event, self.stream, event)
+        sid, pos = srv.call(srv.h_record_event, self.stream)
+        return Event(sid, pos, srv)
+
+    def wait_event(self, event: Event) -> None:
+        """Make this stream wait for ``event`` from ``record_event`` (``cudaStreamWaitEvent``):
+        work enqueued here afterwards runs after the event's work.
+
+        Raises: ``TypeError`` (not an ``Event``); ``ValueError`` (an event of another server:
+        another backend, device or options); ``CaptureRefused`` (this stream is capturing);
+        ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
+        before, is accepted with a ``DeprecationWarning`` for one release.
+        """
+        srv = self._server
+        if isinstance(event, Event):
+            if event._server is not srv:
+                raise ValueError(f"{event!r} was recorded on server "
+                                 f"{getattr(event._server, 'name', None)!r}, this client's is "
+                                 f"{srv.name!r}: an event orders the streams of one server")
+            token = (event.stream, event.position)
+        elif isinstance(event, tuple) and len(event) == 2:
+            warnings.warn("wait_event((stream, position)) is deprecated: pass the Event "
+                          "record_event() returns", DeprecationWarning, stacklevel=2)
+            token = event
+        else:
+            raise TypeError(f"wait_event takes the Event record_event() returns, got {event!r}")
+        srv.call(srv.h_wait_event, self.stream, token)
 
     # -- capture ------------------------------------------------------------------------------
     def graph_prepare(self) -> None:
@@ -355,6 +422,105 @@ class ComputeClient:
         srv = self._server
         srv.call(srv.h_abort_capture, self.stream)
 
+    # -- conditionals (docs/contract.md section 4b) ---------------------------------------------
+    def _cond_handle(self, cond, what: str) -> int:
+        if not isinstance(cond, Handle):
+            raise TypeError(f"{what}: cond must be a Handle, got {type(cond).__name__}")
+        if cond.nbytes != 4 or cond.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
+            raise ValueError(f"{what}: cond must be a 1-element int32/uint32 handle, got handle "
+                             f"{cond.id} of {cond.nbytes} bytes of {cond.dtype}")
+        return cond._check(self._server, what)
+
+    def _cond_value(self, cond) -> bool:
+        return bool(self.read(cond).reshape(-1)[0] != 0)
+
+    def capture_if(self, cond, on_true, on_false=None) -> None:
+        """Run ``on_true()`` if ``cond`` holds a non-zero value, else ``on_false()``.
+
+        Args:
+            cond: a 1-element ``int32``/``uint32`` ``Handle`` (non-zero = true).
+            on_true, on_false: callables (no arguments) issuing launches on this client.
+        Outside a capture window the condition is read on the host (a blocking ``read`` on
+        this stream) and the branch runs eagerly. Inside a window on this stream both
+        branches are recorded once, as one conditional node; every replay evaluates ``cond``
+        on the device when it reaches the node (cpu: read from the buffer at execution; wgpu:
+        a gate dispatch writes the indirect workgroup counts of the branches' dispatches, no
+        host round trip). Nesting: bodies may contain ``capture_if``/``capture_while`` (depth
+        2 and more).
+        Raises: ``TypeError``/``ValueError`` (bad ``cond`` or bodies); ``UnsupportedError`` at
+            capture on a backend without conditional nodes (cuda here: CUDA 12.4 conditional
+            nodes are not wired); whatever a body raises (inside a window the window is then
+            refused: ``stop_capture`` raises ``CaptureRefused``).
+        See also: CUDA conditional IF nodes (``cudaGraphConditionalHandleCreate``), Warp
+            ``capture_if``, ``torch.cond``.
+        """
+        hid = self._cond_handle(cond, "capture_if")
+        if not callable(on_true) or (on_false is not None and not callable(on_false)):
+            raise TypeError("capture_if: on_true and on_false must be callables")
+        srv = self._server
+        sid = self.stream
+        if not srv.call(srv.h_cond_begin, sid, "if", hid, None, _dtype_name(cond)):
+            branch = on_true if self._cond_value(cond) else on_false
+            if branch is not None:
+                branch()
+            return
+        self._record_bodies(sid, on_true, on_false)
+
+    def capture_while(self, cond, body, max_iterations=None) -> None:
+        """Run ``body()`` while ``cond`` holds a non-zero value (tested before each iteration).
+
+        Args:
+            cond: a 1-element ``int32``/``uint32`` ``Handle``; the body usually updates it.
+            body: a callable (no arguments) issuing launches on this client.
+            max_iterations: the most iterations (an int >= 0). Required on wgpu inside a
+                capture (the loop is unrolled to it); None elsewhere means
+                ``DEFAULT_MAX_ITERATIONS`` (so a loop never hangs).
+        Outside a capture window the condition is read on the host before each iteration.
+        Inside one the body is recorded once, as a loop node evaluated on the device at every
+        replay (cpu: from the buffer; wgpu: ``max_iterations`` gated copies of the body).
+        Raises: ``TypeError``/``ValueError`` (bad arguments; wgpu capture without
+            ``max_iterations``); ``LoopLimitExceeded`` eagerly when ``cond`` is still non-zero
+            after ``max_iterations`` iterations; ``UnsupportedError`` at capture on a backend
+            without loop nodes. In a replay an exceeded limit (cpu) marks the graph's write set
+            with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
+        See also: CUDA conditional WHILE nodes, Warp ``capture_while``.
+        """
+        hid = self._cond_handle(cond, "capture_while")
+        if not callable(body):
+            raise TypeError("capture_while: body must be a callable")
+        if max_iterations is not None and (isinstance(max_iterations, bool) or not isinstance(
+                max_iterations, (int, np.integer)) or max_iterations < 0):
+            raise ValueError(f"capture_while: max_iterations must be an int >= 0 or None, got "
+                             f"{max_iterations!r}")
+        srv = self._server
+        sid = self.stream
+        limit = DEFAULT_MAX_ITERATIONS if max_iterations is None else int(max_iterations)
+        if not srv.call(srv.h_cond_begin, sid, "while", hid,
+                        None if max_iterations is None else int(max_iterations),
+                        _dtype_name(cond)):
+            done = 0
+            while self._cond_value(cond):
+                if done >= limit:
+                    raise LoopLimitExceeded(
+                        f"capture_while on stream {int(sid)}: condition handle {hid} was still "
+                        f"non-zero after max_iterations={limit} iterations; the loop stopped")
+                body()
+                done += 1
+            return
+        self._record_bodies(sid, body, None)
+
+    def _record_bodies(self, sid, first, second) -> None:
+        srv = self._server
+        try:
+            first()
+            if second is not None:
+                srv.call(srv.h_cond_else, sid)
+                second()
+        except BaseException as e:
+            srv.call(srv.h_cond_end, sid, f"{type(e).__name__}: {e}")
+            raise
+        srv.call(srv.h_cond_end, sid, None)
+
     # -- misc ---------------------------------------------------------------------------------
     def memory_usage(self) -> dict:
         """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams"}``
@@ -385,6 +551,11 @@ class ComputeClient:
 
     def __repr__(self):
         return f"ComputeClient(backend={self.backend!r}, device={self.device}, stream={self.stream!r})"
+
+
+def _dtype_name(handle) -> str:
+    """``"i32"`` or ``"u32"`` for a condition handle (checked by ``_cond_handle``)."""
+    return "u32" if handle.dtype == np.dtype(np.uint32) else "i32"
 
 
 def _check_aliasing(kernel, hids) -> None:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import threading
 
 from ..errors import UnknownGraph
+from . import graph_text
 
 
 class _Owner:
     """Shared by every clone of one graph; the last release destroys the backend graph."""
 
-    __slots__ = ("server", "id", "count", "lock")
+    __slots__ = ("server", "id", "count", "lock", "fallback_reason")
 
     def __init__(self, server, gid):
         self.server, self.id, self.count = server, gid, 0
         self.lock = threading.Lock()
+        self.fallback_reason = None      # set by Graph.update when the graph was rebuilt
 
     def acquire(self):
         with self.lock:
@@ -111,6 +113,119 @@ class Graph:
         srv = self._owner.server
         return srv.call(srv.h_graph_info, self.id)
 
+    # -- graphs that change (docs/contract.md section 4b) ----------------------------------------
+    def _srv(self, what: str):
+        if self._released:
+            raise UnknownGraph(f"{what} of graph {self.id}: this clone was released")
+        return self._owner.server
+
+    @property
+    def fallback_reason(self):
+        """None, or why the last ``update`` rebuilt the graph instead of patching it (cuda:
+        the instantiated graph is recaptured from its recording)."""
+        return self._owner.fallback_reason
+
+    def launches(self) -> list:
+        """The recorded launches in recording order, as plain data (printable, JSON-able).
+
+        Returns: a list of ``{"index": int, "kernel": name, "bindings": [{"name", "access"
+            ("read" | "read_write"), "dtype" ("f32" | "i32" | "u32"), "handle": handle id,
+            "nbytes": int}], "params": {name: value}, "count": [x, y, z] (workgroups) or
+            {"indirect": handle id}, "scope": [[node index, "then" | "else" | "body"], ...]}``;
+            launches inside ``capture_if``/``capture_while`` bodies are listed in place, with
+            their scope. The index is what ``update(params=, count=)`` takes.
+        Raises: ``UnknownGraph`` (released or destroyed). Blocks (one round trip).
+        """
+        srv = self._srv("launches")
+        return srv.call(srv.h_graph_launches, self.id)
+
+    def describe(self) -> dict:
+        """The graph as plain data: ``{"id", "stream", "backend", "hardware", "launches"
+        (as :meth:`launches`, each binding also naming its ``"buffer"`` label), "nodes" (the
+        conditional nodes: ``{"index", "kind" ("if" | "while"), "cond" (handle id),
+        "cond_buffer", "max_iterations", "scope"}``), "buffers" (``{"buffer": "b0", "handle",
+        "nbytes", "dtype", "access", "freed"}`` in first-use order), "reads", "writes" (handle
+        ids: the read and write sets), "retained" (pooled buffers the graph pins),
+        "retained_bytes", "fallback_reason"}``.
+
+        Buffer labels ``b0, b1, ...`` follow first use, so two recordings of the same work give
+        the same launches, nodes and buffers on every backend (only ids, stream and backend
+        differ). Raises: ``UnknownGraph``. Blocks.
+        """
+        srv = self._srv("describe")
+        return srv.call(srv.h_graph_describe, self.id)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT of the graph: launches as boxes, data dependencies as edges labelled
+        with the buffer (an edge from the launch that last wrote it), buffers first read
+        from outside the graph as ellipses, ``capture_if``/``capture_while`` bodies as
+        clusters under a diamond for their condition. The same text on every backend for the
+        same recording (no ids). Raises: ``UnknownGraph``."""
+        return graph_text.to_dot(self.describe())
+
+    def __str__(self):
+        try:
+            return graph_text.table(self.describe())
+        except Exception:  # noqa: BLE001 - released, destroyed, server closed: say what it is
+            return repr(self)
+
+    def update(self, rebind=None, params=None, count=None) -> None:
+        """Change the recorded graph for the replays enqueued after this call, without
+        recapturing (CUDA ``cudaGraphExecKernelNodeSetParams`` / ``cudaGraphExecUpdate``).
+
+        Args:
+            rebind: ``{old Handle: new Handle}``: every use of ``old`` (bindings, indirect
+                counts, conditions) now uses ``new``; same ``nbytes`` and ``dtype``.
+            params: ``{launch index: {"name": value}}``: new values for some params.
+            count: ``{launch index: (x, y, z)}``: new workgroup counts (an indirect launch
+                becomes a static one).
+        Ordering: applied on the server in queue order, like a replay on the capture stream: a
+            replay enqueued before it runs the old graph, one enqueued after it the new one;
+            never a mix, never racing a replay in flight.
+        All or nothing: any error leaves the graph unchanged.
+        Follows the new bindings: the read and write sets (failure marks, ``ReplayFailed``),
+            liveness (freeing a new caller-owned handle breaks the graph, not the old one),
+            retained buffers, the checker, and the cross-stream fences of the new buffers.
+        Backends: cpu and wgpu patch the software graph (wgpu rebuilds only the bind groups and
+            uniforms that changed); cuda rebuilds the graph from its recording and says so in
+            :attr:`fallback_reason`.
+        Raises: ``TypeError`` (not Handles / dicts); ``ValueError`` (a rebind changing nbytes or
+            dtype, a handle the graph does not use, an index out of range, an unknown param
+            name, a bad value); ``UnknownGraph``; ``CaptureRefused`` (the capture stream is
+            recording); ``InvalidHandle`` (a released handle).
+        """
+        srv = self._srv("update")
+        rb = _rebind_ids(srv, rebind, "update")
+        for what, table in (("params", params), ("count", count)):
+            if table is not None and not isinstance(table, dict):
+                raise TypeError(f"update of graph {self.id}: {what} must be a dict "
+                                f"{{launch index: ...}}, got {type(table).__name__}")
+        reason = srv.call(srv.h_graph_update, self.id, rb, dict(params or {}),
+                          dict(count or {}))
+        self._owner.fallback_reason = reason
+
+    def instantiate(self, rebind=None, stream=None) -> "Graph":
+        """A new, independent ``Graph`` from this recording against other buffers: no warm-up,
+        no capture (e.g. one graph per client's own KV cache).
+
+        Args:
+            rebind: ``{old Handle: new Handle}`` as in :meth:`update`.
+            stream: the new graph's capture stream (a ``StreamId``; default: this graph's).
+                Buffers not rebound are shared with this graph: replays on another stream must
+                not overlap a replay of this one (seed 001: no concurrent use).
+        Returns: a ``Graph`` (its own id, released independently).
+        Raises: as :meth:`update`; ``InvalidHandle`` when a caller-owned handle it would use
+            was freed and is not rebound.
+        """
+        from ..streams import StreamId
+
+        srv = self._srv("instantiate")
+        rb = _rebind_ids(srv, rebind, "instantiate")
+        if stream is not None and not isinstance(stream, StreamId):
+            raise TypeError(f"instantiate: stream must be a StreamId, got {stream!r}")
+        gid, sid, hw = srv.call(srv.h_graph_instantiate, self.id, rb, stream)
+        return Graph(_Owner(srv, gid), sid, hw)
+
     def __del__(self):
         try:
             if not self._released:
@@ -123,3 +238,29 @@ class Graph:
         kind = "hardware" if self.is_hardware else "software"
         state = ", released" if self._released else ""
         return f"Graph(id={self.id}, stream={int(self.stream)}, {kind}{state})"
+
+
+def _rebind_ids(srv, rebind, what: str) -> dict:
+    """``{old Handle: new Handle}`` as ``{old id: new id}``, checked at the call.
+
+    Raises: ``TypeError`` (not a dict of Handles); ``ValueError`` (nbytes or dtype differ);
+    ``InvalidHandle`` (the new handle is released or from another server).
+    """
+    from .handle import Handle
+
+    if rebind is None:
+        return {}
+    if not isinstance(rebind, dict):
+        raise TypeError(f"{what}: rebind must be a dict {{old Handle: new Handle}}, got "
+                        f"{type(rebind).__name__}")
+    out = {}
+    for old, new in rebind.items():
+        if not (isinstance(old, Handle) and isinstance(new, Handle)):
+            raise TypeError(f"{what}: rebind maps Handles to Handles, got "
+                            f"{type(old).__name__} -> {type(new).__name__}")
+        if old.nbytes != new.nbytes or old.dtype != new.dtype:
+            raise ValueError(f"{what}: rebind of handle {old.id} ({old.nbytes} bytes of "
+                             f"{old.dtype}) to handle {new.id} ({new.nbytes} bytes of "
+                             f"{new.dtype}): a rebind must keep nbytes and dtype")
+        out[old.id] = new._check(srv, f"{what} (rebind)")
+    return out

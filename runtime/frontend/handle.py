@@ -63,6 +63,8 @@ class Handle:
         if self.released:
             raise InvalidHandle(f"{what}: handle {self.id} was released; it cannot be used again")
         if self._server is not server:
+            if self._server.queue.forked_from is not None:
+                raise self._server.queue.closed_error()       # a parent's handle, after fork
             raise InvalidHandle(f"{what}: handle {self.id} belongs to another server "
                                 f"({self._server.name}); copy it through the host")
         return self.id

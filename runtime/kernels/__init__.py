@@ -6,13 +6,13 @@ Elementwise kernels take their element count ``n`` as the last param and are lau
 """
 
 from .pointwise import (WORKGROUP, grid, elementwise, fill, copy, add, mul, add_scalar,
-                          mul_scalar, accumulate, noop)
+                          mul_scalar, accumulate, copy_words, noop)
 from .nn import (gelu, add_bias, embedding, matmul, matmul_bias, matmul_bias_gelu, matmul_count,
                  layer_norm, add_layer_norm, l2_normalize, rows_count, mean_pool, attention,
                  attention_for, attention_count, matmul_for)
 
 __all__ = ["WORKGROUP", "grid", "elementwise", "fill", "copy", "add", "mul", "add_scalar",
-           "mul_scalar", "accumulate", "noop",
+           "mul_scalar", "accumulate", "copy_words", "noop",
            # nn.py: transformer encoder kernels
            "gelu", "add_bias", "embedding", "matmul", "matmul_bias", "matmul_bias_gelu",
            "matmul_count", "layer_norm", "add_layer_norm", "l2_normalize", "rows_count",

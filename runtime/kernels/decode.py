@@ -11,8 +11,9 @@ kernels read the token id and the position from one-element ``i32`` device buffe
 - :data:`argmax`: the index of the largest logit, on the device (ties: the lowest index, as
   ``np.argmax``);
 - :data:`feed_back`: the device-to-device copy of the chosen token into the token buffer, the
-  token's record in the history buffer, and ``pos += 1``;
-- :data:`copy_words`: a bitwise copy of 4-byte words (any dtype: bound as ``i32``).
+  token's record in the history buffer, and ``pos += 1``.
+
+(The bitwise copy ``StaticGraph`` restores its inputs with is ``runtime.kernels.copy_words``.)
 
 Each is one description (:func:`runtime.kernels.shader.program`): a single body gives the WGSL and
 CUDA C sources, and a numpy callable the cpu one. Positions are clamped to ``[0, T)`` on the
@@ -27,7 +28,7 @@ import numpy as np
 from .pointwise import WORKGROUP, grid
 from .shader import program
 
-R, RW = "read", "read_write"
+R, RW, W = "read", "read_write", "write"
 #: invocations per workgroup of :data:`causal_attend` and :data:`argmax`.
 DECODE_WORKGROUP = 64
 #: largest cache length :data:`causal_attend` supports (its scores live in workgroup memory).
@@ -51,19 +52,6 @@ def _reduce(op: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-def _copy_words_cpu(x, y, *, n, count):
-    y[:n] = x[:n]
-
-
-#: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
-#: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
-copy_words = program(
-    "copy_words", [("x", "i32", R), ("y", "i32", RW)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
-    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
-    if (i < p.n) {{ y[i] = x[i]; }}""", cpu=_copy_words_cpu)
-
-
-# ---------------------------------------------------------------------------------------------
 def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
     t, q = int(token[0]), _clamp(pos[0], T)
     out[:H] = wte[t * H:(t + 1) * H] + wpe[q * H:(q + 1) * H]
@@ -74,7 +62,7 @@ def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
 #: ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
 embed_at = program(
     "embed_at", [("token", "i32", R), ("pos", "i32", R), ("wte", "f32", R), ("wpe", "f32", R),
-                 ("out", "f32", RW)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
+                 ("out", "f32", W)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
     let c = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (c < p.H) {{
         let t = u32(token[0]);
@@ -127,7 +115,7 @@ def _causal_attend_cpu(qkv, pos, kc, vc, out, *, heads, hd, T, off, scale, count
 #: Launch over ``(heads, 1, 1)``.
 causal_attend = program(
     "causal_attend", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", R), ("vc", "f32", R),
-                      ("out", "f32", RW)],
+                      ("out", "f32", W)],
     [("heads", "u32"), ("hd", "u32"), ("T", "u32"), ("off", "u32"), ("scale", "f32")],
     (DECODE_WORKGROUP, 1, 1), f"""
     let h = wg.x;
@@ -176,7 +164,7 @@ def _argmax_cpu(x, out, *, n, count):
 #: ``out[0] = argmax_i x[i]`` over ``i < n`` (``i32``; ties go to the lowest index, as
 #: ``np.argmax``; keep NaNs out). One workgroup: launch over ``(1, 1, 1)``.
 argmax = program(
-    "argmax", [("x", "f32", R), ("out", "i32", RW)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
+    "argmax", [("x", "f32", R), ("out", "i32", W)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
     f"""
     var bv = -3.4e38f;
     var bi = 0xffffffffu;
@@ -227,5 +215,19 @@ feed_back = program(
     pos[0] = q;""", cpu=_feed_back_cpu)
 
 
-__all__ = ["copy_words", "embed_at", "kv_append", "causal_attend", "argmax", "feed_back",
-           "grid", "DECODE_WORKGROUP", "MAX_CACHE", "MAX_HEAD_DIM"]
+def _decode_continue_cpu(nxt, pos, stop, go, *, count):
+    go[0] = 1 if (pos[0] < stop[1] and nxt[0] != stop[0]) else 0
+
+
+#: The loop test of a decode loop in one replay (``capture_while``), on one invocation:
+#: ``go[0] = pos[0] < stop[1] && nxt[0] != stop[0]``: keep going while the last position is
+#: not reached and the chosen token is not the end token (``stop = [end token or -1, last
+#: position]``, written by the host once per sequence). Launch over ``(1, 1, 1)``.
+decode_continue = program(
+    "decode_continue", [("nxt", "i32", R), ("pos", "i32", R), ("stop", "i32", R),
+                        ("go", "i32", RW)], [], (1, 1, 1), """
+    go[0] = select(0, 1, pos[0] < stop[1] && nxt[0] != stop[0]);""", cpu=_decode_continue_cpu)
+
+
+__all__ = ["embed_at", "kv_append", "causal_attend", "argmax", "feed_back",
+           "decode_continue", "grid", "DECODE_WORKGROUP", "MAX_CACHE", "MAX_HEAD_DIM"]

@@ -22,16 +22,15 @@ its scratch owned by the worker thread.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 
 from .pointwise import WORKGROUP, elementwise, grid
 from .shader import program
-from .threads import RULE
+from ..cpu_threads import FAN_OUT, RULE
 
-R, RW = "read", "read_write"
+R, RW, W = "read", "read_write", "write"
 
 #: matmul tile columns: a workgroup of 16x16 invocations computes a (16 r) x 128 block of ``out``
 #: (r x 8 each, r = 8, 4 or 1 by the variant), stepping through K by MM_BK.
@@ -104,7 +103,7 @@ _tls = threading.local()
 def _loops():
     """:mod:`runtime.kernels.cpu_loops`, imported on the first cpu launch (numba loads there, not
     when ``runtime`` is imported), with numba's threads for the calling thread set by the thread
-    rule (:mod:`runtime.kernels.threads`: cores shared among the stream items executing now)."""
+    rule (:mod:`runtime.cpu_threads`: cores shared among the stream items executing now)."""
     global _LOOPS
     if _LOOPS is None:
         from . import cpu_loops
@@ -134,7 +133,7 @@ def _gelu_cpu(x, out, *, n, count):
 
 #: ``out[i] = gelu(x[i])`` over ``i < n``; launch over ``grid(n)``.
 gelu = program(
-    "gelu", [("x", "f32", R), ("out", "f32", RW)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
+    "gelu", [("x", "f32", R), ("out", "f32", W)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (i < p.n) {{ out[i] = gelu_erf(x[i]); }}""", helpers=_GELU_HELPERS, cpu=_gelu_cpu)
 
@@ -147,7 +146,7 @@ def _add_bias_cpu(x, b, out, *, N, n, count):
 
 #: ``out[i] = x[i] + b[i % N]`` (a bias broadcast over the rows of an ``[*, N]`` tensor);
 #: launch over ``grid(n)``.
-add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f32", RW)],
+add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f32", W)],
                        "x[i] + b[i % {N}]", [("N", "u32")], _add_bias_cpu)
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +168,7 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
 #: and must index inside their tables (not checked on the device). Launch over ``grid(n)``.
 embedding = program(
     "embedding", [("ids", "i32", R), ("types", "i32", R), ("word", "f32", R), ("pos", "f32", R),
-                  ("ttab", "f32", R), ("out", "f32", RW)],
+                  ("ttab", "f32", R), ("out", "f32", W)],
     [("H", "u32"), ("S", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (i < p.n) {{
@@ -244,7 +243,7 @@ def _matmul(name: str, bias: bool, act: str | None, rows: int = 8):
     }}
 """ + "\n".join(stores)
     binds = [("a", "f32", R), ("w", "f32", R)] + ([("bias", "f32", R)] if bias else [])
-    return program(name, binds + [("out", "f32", RW)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
+    return program(name, binds + [("out", "f32", W)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
                    (th, th, 1), body, shared=[("As", "f32", bk * tm), ("Ws", "f32", bk * tn)],
                    helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act))
 
@@ -347,7 +346,7 @@ def _layer_norm(name: str, residual: bool):
         }}
     }}"""
     binds = [("x", "f32", R)] + ([("res", "f32", R)] if residual else [])
-    binds += [("gamma", "f32", R), ("beta", "f32", R), ("out", "f32", RW)]
+    binds += [("gamma", "f32", R), ("beta", "f32", R), ("out", "f32", W)]
     return program(name, binds, [("rows", "u32"), ("n", "u32"), ("eps", "f32")],
                    (ROW_WORKGROUP, 1, 1), body, shared=[("red", "f32", ROW_WORKGROUP)],
                    cpu=_layer_norm_cpu(residual))
@@ -367,7 +366,7 @@ def _l2_cpu(x, out, *, rows, n, count):
 #: ``out[r] = x[r] / max(||x[r]||_2, 1e-12)`` per row of ``[rows, n]`` (torch ``F.normalize``);
 #: launch over :func:`rows_count`.
 l2_normalize = program(
-    "l2_normalize", [("x", "f32", R), ("out", "f32", RW)], [("rows", "u32"), ("n", "u32")],
+    "l2_normalize", [("x", "f32", R), ("out", "f32", W)], [("rows", "u32"), ("n", "u32")],
     (ROW_WORKGROUP, 1, 1), f"""
     let row = wg.y * nwg.x + wg.x;
     let valid = row < p.rows;
@@ -396,7 +395,7 @@ def _mean_pool_cpu(x, mask, out, *, S, H, n, count):
 #: ``out[b, c] = sum_s x[b, s, c] mask[b, s] / max(sum_s mask[b, s], 1e-9)`` for ``x [B, S, H]``,
 #: ``mask [B, S]`` (0/1 floats), ``n = B * H``; launch over ``grid(n)``.
 mean_pool = program(
-    "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", RW)],
+    "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", W)],
     [("S", "u32"), ("H", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (i < p.n) {{
@@ -456,54 +455,22 @@ def _attend(views, madd, pieces, S, hd, scale):
         np.matmul(s, vv[b0:b1, h0:h1], out=ov[b0:b1, h0:h1])
 
 
-def _on_pool_thread(fn, part):
-    # a fan-out pool thread: numba at one thread here (numba's count is per calling thread)
-    if getattr(_tls, "threads", 0) != 1:
-        _tls.threads = _LOOPS.set_threads(1)
-    fn(part)
-
-
-_FAN_OUT = None
-_FAN_OUT_LOCK = threading.Lock()
-
-
-def _fan_out_pool():
-    """The threads cpu sources hand parts of their work to (created on first use; threads are
-    started as needed, at most one fewer than the CPUs)."""
-    global _FAN_OUT
-    with _FAN_OUT_LOCK:
-        if _FAN_OUT is None:
-            from concurrent.futures import ThreadPoolExecutor
-            _FAN_OUT = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
-                                          thread_name_prefix="runtime-cpu-kernel")
-    return _FAN_OUT
-
-
-def _fan_out(fn, parts) -> None:
-    """``fn(part)`` for every part at once: the first on the calling (worker) thread, the others
-    on pool threads; numba and OpenBLAS at one thread in each meanwhile (``RULE.fan_out``,
-    :mod:`runtime.kernels.threads`). Returns when every part is done; raises the first error."""
-    pool, futures = _fan_out_pool(), []
-    with RULE.fan_out():
-        try:
-            for part in parts[1:]:
-                futures.append(pool.submit(_on_pool_thread, fn, part))
-            _LOOPS.set_threads(1)
-            try:
-                fn(parts[0])
-            finally:
-                _LOOPS.set_threads(_tls.threads)
-        finally:
-            for f in futures:                    # every part done (and its error raised)
-                f.result()
+def _one_thread_piece(fn):
+    # numba at one thread on whichever thread runs a piece (numba's count is per calling
+    # thread; the worker's next kernel sets its own count again in _loops)
+    def run(piece):
+        if getattr(_tls, "threads", 0) != 1:
+            _tls.threads = _LOOPS.set_threads(1)
+        fn(piece)
+    return run
 
 
 def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_off, ld_out,
                    scale, count):
     # Pieces of whole sequences (several when their [heads, S, S] scores fit ATTN_CPU_CHUNK) or
     # of heads of one sequence; from ATTN_FAN_OUT_MACS on, the pieces are dealt out to the
-    # thread rule's threads (_fan_out: this worker and pool threads, 1-thread BLAS and numba
-    # each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
+    # thread rule's threads (cpu_threads.FAN_OUT: this worker and pool threads take pieces in
+    # turn, 1-thread BLAS and numba each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
     # allocated once warm but the pool's futures.
     L = _loops()
     B = count[1] // heads
@@ -523,12 +490,11 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     np.subtract(1.0, mask[:B * S].reshape(B, S), out=madd)     # the additive mask, once
     madd *= np.float32(-1e9)
     sc = np.float32(scale)
-    n = min(want, len(pieces))
-    if n <= 1:
+    if want <= 1 or len(pieces) <= 1:
         _attend(views, madd, pieces, S, hd, sc)
     else:
-        _fan_out(lambda part: _attend(views, madd, part, S, hd, sc),
-                 [pieces[i::n] for i in range(n)])
+        FAN_OUT.run(_one_thread_piece(lambda piece: _attend(views, madd, (piece,), S, hd, sc)),
+                    pieces, want)
 
 
 def _attention(hd: int):
@@ -586,7 +552,7 @@ def _attention(hd: int):
     }}"""
     return program(
         f"attention_hd{hd}", [("q", "f32", R), ("k", "f32", R), ("v", "f32", R),
-                              ("mask", "f32", R), ("out", "f32", RW)],
+                              ("mask", "f32", R), ("out", "f32", W)],
         [("S", "u32"), ("heads", "u32"), ("hd", "u32"), ("ld_in", "u32"), ("q_off", "u32"),
          ("k_off", "u32"), ("v_off", "u32"), ("ld_out", "u32"), ("scale", "f32")],
         (ATTN_WORKGROUP, 1, 1), body,

@@ -1,21 +1,25 @@
-"""Elementwise kernels: fill, copy, add, mul, add_scalar, mul_scalar, accumulate (``y += x``), noop.
+"""Elementwise kernels: fill, copy, add, mul, add_scalar, mul_scalar, accumulate (``y += x``),
+copy_words (bitwise, any 4-byte dtype), noop.
 
-One generator writes the WGSL and CUDA C sources from a single expression, so the backends
-cannot drift apart. Indexing is 2-D over workgroups so that more than 65,535 workgroups
-(WebGPU's and CUDA's per-dimension limit) fit: ``i = (wg.y * nwg.x + wg.x) * 64 + lid.x``.
+``elementwise`` writes the WGSL and CUDA C sources from a single expression through the one
+source generator (``shader.program``), so the backends cannot drift apart. Indexing is 2-D
+over workgroups so that more than 65,535 workgroups (WebGPU's and CUDA's per-dimension limit)
+fit: ``i = (wg.y * nwg.x + wg.x) * 64 + lid.x``.
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 
-from ..kernel import Binding, Kernel, Param
+import numpy as np
+
+from ..kernel import Kernel
+from .shader import program
 
 #: invocations per workgroup of every elementwise kernel.
 WORKGROUP = 64
 _MAX_DIM = 65535
-_WGSL_T = {"f32": "f32", "i32": "i32", "u32": "u32"}
-_CUDA_T = {"f32": "float", "i32": "int", "u32": "unsigned int"}
 
 
 def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
@@ -30,55 +34,48 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
     return (-(-groups // y), y, 1)
 
 
-def elementwise(name: str, bindings, expr: str, params=(), cpu=None) -> Kernel:
-    """Build an elementwise kernel ``out = expr`` over ``i < n``.
+def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None) -> Kernel:
+    """Build an elementwise kernel ``out = expr`` over ``i < n``: a thin wrapper over
+    :func:`~runtime.kernels.shader.program`, the one source generator.
 
     Args:
         name: kernel name.
         bindings: ``[(name, dtype, access), ...]``; the assignment target is the last binding.
-        expr: the right-hand side, written with ``x[i]`` for bindings and ``{alpha}`` for params
-            (substituted as ``p.alpha`` in WGSL and ``alpha`` in CUDA C).
+        expr: the right-hand side in the WGSL subset of ``runtime.kernels.shader``, written
+            with ``x[i]`` for bindings and ``{alpha}`` for params (``p.alpha`` in the body);
+            empty for a kernel that does nothing.
         params: ``[(name, dtype), ...]`` besides ``n`` (appended as the last ``u32`` param).
-        cpu: the numpy callable (see ``runtime.kernel``).
+        cpu: the numpy callable (see ``runtime.kernel``), run over the elements the launch
+            covers.
+        bind: ``bind(*views, n=..., **params) -> callable()``: the same work as one
+            zero-argument call with views and params bound once (the cpu ``bind`` of
+            ``runtime.kernel``: what a software graph replays); optional.
+    Returns: a ``Kernel`` launched over ``grid(n)`` workgroups of ``WORKGROUP`` invocations.
+    Raises: ``ValueError`` for a malformed description (from ``Kernel``).
     """
-    bindings = [Binding(*b) for b in bindings]
-    params = [Param(*p) for p in params] + [Param("n", "u32")]
-    target = bindings[-1].name
-    wgsl_expr = re.sub(r"\{(\w+)\}", r"p.\1", expr)
-    cuda_expr = re.sub(r"\{(\w+)\}", r"\1", expr)
-    decls = "\n".join(
-        f"@group(0) @binding({k}) var<storage, {'read' if b.access == 'read' else 'read_write'}> "
-        f"{b.name}: array<{_WGSL_T[b.dtype]}>;" for k, b in enumerate(bindings))
-    fields = ", ".join(f"{p.name}: {_WGSL_T[p.dtype]}" for p in params)
-    body = f"{target}[i] = {wgsl_expr};" if expr else "_ = &" + target + ";"
-    wgsl = f"""{decls}
-struct Params {{ {fields} }}
-@group(0) @binding({len(bindings)}) var<uniform> p: Params;
-@compute @workgroup_size({WORKGROUP})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_id) lid: vec3<u32>) {{
-    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;
-    if (i < p.n) {{ {body} }}
-}}
-"""
-    args = ", ".join([f"{_CUDA_T[b.dtype]}* __restrict__ {b.name}" for b in bindings]
-                     + [f"{_CUDA_T[p.dtype]} {p.name}" for p in params])
-    cbody = f"{target}[i] = {cuda_expr};" if expr else ""
-    cuda = f"""extern "C" __global__ void {name}({args}) {{
-    unsigned int i = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i < n) {{ {cbody} }}
-}}
-"""
-    return Kernel(name, bindings, params, (WORKGROUP, 1, 1), wgsl=wgsl, cuda=cuda,
-                  cpu=None if cpu is None else _bounded(cpu))
+    target = bindings[-1][0]
+    rhs = re.sub(r"\{(\w+)\}", r"p.\1", expr)
+    # an empty kernel still names its binding (WGSL drops unused ones) but never writes it
+    store = f"{target}[i] = {rhs};" if expr else f"if (p.n == 0u) {{ {target}[i] = {target}[i]; }}"
+    body = (f"    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;\n"
+            f"    if (i < p.n) {{ {store} }}")
+    return program(name, bindings, list(params) + [("n", "u32")], (WORKGROUP,), body,
+                   cpu=None if cpu is None else _bounded(cpu, bind))
 
 
-def _bounded(fn):
+def _bounded(fn, bind=None):
     """Run ``fn`` over the elements the launch covers, as the GPU sources do:
-    ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer)."""
+    ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer).
+    With ``bind``, the callable gets a ``bind`` attribute with the same bound (``runtime.kernel``)."""
     def cpu(*views, count, n, **params):
-        return fn(*views, count=count, n=min(n, count[0] * count[1] * WORKGROUP), **params)
+        m = count[0] * count[1] * WORKGROUP
+        return fn(*views, count=count, n=n if n < m else m, **params)
     cpu.__name__ = cpu.__qualname__ = fn.__name__
+    if bind is not None:
+        def bound(*views, count, n, **params):
+            m = count[0] * count[1] * WORKGROUP
+            return bind(*views, n=n if n < m else m, **params)
+        cpu.bind = bound
     return cpu
 
 
@@ -99,11 +96,11 @@ def _mul(a, b, out, *, n, count):
 
 
 def _add_scalar(x, y, *, alpha, n, count):
-    y[:n] = x[:n] + y.dtype.type(alpha)
+    np.add(x[:n], y.dtype.type(alpha), y[:n])
 
 
 def _mul_scalar(x, y, *, alpha, n, count):
-    y[:n] = x[:n] * y.dtype.type(alpha)
+    np.multiply(x[:n], y.dtype.type(alpha), y[:n])
 
 
 def _accumulate(x, y, *, n, count):
@@ -114,22 +111,63 @@ def _noop(y, *, n, count):
     pass
 
 
-R, RW = "read", "read_write"
+def _nothing():
+    pass
+
+
+# binds: the same work as one call with views and params bound once (numpy ufuncs take the
+# output as their last positional argument)
+def _bind_fill(y, *, value, n):
+    return partial(y[:n].fill, y.dtype.type(value))
+
+
+def _bind_copy(x, y, *, n):
+    return partial(np.copyto, y[:n], x[:n])
+
+
+def _bind_ufunc2(ufunc):
+    def bind(a, b, out, *, n):
+        return partial(ufunc, a[:n], b[:n], out[:n])
+    return bind
+
+
+def _bind_scalar(ufunc):
+    def bind(x, y, *, alpha, n):
+        return partial(ufunc, x[:n], y.dtype.type(alpha), y[:n])
+    return bind
+
+
+def _bind_accumulate(x, y, *, n):
+    return partial(np.add, y[:n], x[:n], y[:n])
+
+
+def _bind_noop(y, *, n):
+    return _nothing
+
+
+R, RW, W = "read", "read_write", "write"
 #: ``y[i] = value``
-fill = elementwise("fill", [("y", "f32", RW)], "{value}", [("value", "f32")], _fill)
+fill = elementwise("fill", [("y", "f32", W)], "{value}", [("value", "f32")], _fill, _bind_fill)
 #: ``y[i] = x[i]``
-copy = elementwise("copy", [("x", "f32", R), ("y", "f32", RW)], "x[i]", cpu=_copy)
+copy = elementwise("copy", [("x", "f32", R), ("y", "f32", W)], "x[i]", cpu=_copy,
+                  bind=_bind_copy)
 #: ``out[i] = a[i] + b[i]``
-add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] + b[i]", cpu=_add)
+add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] + b[i]", cpu=_add,
+                 bind=_bind_ufunc2(np.add))
 #: ``out[i] = a[i] * b[i]``
-mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", RW)], "a[i] * b[i]", cpu=_mul)
+mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] * b[i]", cpu=_mul,
+                 bind=_bind_ufunc2(np.multiply))
 #: ``y[i] = x[i] + alpha``
-add_scalar = elementwise("add_scalar", [("x", "f32", R), ("y", "f32", RW)], "x[i] + {alpha}",
-                         [("alpha", "f32")], _add_scalar)
+add_scalar = elementwise("add_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] + {alpha}",
+                         [("alpha", "f32")], _add_scalar, _bind_scalar(np.add))
 #: ``y[i] = x[i] * alpha``
-mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", RW)], "x[i] * {alpha}",
-                         [("alpha", "f32")], _mul_scalar)
+mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] * {alpha}",
+                         [("alpha", "f32")], _mul_scalar, _bind_scalar(np.multiply))
 #: ``y[i] += x[i]``
-accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate)
+accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate,
+                        bind=_bind_accumulate)
+#: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
+#: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
+copy_words = elementwise("copy_words", [("x", "i32", R), ("y", "i32", W)], "x[i]", cpu=_copy)
 #: an empty kernel (one read_write binding, no work): measures pure launch overhead.
-noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop)
+noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop, bind=_bind_noop)

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import re
 
-from ..kernel import Binding, Kernel, Param
+from ..kernel import C_TYPES, Binding, Kernel, Param
 
-_CUDA_PRELUDE = """typedef float f32;
-typedef int i32;
-typedef unsigned int u32;
+_CUDA_PRELUDE = "".join(f"typedef {c} {w};\n" for w, c in C_TYPES.items()) + """\
 template <typename T> __device__ __forceinline__ T select(T f, T t, bool c) { return c ? t : f; }
 __device__ __forceinline__ f32 inverseSqrt(f32 x) { return rsqrtf(x); }
 #define workgroupBarrier() __syncthreads()
@@ -88,7 +86,7 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
     params = [Param(*p) for p in params]
     wgx, wgy, wgz = tuple(workgroup_size) + (1,) * (3 - len(workgroup_size))
     # WGSL: storage bindings, one uniform struct, workgroup arrays, helpers, main.
-    access = {"read": "read", "read_write": "read_write"}
+    access = {"read": "read", "read_write": "read_write", "write": "read_write"}
     lines = [f"@group(0) @binding({k}) var<storage, {access[b.access]}> {b.name}: array<{b.dtype}>;"
              for k, b in enumerate(bindings)]
     if params:

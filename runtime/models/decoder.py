@@ -135,6 +135,7 @@ class Decoder:
         self.w = {n: Tensor.from_numpy(self.client, a) for n, a in self.weights.items()}
         self._graph: StaticGraph | None = None
         self._lock = threading.Lock()
+        self._loops: dict = {}       # max_tokens -> (Graph, state tensors) (loop_graph)
 
     # -- the step ---------------------------------------------------------------------------------
     def state_spec(self) -> dict:
@@ -211,26 +212,97 @@ class Decoder:
             raise ValueError(f"prompt ({p.size}) + n ({n}) exceeds max_len {cfg.max_len}")
         return p.astype(np.int32)
 
+    def loop_graph(self, max_tokens: int):
+        """The decode loop in one graph: ``capture_while(go, step + decode_continue,
+        max_iterations=max_tokens)`` over its own state (built on first use per
+        ``max_tokens`` and kept). The loop test runs on the device
+        (``kernels.decode.decode_continue``): it stops at ``stop[1]`` (the last position) or
+        when the chosen token equals ``stop[0]`` (the end token, -1 for none).
+
+        Returns: ``(graph, tensors)``: a ``runtime.Graph`` on the decoder's stream and
+            ``{"token", "pos", "k_cache", "v_cache", "hist", "next", "go", "stop"}``.
+        Raises: ``UnsupportedError`` where the backend has no loop nodes (cuda here).
+        """
+        hit = self._loops.get(max_tokens)
+        if hit is not None:
+            return hit
+        c = self.client
+        st = {k: Tensor.from_numpy(c, np.zeros(s, "i4" if d == "i32" else "f4"))
+              for k, (s, d) in self.state_spec().items()}
+        st["next"] = Tensor.from_numpy(c, np.zeros(1, np.int32))
+        st["go"] = Tensor.from_numpy(c, np.zeros(1, np.int32))
+        st["stop"] = Tensor.from_numpy(c, np.array([-1, 0], np.int32))
+        names = list(self.state_spec())
+
+        def body():
+            self.step(next=st["next"], **{k: st[k] for k in names})
+            c.launch(D.decode_continue, (1, 1, 1), [st["next"].handle, st["pos"].handle,
+                                                  st["stop"].handle, st["go"].handle])
+        c.graph_prepare()
+        c.start_capture()
+        try:
+            c.capture_while(st["go"].handle, body, max_iterations=max_tokens)
+        except BaseException:
+            c.abort_capture()
+            raise
+        g = c.stop_capture(retain=True)
+        self._loops[max_tokens] = (g, st)
+        return g, st
+
+    def _generate_sequence(self, p: np.ndarray, n: int, end_token) -> np.ndarray:
+        """One replay per prompt token but the last (each runs one step), then one replay for
+        the whole generation."""
+        g, st = self.loop_graph(n)
+        c = self.client
+        cfg = self.config
+        c.write(st["pos"].handle, np.zeros(1, np.int32))
+        c.write(st["hist"].handle, np.zeros(cfg.max_len, np.int32))
+        go = np.ones(1, np.int32)
+        for i in range(p.size - 1):                     # prefill: one step each
+            c.write(st["token"].handle, p[i:i + 1])
+            c.write(st["stop"].handle, np.array([-1, i + 1], np.int32))
+            c.write(st["go"].handle, go)
+            g.replay()
+        c.write(st["token"].handle, p[-1:])
+        c.write(st["stop"].handle, np.array([-1 if end_token is None else end_token,
+                                             p.size + n - 1], np.int32))
+        c.write(st["go"].handle, go)
+        g.replay()
+        return st["hist"].numpy()[p.size:p.size + n]
+
     def generate(self, prompt, n: int, graph: bool = False, read_each_step: bool = False,
-                 timings: dict | None = None) -> np.ndarray:
+                 timings: dict | None = None, end_token: int | None = None,
+                 per_sequence: bool = False) -> np.ndarray:
         """Greedy-decode ``n`` tokens after ``prompt``.
 
         Args:
             prompt: 1-D token ids (``len(prompt) + n <= max_len``).
-            n: tokens to generate.
+            n: tokens to generate (at most).
             graph: replay the captured step (``True``) or launch every kernel eagerly (``False``).
             read_each_step: read the chosen token to the host after every step (a round trip per
                 token) instead of once, from ``hist``, at the end.
             timings: if a dict, receives ``{"steps", "seconds", "per_token_ms"}`` of the decode
                 loop (from the first step to the tokens on the host; capture excluded).
-        Returns: ``np.ndarray`` ``int32 [n]``, the generated tokens.
-        Raises: ``ValueError`` (bad prompt or ``n``).
-        Streams: the decoder's stream (eager) or the step graph's own stream.
+            end_token: stop after this token (it is the last one returned); None: ``n`` tokens.
+            per_sequence: one replay for the whole generation (:meth:`loop_graph`: the loop and
+                its end test run on the device), plus one per prompt token but the last.
+        Returns: ``np.ndarray`` ``int32 [<= n]``, the generated tokens (the same in every mode).
+        Raises: ``ValueError`` (bad prompt, ``n`` or ``end_token``); ``UnsupportedError``
+            (``per_sequence`` on a backend without loop nodes).
+        Streams: the decoder's stream (eager, per sequence) or the step graph's own stream.
         """
         p = self._check(prompt, n)
+        if end_token is not None and not 0 <= int(end_token) < self.config.vocab:
+            raise ValueError(f"end_token must be a token id in [0, {self.config.vocab}), got "
+                             f"{end_token!r}")
         steps = p.size + n - 1
         with self._lock:
-            if graph:
+            if per_sequence:
+                self.loop_graph(n)                        # captured outside the timing
+                t0 = time.perf_counter()
+                out = self._generate_sequence(p, n, end_token)
+                seen = None
+            elif graph:
                 g = self.step_graph()
                 g.reset()
                 t0 = time.perf_counter()
@@ -258,10 +330,15 @@ class Decoder:
                         seen.append(int(nxt.numpy()[0]))
                 out = st["hist"].numpy()[p.size:p.size + n]
             dt = time.perf_counter() - t0
-        if read_each_step:
+        if read_each_step and seen is not None:
             assert seen[p.size - 1:] == out.tolist(), "per-step tokens differ from hist"
+        if end_token is not None:
+            hit = np.flatnonzero(out == int(end_token))
+            if hit.size:
+                out = out[:hit[0] + 1]
         if timings is not None:
-            timings.update(steps=steps, seconds=dt, per_token_ms=1e3 * dt / steps)
+            timings.update(steps=steps, seconds=dt, per_token_ms=1e3 * dt / steps,
+                           tokens=int(out.size))
         return out
 
     def release(self) -> None:
@@ -269,6 +346,9 @@ class Decoder:
         if self._graph is not None:
             self._graph.release()
             self._graph = None
+        for g, _ in self._loops.values():
+            g.release()
+        self._loops = {}
         self.w = {}
 
 

@@ -1,6 +1,8 @@
 """The device server: one per (backend, device), on its own thread, owning every table.
 
-``get_server`` starts servers lazily; ``shutdown`` stops them (also at interpreter exit).
+``get_server`` starts servers lazily; ``shutdown`` stops them (also at interpreter exit). A
+process forked from one with servers starts without any: the inherited ones raise
+``ServerForked`` there, and its first ``get_server`` starts a fresh one.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from ..backends.base import check_interface, check_probe
 from ..errors import UnsupportedError
 from .server import ComputeServer
 
-__all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "BACKENDS",
-           "register_backend"]
+__all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "backend_unavailable",
+           "BACKENDS", "register_backend"]
 
 #: backend name -> (module, class name), imported only when first asked for (tinygrad style),
 #: or a class given to :func:`register_backend`.
@@ -27,7 +29,9 @@ PREFERENCE = ("cuda", "wgpu", "cpu")
 
 _servers: dict = {}
 _lock = threading.Lock()
-_unavailable: dict = {}
+#: name -> its ``probe()`` answer, or the reason it cannot run here (a str): the one cache behind
+#: ``available_backends``, ``backend_unavailable`` and ``backend=None``.
+_probes: dict = {}
 
 
 def backend_class(name: str):
@@ -70,39 +74,56 @@ def register_backend(name: str, cls) -> None:
         check_probe(cls, info)
     with _lock:
         BACKENDS[name] = cls
+        _probes.pop(name, None)
 
 
 def _probe(cls) -> dict:
     return check_probe(cls, cls.probe())
 
 
+def _probed(name: str):
+    """``name``'s probe answer or the reason it cannot run, probed once per process."""
+    got = _probes.get(name)
+    if got is None:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}")
+        try:
+            got = _probe(backend_class(name))
+        except Exception as e:  # noqa: BLE001 - the reason is the answer
+            got = f"{name} backend unavailable here: {type(e).__name__}: {e}"
+        _probes[name] = got
+    return got
+
+
+def backend_unavailable(name: str):
+    """None when backend ``name`` can run here, else the reason it cannot (a str).
+
+    "Can run" means its library imports and its ``probe()`` finds a device (cuda: a driver
+    and a device; wgpu: an adapter, software ones included; cpu: always): the check
+    ``runtime.client(name)`` makes before it opens a server (``UnsupportedError`` with this
+    reason). Probed once per process (a backend
+    registered again with ``register_backend`` is probed afresh); ``runtime.available_backends``
+    and the ``runtime.testing`` fixtures ask this same function.
+
+    Raises: ``ValueError`` for a name that is not a backend.
+    """
+    got = _probed(name)
+    return got if isinstance(got, str) else None
+
+
 def _usable_best(name: str) -> bool:
-    """Whether ``backend=None`` should pick ``name``: it opens, and (for wgpu) on real hardware."""
+    """Whether ``backend=None`` should pick ``name``: it can run here, and (all but cpu) on a
+    hardware device (software adapters are slower than numpy)."""
     if name == "cpu":
         return True
-    if name in _unavailable:
-        return False
-    try:
-        info = _probe(backend_class(name))
-        if not info["hardware"]:
-            _unavailable[name] = "no hardware device (software adapters are slower than numpy)"
-            return False
-        return True
-    except Exception as e:  # noqa: BLE001 - keep the reason, try the next one
-        _unavailable[name] = str(e)
-        return False
+    got = _probed(name)
+    return not isinstance(got, str) and bool(got["hardware"])
 
 
 def available_backends() -> dict:
-    """``{name: None or the reason it is unusable}`` for every backend, probing each."""
-    out = {}
-    for name in BACKENDS:
-        try:
-            _probe(backend_class(name))
-            out[name] = None
-        except Exception as e:  # noqa: BLE001
-            out[name] = str(e)
-    return out
+    """``{name: None, or the reason it cannot run here}`` for every registered backend: one
+    :func:`backend_unavailable` answer per name (the same probe, the same cache)."""
+    return {name: backend_unavailable(name) for name in list(BACKENDS)}
 
 
 def resolve_backend(name):
@@ -143,6 +164,9 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
         srv = _servers.get(key)
         if srv is not None and not srv.closed:
             return srv
+        why = backend_unavailable(name)       # probed once per process
+        if why is not None:
+            raise UnsupportedError(why)
         cls = backend_class(name)
         check = bool(options.pop("check", False))
         max_idle = options.pop("max_idle_bytes", None)
@@ -161,4 +185,14 @@ def shutdown() -> None:
         srv.shutdown()
 
 
+def _after_fork_in_child() -> None:
+    # the parent's servers are closed here (queue.py); the child's first runtime.client(...)
+    # starts a fresh one. The table's lock may have been held by another thread at the fork.
+    global _lock
+    _lock = threading.Lock()
+    _servers.clear()
+
+
 atexit.register(shutdown)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

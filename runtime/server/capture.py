@@ -23,6 +23,7 @@ Errors: a transition out of order raises ``GraphStateError`` and leaves the stat
 from __future__ import annotations
 
 from ..errors import CaptureRefused, GraphStateError, ServerUnhealthy
+from .ops import LaunchRec
 
 NO_CAPTURE, PREPARE, CAPTURE = "no capture", "prepared", "capturing"
 
@@ -62,6 +63,27 @@ def merge(fences: dict, more: dict, skip=None) -> None:
             fences[sid] = pos
 
 
+def sources(ops) -> frozenset:
+    """Handle ids whose contents a graph of ``ops`` (``ops.LaunchRec``/``CondRec``, in recorded
+    order) may read before it writes them: its inputs and its state (a buffer it reads and
+    writes, a KV cache, an accumulator). A ``read`` or ``read_write`` binding, an indirect count
+    or a condition reads; a ``write`` binding does not. A write inside a conditional node may
+    not run, so it does not hide a later read. A failure mark on a source marks what a replay
+    writes (docs/contract.md section 4)."""
+    out, written = set(), set()
+    for op in ops:
+        if isinstance(op, LaunchRec):
+            binds = list(zip(op.kernel.bindings, op.hids))
+            out.update(h for b, h in binds if b.access != "write" and h not in written)
+            if not isinstance(op.count, tuple) and op.count not in written:
+                out.add(op.count)
+            if not op.scope:
+                written.update(h for b, h in binds if b.access != "read")
+        elif hasattr(op, "cond") and op.cond not in written:
+            out.add(op.cond)
+    return frozenset(out)
+
+
 class Window:
     """What one capture window touched and refused.
 
@@ -69,7 +91,7 @@ class Window:
         recording: the backend recording (``Backend.begin_graph``).
         reads / writes: handle ids the recorded launches read / write (the graph's read and
             write sets; a ``read_write`` binding counts in both). ``inputs``: ids bound ``read``
-            only (a failure mark on one of them propagates to the replay's writes).
+            only (the graph's sources, whose marks a replay inherits: :func:`sources`).
         states: ``{handle id: HandleState}`` of every handle the recorded launches use.
         fences: ``{stream id: position}`` of work on other streams pending on those handles at
             record time (their earlier writers and readers, and a reused buffer's previous
@@ -86,7 +108,8 @@ class Window:
     """
 
     __slots__ = ("recording", "reads", "writes", "inputs", "states", "fences", "allocs",
-                 "refusals", "deferred", "graveyard", "event", "event_pos", "launches")
+                 "refusals", "deferred", "graveyard", "event", "event_pos", "launches", "ops",
+                 "scopes")
 
     def __init__(self, recording, event, event_pos):
         self.recording = recording
@@ -101,6 +124,8 @@ class Window:
         self.graveyard: list = []
         self.event, self.event_pos = event, event_pos
         self.launches = 0
+        self.ops: list = []       # what was recorded, in order (graphs.py: launches, nodes)
+        self.scopes: list = []    # the open capture_if/capture_while nodes (graphs.CondRec)
 
     def uses(self, hid: int) -> bool:
         return hid in self.states
@@ -111,9 +136,11 @@ class GraphState:
 
     Attributes:
         id, stream, graph: the graph id, its capture stream id, the backend graph.
-        reads / writes: handle ids it reads / writes; ``inputs``: ids it only reads.
+        reads / writes: handle ids it reads / writes; ``inputs``: ids it only reads;
+            ``sources``: ids it may read before writing them (:func:`sources`).
         handles: the ``HandleState`` s it uses (``wstates``: those it writes; ``istates``: its
-            read-only inputs); ``retained``: every pooled slot it uses, pinned until destroy, so
+            read-only inputs; ``sstates``: its sources, whose marks a replay inherits);
+            ``retained``: every pooled slot it uses, pinned until destroy, so
             no buffer a replay may touch changes owner while the graph lives.
         required: ids of caller-owned handles whose free breaks the graph (``retain=False``:
             ``ComputeClient.stop_capture``'s contract); ``freed``: those freed so far; a replay
@@ -123,17 +150,20 @@ class GraphState:
         last_pos: the capture-stream position of its latest replay.
     """
 
-    __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "handles", "wstates",
-                 "istates", "retained", "allocated", "required", "freed", "fences", "last_pos",
-                 "launches")
+    __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
+                 "wstates", "istates", "sstates", "retained", "allocated", "required", "freed",
+                 "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
+                 "fallback_reason")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
         self.reads, self.writes = frozenset(window.reads), frozenset(window.writes)
         self.inputs = frozenset(window.inputs)
+        self.sources = sources(window.ops)
         self.handles = list(window.states.values())
         self.wstates = [st for st in self.handles if st.id in self.writes]
         self.istates = [st for st in self.handles if st.id in self.inputs]
+        self.sstates = [st for st in self.handles if st.id in self.sources]
         allocated = {st.id for st in window.allocs}
         slots = {id(st.slot): st.slot for st in self.handles}
         for st in window.allocs:
@@ -146,6 +176,12 @@ class GraphState:
         self.fences = dict(window.fences)
         self.last_pos = 0
         self.launches = window.launches
+        # graphs.py: the recorded ops (update/instantiate/describe), the slots of the window's
+        # own allocations, the retain choice, and why an update had to rebuild the graph
+        self.ops = list(window.ops)
+        self.alloc_slots = [st.slot for st in window.allocs]
+        self.retain = retain
+        self.fallback_reason = None
 
 
 class Capture:
@@ -215,6 +251,9 @@ class Capture:
         w = s.window
         self.backend.record_launch(w.recording, prog, count, args, params)
         w.launches += 1
+        w.ops.append(LaunchRec(kernel, count if cst is None else cst.id,
+                               tuple(st.id for st in states), params,
+                               tuple(w.scopes)))
         sid = s.id
         for b, st in zip(kernel.bindings, states):
             w.states[st.id] = st
@@ -240,6 +279,9 @@ class Capture:
         """
         transition(s.state, "end", s.id)
         w = s.window
+        if w.scopes:
+            w.refusals.append(f"conditional node {w.scopes[-1][0]} was still open (stop_capture "
+                              "was called inside a capture_if/capture_while body)")
         if w.refusals:
             self.abort(s)
             s.errors = []

@@ -16,8 +16,8 @@ itself, checker or not: ``LivenessError``):
   stream without ordering -> ``StreamRaceError``.
 
 Model. Each operation sits at a position ``p`` of its stream (``StreamState.pos`` after it is
-enqueued). Per pooled buffer (``Slot``, whichever handle holds it) the checker keeps the last write and the latest read per
-stream since, each as ``(stream, position, operation)``. Per stream it keeps a vector clock
+enqueued). Per pooled buffer (``PooledBuffer``, whichever handle holds it) the checker keeps
+the last write and the latest read per stream since, each as ``(stream, position, operation)``. Per stream it keeps a vector clock
 ``{other stream: position}``: the positions of other streams that happen-before its next
 operation. Clocks advance through
 
@@ -122,7 +122,7 @@ class Checker:
         self.host: dict = {}        # what the host knows has finished: {sid: pos}
         self.host_ver = 0
         self.events: dict = {}      # stream id -> {event position: clock snapshot}
-        self.bufs: dict = {}        # pooled Slot -> _Buf (outlives the handles that held it)
+        self.bufs: dict = {}        # PooledBuffer -> _Buf (outlives the handles that held it)
         self.replays: dict = {}     # graph id -> (op tag, ((slot, handle id, writes it), ...))
         self.violations: list = []
 

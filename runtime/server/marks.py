@@ -58,7 +58,10 @@ class Mark:
         self.op, self._error = op, None
         self.stream, self.pos = stream, pos
         self.since = Mark.failures        # the failure count when its oldest ancestor was made
-        self.set_parents(parents)
+        if parents:
+            self.set_parents(parents)
+        else:
+            self.parents = ()
         if error is not None:
             self.error = error
 
@@ -183,7 +186,7 @@ class Marks:
     few attribute tests.
 
     Args:
-        backend: the server's backend (``synchronize``, ``take_failures``).
+        backend: the server's backend (``synchronize``, ``failures``/``take_failures``).
         streams, handles, graphs: the server's tables (``{id: StreamState}``,
             ``{id: HandleState}``, ``{id: GraphState}``), read to attribute failures.
     Attributes:
@@ -208,44 +211,16 @@ class Marks:
                                  else ServerError(f"internal error in a queued message: {exc!r}"))
 
     def collect(self) -> None:
-        """Attribute the backend's ``LaunchFailure`` records: each error goes to the stream that
-        enqueued the launch (never another), naming the graph for a replay, and marks the
-        handles the launch would have written, or the replay's whole write set (design.md
-        section 4; ``ReplayFailed`` on read), unless a later write was enqueued."""
-        failures = self.backend.take_failures()
-        if not failures:
-            return
-        by_raw = {id(st.raw): st for st in self.streams.values()}
-        for f in failures:
-            g = next((g for g in self.graphs.values() if g.graph is f.graph), None)
-            gid = g.id if g is not None else None
-            err = f.error
-            if gid is not None:
-                err = type(err)(f"{err} (in a replay of graph {gid}: the dispatch did not run)")
-            s = by_raw.get(id(f.stream))
-            if f.reported:
-                pass                      # the backend raises it on its stream itself
-            elif s is not None:
-                s.errors.append(err)
-            else:
-                self.async_errors.append(err)
-            written = {id(b) for b in f.written}
-            fsid = s.id if s is not None else None
-            for st in (self.handles.values() if g is None else g.wstates):
-                if g is None and id(st.slot.buf) not in written:
-                    continue                  # a replay marks its whole write set
-                if f.pos is not None and (st.writes.get(fsid, -1) > f.pos or (
-                        gid is None and st.writes.get(fsid) != f.pos)):
-                    continue                  # a later write was enqueued after it
-                if st.mark is CLEAN:          # (a host write cannot fail later: never CLEAN)
-                    st.mark = Mark(("replay", gid) if gid is not None
-                                   else ("launch", f.kernel.name, fsid), err)
-                elif st.mark._error is None:  # the mark of that launch or replay: reads see it
-                    st.mark.error = err
+        """Move the errors no stream owns that the backend found after enqueue (``Backend.
+        take_failures``) to ``async_errors``. (Failures of launches and replays reach their
+        marks and streams through ``Mark.fail``: the backends' one failure protocol.)"""
+        failures = self.backend.failures
+        if failures:
+            self.async_errors.extend(self.backend.take_failures())
 
     def take_errors(self, s) -> list:
-        """The errors queued on ``s`` and the unattributed ones, emptied (after attributing the
-        backend's ``LaunchFailure`` s)."""
+        """The errors queued on ``s`` and the unattributed ones (the backend's included),
+        emptied."""
         self.collect()
         if not (s.errors or self.async_errors):
             return []

@@ -22,7 +22,7 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
-class Slot:
+class PooledBuffer:
     """One pooled device buffer: ``buf`` (backend object), ``nbytes`` (its size class), the
     ``fences`` it carries while free, ``pins`` (graphs retaining it) and ``orphan`` (its handle
     was freed while pinned: it goes back to the pool when the last pin drops)."""
@@ -50,7 +50,7 @@ class Pool:
 
     def __init__(self, backend, max_idle: int | None = None):
         self._backend = backend
-        self._free: dict[int, list[Slot]] = {}
+        self._free: dict[int, list[PooledBuffer]] = {}
         self.bytes_reserved = 0
         self.bytes_in_use = 0
         self.idle_bytes = 0
@@ -65,12 +65,12 @@ class Pool:
             self.bytes_in_use += cls
             self.idle_bytes -= cls
             return slot, False
-        slot = Slot(self._backend.alloc(cls), cls)
+        slot = PooledBuffer(self._backend.alloc(cls), cls)
         self.bytes_reserved += cls
         self.bytes_in_use += cls
         return slot, True
 
-    def give(self, slot: Slot, fences: dict) -> None:
+    def give(self, slot: PooledBuffer, fences: dict) -> None:
         """Put ``slot`` on its free list carrying ``fences`` (``{stream id: position}``)."""
         slot.fences = fences
         slot.orphan = False
@@ -96,7 +96,3 @@ class Pool:
                 break
         self.bytes_reserved -= freed
         return freed
-
-    def cleanup(self) -> int:
-        """Free every idle buffer (``trim(0)``); returns the bytes released."""
-        return self.trim(0)

@@ -22,11 +22,13 @@ at most one blocking call outstanding, and a finalizer may run inside a message)
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import traceback
+import weakref
 
-from ..errors import ServerClosed
+from ..errors import ServerClosed, ServerForked
 
 #: seconds between health checks while a caller waits for an answer.
 POLL_S = 0.05
@@ -39,7 +41,7 @@ MAX_BYTES = 256 << 20
 MAX_LOAD = 256
 
 
-class Slot:
+class Reply:
     """The answer of one blocking message: a value or an error, set once by the owner."""
 
     __slots__ = ("done", "value", "error", "_event")
@@ -97,8 +99,10 @@ class DeviceQueue:
         self.closed = False
         self.closing = False            # a normal shutdown is under way (not a death)
         self.death: BaseException | None = None
+        self.forked_from: int | None = None     # the parent's pid, in a forked child
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _QUEUES.add(self)
 
     # -- producers ------------------------------------------------------------------------
     def full(self) -> bool:
@@ -118,7 +122,7 @@ class DeviceQueue:
             try:
                 while self.full():
                     if self.closed or self.closing or not self._thread.is_alive():
-                        raise ServerClosed(self._closed_message())
+                        raise self.closed_error()
                     self._room.wait(POLL_S)
             finally:
                 self.room_waiters -= 1
@@ -140,14 +144,29 @@ class DeviceQueue:
         Raises: ``ServerClosed`` once the server stopped (also while waiting for room).
         """
         if self.closed:
-            raise ServerClosed(self._closed_message())
+            raise self.closed_error()
         if self.full():
             self.wait_room()
+        q = self._q
         if nbytes:
             with self._room:
                 self.bytes += nbytes
             fn = _Counted(self, fn, nbytes)
-        self._q.append((fn, args, None))
+        elif not q and self._owner.acquire(False):
+            if not q and not self.closed:   # idle: run it here, with nothing queued to wrap
+                try:
+                    fn(*args)
+                except (SystemExit, KeyboardInterrupt, _Fatal) as e:
+                    self._die(e)
+                except BaseException as e:  # noqa: BLE001 - queued on a stream, as in _drain
+                    self._on_async_error(e)
+                finally:
+                    self._release()
+                return
+            q.append((fn, args, None))
+            self._drain()
+            return
+        q.append((fn, args, None))
         if self._owner.acquire(False):
             self._drain()
         else:
@@ -170,13 +189,27 @@ class DeviceQueue:
         Raises: ``ServerClosed`` if the server stops or dies before answering (never a hang).
         """
         if self.closed:
-            raise ServerClosed(self._closed_message())
-        slot = Slot()
-        self._q.append((fn, args, slot))
-        if self._owner.acquire(False):
+            raise self.closed_error()
+        q = self._q
+        if not q and self._owner.acquire(False):
+            if not q and not self.closed:   # idle: run it here, no slot (the combining path)
+                try:
+                    return fn(*args)
+                except (SystemExit, KeyboardInterrupt, _Fatal) as e:
+                    self._die(e)
+                    raise self.closed_error() from None
+                finally:
+                    self._release()
+            slot = Reply()
+            q.append((fn, args, slot))
             self._drain()
         else:
-            self._wake.set()
+            slot = Reply()
+            q.append((fn, args, slot))
+            if self._owner.acquire(False):
+                self._drain()
+            else:
+                self._wake.set()
         if not slot.done:
             self.wait(slot)
         if slot.error is not None:
@@ -194,9 +227,18 @@ class DeviceQueue:
                     return
                 if not (self.closed or self.closing) and not self._healthy():
                     self.death = self.death or RuntimeError("a backend worker thread died")
-                raise ServerClosed(self._closed_message())
+                raise self.closed_error()
 
     # -- the owner ------------------------------------------------------------------------
+    def _release(self) -> None:
+        """Release the owner lock after running one message directly (``call``/``submit`` on an
+        idle server), then drain what was queued meanwhile (the module doc's invariant)."""
+        self._owner.release()
+        if self.room_waiters:
+            self.notify_room()
+        if self._q and not self.closed and self._owner.acquire(False):
+            self._drain()
+
     def _drain(self) -> None:
         """Run queued messages in FIFO order; the caller holds the owner lock, released here."""
         q = self._q
@@ -209,7 +251,7 @@ class DeviceQueue:
                     except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                         self._die(e)
                         if slot is not None:
-                            slot.finish(None, ServerClosed(self._closed_message()))
+                            slot.finish(None, self.closed_error())
                         return
                     except BaseException as e:  # noqa: BLE001 - every error goes to its caller
                         if slot is None:
@@ -257,7 +299,19 @@ class DeviceQueue:
             except IndexError:
                 break
             if slot is not None:
-                slot.finish(None, ServerClosed(self._closed_message()))
+                slot.finish(None, self.closed_error())
+
+    def closed_error(self) -> ServerClosed:
+        """The error a call on this stopped queue raises: ``ServerForked`` in a forked child,
+        else ``ServerClosed`` saying why it stopped."""
+        if self.forked_from is not None:
+            return ServerForked(
+                f"server {self._thread.name} belongs to process {self.forked_from}, and this "
+                f"process ({os.getpid()}) is a fork of it (os.fork(), multiprocessing's 'fork' "
+                "start method): the device thread and the backend's workers did not come along, "
+                "so the parent's clients, handles and graphs cannot be used here; call "
+                "runtime.client(...) in this process for a fresh server")
+        return ServerClosed(self._closed_message())
 
     def _closed_message(self) -> str:
         if self.death is not None:
@@ -278,7 +332,7 @@ class DeviceQueue:
         self.closing = True
         with self._room:                # producers waiting for room get ServerClosed now
             self._room.notify_all()
-        done = Slot()
+        done = Reply()
 
         def last():
             try:
@@ -300,6 +354,26 @@ class DeviceQueue:
 
     def is_alive(self) -> bool:
         return not self.closed and self._thread.is_alive()
+
+
+#: every queue of this process, so that a forked child can close the ones it inherited
+_QUEUES: "weakref.WeakSet[DeviceQueue]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # the device threads and the backends' workers stay in the parent, and any lock one of them
+    # held is held forever here: close every inherited queue without touching those locks, so
+    # each use raises ServerForked (finalizer posts are dropped) instead of hanging
+    parent = os.getppid()
+    for q in list(_QUEUES):
+        q.forked_from = parent
+        q.closed = True
+        q._room = threading.Condition(threading.Lock())
+    _QUEUES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Counted:

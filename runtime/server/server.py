@@ -24,6 +24,7 @@ from ..streams import watch_thread_ends
 from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
                       UnknownGraph, UnsupportedError)
 from . import capture as cap
+from . import graphs
 from .capture import merge
 from .marks import CLEAN, Mark, Marks
 from .memory import Pool
@@ -293,14 +294,15 @@ class ComputeServer:
         ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
         ``ServerUnhealthy`` (queued errors of this stream).
         """
-        s = self._stream(sid)
-        self.capture.on_event(s, f"read of handle {hid}")
+        s = self.streams.get(sid) or self._stream(sid)
+        if s.window is not None:            # (the message is built only when it refuses)
+            self.capture.on_event(s, f"read of handle {hid}")
         st = self.handles.get(hid)
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
         errs = self.marks.take_errors(s)
-        if self.marks.error_of(st.mark) is not None or errs:
+        if errs or (st.mark is not CLEAN and self.marks.error_of(st.mark) is not None):
             self._wait_for(s, st.writes)    # as a read that returns: after the buffer's writer
             comp, errs = self.marks.fence_then_raise(s, errs)
             return comp, st.mark, errs
@@ -322,21 +324,24 @@ class ComputeServer:
         ``count`` is ``(x, y, z)`` workgroups or a handle id (indirect: three u32 read at run).
         A failure found here is queued on the stream and marks what the launch would have
         written; so does one the backend finds later (``Mark.fail``). A launch reading a marked
-        buffer through a ``read`` binding marks what it writes (the failure propagates, also
-        when it is found after this launch was enqueued: ``Marks.inherit``).
+        buffer through a ``read`` or ``read_write`` binding marks what it writes (the failure
+        propagates, also when it is found after this launch was enqueued: ``Marks.inherit``);
+        only a ``write`` binding does not read (docs/contract.md section 4).
         """
-        s = self._stream(sid)
-        states = [self.handles.get(hid) for hid in hids]
+        s = self.streams.get(sid) or self._stream(sid)
+        handles = self.handles
+        states = [handles.get(hid) for hid in hids]
         cst = None
-        if not isinstance(count, tuple):
+        if count.__class__ is not tuple:
             cst = self.handles.get(count)
             if cst is None:
                 states.append(None)
                 hids = list(hids) + [count]
         bindings = kernel.bindings
-        outs = [st for b, st in zip(bindings, states) if st is not None and b.access != "read"]
         w = s.window
         if None in states:
+            outs = [st for b, st in zip(bindings, states)
+                    if st is not None and b.access != "read"]
             hid = hids[states.index(None)]
             err = InvalidHandle(f"launch of {kernel.name}: handle {hid} is unknown or freed on "
                                 f"server {self.name}; keep the Handle alive while it is in use")
@@ -344,9 +349,10 @@ class ComputeServer:
             if w is None:
                 self.marks.fail(outs, ("launch", kernel.name, sid), err)
             return
-        prog = self._program(s, kernel)
+        prog = self.programs.get(kernel) or self._program(s, kernel)
         if prog is None:
             if w is None:
+                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
                 self.marks.fail(outs, ("launch", kernel.name, sid), s.errors[-1])
             return
         if cst is not None:
@@ -356,25 +362,31 @@ class ComputeServer:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
-            mark = Mark(("launch", kernel.name, sid), stream=s, pos=s.pos + 1)
+            mark = Mark(("launch", kernel.name, sid), None, (), s, s.pos + 1)
+            reads = None
             for b, st in zip(bindings, states):
                 self._wait_for(s, st.writes)
                 if b.access != "read":
-                    self._wait_for(s, st.reads)
-            self.marks.inherit(mark, [(st.id, st.mark) for b, st in zip(bindings, states)
-                                 if b.access == "read"])
+                    if st.reads:
+                        self._wait_for(s, st.reads)
+                if b.access != "write" and st.mark is not CLEAN:
+                    if reads is None:
+                        reads = []
+                    reads.append((st.id, st.mark))
+            if reads is not None:
+                self.marks.inherit(mark, reads)
             if cst is not None:
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
                 for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
-            self.backend.issue_pos = s.pos + 1      # carried by a LaunchFailure, if any
-            self.backend.launch(s.raw, prog, count, args, params, mark.fail)
+            self.backend.launch(s.raw, prog, count, args, params, mark)
         except Exception as e:  # noqa: BLE001 - a device API's own exception type
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
             if w is None:
+                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
                 self.marks.fail(outs, ("launch", kernel.name, sid), err)
             return
         s.pos += 1
@@ -394,10 +406,31 @@ class ComputeServer:
         """``(completion of everything enqueued on sid, queued errors)``: the caller waits on
         the completion, then raises the queued errors together with the completion's own
         (``Marks.fence_then_raise``: a sync that raises has waited too)."""
-        s = self._stream(sid)
-        self.capture.on_event(s, "sync")
+        s = self.streams.get(sid) or self._stream(sid)
+        if s.window is not None:
+            self.capture.on_event(s, "sync")
         self.backend.flush(s.raw)
         return self.marks.fence_then_raise(s, self.marks.take_errors(s))
+
+    def sync_idle(self, sid) -> bool:
+        """The fast path of ``sync()`` (issue 26): True when stream ``sid`` is idle with nothing
+        to report, so the sync is done; False sends the caller to ``h_sync``. Runs on the
+        caller's thread holding the owner lock, only when no message is queued (every message
+        the caller queued before ran), so it is ordered like a message. Records that the stream
+        ran up to its position (``done_pos``: its marks are final), as a fence would."""
+        queue = self.queue
+        if queue._q or not queue._owner.acquire(False):
+            return False
+        try:
+            s = self.streams.get(sid)
+            if (s is None or s.window is not None or s.errors or self.marks.async_errors
+                    or self.checker is not None or self.backend.failures
+                    or queue._q or queue.closed or not self.backend.idle(s.raw)):
+                return False
+            s.done_pos = s.pos
+            return True
+        finally:
+            queue._release()
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
@@ -489,16 +522,19 @@ class ComputeServer:
         is capturing); ``LivenessError`` (a caller-owned handle it uses was freed); the
         backend's refusal. Any failure, here or later while it executes, marks the graph's
         write set (``ReplayFailed`` on read) until a later write to each buffer lands; so does
-        a failure of the last writer of one of its read-only inputs, whenever it is found.
+        a failure of the last writer of a buffer the graph reads before it writes it (an input,
+        or state it reads and writes: ``GraphState.sources``), whenever it is found. A graph
+        whose state is marked keeps failing until the state is written from the host.
         """
         g = self.graphs.get(gid)
         if g is None:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
         s = self.streams[g.stream]
-        mark = Mark(("replay", gid), stream=s, pos=s.pos + 1)
+        mark = Mark(("replay", gid), None, (), s, s.pos + 1)
         try:
-            self.capture.on_event(s, f"replay of graph {gid}")
+            if s.window is not None:
+                self.capture.on_event(s, f"replay of graph {gid}")
             if g.freed:
                 hid = g.freed[0]
                 err = LivenessError(
@@ -513,9 +549,10 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            self.marks.inherit(mark, [(st.id, st.mark) for st in g.istates])
-            self.backend.issue_pos = s.pos + 1
-            self.backend.launch_graph(s.raw, g.graph, mark.fail)
+            if g.sstates:
+                self.marks.inherit(mark, [(st.id, st.mark) for st in g.sstates
+                                          if st.mark is not CLEAN])
+            self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
                 f"replay of graph {gid} failed on {self.backend.name}: {e}")
@@ -527,7 +564,6 @@ class ComputeServer:
         g.last_pos = s.pos
         for st in g.wstates:
             st.mark = mark
-        self.marks.collect()       # dispatches of this replay refused at submit
 
     def h_graph_destroy(self, gid: int) -> None:
         """Destroy graph ``gid`` after the work enqueued on its stream; unknown id: no-op.
@@ -557,6 +593,50 @@ class ComputeServer:
             self.checker.on_graph_destroy(g)
         if self.ended:
             self._reap_streams()
+
+    # -- graphs that change (graphs.py) ---------------------------------------------------------
+    def _graph(self, gid: int, what: str):
+        g = self.graphs.get(gid)
+        if g is None:
+            raise UnknownGraph(f"{what} of graph {gid}: unknown or already destroyed on server "
+                               f"{self.name}; keep a Graph clone alive while you use it")
+        return g
+
+    def h_graph_launches(self, gid: int) -> list:
+        """``Graph.launches()``: the recorded launches as plain data (``graphs.launches``)."""
+        return graphs.launches(self._graph(gid, "launches"), self)
+
+    def h_graph_describe(self, gid: int) -> dict:
+        """``Graph.describe()`` (``graphs.describe``)."""
+        return graphs.describe(self._graph(gid, "describe"), self)
+
+    def h_graph_update(self, gid: int, rebind: dict, params: dict, count: dict):
+        """``Graph.update``: patch graph ``gid`` for the replays enqueued after it, all or
+        nothing (``graphs.update``); returns its ``fallback_reason``."""
+        g = self._graph(gid, "update")
+        graphs.update(self, g, rebind, params, count)
+        return g.fallback_reason
+
+    def h_graph_instantiate(self, gid: int, rebind: dict, sid) -> tuple:
+        """``Graph.instantiate``: a new graph from the recording of ``gid`` against other
+        buffers; returns ``(graph id, stream id, is_hardware)``."""
+        g = self._graph(gid, "instantiate")
+        ng = graphs.instantiate(self, g, rebind, next(_graph_ids), sid)
+        self.graphs[ng.id] = ng
+        if self.checker is not None:
+            self.checker.on_graph(ng)
+        return ng.id, ng.stream, bool(self.backend.hardware_graphs)
+
+    def h_cond_begin(self, sid, kind: str, hid: int, max_iterations, dtype: str = "i32") -> bool:
+        """Open a ``capture_if``/``capture_while`` node in ``sid``'s window; False when ``sid``
+        is not capturing (the client runs it eagerly)."""
+        return graphs.cond_begin(self, self._stream(sid), kind, hid, max_iterations, dtype)
+
+    def h_cond_else(self, sid) -> None:
+        graphs.cond_else(self, self._stream(sid))
+
+    def h_cond_end(self, sid, error=None) -> None:
+        graphs.cond_end(self, self._stream(sid), error)
 
     # -- introspection --------------------------------------------------------------------------
     def h_memory_usage(self) -> dict:

@@ -17,7 +17,7 @@ from .batcher import (BatchFailed, BatcherClosed, Batcher, Embeddings, QueueFull
 from .metrics import ServingMetrics
 from .app import MODEL_ID, create_app
 from .http import ServerThread, serve
-from ..backends.cpu import limit_blas_threads   # a fixed BLAS count; re-exported for callers
+from ..cpu_threads import limit_blas_threads   # a fixed BLAS count; re-exported for callers
 
 __all__ = ["Batcher", "BatchFailed", "BatcherClosed", "Embeddings", "QueueFull", "bucket_up",
            "choose_bucket", "ServingMetrics", "MODEL_ID", "ServerThread", "create_app", "serve",

@@ -3,7 +3,7 @@ actor each hold (``runtime.serving.ray_serve``, ``runtime.corpus``).
 
 It is built from the serving package's own factories, so every process that embeds runs the
 same code: :func:`runtime.serving.load_model` (MiniLM on ``runtime.client(backend)``, that
-process's one device server), the cpu thread rule's cores (:mod:`runtime.kernels.threads`) and the
+process's one device server), the cpu thread rule's cores (:mod:`runtime.cpu_threads`) and the
 :class:`runtime.serving.Batcher` constructor and its :meth:`~runtime.serving.Batcher.warmup`.
 """
 
@@ -36,7 +36,7 @@ def start_batcher(backend: str | None = "cpu", *, model_dir=None, max_graphs: in
     Raises: ``FileNotFoundError`` (no model files); ``UnsupportedError`` (backend missing);
         ``ValueError`` (bad buckets, ``cpu_threads < 1``).
     """
-    from ..kernels.threads import RULE
+    from ..cpu_threads import RULE
     from . import load_model
 
     if backend in (None, "cpu") and cpu_threads:

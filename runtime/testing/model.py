@@ -8,13 +8,16 @@ run on unknown inputs may or may not fail, a capture window that depended on it 
 have been opened.
 
 Failures (contract.md sections 2, 4 and 5): a kernel whose cpu body raises marks what it would
-have written, and so does a replay that fails or is refused (its whole write set); a launch or
-replay that reads a marked buffer through a ``read`` binding (a graph: through one of its
-read-only inputs) marks what it writes. A read of a marked buffer must raise ``ReplayFailed``
-until a later write lands (a host write, a launch or replay writing it, also one that reads it
-through a ``read_write`` binding). The stream whose work failed raises its ``LaunchError`` at
-its next blocking call (``read``, ``sync``, ``start_capture``), together with everything else
-queued there, once.
+have written, and so does a replay that fails or is refused (its whole write set); a launch
+that reads a marked buffer through a ``read`` or ``read_write`` binding marks what it writes,
+and so does a replay of a graph that reads a marked buffer before it writes it (an input, or
+state the graph reads and writes): its whole write set. A read of a marked buffer must raise
+``ReplayFailed`` until a write computed from clean data lands: a host write, or a launch or
+replay none of whose inputs (``read``/``read_write`` bindings; a graph's sources) is marked.
+A graph whose state is marked therefore keeps failing until the state is written from the
+host; the model never accepts "any value" for it. The stream whose work failed raises its
+``LaunchError`` at its next blocking call (``read``, ``sync``, ``start_capture``), together
+with everything else queued there, once.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ class _Misdeclared(Exception):
 
 
 class _Buf:
-    __slots__ = ("value", "failed")
+    __slots__ = ("value", "failed", "dtype")
 
-    def __init__(self, value):
+    def __init__(self, value, dtype):
         self.value = value               # np.ndarray, or None: unknown contents
         self.failed = False              # its last writer failed: a read must raise
+        self.dtype = dtype               # numpy dtype
 
 
 class _Window:
@@ -71,7 +75,7 @@ class Model:
         self.pending = [NONE] * program.streams
         self.state = [cap.NO_CAPTURE] * program.streams
         self.windows: dict = {}
-        self.graphs: dict = {}           # graph -> (stream, launches, write set, read-only inputs)
+        self.graphs: dict = {}           # graph -> (stream, launches, write set, sources)
         self.events: set = set()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -97,29 +101,44 @@ class Model:
         """Run one launch on the model's arrays: ``"ok"``, ``"failed"``, ``"unknown"``, or a
         sentence when the body wrote a binding declared ``read`` (the server orders launches
         by the declared access, so such a kernel races). ``propagate``: a marked buffer bound
-        ``read`` marks what the launch writes (an eager launch; a replay checks its inputs
-        once, in ``_replay``)."""
+        ``read`` or ``read_write`` marks what the launch writes (an eager launch; a replay checks
+        its sources once, in ``_replay``). A ``write`` binding is not read: its earlier contents
+        do not matter, unless the launch leaves part of it unwritten (then they stay unknown)."""
         spec = self.p.kernels[launch.kernel]
+        binds = spec.kernel.bindings
         bufs = [self.bufs[b] for b in launch.bufs]
-        outs = [b for b, bind in zip(launch.bufs, spec.kernel.bindings) if bind.access != "read"]
-        if propagate and any(self.bufs[b].failed for b, bind in
-                             zip(launch.bufs, spec.kernel.bindings) if bind.access == "read"):
+        outs = [b for b, bind in zip(launch.bufs, binds) if bind.access != "read"]
+        ins = [buf for buf, bind in zip(bufs, binds) if bind.access != "write"]
+        if propagate and any(b.failed for b in ins):
             for b in outs:               # the mark propagates; the body ran on stale data
                 self.bufs[b].value, self.bufs[b].failed = None, True
             return "unknown"
-        if any(b.value is None or b.failed for b in bufs):
+        if any(b.value is None or b.failed for b in ins):
             for b in outs:
                 self.bufs[b].value, self.bufs[b].failed = None, False
             return "unknown"
-        work = [b.value.copy() for b in bufs]
-        try:
-            spec.kernel.cpu(*work, count=normalize_count(spec.count), **dict(launch.params))
-        except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
-            for b in outs:
-                self.bufs[b].value, self.bufs[b].failed = None, True
-            return "failed"
-        for b, bind, w in zip(launch.bufs, spec.kernel.bindings, work):
-            if bind.access != "read":
+        blank = [bind.access == "write" and (b.value is None or b.failed)
+                 for b, bind in zip(bufs, binds)]
+        runs = []
+        for fill in ((0, 1) if any(blank) else (None,)):
+            work = [np.full(self.p.size, fill, b.dtype) if unknown else b.value.copy()
+                    for b, unknown in zip(bufs, blank)]
+            try:
+                spec.kernel.cpu(*work, count=normalize_count(spec.count), **dict(launch.params))
+            except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
+                for b in outs:
+                    self.bufs[b].value, self.bufs[b].failed = None, True
+                return "failed"
+            runs.append(work)
+        work = runs[0]
+        if len(runs) == 2:               # what the launch left unwritten stays unknown
+            for i, unknown in enumerate(blank):
+                if unknown and not np.array_equal(runs[0][i], runs[1][i]):
+                    work[i] = None
+        for b, bind, w in zip(launch.bufs, binds, work):
+            if w is None:
+                self.bufs[b].value, self.bufs[b].failed = None, False
+            elif bind.access != "read":
                 self.bufs[b].value, self.bufs[b].failed = w, False
             elif not np.array_equal(w, self.bufs[b].value, equal_nan=w.dtype.kind == "f"):
                 return (f"kernel {spec.kernel.name} wrote binding {bind.name}, declared 'read': "
@@ -177,7 +196,8 @@ class Model:
         s = self.stream(op)
         self.live.add(op.buf)
         w = self.windows.get(s)
-        self.bufs[op.buf] = _Buf(None if w else np.array(op.values, DTYPES[op.dtype]))
+        self.bufs[op.buf] = _Buf(None if w else np.array(op.values, DTYPES[op.dtype]),
+                                 DTYPES[op.dtype])
         if w:
             w.allocs.add(op.buf)
             w.refused.append(f"create of b{op.buf} inside the window (a host write)")
@@ -185,7 +205,7 @@ class Model:
 
     def _empty(self, op, value, error):
         self.live.add(op.buf)
-        self.bufs[op.buf] = _Buf(None)
+        self.bufs[op.buf] = _Buf(None, DTYPES[op.dtype])
         w = self.windows.get(self.stream(op))
         if w:
             w.allocs.add(op.buf)
@@ -289,22 +309,23 @@ class Model:
                                       + "; ".join(w.refused))
         if self.hardware and w.allocs and isinstance(error, CaptureRefused):
             return None                  # a cold pool: the driver graph refuses the allocation
-        writes, reads = set(), set()
+        writes, sources = set(), set()   # sources: read before the graph writes them
         for launch in w.launches:
             spec = self.p.kernels[launch.kernel]
-            for b, bind in zip(launch.bufs, spec.kernel.bindings):
-                (reads if bind.access == "read" else writes).add(b)
-        self.graphs[op.graph] = (s, tuple(w.launches), writes, reads - writes)
+            binds = list(zip(launch.bufs, spec.kernel.bindings))
+            sources.update(b for b, bind in binds if bind.access != "write" and b not in writes)
+            writes.update(b for b, bind in binds if bind.access != "read")
+        self.graphs[op.graph] = (s, tuple(w.launches), writes, sources)
         return self._expect_ok(error, "stop_capture")
 
     def _replay(self, op, value, error):
-        s, launches, writes, inputs = self.graphs[op.graph]
+        s, launches, writes, sources = self.graphs[op.graph]
         if s in self.windows:
             for b in writes:               # a refused replay marks its write set
                 self.bufs[b].failed = True
             return self._expect_raise(error, CaptureRefused, f"replay of g{op.graph}")
-        if any(self.bufs[b].failed for b in inputs):
-            for b in writes:               # a marked input marks the whole write set
+        if any(self.bufs[b].failed for b in sources):
+            for b in writes:               # a marked input or state marks the whole write set
                 self.bufs[b].value, self.bufs[b].failed = None, True
             self._error(s, "unknown")      # its launches ran on stale data: they may fail
             return self._expect_ok(error, f"replay of g{op.graph}")

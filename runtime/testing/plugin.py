@@ -40,8 +40,8 @@ from ..backends.cpu_schedule import TraceScheduler
 from ..errors import LivenessError, StreamRaceError
 from ..frontend.client import client as make_client
 from ..streams import StreamId
+from ..server import backend_unavailable
 from . import search
-from .run import backend_unavailable
 
 #: seeds per test when neither ``--runtime-seeds`` nor the marker says.
 DEFAULT_SEEDS = 10

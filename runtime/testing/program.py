@@ -15,17 +15,12 @@ import numpy as np
 
 from ..kernel import DTYPES, Kernel, normalize_count
 from .. import kernels as library
-from ..kernels.pointwise import elementwise
 
 
-def _copy32(x, y, *, n, count):
-    y[:n] = x[:n]
-
-
-#: ``y[i] = x[i]`` over ``n`` 4-byte elements of any dtype (bitwise): fills a buffer allocated
-#: inside a capture window, so the graph writes it before anything reads it.
-copy32 = elementwise("copy32", [("x", "u32", "read"), ("y", "u32", "read_write")], "x[i]",
-                     cpu=_copy32)
+#: ``y[i] = x[i]`` over ``n`` 4-byte elements of any dtype, bitwise (the library's
+#: ``copy_words``): fills a buffer allocated inside a capture window, so the graph writes it
+#: before anything reads it.
+copy32 = library.copy_words
 
 
 class KernelSpec(NamedTuple):

@@ -9,31 +9,11 @@ from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
 from ..frontend.client import client as make_client
 from ..streams import StreamId
 from ..errors import LivenessError, ServerError, StreamRaceError
-from ..server import backend_class
 from .model import Model
 from .program import Objects
 
 #: seconds one call may take before the run reports it as hung.
 CALL_TIMEOUT_S = 60.0
-_unavailable: dict = {}
-
-
-def backend_unavailable(name: str):
-    """None when backend ``name`` can run here, else the reason it cannot (cached per process).
-
-    Opens the backend's shared server once (``runtime.client(name)``) after its ``probe``.
-    """
-    if name not in _unavailable:
-        try:
-            cls = backend_class(name)
-            probe = getattr(cls, "probe", None)
-            if probe is not None:
-                probe()
-            make_client(name)
-            _unavailable[name] = None
-        except Exception as e:  # noqa: BLE001 - the reason is the answer
-            _unavailable[name] = f"{name} backend unavailable here: {type(e).__name__}: {e}"
-    return _unavailable[name]
 
 
 class Step(NamedTuple):
@@ -137,7 +117,7 @@ def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = F
         rtol, atol = 1e-5, 1e-6
     root, sched = _open(backend, seed, check, trace)
     run = ProgramRun(program, backend, seed, check)
-    model = Model(program, root._server.backend.hardware_graphs, rtol, atol or 0.0)
+    model = Model(program, root.capabilities["hardware_graphs"], rtol, atol or 0.0)
     sids = [StreamId.new() for _ in range(program.streams)]
     clients = [root.with_stream(sids[k % program.streams]) for k in range(program.clients)]
     pools = [ThreadPoolExecutor(1, thread_name_prefix=f"runtime-testing-c{k}") if threads

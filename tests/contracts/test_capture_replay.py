@@ -220,7 +220,7 @@ def test_capture_is_isolated_from_another_stream(client):                # scena
     t.join()
     np.testing.assert_array_equal(seen["b"], [14] * 4)
     g = client.stop_capture()
-    assert client._server.call(client._server.h_graph_info, g.id)["launches"] == 1
+    assert g.info()["launches"] == 1
     client.write(inp, np.array([0, 1, 2, 3], np.float32))
     g.replay()
     np.testing.assert_array_equal(client.read(out), [1, 2, 3, 4])
@@ -276,7 +276,7 @@ def test_clones_share_one_graph_released_by_the_last(client):
     g2.release()
     client.sync()
     with pytest.raises(UnknownGraph):
-        client._server.call(client._server.h_replay, gid)
+        client._server.call(client._server.h_replay, gid)   # private: a released id, no Graph
 
 
 def test_replay_runs_on_the_capture_stream_whoever_calls_it(client):

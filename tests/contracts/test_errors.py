@@ -144,7 +144,7 @@ def test_every_public_call_during_a_capture(client):
     try:
         g = c.stop_capture()
     except CaptureRefused:              # hardware graphs refuse z if it grew the pool
-        assert c._server.backend.hardware_graphs
+        assert c.capabilities["hardware_graphs"]
         g = None
     if g is not None:
         c.write(x, np.full(4, 2, np.float32))
@@ -166,7 +166,7 @@ def test_unknown_graph_and_released_clones(client):
     with pytest.raises(UnknownGraph):
         g.clone()
     with pytest.raises(UnknownGraph, match="unknown"):
-        client._server.call(client._server.h_replay, 10**9)
+        client._server.call(client._server.h_replay, 10**9)   # private: an id no Graph has
     still_serves(client)
 
 
@@ -214,7 +214,7 @@ def test_a_waiting_caller_gets_server_closed_when_the_server_stops():
 def test_the_device_thread_dying_wakes_every_waiter():
     from runtime.server.queue import _Fatal
     c = runtime.client("cpu", scheduler="thread", seed=97)
-    srv = c._server
+    srv = c._server                      # private: kill this server's device thread
     gate = threading.Event()
 
     def die():
@@ -255,7 +255,7 @@ def test_a_dead_backend_worker_wakes_the_waiting_reader():
     def die(y, count):
         raise SystemExit("test: kill the worker")
     killer = runtime.Kernel("killer", [runtime.Binding("y", "f32", "read_write")], cpu=die)
-    backend = c._server.backend
+    backend = c._server.backend           # private: the cpu worker threads to kill
     for _ in backend.scheduler.threads:           # each worker dies on the first kernel it runs
         k = c.with_stream(runtime.StreamId.new())
         k.launch(killer, 1, [k.create(np.zeros(4, np.float32))])

@@ -114,8 +114,8 @@ def _streams(param):
 
 def _done(root):
     if root is not None:
-        if root._server.checker is not None:
-            assert root._server.checker.violations == []
+        if root.capabilities["checked"]:
+            assert root.checker_violations() == []
         root.shutdown()
 
 
@@ -247,7 +247,7 @@ def test_a_read_that_raises_waited_for_the_buffers_writer_on_another_stream():
     g = a.stop_capture()
     g.replay()                                   # reads x, on a
     a.launch(PAST_END, 1, [t])                   # t's writer, after the replay: fails
-    server = c._server
+    server = c._server                           # private: wait for the server's failure mark
     for _ in range(2000):                        # the failure is known before b reads
         if server.handles[t.id].mark.error is not None:
             break

@@ -23,7 +23,7 @@ def test_a_buffer_bound_read_and_read_write_is_refused_on_every_backend(client):
 
 
 def test_a_count_over_the_backend_limit_is_refused_by_the_client(client, monkeypatch):
-    be = client._server.backend
+    be = client._server.backend          # private: declare a smaller limit on cpu
     if be.max_workgroups is None:                 # cpu: no limit of its own; declare one
         monkeypatch.setattr(be, "max_workgroups", (8, 8, 8))
     lim = be.max_workgroups
@@ -113,3 +113,35 @@ def test_every_probe_has_the_declared_shape(name):
         pytest.skip(f"{name} unavailable here: {e}")
     assert set(info) == {"hardware", "device"}
     assert isinstance(info["hardware"], bool) and isinstance(info["device"], str)
+
+
+def test_available_backends_and_backend_unavailable_are_one_answer(monkeypatch):
+    """``runtime.available_backends()``, ``runtime.server.backend_unavailable`` and
+    ``runtime.testing.backend_unavailable`` are one function over one cache (issue 29 item 5)."""
+    import runtime.testing
+    assert runtime.testing.backend_unavailable is server_mod.backend_unavailable
+    avail = runtime.available_backends()
+    assert avail == {n: runtime.testing.backend_unavailable(n) for n in server_mod.BACKENDS}
+    assert avail["cpu"] is None
+    for name, why in avail.items():
+        assert why is None or (isinstance(why, str) and name in why)
+    with pytest.raises(ValueError, match="unknown backend"):
+        runtime.testing.backend_unavailable("nope")
+
+    monkeypatch.setattr(server_mod, "BACKENDS", dict(server_mod.BACKENDS))
+    from runtime.backends.cpu import CpuBackend
+
+    class Absent(CpuBackend):
+        calls = 0
+
+        @classmethod
+        def probe(cls):
+            cls.calls += 1
+            raise UnsupportedError("no such device here")
+    server_mod.register_backend("absent", Absent)
+    calls = Absent.calls
+    assert "no such device here" in runtime.available_backends()["absent"]
+    assert "no such device here" in runtime.testing.backend_unavailable("absent")
+    assert Absent.calls == calls + 1                   # probed once: one cache
+    with pytest.raises(UnsupportedError):
+        runtime.client("absent")

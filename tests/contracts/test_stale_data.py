@@ -70,7 +70,7 @@ def fresh(request):
         return
     c = runtime.client("cpu", scheduler="interleave", seed=int(request.param[11:]), check=True)
     yield c.with_stream(runtime.StreamId.new())
-    assert c._server.checker.violations == []
+    assert c.checker_violations() == []
     c.shutdown()
 
 
@@ -101,7 +101,7 @@ def test_a_window_allocation_is_ordered_under_every_interleaving(seed):       # 
     try:
         test_a_window_allocation_is_ordered_after_the_buffers_previous_owner(
             c.with_stream(runtime.StreamId.new()))
-        assert c._server.checker.violations == []
+        assert c.checker_violations() == []
     finally:
         c.shutdown()
 
@@ -182,8 +182,9 @@ def _checked_copy():
   if (g.x < arrayLength(&t)) { t[g.x] = x[g.x]; } }"""
     cuda = """extern "C" __global__ void checked_copy(const float* x, float* t) {
   unsigned i = blockIdx.x * blockDim.x + threadIdx.x; t[i] = x[i]; }"""
+    # t is rewritten, never read: "write", so a replay with clean inputs clears its mark
     return runtime.Kernel("checked_copy", [runtime.Binding("x", "f32", "read"),
-                                           runtime.Binding("t", "f32", "read_write")],
+                                           runtime.Binding("t", "f32", "write")],
                           cpu=cpu, wgsl=wgsl, cuda=cuda)
 
 
@@ -192,13 +193,13 @@ def _fail_replays_while(client, monkeypatch, bad):
     (what a failed submit or an asynchronous device error does); cpu fails for real."""
     if client.backend == "cpu":
         return
-    be = client._server.backend
+    be = client._server.backend          # private: inject a failure reported after the enqueue
     real = be.launch_graph
 
-    def launch_graph(stream, graph, fail=None):
-        real(stream, graph, fail)
-        if bad() and fail is not None:
-            fail(LaunchError("checked_copy: injected failure found after the enqueue"))
+    def launch_graph(stream, graph, mark=None):
+        real(stream, graph, mark)
+        if bad() and mark is not None:
+            mark.fail(LaunchError("checked_copy: injected failure found after the enqueue"))
     monkeypatch.setattr(be, "launch_graph", launch_graph)
 
 

@@ -110,8 +110,38 @@ def test_record_and_wait_event_order_two_streams(client):
     y = a.empty(n, np.float32)
     a.launch(K.mul_scalar, K.grid(n), [x, y], {"alpha": 4.0, "n": n})
     ev = a.record_event()
+    assert isinstance(ev, runtime.Event) and ev.stream == a.stream and ev.position >= 1
     b.wait_event(ev)
     np.testing.assert_array_equal(b.read(y), np.full(n, 8, np.float32))
+
+
+def test_wait_event_takes_the_old_tuple_with_a_deprecation_warning(client):
+    """``record_event()`` returned ``(stream, position)`` before the Event object (issue 29)."""
+    a = client.with_stream(StreamId.new())
+    b = client.with_stream(StreamId.new())
+    x = a.create(np.full(64, 3, np.float32))
+    y = a.empty(64, np.float32)
+    a.launch(K.mul_scalar, K.grid(64), [x, y], {"alpha": 2.0, "n": 64})
+    ev = a.record_event()
+    with pytest.warns(DeprecationWarning, match="unpacking an Event"):
+        sid, pos = ev
+    assert (sid, pos) == (ev.stream, ev.position)
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        b.wait_event((sid, pos))
+    np.testing.assert_array_equal(b.read(y), np.full(64, 6, np.float32))
+
+
+def test_wait_event_refuses_what_is_not_an_event_of_its_server():
+    a = runtime.client("cpu")
+    other = runtime.client("cpu", max_idle_bytes=1 << 20)      # another server
+    assert other._server is not a._server   # private: to show the two servers differ
+    ev = other.record_event()
+    with pytest.raises(ValueError, match="another server|recorded on server"):
+        a.wait_event(ev)
+    for bad in (None, 3, (1, 2, 3), "e"):
+        with pytest.raises(TypeError, match="Event"):
+            a.wait_event(bad)
+    a.wait_event(a.with_stream(StreamId.new()).record_event())   # the server still serves
 
 
 def test_streams_run_asynchronously_to_the_caller():
@@ -129,3 +159,30 @@ def test_streams_run_asynchronously_to_the_caller():
     np.testing.assert_array_equal(other.read(z), [1, 1, 1, 1])  # other streams keep going
     gate.set()
     np.testing.assert_array_equal(c.read(y), [3, 3, 3, 3])
+
+
+def test_capabilities_and_checker_violations_are_public(client):
+    """``client.capabilities`` and ``client.checker_violations()`` (issue 29 item 4: tests and
+    the testing kit read them instead of ``client._server``)."""
+    caps = client.capabilities
+    assert set(caps) == {"hardware_graphs", "max_workgroups", "checked"}
+    assert caps["hardware_graphs"] is (client.backend == "cuda")
+    assert caps["max_workgroups"] is None or (len(caps["max_workgroups"]) == 3 and
+                                              min(caps["max_workgroups"]) >= 65535)
+    if not caps["checked"]:
+        with pytest.raises(runtime.UnsupportedError, match="check=True"):
+            client.checker_violations()
+    checked = runtime.client("cpu", check=True, scheduler="interleave", seed=2929)
+    try:
+        assert checked.capabilities["checked"] and checked.checker_violations() == []
+        a, b = checked.with_stream(StreamId.new()), checked.with_stream(StreamId.new())
+        x = a.create(np.ones(4, np.float32))
+        b.graph_prepare()
+        b.launch(K.add_scalar, 1, [x, b.create(np.zeros(4, np.float32))], {"alpha": 1.0, "n": 4})
+        b.sync()
+        assert checked.checker_violations() == []          # the server ordered it: no race
+        got = checked.checker_violations()
+        got.append("mine")                                  # a copy
+        assert checked.checker_violations() == []
+    finally:
+        checked.shutdown()

@@ -56,7 +56,7 @@ class FakeBackend(Backend):
         self.calls.append(("compile", kernel.name))
         return kernel.name
 
-    def launch(self, stream, program, count, args, params, fail=None):
+    def launch(self, stream, program, count, args, params, mark=None):
         self.calls.append(("launch", stream, program))
 
     def begin_graph(self, stream):
@@ -70,7 +70,7 @@ class FakeBackend(Backend):
         self.calls.append(("end_graph", tuple(recording)))
         return tuple(recording)
 
-    def launch_graph(self, stream, graph, fail=None):
+    def launch_graph(self, stream, graph, mark=None):
         self.calls.append(("launch_graph", stream, graph))
 
     def destroy_graph(self, stream, graph):

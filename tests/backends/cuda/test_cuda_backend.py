@@ -1,5 +1,6 @@
 """cuda-specific behaviour: device reporting, the device verbs on CuPy, and the hardware-graph
-scenarios A1-A5 of research/cubecl-scenarios.md (CubeCL ``cubecl-cuda/tests/graph.rs``).
+scenarios A1-A5 of research/cubecl-scenarios.md (CubeCL ``cubecl-cuda/tests/graph.rs``). It
+patches the backend's private runtime binding (``cuda_backend._rt``) to stand in for a driver.
 
 The contracts every backend shares live in ``tests/contracts/`` (run them on cuda with
 ``RUNTIME_TEST_BACKENDS=cuda``). Two groups here:
@@ -25,7 +26,7 @@ import runtime.kernels as K
 import runtime.server as server_mod
 from runtime.backends.base import check_interface
 from runtime.errors import CaptureRefused, LaunchError, UnsupportedError
-from runtime.kernel import Binding, Kernel, Param
+from runtime.kernel import DTYPES, Binding, Kernel, Param
 
 cuda_backend = backend_module_or_skip("cuda", "bash setup.sh --test installs cupy-cuda12x")
 try:
@@ -63,9 +64,9 @@ def test_probe_with_zero_devices_raises_unsupported(monkeypatch):
 
 def test_best_backend_selection_skips_cuda_without_a_device_and_keeps_the_reason(monkeypatch):
     monkeypatch.setattr(cuda_backend._rt, "getDeviceCount", lambda: 0)
-    monkeypatch.setattr(server_mod, "_unavailable", {})
-    assert server_mod._usable_best("cuda") is False
-    assert "0 devices" in server_mod._unavailable["cuda"]
+    monkeypatch.setattr(server_mod, "_probes", {})    # private: forget this process's probe
+    assert server_mod.resolve_backend(None) != "cuda"
+    assert "0 devices" in server_mod.backend_unavailable("cuda")
 
 
 class _Buf:
@@ -77,7 +78,7 @@ def test_kernel_args_pass_pointers_as_8_bytes_and_params_as_their_exact_c_types(
     kern = Kernel("k", [Binding("x", "f32", "read"), Binding("y", "f32", "read_write")],
                   [Param("alpha", "f32"), Param("shift", "i32"), Param("n", "u32")],
                   cuda="unused")
-    types = tuple(cuda_backend.PARAM_TYPES[p.dtype] for p in kern.params)
+    types = tuple(DTYPES[p.dtype].type for p in kern.params)    # as CudaKernel does
     args = cuda_backend.kernel_args([(_Buf(0x7f0000001000), 16), (_Buf(2**63 + 8), 16)],
                                     kern.pack_params({"alpha": 0.5, "shift": -3, "n": 2**32 - 1}),
                                     types)

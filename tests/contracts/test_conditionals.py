@@ -1,0 +1,281 @@
+"""Loops and branches inside a graph (issue 27 item 2; docs/contract.md section 4b):
+``capture_if`` / ``capture_while`` run eagerly outside a window and are recorded as conditional
+nodes inside one, evaluated on the device at every replay; checked against numpy and against the
+eager run (hypothesis), nested to depth 2, with the iteration limit a typed failure.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import runtime
+from runtime import kernels as K
+from runtime.errors import (CaptureRefused, LoopLimitExceeded, ReplayFailed, ServerUnhealthy,
+                            UnsupportedError)
+
+from graph_kernels import add_i32, capture, i32, set_i32
+
+N = 8
+
+
+def _cond_or_skip(client, fn):
+    """Run ``fn``; skip where the backend has no conditional nodes (cuda here), with the reason."""
+    try:
+        return fn()
+    except UnsupportedError as e:
+        client.abort_capture()
+        pytest.skip(str(e))
+
+
+def _bufs(c, **values):
+    return {k: c.create(v) for k, v in values.items()}
+
+
+def test_capture_if_eager_and_recorded(client):
+    b = _bufs(client, flag=i32(1), x=np.arange(N, dtype=np.float32), y=np.zeros(N, np.float32))
+
+    def work():
+        client.capture_if(b["flag"],
+                          lambda: client.launch(K.add_scalar, 1, [b["x"], b["y"]], {"alpha": 1.0, "n": N}),
+                          lambda: client.launch(K.mul_scalar, 1, [b["x"], b["y"]], {"alpha": -1.0, "n": N}))
+    work()                                             # eager: the condition read on the host
+    np.testing.assert_array_equal(client.read(b["y"]), np.arange(N) + 1)
+    g = _cond_or_skip(client, lambda: capture(client, work, warmup=False))
+    for flag, ref in ((0, -np.arange(N)), (1, np.arange(N) + 1), (0, -np.arange(N))):
+        client.write(b["flag"], i32(flag))
+        client.write(b["y"], np.full(N, 99, np.float32))
+        g.replay()
+        np.testing.assert_array_equal(client.read(b["y"]), ref)
+    d = g.describe()
+    assert [n["kind"] for n in d["nodes"]] == ["if"]
+    assert [ln["scope"] for ln in d["launches"]] == [[[0, "then"]], [[0, "else"]]]
+    assert "cluster_n0_then" in g.to_dot() and "node n0: if" in str(g)
+
+
+def test_capture_if_without_else(client):
+    b = _bufs(client, flag=i32(0), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
+    g = _cond_or_skip(client, lambda: capture(client, lambda: client.capture_if(
+        b["flag"], lambda: client.launch(K.accumulate, 1, [b["x"], b["y"]], {"n": N})),
+        warmup=False))
+    for flag in (0, 1, 1, 0, 1):
+        client.write(b["flag"], i32(flag))
+        g.replay()
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 3, np.float32))
+
+
+def _countdown(client, b, max_iterations):
+    """``while cnt: y += x; cnt -= 1``."""
+    def body():
+        client.launch(K.accumulate, 1, [b["x"], b["y"]], {"n": N})
+        client.launch(add_i32, 1, [b["cnt"]], {"delta": -1})
+    return lambda: client.capture_while(b["cnt"], body, max_iterations=max_iterations)
+
+
+def test_capture_while_eager_and_recorded(client):
+    b = _bufs(client, cnt=i32(3), x=np.arange(N, dtype=np.float32), y=np.zeros(N, np.float32))
+    work = _countdown(client, b, 10)
+    work()
+    np.testing.assert_array_equal(client.read(b["y"]), 3 * np.arange(N))
+    g = _cond_or_skip(client, lambda: capture(client, work, warmup=False))
+    for k in (0, 1, 7, 10, 4):
+        client.write(b["cnt"], i32(k))
+        client.write(b["y"], np.zeros(N, np.float32))
+        g.replay()
+        np.testing.assert_array_equal(client.read(b["y"]), k * np.arange(N, dtype=np.float32))
+        assert client.read(b["cnt"])[0] == 0
+
+
+def test_loop_limit_is_a_typed_failure(client):
+    b = _bufs(client, cnt=i32(5), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
+    work = _countdown(client, b, 3)
+    with pytest.raises(LoopLimitExceeded):
+        work()                                          # eager: raised at the call
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 3, np.float32))
+    client.write(b["cnt"], i32(0))
+    g = _cond_or_skip(client, lambda: capture(client, work, warmup=False))
+    if client.backend == "wgpu":
+        pytest.skip("wgpu unrolls the loop to max_iterations (no device-side overflow report)")
+    client.write(b["cnt"], i32(9))
+    g.replay()
+    with pytest.raises(ReplayFailed) as info:
+        client.read(b["y"])                             # the write set is marked
+    assert isinstance(info.value, LoopLimitExceeded) or "LoopLimitExceeded" in str(info.value)
+    client.write(b["cnt"], i32(2))                      # a clean replay clears the marks
+    try:
+        client.sync()
+    except ServerUnhealthy:
+        pass
+    client.write(b["y"], np.zeros(N, np.float32))
+    g.replay()
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 2, np.float32))
+
+
+def test_wgpu_loop_needs_max_iterations():
+    from runtime.testing import backend_unavailable
+
+    if backend_unavailable("wgpu"):
+        pytest.skip(backend_unavailable("wgpu"))
+    c = runtime.client("wgpu").with_stream(runtime.StreamId.new())
+    b = _bufs(c, cnt=i32(2), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
+    c.graph_prepare()
+    c.start_capture()
+    with pytest.raises(ValueError, match="max_iterations"):
+        _countdown(c, b, None)()
+    _countdown(c, b, 4)()                              # the window goes on
+    g = c.stop_capture()
+    g.replay()
+    np.testing.assert_array_equal(c.read(b["y"]), np.full(N, 2, np.float32))
+
+
+def test_nested_depth_two(client):
+    """``while outer: (if flag: y += x else: y -= x); inner while: z += x``: depth 2 both ways."""
+    b = _bufs(client, outer=i32(0), inner=i32(0), flag=i32(0), x=np.ones(N, np.float32),
+              y=np.zeros(N, np.float32), z=np.zeros(N, np.float32))
+
+    def body():
+        client.capture_if(b["flag"],
+                          lambda: client.launch(K.accumulate, 1, [b["x"], b["y"]], {"n": N}),
+                          lambda: client.launch(K.mul_scalar, 1, [b["y"], b["z"]], {"alpha": 2.0, "n": N}))
+        client.launch(add_i32, 1, [b["inner"]], {"delta": 2})
+
+        def inner():
+            client.launch(K.add_scalar, 1, [b["x"], b["z"]], {"alpha": 10.0, "n": N})
+            client.launch(add_i32, 1, [b["inner"]], {"delta": -1})
+        client.capture_while(b["inner"], inner, max_iterations=3)
+        client.launch(add_i32, 1, [b["outer"]], {"delta": -1})
+        client.launch(add_i32, 1, [b["flag"]], {"delta": 1})
+
+    def work():
+        client.capture_while(b["outer"], body, max_iterations=4)
+
+    def run(outer, flag):
+        for k, v in (("outer", outer), ("flag", flag), ("inner", 0)):
+            client.write(b[k], i32(v))
+        for k in "yz":
+            client.write(b[k], np.zeros(N, np.float32))
+    results = {}
+    for outer, flag in ((0, 0), (1, 0), (3, 1), (4, -1)):
+        run(outer, flag)
+        work()
+        results[outer, flag] = [client.read(b[k]).copy() for k in ("y", "z")]
+    g = _cond_or_skip(client, lambda: capture(client, work, warmup=False))
+    assert len(g.describe()["nodes"]) == 3
+    for (outer, flag), ref in results.items():
+        run(outer, flag)
+        g.replay()
+        for k, r in zip("yz", ref):
+            np.testing.assert_array_equal(client.read(b[k]), r)
+
+
+def test_body_that_raises_refuses_the_window(client):
+    b = _bufs(client, flag=i32(1))
+
+    def bad():
+        raise RuntimeError("boom")
+    client.graph_prepare()
+    client.start_capture()
+    with pytest.raises(RuntimeError):
+        _cond_or_skip(client, lambda: client.capture_if(b["flag"], bad))
+    with pytest.raises(CaptureRefused, match="boom"):
+        client.stop_capture()
+
+
+def test_bad_arguments_raise_at_the_call(client):
+    f = client.create(np.zeros(1, np.float32))
+    two = client.create(np.zeros(2, np.int32))
+    for cond in (f, two):
+        with pytest.raises(ValueError):
+            client.capture_if(cond, lambda: None)
+    with pytest.raises(TypeError):
+        client.capture_if(3, lambda: None)
+    ok = client.create(i32(1))
+    with pytest.raises(TypeError):
+        client.capture_while(ok, None)
+    with pytest.raises(ValueError):
+        client.capture_while(ok, lambda: None, max_iterations=-1)
+
+
+def test_update_rebinds_a_condition(client):
+    b = _bufs(client, c1=i32(1), c2=i32(0), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
+    g = _cond_or_skip(client, lambda: capture(client, lambda: client.capture_if(
+        b["c1"], lambda: client.launch(K.accumulate, 1, [b["x"], b["y"]], {"n": N})),
+        warmup=False))
+    g.replay()
+    g.update(rebind={b["c1"]: b["c2"]})
+    g.replay()                                         # c2 is 0: nothing
+    np.testing.assert_array_equal(client.read(b["y"]), np.ones(N, np.float32))
+    client.write(b["c2"], i32(5))
+    g.update(params={0: {"n": 4}})                     # a launch inside the node
+    g.replay()
+    np.testing.assert_array_equal(client.read(b["y"]), [2, 2, 2, 2, 1, 1, 1, 1])
+    gi = g.instantiate(rebind={b["c2"]: b["c1"]})
+    client.write(b["c1"], i32(0))
+    gi.replay()
+    np.testing.assert_array_equal(client.read(b["y"]), [2, 2, 2, 2, 1, 1, 1, 1])
+
+
+# -- random conditions against the eager run -------------------------------------------------
+_node = st.deferred(lambda: st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 3)),
+    st.tuples(st.just("if"), st.integers(0, 2), st.lists(_leaf, max_size=2),
+              st.lists(_leaf, max_size=2)),
+    st.tuples(st.just("while"), st.integers(0, 2), st.integers(0, 3), st.lists(_leaf, max_size=2))))
+_leaf = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 3)),
+    st.tuples(st.just("if"), st.integers(0, 2), st.lists(st.tuples(st.just("add"), st.integers(1, 3)), max_size=2),
+              st.just([])),
+    st.tuples(st.just("while"), st.integers(0, 2), st.integers(0, 2),
+              st.lists(st.tuples(st.just("add"), st.integers(1, 3)), max_size=2)))
+
+
+def _program(c, b, prog, depth=0):
+    """Issue ``prog`` on ``c``: ``add k`` = ``acc += k * x``; ``if c`` on condition buffer c;
+    ``while c n`` = loop with its own counter reset to n first (so it always ends)."""
+    for item in prog:
+        if item[0] == "add":
+            c.launch(K.add_scalar, 1, [b["acc"], b["tmp"]], {"alpha": float(item[1]), "n": N})
+            c.launch(K.copy, 1, [b["tmp"], b["acc"]], {"n": N})
+        elif item[0] == "if":
+            _, cond, then, other = item
+            c.capture_if(b[f"c{cond}"], lambda t=then: _program(c, b, t, depth + 1),
+                         (lambda o=other: _program(c, b, o, depth + 1)) if other else None)
+        else:
+            _, cond, n, body = item
+            cnt = b[f"w{depth}"]
+            c.launch(set_i32, 1, [cnt], {"value": n})
+
+            def body_fn(body=body, cnt=cnt):
+                _program(c, b, body, depth + 1)
+                c.launch(add_i32, 1, [cnt], {"delta": -1})
+            c.capture_while(cnt, body_fn, max_iterations=3)
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "wgpu"])
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(prog=st.lists(_node, min_size=1, max_size=3),
+       conds=st.lists(st.lists(st.integers(0, 1), min_size=3, max_size=3), min_size=1, max_size=3))
+def test_random_conditions_match_the_eager_run(backend_name, prog, conds):
+    from runtime.testing import backend_unavailable
+
+    if backend_unavailable(backend_name):
+        pytest.skip(backend_unavailable(backend_name))
+    c = runtime.client(backend_name).with_stream(runtime.StreamId.new())
+    b = _bufs(c, acc=np.zeros(N, np.float32), tmp=np.zeros(N, np.float32), w0=i32(0), w1=i32(0), w2=i32(0),
+              **{f"c{k}": i32(0) for k in range(3)})
+
+    def reset(values):
+        c.write(b["acc"], np.arange(N, dtype=np.float32))
+        for k, v in enumerate(values):
+            c.write(b[f"c{k}"], i32(v))
+    eager = []
+    for values in conds:
+        reset(values)
+        _program(c, b, prog)
+        eager.append(c.read(b["acc"]).copy())
+    g = capture(c, lambda: _program(c, b, prog), warmup=False)
+    for values, ref in zip(conds, eager):
+        reset(values)
+        g.replay()
+        np.testing.assert_array_equal(c.read(b["acc"]), ref)
+    g.release()

@@ -115,7 +115,7 @@ def budgeted(backend, quick, tick, budget):
 
 def plain(backend, quick, tick):
     tick(3)
-    return {"reps": 3}
+    return {"plain": 3}
 
 def dies(backend, quick, tick, budget):
     os.kill(os.getpid(), signal.SIGTERM)
@@ -157,7 +157,7 @@ def test_a_budget_cut_is_reported_and_an_interrupted_run_keeps_its_sections(tmp_
     res = data["backends"]["cpu"]
     why = f"{data}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert 2 <= res["first"]["reps"] < 50, why     # cut, but not below the minimum
-    assert res["second"] == {"reps": 3}, why
+    assert res["second"] == {"plain": 3}, why
     assert "interrupted" in res["third"]["error"], why
     assert data["interrupted"].startswith("Interrupted during cpu third"), why
     t = data["timing"]["cpu"]
@@ -168,7 +168,7 @@ def test_a_budget_cut_is_reported_and_an_interrupted_run_keeps_its_sections(tmp_
     # each section's table was printed as it finished, in order
     out = proc.stdout
     assert "== cpu first" in out and "== cpu second" in out, why
-    assert out.index("== cpu first") < out.index("== cpu second") < out.index("cpu: {'reps': 3}")
+    assert out.index("== cpu first") < out.index("== cpu second") < out.index("cpu: {'plain': 3}")
 
 
 def test_without_a_budget_nothing_is_cut(tmp_path):

@@ -51,12 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-<<<<<<< HEAD
-from . import device_thread, minilm, replay, report, stalls
-from .budget import Budget
-=======
 from . import decode, device_thread, minilm, replay, report, stalls
->>>>>>> main
+from .budget import Budget
 from .results import machine, write_json
 
 #: the run's default ``--budget-s``: the full cpu,wgpu run ends in about 10 minutes on 2 cores
@@ -125,12 +121,8 @@ SECTIONS: list[Section] = [
     Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm,
             weight={"cpu": 1.0, "*": 3.0}, takes="~"),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
-<<<<<<< HEAD
             stalls.suite_targets, weight=1.0, takes="~"),
-=======
-            stalls.suite_targets),
-    Section("decode", decode.measure, decode.units, decode.markdown),
->>>>>>> main
+    Section("decode", decode.measure, decode.units, decode.markdown, takes="~"),
 ]
 
 

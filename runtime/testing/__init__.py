@@ -29,16 +29,13 @@ from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (Clone, Create, Empty, Free, KernelSpec, Launch, Prepare, Program, Read,
                       RecordEvent, Release, Replay, StartCapture, StopCapture, Sync, WaitEvent,
                       Write, copy32)
-<<<<<<< HEAD
-from .run import ProgramMismatch, ProgramRun, Step, backend_unavailable, run_program
-from .search import ScheduleFailure, explore, pct_runs
-=======
 from ..server import backend_unavailable
 from .run import ProgramMismatch, ProgramRun, Step, run_program
->>>>>>> main
+from .search import ScheduleFailure, explore, pct_runs
 from .strategies import programs
 
-__all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", "Program", "ProgramRun", "ProgramMismatch", "Step",
+__all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", "Program",
+           "ProgramRun", "ProgramMismatch", "Step",
            "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
            "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
            "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone"]

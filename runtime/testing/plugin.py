@@ -270,7 +270,12 @@ def pytest_pyfunc_call(pyfuncitem):
     """Run a cpu variant's test under the schedule search: once per interleaving for
     ``exhaustive``; once for ``pct``/``random``, and on failure again to minimise the
     schedule (raising ``ScheduleFailure``, the test's own error chained). ``None`` (pytest
-    calls the test) for every other test."""
+    calls the test) for every other test.
+
+    Raises: ``ScheduleFailure`` (the test failed under a searched schedule); the test's own
+    error unchanged when the checker raised it or the scheduler records nothing;
+    ``RuntimeError`` (exhaustive: the test issued different work when run again).
+    """
     v = getattr(getattr(pyfuncitem, "callspec", None), "params", {}).get("runtime_variant")
     if not isinstance(v, Variant) or v.backend != "cpu" or v.trace is not None:
         return None

@@ -40,12 +40,13 @@ import sys
 from collections import deque
 from typing import Callable, NamedTuple
 
-from ..backends.cpu_schedule import RUN, SIGNAL, WAIT, InterleavingScheduler, encode_trace
+from ..backends.cpu_schedule import SIGNAL, WAIT, InterleavingScheduler, encode_trace
 from ..errors import LivenessError, StreamRaceError
 from ..frontend.client import client as make_client
 from ..streams import StreamId
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SYNC = (WAIT, SIGNAL)
 #: runs per PCT search when the caller gives no number.
 DEFAULT_PCT_RUNS = 100
 #: interleavings an exhaustive search tries before it stops (and says it stopped).
@@ -72,7 +73,8 @@ class Item:
 
     Attributes:
         stream, seq: the stream's index and the item's 1-based place in it (``key``).
-        kind: ``RUN`` (a kernel, replay or copy), ``WAIT`` (an event wait) or ``SIGNAL``.
+        kind: the backend's item kind: work (a kernel, replay or copy: ``RUN``, ``CALL``),
+            ``WAIT`` (an event wait) or ``SIGNAL`` (an event or a completion).
         op: what enqueued it, e.g. ``"launch of add_scalar"``, ``"replay of graph 3"``.
         reads, writes: ids of the backend buffers it reads / writes (``None``: unknown, it
             conflicts with everything).
@@ -92,6 +94,12 @@ class Item:
         self.ran = None
 
     @property
+    def work(self) -> bool:
+        """Whether it runs a kernel, a replay or a copy (not an event record/wait or a
+        completion)."""
+        return self.kind not in _SYNC
+
+    @property
     def key(self) -> tuple:
         """``(stream, seq)``: the item's identity across runs of the same test."""
         return (self.stream, self.seq)
@@ -102,7 +110,7 @@ class Item:
 
     def conflicts(self, other: "Item"):
         """The buffers both touch with at least one write (``None`` reads/writes: all)."""
-        if self.kind != RUN or other.kind != RUN:
+        if not (self.work and other.work):
             return set()
         if self.writes is None or other.writes is None:
             return {"?"}
@@ -112,7 +120,7 @@ class Item:
     def independent(self, other: "Item") -> bool:
         """Whether running the two in either order gives the same state: both kernels/copies
         on different streams that do not conflict (partial-order reduction)."""
-        return (self.stream != other.stream and self.kind == RUN and other.kind == RUN
+        return (self.stream != other.stream and self.work and other.work
                 and not self.conflicts(other))
 
     def describe(self, buf) -> str:
@@ -202,7 +210,7 @@ class Recording(InterleavingScheduler):
             return "work enqueued outside a call of the test", None, None, {}
         name, args = ctx.handler, ctx.args
         op = name[2:] if name.startswith("h_") else name
-        if kind != RUN:
+        if kind in _SYNC:
             return op, set(), set(), {}
         srv = self.server
         reads, writes, handles = set(), set(), {}
@@ -250,8 +258,9 @@ class Recording(InterleavingScheduler):
         return op, None, None, {}
 
     # -- the backend side -----------------------------------------------------------------
-    def push(self, stream, item):
-        """Queue ``item`` on ``stream`` and note what it does (``Item``, its vector clock)."""
+    def push(self, stream, item, defer: bool = False):
+        """Queue ``item`` on ``stream`` and note what it does (``Item``, its vector clock);
+        everything waits for a ``settle`` here, so ``defer`` changes nothing."""
         kind, payload = item
         op, reads, writes, handles = self._accesses(kind)
         prev = self.last.get(stream.index)
@@ -315,7 +324,7 @@ class Recording(InterleavingScheduler):
         """``[(first, second, buffers)]``: pairs of items that both ran, on different streams,
         touching a buffer with at least one write, with no happens-before between them, in
         the order they ran."""
-        ran = [it for it in self.executed if it.kind == RUN]
+        ran = [it for it in self.executed if it.work]
         out = []
         for i, a in enumerate(ran):
             for b in ran[i + 1:]:

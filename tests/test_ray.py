@@ -29,9 +29,12 @@ for _mod in ("ray", "ray.serve", "ray.data", "pyarrow", "fastapi", "httpx", "saf
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
-# small bucket lists keep the captures few: batches of 1, 4 or 16
-SERVE_SETTINGS = {"backend": "cpu", "max_graphs": 6, "batch_buckets": (1, 4, 16),
-                  "seq_buckets": (16, 32, 256), "max_wait_ms": 5}
+# small bucket lists keep the captures few: batches of 1, 4 or 16; the rest are non-default
+# values of every kind of serve flag, which /health must report from each replica
+SERVE_ARGS = ["--ray", "--replicas", "2", "--replica-cpus", "0.25", "--max-graphs", "6",
+              "--batch-buckets", "1,4,16", "--seq-buckets", "16,32,256", "--max-wait-ms", "5",
+              "--max-queue", "1000", "--max-batch-tokens", "4096", "--max-inputs", "64",
+              "--max-input-chars", "20000", "--grace", "3", "--token-ids", "wordpiece"]
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +184,11 @@ def served(cluster):
     """The embeddings deployment with 2 replicas behind Serve's proxy on 127.0.0.1."""
     from ray import serve
 
-    from runtime.serving.ray_serve import build_app, deploy
+    from runtime.serving.cli import parse_args, settings_from_args
+    from runtime.serving.ray_serve import build_app_from_args, deploy
 
-    url = deploy(build_app(SERVE_SETTINGS, replicas=2, num_cpus=0.25), host=LOOPBACK,
+    args = parse_args(SERVE_ARGS)
+    url = deploy(build_app_from_args(args, settings_from_args(args)), host=LOOPBACK,
                  port=_free_port())
     assert url.startswith(f"http://{LOOPBACK}:")
     yield url
@@ -237,6 +242,12 @@ def test_two_replicas_answer_concurrent_requests_with_the_reference(ref, served)
     assert httpx.get(served + "/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_ID
     health = httpx.get(served + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["backend"] == "cpu"
+    got = health.json()["settings"]                 # every flag reached the replica (issue 25)
+    assert (got["max_queue"], got["max_batch_tokens"], got["max_inputs"], got["grace"],
+            got["max_input_chars"], got["token_ids"], got["seq_buckets"]) == \
+        (1000, 4096, 64, 3.0, 20000, "wordpiece", [16, 32, 256])
+    too_many = httpx.post(served + "/v1/embeddings", json={"input": ["a"] * 65}, timeout=30)
+    assert too_many.status_code == 400 and "at most 64" in too_many.text
     metrics = httpx.get(served + "/metrics", timeout=30)
     assert 'runtime_serving_requests_total{code="200"}' in metrics.text
     assert metrics.headers[REPLICA_HEADER] in seen
@@ -300,13 +311,7 @@ def test_a_killed_replica_is_replaced_and_no_accepted_request_is_lost(ref, serve
 
 
 def test_replicas_map_to_devices_and_autoscaling_passes_through():
-    from runtime.serving.cli import build_parser
-    from runtime.serving.ray_serve import app_options_from_args, deployment_options
-
-    args = build_parser().parse_args(["--ray", "--api-key", "k", "--max-inputs", "7"])
-    opts = app_options_from_args(args)
-    assert opts["api_key"] == "k" and opts["max_inputs"] == 7      # the app's limits, per replica
-
+    from runtime.serving.ray_serve import deployment_options
     gpu = deployment_options("cuda", replicas=2)
     assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
     assert gpu["num_replicas"] == 2 and "autoscaling_config" not in gpu

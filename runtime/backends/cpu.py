@@ -184,16 +184,17 @@ def _bind(fn, views, kwargs, count, name):
 
 
 def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
-    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
-    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
-    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
-    completion (``_execute``)."""
+    """Run one launch on this thread. Anything the body raises (any exception: a
+    ``ServerError`` of its own, ``SystemExit`` or ``KeyboardInterrupt`` raised by it included)
+    becomes a ``LaunchError`` naming the kernel, handed to ``mark.fail`` (its outputs are
+    marked) and raised: the stream reports it at its next completion (``_execute``); the
+    worker thread goes on."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = _counts(count)
     if count[0] and count[1] and count[2]:
         try:
             fn(*views, count=count, **kwargs)
-        except Exception as e:  # noqa: BLE001 - kernel code is user code
+        except BaseException as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
             if mark is not None:
                 err = mark.fail(err)
@@ -277,6 +278,9 @@ class CpuBackend(Backend):
                 self.streams.remove(stream)
             except ValueError:
                 pass
+            if stream.errors:            # never dropped: raised by any stream's next call
+                self.failures.extend(stream.errors)
+                stream.errors = []
         return True
 
     # -- execution (scheduler side) ----------------------------------------------------------
@@ -291,14 +295,14 @@ class CpuBackend(Backend):
         if kind == _CALL:                   # no library pool: outside the thread rule
             try:
                 payload()
-            except Exception as e:  # noqa: BLE001 - kernel code is user code
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
         elif kind == _RUN:
             RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
-            except Exception as e:  # noqa: BLE001 - kernel code is user code
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
             finally:
@@ -436,7 +440,7 @@ class CpuBackend(Backend):
             try:
                 for f in calls:     # a failing launch stops the replay: the rest never runs
                     f()
-            except Exception as e:  # noqa: BLE001 - kernel code is user code
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 name = next(n for c, n in zip(calls, names) if c is f)
                 err = LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
                                   f"{type(e).__name__}: {e}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import flags
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``embed-corpus`` argument parser."""
@@ -29,9 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-column", default="text", help="the column holding the texts")
     p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
                    help="device backend of each embedder (default: cpu)")
-    p.add_argument("--batch-size", type=int, default=256, help="rows per embedder call")
-    p.add_argument("--max-graphs", type=int, default=8, help="most bucket graphs per embedder")
-    p.add_argument("--seq-buckets", type=_sizes, default=None, metavar="N,N,...",
+    p.add_argument("--batch-size", type=flags.positive(int), default=256,
+                   help="rows per embedder call")
+    p.add_argument("--max-graphs", type=flags.positive(int), default=8,
+                   help="most bucket graphs per embedder")
+    p.add_argument("--seq-buckets", type=flags.seq_sizes, default=None, metavar="N,N,...",
                    help="sequence-length buckets in tokens, the last >= 256 (default "
                         "16,32,64,128,256; add 8 for corpora of very short texts)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
@@ -39,18 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ray", action="store_true", help="embed with a Ray Data actor pool")
     g.add_argument("--address", default=None,
                    help="Ray cluster to join (default: start a local one on 127.0.0.1)")
-    g.add_argument("--actors", type=int, default=1, help="actors (one model + device each)")
-    g.add_argument("--actor-cpus", type=float, default=1.0,
+    g.add_argument("--actors", type=flags.positive(int), default=1,
+                   help="actors (one model + device each)")
+    g.add_argument("--actor-cpus", type=flags.non_negative(float), default=1.0,
                    help="Ray CPUs per actor (--backend cuda asks one GPU each)")
     return p
-
-
-def _sizes(text: str) -> tuple:
-    """argparse type: ``"8,32,256"`` -> ``(8, 32, 256)``."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
 
 
 def main(argv=None) -> int:

@@ -208,7 +208,8 @@ class ComputeClient:
 
         Returns: a new ``np.ndarray`` of ``handle.dtype`` and ``handle.shape``. Blocks until the
             work before it on this stream (and the buffer's last write on any stream) ran.
-        Raises: ``CaptureRefused`` (this stream is recording); ``InvalidHandle``; ``ReplayFailed``
+        Raises: ``CaptureRefused`` (this stream is recording; the window is invalidated, its
+            ``stop_capture`` raises too); ``InvalidHandle``; ``ReplayFailed``
             (the buffer's last writer failed, found at enqueue or while this read waited: a
             replay, a launch, a host write; raised on every read until a later write lands);
             ``ServerUnhealthy`` (queued errors of this stream); ``ServerClosed``. Except for
@@ -300,9 +301,10 @@ class ComputeClient:
     def sync(self) -> None:
         """Wait for everything enqueued on this client's stream.
 
-        Raises: ``CaptureRefused`` (the stream is recording, at once); ``ServerUnhealthy`` (the
-            errors of the work enqueued on this stream, found at enqueue or at execution, all
-            together and drained: raised once, after that work ran); ``ServerClosed``.
+        Raises: ``CaptureRefused`` (the stream is recording, at once; the window is invalidated);
+            ``ServerUnhealthy`` (the errors of the work enqueued on this stream, found at
+            enqueue or at execution, all together and drained: raised once, after that work
+            ran); ``ServerClosed``.
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
@@ -327,7 +329,8 @@ class ComputeClient:
         (``cudaEventRecord``); pass it to ``wait_event`` of a client of this server (another
         stream, another thread). Blocks until the device thread accepted it.
 
-        Raises: ``CaptureRefused`` (this stream is capturing); ``ServerClosed``.
+        Raises: ``CaptureRefused`` (this stream is capturing: the window is invalidated, its
+            ``stop_capture`` raises too); ``ServerClosed``.
         """
         srv = self._server
         sid, pos = srv.call(srv.h_record_event, self.stream)
@@ -338,8 +341,9 @@ class ComputeClient:
         work enqueued here afterwards runs after the event's work.
 
         Raises: ``TypeError`` (not an ``Event``); ``ValueError`` (an event of another server:
-        another backend, device or options); ``CaptureRefused`` (this stream is capturing);
-        ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
+        another backend, device or options); ``CaptureRefused`` (this stream is capturing: the
+        join would be missing from the graph, so the window is invalidated and its
+        ``stop_capture`` raises too); ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
         before, is accepted with a ``DeprecationWarning`` for one release.
         """
         srv = self._server
@@ -376,10 +380,11 @@ class ComputeClient:
     def start_capture(self) -> None:
         """Start recording this stream's launches: ``prepared -> capturing``.
 
-        Inside the window, on this stream: ``launch`` is recorded, not run; ``read``, ``sync``
-        and ``replay`` raise ``CaptureRefused`` at once (the capture goes on); ``write`` and
-        freeing a handle the window uses are refused late, by ``stop_capture``. Other streams
-        work normally meanwhile.
+        Inside the window, on this stream: ``launch`` is recorded, not run; ``read``, ``sync``,
+        ``replay``, ``record_event`` and ``wait_event`` raise ``CaptureRefused`` at once;
+        ``write``, freeing a handle the window uses and a refused launch are refused late. Any
+        refusal invalidates the window: ``stop_capture`` raises ``CaptureRefused`` (CUDA's
+        ``cudaErrorStreamCaptureInvalidated``). Other streams work normally meanwhile.
 
         Blocks until the warm-up has run: a warm-up that failed (at the call, at submit or while
         executing) is never captured over.
@@ -405,9 +410,12 @@ class ComputeClient:
                 buffers are the caller's to keep alive: a replay after one was freed raises
                 ``LivenessError`` (its buffer never goes to another owner while the graph lives).
         Returns: a ``Graph`` (empty window: a graph whose replay does nothing).
-        Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` naming the
-            late refusals (write, freed handle, allocation on a hardware graph): no graph is made;
-            ``ServerUnhealthy`` (launch errors queued in the window).
+        Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` when any
+            operation was refused in the window (at once: read, sync, replay, record_event,
+            wait_event; late: write, freed handle, refused launch, allocation on a hardware
+            graph), naming the first, with every other error queued in the window (one error
+            that is an instance of each class): no graph is made, the stream is back to no
+            capture; ``ServerUnhealthy`` (launch errors queued in the window).
         """
         srv = self._server
         sid = self.stream

@@ -72,7 +72,8 @@ class Graph:
         Returns: None.
         Raises:
             UnknownGraph: this clone was released, or the graph was destroyed.
-            CaptureRefused: the capture stream is recording a graph right now.
+            CaptureRefused: the capture stream is recording a graph right now (that window is
+                invalidated: its ``stop_capture`` raises too).
             ServerClosed: the server stopped.
             The backend's refusal (e.g. ``UnsupportedError``).
             Any failure is also recorded on the graph's write set: reading one of those buffers

@@ -143,6 +143,9 @@ class ComputeServer:
             self.ended.discard(sid)
             for other in self.streams.values():
                 other.synced.pop(sid, None)
+            self.marks.on_reclaim(s)
+            if self.checker is not None:
+                self.checker.on_reclaim(sid)
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -346,14 +349,12 @@ class ComputeServer:
             err = InvalidHandle(f"launch of {kernel.name}: handle {hid} is unknown or freed on "
                                 f"server {self.name}; keep the Handle alive while it is in use")
             s.errors.append(err)
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            self._launch_failed(s, outs, kernel, err)
             return
         prog = self.programs.get(kernel) or self._program(s, kernel)
         if prog is None:
-            if w is None:
-                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
-                self.marks.fail(outs, ("launch", kernel.name, sid), s.errors[-1])
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, s.errors[-1])
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
@@ -385,9 +386,8 @@ class ComputeServer:
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
-            if w is None:
-                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, err)
             return
         s.pos += 1
         pos = s.pos
@@ -400,6 +400,14 @@ class ComputeServer:
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
+
+    def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
+        """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
+        would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
+        if s.window is None:
+            self.marks.fail(outs, ("launch", kernel.name, s.id), err)
+        else:
+            self.capture.refuse(s, f"launch of {kernel.name} ({type(err).__name__}: {err})")
 
     # -- synchronisation ------------------------------------------------------------------------
     def h_sync(self, sid) -> tuple:
@@ -506,7 +514,9 @@ class ComputeServer:
                 it); else a replay after the free of a caller-owned handle raises
                 ``LivenessError``. Either way no buffer it uses changes owner while it lives.
         Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
-        late refusals (no graph is made); ``ServerUnhealthy`` (errors queued in the window).
+        window's refusals, first first (at once or late: any refusal invalidates the window; no
+        graph is made), with the errors queued in the window; ``ServerUnhealthy`` (errors
+        queued in the window). See ``Capture.end``.
         """
         g = self.capture.end(self._stream(sid), next(_graph_ids), retain)
         self.graphs[g.id] = g

@@ -277,7 +277,7 @@ class Recording(InterleavingScheduler):
         self.last[stream.index] = it
         self.items.append(it)
         self.pending.setdefault(stream.index, deque()).append(it)
-        stream.q.append(item)
+        super().push(stream, item, defer)
 
     def is_idle(self, stream) -> bool:
         """Whether ``stream`` has nothing queued; if so the host has seen its work done."""

@@ -26,7 +26,7 @@ RSS at the end within +20 MB of RSS after the first fifth (warm-up: compiles, th
 the probe's p99 in the last fifth within 1.5x the first; no unexpected error.
 
 Plugs into ``python -m runtime bench`` as the section ``soak``, run only when named
-(``--sections soak``: ten minutes per backend); also ``python -m runtime.bench.soak
+(``--sections soak --budget-s 0``: ten minutes per backend; with a budget, its share); also ``python -m runtime.bench.soak
 [--backend cpu,wgpu] [--seconds S] [--quick] [--out FILE]``. Reads the server's tables through
 ``client._server`` (what it measures has no public API).
 """
@@ -238,9 +238,22 @@ def _queue_sampler(q, stop: threading.Event, out: list) -> None:
         time.sleep(0.001)
 
 
-def measure(backend: str, quick: bool = False, tick=None, seconds: float | None = None) -> dict:
-    """Run the soak on ``backend`` (module doc); returns JSON-able results with ``met``."""
+def measure(backend: str, quick: bool = False, tick=None, budget=None,
+            seconds: float | None = None) -> dict:
+    """Run the soak on ``backend`` (module doc); returns JSON-able results with ``met``.
+
+    Args:
+        budget: the suite's share for it (``runtime.bench.budget.Budget``): a bounded one
+            shortens the run to what is left (at least 5 s) and records the cut
+            (``python -m runtime bench --sections soak --budget-s 0`` runs the full length).
+        seconds: the run length (default 600; ``quick``: 4).
+    """
     plan = _plan(quick, seconds)
+    if budget is not None and budget.seconds is not None:
+        allowed = max(5.0, budget.left())
+        if allowed < plan["seconds"]:
+            budget.cut(f"soak: {allowed:.0f} of {plan['seconds']:.0f} s")
+            plan = dict(plan, seconds=allowed, interval=max(0.5, min(10.0, allowed / 20)))
     work = _Work(backend, plan)
     srv = work.root._server
     gc.collect()

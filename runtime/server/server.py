@@ -754,6 +754,8 @@ class ComputeServer:
         self.queue.run_releases()
         if self.ended:
             self._reap_streams()
+        self.marks.collect()              # errors waiting for a blocking call: bounded
+        self._bound_async_errors()
         return {"bytes_reserved": self.pool.bytes_reserved, "bytes_in_use": self.pool.bytes_in_use,
                 "bytes_idle": self.pool.idle_bytes, "handles": len(self.handles),
                 "graphs": len(self.graphs), "streams": len(self.streams)}

@@ -335,6 +335,8 @@ def test_errors_of_many_dropped_failing_streams_stay_bounded_and_are_all_reporte
         del r, small
     gc.collect()
     _until(lambda: _streams(c) <= 1, "the failed requests' streams to be reclaimed")
+    _until(lambda: srv.backend.load()[0] == 0, "the backend to run what was submitted")
+    c.memory_usage()                                 # (errors found since are folded here)
     waiting = srv.call(lambda: len(srv.marks.async_errors) + len(srv.backend.failures))
     assert waiting <= srv.MAX_ASYNC_ERRORS
     with pytest.raises(LaunchError) as ei:

@@ -101,6 +101,14 @@ class ServerUnhealthy(ServerError):
         lines = "; ".join(f"{type(e).__name__}: {e}" for e in self.errors)
         super().__init__(f"{len(self.errors)} queued error(s) on this stream: {lines}")
 
+    def __reduce__(self):
+        # errors cross process pools and Ray: rebuilt from the drained errors, so the copy has
+        # the same classes (the combined class is made again by ``unhealthy``) and message
+        state = {k: v for k, v in self.__dict__.items() if k != "errors"} or None
+        if type(self) is ServerUnhealthy:
+            return (ServerUnhealthy, (self.errors,), state)
+        return (unhealthy, (self.errors,), state)
+
 
 _UNHEALTHY_CLASSES: dict[tuple, type] = {}
 

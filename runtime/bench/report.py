@@ -14,8 +14,6 @@ Targets (goals, not tests), each marked met or missed per backend:
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 GOAL_SYNC_US, GOAL_ENQUEUE_US, GOAL_FLOOR_X, GOAL_CONTROL = 5.0, 10.0, 1.2, 0.05
@@ -94,14 +92,15 @@ def replay_targets(result: dict) -> list:
 
 
 def targets(result: dict, sections=None) -> list:
-    """Every target that applies, from the ``targets`` of each section (default: the suite's)."""
+    """Every target that applies, from the ``targets`` of each of ``sections``."""
     return [t for sec in _sections(sections) if sec.targets for t in sec.targets(result)]
 
 
 def _sections(sections):
+    """The sections to render: the caller's (the report imports no section: they import it)."""
     if sections is None:
-        from .suite import SECTIONS
-        sections = SECTIONS
+        raise TypeError("runtime.bench.report renders the sections it is given: pass "
+                        "sections=runtime.bench.suite.SECTIONS (or a selection)")
     return sections
 
 
@@ -448,22 +447,3 @@ def write(result: dict, out_dir, plots: bool = True, img_dir: str = ".",
     path.write_text(markdown(dict(result, _out=str(out)), img_dir if plots else None, title,
                              sections))
     return path
-
-
-def main(argv=None) -> int:
-    """``python benchmarks/report.py JSON [--out DIR | --readme]``: re-render a saved run.
-
-    Returns: the exit status (0). Raises: ``OSError``/``ValueError`` (unreadable JSON).
-    """
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json")
-    ap.add_argument("--out", help="folder (default: the JSON's)")
-    ap.add_argument("--readme", action="store_true",
-                    help="write benchmarks/README.md and benchmarks/img/ instead")
-    a = ap.parse_args(argv)
-    result = json.loads(Path(a.json).read_text())
-    if a.readme:
-        print(write(result, checkout_benchmarks(), img_dir="img", name="README.md", title=True))
-    else:
-        print(write(result, a.out or Path(a.json).parent))
-    return 0

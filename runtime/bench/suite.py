@@ -34,6 +34,7 @@ in ``--out`` (default: ``benchmarks/results`` of the checkout this package runs 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -241,3 +242,26 @@ def _compare(argv: list) -> int:
     if not ref:
         raise ValueError("--compare needs a git commit or a checkout path")
     return refcompare.main(ref, rest)
+
+
+def rerender(argv=None) -> int:
+    """``python benchmarks/report.py JSON [--out DIR | --readme]``: re-render a saved run with
+    the suite's sections.
+
+    Returns: the exit status (0). Raises: ``OSError``/``ValueError`` (unreadable JSON),
+    ``FileNotFoundError`` (``--readme`` outside a checkout).
+    """
+    ap = argparse.ArgumentParser(prog="python benchmarks/report.py",
+                                 description="Re-render a saved bench.json: markdown and plots.")
+    ap.add_argument("json")
+    ap.add_argument("--out", help="folder (default: the JSON's)")
+    ap.add_argument("--readme", action="store_true",
+                    help="write benchmarks/README.md and benchmarks/img/ instead")
+    a = ap.parse_args(argv)
+    result = json.loads(Path(a.json).read_text())
+    if a.readme:
+        print(report.write(result, report.checkout_benchmarks(), img_dir="img", name="README.md",
+                           title=True, sections=SECTIONS))
+    else:
+        print(report.write(result, a.out or Path(a.json).parent, sections=SECTIONS))
+    return 0

@@ -218,6 +218,17 @@ class Marks:
         if failures:
             self.async_errors.extend(self.backend.take_failures())
 
+    def on_reclaim(self, s) -> None:
+        """Stream ``s`` was reclaimed (its work is done; ``Backend.release_stream`` handed the
+        errors its work left to ``failures``): its queued errors are never dropped, they go to
+        the next blocking call on any stream (``async_errors``); its marks need no stream any
+        more (its work ran: ``done`` is True for them)."""
+        if s.errors:
+            self.async_errors.extend(s.errors)
+            s.errors = []
+        s.done_pos = s.pos
+        s.fences.clear()
+
     def take_errors(self, s) -> list:
         """The errors queued on ``s`` and the unattributed ones (the backend's included),
         emptied."""

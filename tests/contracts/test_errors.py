@@ -246,22 +246,27 @@ def test_the_device_thread_dying_wakes_every_waiter():
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_backend_worker_wakes_the_waiting_reader():
-    """Stream workers that die (a BaseException escaping a kernel) must not leave a reader
-    waiting forever on work only they could run: it gets ServerClosed. (A reader runs its own
-    stream's work itself; here it waits on another stream's event.)"""
+    """Stream workers that die (a BaseException escaping the backend's execution: a kernel
+    body's own exceptions, SystemExit included, are typed errors and never kill one) must not
+    leave a reader waiting forever on work only they could run: it gets ServerClosed. (A reader
+    runs its own stream's work itself; here it waits on another stream's event.)"""
     import time
     c = runtime.client("cpu", scheduler="thread", seed=96)
-
-    def die(y, count):
-        raise SystemExit("test: kill the worker")
-    killer = runtime.Kernel("killer", [runtime.Binding("y", "f32", "read_write")], cpu=die)
     backend = c._server.backend           # private: the cpu worker threads to kill
-    for _ in backend.scheduler.threads:           # each worker dies on the first kernel it runs
+    execute, main = backend.execute, threading.main_thread()
+
+    def dying(*args):                     # each worker dies on the first item it runs
+        if threading.current_thread() is not main:
+            raise SystemExit("test: kill the worker")
+        return execute(*args)
+    backend.execute = dying
+    for _ in backend.scheduler.threads:
         k = c.with_stream(runtime.StreamId.new())
-        k.launch(killer, 1, [k.create(np.zeros(4, np.float32))])
+        k.launch(K.fill, 1, [k.create(np.zeros(4, np.float32))], {"value": 1.0, "n": 4})
     deadline = time.time() + 5
     while backend.is_alive() and time.time() < deadline:
         time.sleep(0.01)
+    backend.execute = execute
     assert not backend.is_alive()
     a = c.with_stream(runtime.StreamId.new())
     b = c.with_stream(runtime.StreamId.new())

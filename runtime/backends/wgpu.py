@@ -158,12 +158,14 @@ class WgpuStream:
     ``log`` lists what the open batch holds, ``(graph or None, tasks, mark or None)``, so a
     batch that fails validation can be split into its dispatches. ``errors``: failures found
     after the enqueue (at submit: server's owner or queue thread), reported by the stream's
-    next completion (a deque: appended and drained on different threads).
+    next completion (a deque: appended and drained on different threads). ``released``: the
+    server forgot it; an error found later goes to the backend's ``failures`` instead.
     """
 
     __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log", "errors", "released")
 
     def __init__(self):
+        self.released = False
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
@@ -650,6 +652,7 @@ class WgpuBackend(Backend):
         while stream.errors:
             self.failures.append(stream.errors.popleft())
         return True
+
 
     def record_event(self, stream):
         """A token for "everything enqueued on ``stream`` so far" (the stream itself: on one

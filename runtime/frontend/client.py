@@ -17,7 +17,7 @@ from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
 from .handle import Handle
-from ..streams import Event, StreamId
+from ..streams import Event, StreamId, current_key
 
 
 #: the iteration bound of ``capture_while(max_iterations=None)`` (eager and cpu replays): a
@@ -54,7 +54,9 @@ class ComputeClient:
         self._server = server
         self.backend = backend
         self.device = device
-        self._pinned = stream
+        self._pinned = self._pin = None
+        if stream is not None:
+            self.set_stream(stream)
 
     @property
     def device_name(self) -> str:
@@ -101,6 +103,13 @@ class ComputeClient:
         """The stream this client's work goes to: the pinned one, else the thread's own."""
         return self._pinned if self._pinned is not None else StreamId.current()
 
+    @property
+    def _sid(self) -> int:
+        # the plain int id sent to the server: its tables never hold a StreamId, so a dropped
+        # one lets the server reclaim the stream (runtime.client.stream)
+        pin = self._pin
+        return pin if pin is not None else current_key()
+
     def set_stream(self, stream) -> None:
         """Pin this client to ``stream`` (a ``StreamId``); ``None`` unpins.
 
@@ -109,6 +118,7 @@ class ComputeClient:
         if stream is not None and not isinstance(stream, StreamId):
             raise TypeError(f"set_stream takes a StreamId (runtime.StreamId.new()), got {stream!r}")
         self._pinned = stream
+        self._pin = None if stream is None else int(stream)
 
     def with_stream(self, stream) -> "ComputeClient":
         """A new client on the same server, pinned to ``stream``."""
@@ -139,7 +149,7 @@ class ComputeClient:
         """
         arr = _as_bytes(data)
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         h = Handle(srv, sid, arr.nbytes, arr.dtype, arr.shape)
         payload = arr.reshape(-1).view(np.uint8).copy() if isinstance(data, np.ndarray) else arr
         srv.submit(srv.h_alloc, sid, h.id, arr.nbytes, payload, nbytes=payload.nbytes)
@@ -165,7 +175,7 @@ class ComputeClient:
             raise ValueError(f"shape must be non-negative ints, got {shape!r}")
         nbytes = int(np.prod(shp, dtype=np.int64)) * dtype.itemsize
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         h = Handle(srv, sid, nbytes, dtype, shp)
         srv.submit(srv.h_alloc, sid, h.id, nbytes, None)
         return h
@@ -201,7 +211,7 @@ class ComputeClient:
                 raise InvalidHandle(f"write to handle {hid}: {payload.nbytes} bytes given, the "
                                     f"handle holds {handle.nbytes}")
         srv = self._server
-        srv.submit(srv.h_write, self.stream, hid, payload, nbytes=payload.nbytes)
+        srv.submit(srv.h_write, self._sid, hid, payload, nbytes=payload.nbytes)
 
     def read(self, handle: Handle) -> np.ndarray:
         """Copy ``handle``'s buffer to the host.
@@ -224,7 +234,7 @@ class ComputeClient:
             raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
         hid = handle._check(self._server, "read")
         srv = self._server
-        comp, mark, errors = srv.call(srv.h_read, self.stream, hid)
+        comp, mark, errors = srv.call(srv.h_read, self._sid, hid)
         if not comp.done:
             srv.wait(comp)
         if mark.error is not None:          # its writer failed (found at enqueue or meanwhile)
@@ -295,7 +305,7 @@ class ComputeClient:
                 raise LaunchError(f"launch of {kernel.name}: workgroup count {cnt} exceeds the "
                                   f"{srv.backend.name} limit of {lim} per dimension; split the "
                                   "grid over y and z")
-        srv.submit(srv.h_launch, self.stream, kernel, cnt, hids, kernel.pack_params(params))
+        srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, kernel.pack_params(params))
 
     # -- synchronisation ----------------------------------------------------------------------
     def sync(self) -> None:
@@ -308,7 +318,7 @@ class ComputeClient:
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        sid = self._pinned if self._pinned is not None else StreamId.current()
+        sid = self._sid
         if srv.sync_idle(sid):              # idle stream, nothing to report: no message
             return
         comp, errors = srv.call(srv.h_sync, sid)
@@ -322,7 +332,7 @@ class ComputeClient:
         """Hand this stream's batched work to the device now and raise its queued errors
         (``ServerUnhealthy``); does not wait for the device."""
         srv = self._server
-        srv.call(srv.h_flush, self.stream)
+        srv.call(srv.h_flush, self._sid)
 
     def record_event(self) -> Event:
         """An :class:`~runtime.Event` after the work enqueued on this stream so far
@@ -333,7 +343,7 @@ class ComputeClient:
             ``stop_capture`` raises too); ``ServerClosed``.
         """
         srv = self._server
-        sid, pos = srv.call(srv.h_record_event, self.stream)
+        sid, pos = srv.call(srv.h_record_event, self._sid)
         return Event(sid, pos, srv)
 
     def wait_event(self, event: Event) -> None:
@@ -359,7 +369,7 @@ class ComputeClient:
             token = event
         else:
             raise TypeError(f"wait_event takes the Event record_event() returns, got {event!r}")
-        srv.call(srv.h_wait_event, self.stream, token)
+        srv.call(srv.h_wait_event, self._sid, token)
 
     # -- capture ------------------------------------------------------------------------------
     def graph_prepare(self) -> None:
@@ -375,7 +385,7 @@ class ComputeClient:
         Raises: ``GraphStateError`` (already prepared or recording; state unchanged).
         """
         srv = self._server
-        srv.call(srv.h_graph_prepare, self.stream)
+        srv.call(srv.h_graph_prepare, self._sid)
 
     def start_capture(self) -> None:
         """Start recording this stream's launches: ``prepared -> capturing``.
@@ -394,7 +404,7 @@ class ComputeClient:
             ``UnsupportedError`` (the backend has no graphs).
         """
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         comp = srv.call(srv.h_warmup_fence, sid)     # the warm-up ran, or its errors are known
         if not comp.done:
             srv.wait(comp)
@@ -418,9 +428,9 @@ class ComputeClient:
             capture; ``ServerUnhealthy`` (launch errors queued in the window).
         """
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         gid, hw = srv.call(srv.h_stop_capture, sid, bool(retain))
-        return Graph(_Owner(srv, gid), sid, hw)
+        return Graph(_Owner(srv, gid), self.stream, hw)
 
     def abort_capture(self) -> None:
         """Abandon a capture on this stream from any state (``prepared`` or ``capturing``): the
@@ -428,7 +438,7 @@ class ComputeClient:
         is back to ``no capture``; a no-op when nothing is open. Queued errors stay queued.
         Blocks until done. See also: CubeCL's capture abort; ``cudaStreamEndCapture`` + drop."""
         srv = self._server
-        srv.call(srv.h_abort_capture, self.stream)
+        srv.call(srv.h_abort_capture, self._sid)
 
     # -- conditionals (docs/contract.md section 4b) ---------------------------------------------
     def _cond_handle(self, cond, what: str) -> int:
@@ -466,7 +476,7 @@ class ComputeClient:
         if not callable(on_true) or (on_false is not None and not callable(on_false)):
             raise TypeError("capture_if: on_true and on_false must be callables")
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         if not srv.call(srv.h_cond_begin, sid, "if", hid, None, _dtype_name(cond)):
             branch = on_true if self._cond_value(cond) else on_false
             if branch is not None:
@@ -501,7 +511,7 @@ class ComputeClient:
             raise ValueError(f"capture_while: max_iterations must be an int >= 0 or None, got "
                              f"{max_iterations!r}")
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         limit = DEFAULT_MAX_ITERATIONS if max_iterations is None else int(max_iterations)
         if not srv.call(srv.h_cond_begin, sid, "while", hid,
                         None if max_iterations is None else int(max_iterations),

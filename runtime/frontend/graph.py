@@ -28,7 +28,7 @@ class _Owner:
             last = self.count == 0
         if last and not self.server.closed:
             # enqueue only: the server destroys it after the work already enqueued against it
-            self.server.post(self.server.h_graph_destroy, self.id)
+            self.server.release(self.server.h_graph_destroy, self.id)
 
 
 class Graph:
@@ -224,8 +224,9 @@ class Graph:
         rb = _rebind_ids(srv, rebind, "instantiate")
         if stream is not None and not isinstance(stream, StreamId):
             raise TypeError(f"instantiate: stream must be a StreamId, got {stream!r}")
-        gid, sid, hw = srv.call(srv.h_graph_instantiate, self.id, rb, stream)
-        return Graph(_Owner(srv, gid), sid, hw)
+        target = self.stream if stream is None else stream    # the Graph keeps its StreamId
+        gid, _, hw = srv.call(srv.h_graph_instantiate, self.id, rb, int(target))
+        return Graph(_Owner(srv, gid), target, hw)
 
     def __del__(self):
         try:

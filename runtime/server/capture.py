@@ -307,7 +307,7 @@ class Capture:
         for slot in g.retained:
             slot.pins += 1
         for st in g.handles:
-            st.graphs.append(g)
+            st.graphs[g] = None
         self._close(s, w, recorded=True)
         return g
 

@@ -256,6 +256,9 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False,
         lines.append(f"- `{b}`: {res.get('device', '?')}")
     for b, why in result.get("skipped_backends", {}).items():
         lines.append(f"- `{b}`: not run ({why})")
+    if result.get("interrupted"):
+        lines += ["", f"**Partial run:** interrupted ({result['interrupted']}); the sections "
+                  "below are the ones that finished."]
     lines += ["", "All times are medians with [p10–p90] (and p99 for latencies) over repetitions "
               "in which the compared paths take turns (order rotated each repetition).", "",
               "## Targets (goals, not tests)", "", "| backend | target | measured | |",
@@ -269,6 +272,7 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False,
             return ["", f"![{alt}]({img_dir}/{name})"]
         return []
 
+    lines += [""] + budget_lines(result)
     number = 0
     for sec in _sections(sections):
         if sec.markdown is None:
@@ -280,6 +284,37 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False,
             lines.append(line)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def budget_lines(result: dict) -> list:
+    """The "Run time and budget" table: per backend and section the share of ``--budget-s``
+    it was given, the seconds it took, and what the budget cut (empty: ran in full)."""
+    timing = result.get("timing") or {}
+    if not timing:
+        return []
+    total = result.get("budget_s")
+    lines = ["## Run time and budget", "",
+             f"Budget: {f'{total:g} s for the run' if total else 'none'} (`--budget-s`); a "
+             "section past its share runs fewer repetitions, never fewer rows.", "",
+             "| backend | section | budget s | took s | cut by the budget |",
+             "|---|---|---:|---:|---|"]
+    for b, secs in timing.items():
+        for name, t in secs.items():
+            if not t.get("budgeted", True):
+                cut = "(takes no budget: ran in full)"
+            else:
+                cut = "; ".join(t.get("cuts") or []) or "nothing"
+            bs = "" if t.get("budget_s") is None else f"{t['budget_s']:g}"
+            lines.append(f"| {b} | {name} | {bs} | {t['wall_s']:g} | {cut} |")
+    return lines
+
+
+def section_text(result: dict, section, backend: str) -> str:
+    """One section's markdown for one backend (what the suite prints as a section finishes)."""
+    if section.markdown is None:
+        return ""
+    one = dict(result, backends={backend: result["backends"][backend]})
+    return "\n".join(section.markdown(one, lambda name, alt: [])).strip()
 
 
 # -- plots ------------------------------------------------------------------------------------

@@ -162,6 +162,10 @@ def _minilm_md(b: str, mm: dict) -> list:
     head += " sentence-transformers ms |" if st else ""
     lines = [head, "|---:|---:|---:|---:|---:|" + ("---:|" if st else "")]
     for r in mm["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['batch']} | {r['seq']} | not measured: {r['skipped']} | | |"
+                         + (" |" if st else ""))
+            continue
         cells = [str(r["batch"]), str(r["seq"]), _cell(r["eager"]), _cell(r["replay"]),
                  f"{r['eager']['p50'] / r['replay']['p50']:.2f}x"]
         if st:
@@ -295,7 +299,8 @@ def budget_lines(result: dict) -> list:
     total = result.get("budget_s")
     lines = ["## Run time and budget", "",
              f"Budget: {f'{total:g} s for the run' if total else 'none'} (`--budget-s`); a "
-             "section past its share runs fewer repetitions, never fewer rows.", "",
+             "section past its share runs fewer repetitions; only MiniLM leaves rows out, once its "
+             "whole share is spent (the row says so).", "",
              "| backend | section | budget s | took s | cut by the budget |",
              "|---|---|---:|---:|---|"]
     for b, secs in timing.items():
@@ -422,7 +427,8 @@ def plot_minilm(result: dict, folder: Path) -> list:
 
     Raises: ``ImportError`` without matplotlib.
     """
-    have = [(b, mm["rows"]) for b, mm in _have(result, "minilm", "rows")]
+    have = [(b, [r for r in mm["rows"] if "skipped" not in r])
+            for b, mm in _have(result, "minilm", "rows")]
     if not have:
         return []
     plt = _pyplot()

@@ -1044,3 +1044,96 @@ def test_the_demo_command_passes_its_checks(minilm):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "replayed graphs" in r.stdout and "eager launches" in r.stdout
     assert "all checks passed" in r.stdout
+
+
+def test_big_bodies_are_parsed_off_the_event_loop_and_ids_cut_to_the_window(minilm, ref,
+                                                                            monkeypatch):
+    # issue 25 item 2: four 2.4-million-id lists (13.7 MiB each) stalled /health for 2.7 s:
+    # json.loads and the per-id checks ran on the event loop. A body over INLINE_BYTES must
+    # never be parsed in this process (the pool's spawn worker imports the real parser), and
+    # the batcher must only ever see the ids the model reads
+    import httpx
+
+    from runtime.serving import ServerThread, create_app, parse
+
+    real = parse.parse_request
+
+    def on_loop_only_when_small(body, **kw):
+        assert len(body) <= parse.INLINE_BYTES, "a big body was parsed on the event loop"
+        return real(body, **kw)
+
+    monkeypatch.setattr(parse, "parse_request", on_loop_only_when_small)
+    tok = minilm.tokenizer
+    sents = [str(s) for s in ref["sentences"]]
+    ids = tok.encode(sents[11]).ids
+    huge = ids[:-1] + [1996] * 2_400_000 + [102]         # the model reads its first 256 ids
+    want_huge = minilm.forward(*minilm.encode_ids([huge[:minilm.max_seq_length]]))[0]
+    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256))
+    seen = []
+    real_submit = b.submit_ids
+    monkeypatch.setattr(b, "submit_ids",
+                        lambda seqs: seen.append(max(len(s) for s in seqs)) or real_submit(seqs))
+    with ServerThread(create_app(b, token_ids="wordpiece")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=300) as http:
+        big = http.post("/v1/embeddings", json={"input": [huge, ids]})
+        bad = http.post("/v1/embeddings", json={"input": [huge[:-1] + [-3]]})   # checked too
+        small = http.post("/v1/embeddings", json={"input": [ids[:5]]})
+        texts = http.post("/v1/embeddings", json={"input": [sents[11] + " x" * 40_000] * 2})
+    b.close()
+    assert big.status_code == 200, big.text
+    got = np.array([d["embedding"] for d in big.json()["data"]], np.float32)
+    assert np.abs(got[0] - want_huge).max() < 1e-4
+    assert np.abs(got[1] - ref["embeddings"][11]).max() < 1e-4
+    assert max(seen) <= minilm.max_seq_length
+    _check_error(bad, 400)
+    assert small.status_code == 200 and texts.status_code == 200
+    got = np.array([d["embedding"] for d in texts.json()["data"]], np.float32)
+    want = minilm.embed([sents[11] + " x" * 40_000], graph=False)
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_each_request_is_traced_with_its_steps_and_the_histograms_count_tokens():
+    _need_http()
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed")
+    import httpx
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from runtime.serving import ServerThread, create_app
+    from runtime.serving.tracing import Tracing
+
+    spans = InMemorySpanExporter()
+    tracing = Tracing(exporter=spans)
+    model = FakeModel()
+    m = ServingMetrics()
+    b = Batcher(model, max_batch=2, batch_buckets=(1, 2), seq_buckets=(4, 16), metrics=m,
+                max_wait_ms=20)
+    with ServerThread(create_app(b, tracer=tracing.tracer)) as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": ["a b", "c", "d e f"]},
+                       timeout=30)
+        bad = httpx.post(srv.url + "/v1/embeddings", json={"input": 5}, timeout=30)
+    b.close()
+    tracing.shutdown()
+    assert r.status_code == 200 and bad.status_code == 400
+    done = spans.get_finished_spans()
+    roots = [s for s in done if s.name == "embeddings"]
+    assert len(roots) == 2
+    ok = next(s for s in roots if s.attributes["http.response.status_code"] == 200)
+    kids = [s for s in done if s.parent is not None and s.parent.span_id ==
+            ok.context.span_id]
+    names = sorted(s.name for s in kids)
+    assert names == ["batch", "batch", "parse", "queue_wait", "respond", "tokenize"], names
+    batches = sorted((s for s in kids if s.name == "batch"), key=lambda s: s.start_time)
+    assert [s.attributes["batch.request_rows"] for s in batches] == [2, 1]
+    assert [s.attributes["batch.bucket_rows"] for s in batches] == [2, 1]
+    steps = [s for s in done if s.parent is not None and s.parent.span_id in
+             {x.context.span_id for x in batches}]
+    assert sorted(s.name for s in steps) == ["capture", "capture"]   # both buckets new
+    qw = next(s for s in kids if s.name == "queue_wait")
+    assert ok.start_time <= qw.start_time <= qw.end_time <= batches[0].start_time
+    assert all(s.context.trace_id == ok.context.trace_id for s in kids + steps)
+    # the histograms: tokens per request and padded tokens per batch
+    assert m.value("request_tokens_count") == 1
+    assert m.value("request_tokens_sum") == float(sum(len(t.split()) + 2
+                                                      for t in ["a b", "c", "d e f"]))
+    assert m.value("batch_padded_tokens_count", path="graph") == 2
+    assert m.value("batch_padded_tokens_sum", path="graph") == 2 * 4 + 1 * 16

@@ -115,13 +115,12 @@ class Section:
 
 #: the suite, in run and report order. Add a section here (see ``runtime.bench``'s docstring).
 SECTIONS: list[Section] = [
-    Section("device_thread", device_thread.measure, device_thread.units,
-            report.device_thread_section, report.plot_device_thread,
-            report.device_thread_targets, weight=1.0,
+    Section("device_thread", device_thread.measure, device_thread.units, device_thread.markdown,
+            device_thread.plot, device_thread.targets, weight=1.0,
             takes="~"),
-    Section("replay", replay.measure, replay.units, report.replay_section, report.plot_replay,
-            report.replay_targets, weight=1.5, takes="~"),
-    Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm,
+    Section("replay", replay.measure, replay.units, replay.markdown, replay.plot,
+            replay.targets, weight=1.5, takes="~"),
+    Section("minilm", minilm.measure, minilm.units, minilm.markdown, minilm.plot,
             weight={"cpu": 1.0, "*": 3.0}, takes="~"),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
             stalls.suite_targets, weight=1.0, takes="~"),

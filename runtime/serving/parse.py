@@ -180,6 +180,11 @@ def parse_request(body: bytes, *, model_id: str, hidden: int = 384, max_inputs: 
     return Parsed(inputs, ids, fmt)
 
 
+def _parse_in_worker(body: bytes, **limits) -> Parsed:
+    """:func:`parse_request`, run in a parse pool worker process (pickled by name)."""
+    return parse_request(body, **limits)
+
+
 _pool = None
 _pool_lock = threading.Lock()
 
@@ -230,7 +235,7 @@ async def parse_off_loop(body: bytes, **limits) -> Parsed:
     pool = _get_pool()
     try:
         return await asyncio.get_running_loop().run_in_executor(
-            pool, partial(parse_request, body, **limits))
+            pool, partial(_parse_in_worker, body, **limits))
     except BrokenProcessPool:
         _drop_pool(pool)
         raise ApiError(503, "the request parser's worker process died; retry",

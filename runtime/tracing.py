@@ -426,9 +426,8 @@ def _take(T):
 
 
 def _cpu_hooks():
-    from .backends import cpu
-    from .backends.cpu_schedule import SIGNAL, WAIT
-    Cpu = cpu.CpuBackend
+    from .backends.cpu import CpuBackend as Cpu, CpuEvent
+    from .backends.cpu_schedule import CALL, SIGNAL, WAIT
     plain_enqueue, plain_graph = Cpu._enqueue, Cpu.launch_graph
 
     def _enqueue(self, s, kind, payload, defer=False):
@@ -438,11 +437,11 @@ def _cpu_hooks():
         lane = T.stream_lane(self, s)
         if kind == WAIT:
             plain_enqueue(self, s, kind, payload, defer)
-            return plain_enqueue(self, s, cpu._CALL,
+            return plain_enqueue(self, s, CALL,
                                  lambda ev=payload: T.event_waited(ev, lane), defer)
         if kind == SIGNAL:
-            if isinstance(payload, cpu.CpuEvent):
-                plain_enqueue(self, s, cpu._CALL,
+            if isinstance(payload, CpuEvent):
+                plain_enqueue(self, s, CALL,
                               lambda ev=payload: T.event_recorded(ev, lane), defer)
             return plain_enqueue(self, s, kind, payload, defer)
         name, fid = _take(T)

@@ -26,9 +26,7 @@ Writes ``benchmarks/results/checker_cost_<backend>[_<scheduler>].json`` (gitigno
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
@@ -38,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runtime  # noqa: E402
 import runtime.kernels as K  # noqa: E402
+from runtime.bench import machine, ratio, summarize, write_json  # noqa: E402
 
 ELEMS = 64
 
@@ -90,12 +89,6 @@ def eager_pass(c, hs, launches):
     return (t1 - t0) * 1e3, (c1 - c0) * 1e3, (time.perf_counter() - t0) * 1e3
 
 
-def stats(xs):
-    a = np.asarray(xs, float)
-    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)),
-            "p90": float(np.percentile(a, 90)), "n": int(a.size)}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="cpu")
@@ -119,7 +112,7 @@ def main(argv=None):
         eager_pass(c, hs, args.launches)          # warm: compile, pool, caches
         replay_samples(c, g, args.batch, args.batch)
         modes[check] = (c, hs, g)
-    assert modes[True][0]._server.checker is not None and modes[False][0]._server.checker is None
+    assert modes[True][0].capabilities["checked"] and not modes[False][0].capabilities["checked"]
 
     replay = {False: [], True: []}
     replay_cpu = {False: [], True: []}
@@ -139,16 +132,14 @@ def main(argv=None):
             eager[check].append(t_total)
 
     def entry(samples, unit):
-        off, on = stats(samples[False]), stats(samples[True])
-        return {"unit": unit, "plain": off, "checked": on,
-                "overhead": on["median"] / off["median"] - 1.0}
+        off, on = summarize(samples[False], 1), summarize(samples[True], 1)   # already scaled
+        return {"unit": unit, "plain": off, "checked": on, "overhead": ratio(on, off) - 1.0}
 
     result = {
         "backend": args.backend,
         "scheduler": args.scheduler or "default",
         "device": modes[False][0].device_name,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count()},
+        "machine": machine(),
         "params": {"rounds": rounds, "launches": args.launches, "elems": ELEMS,
                    "graph_launches": args.graph_launches, "calls": args.calls,
                    "batch": args.batch},
@@ -164,15 +155,12 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"checker_cost_{args.backend}"
                                    f"{'_' + args.scheduler if args.scheduler else ''}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_json(out, result)
     for name in [k for k in result if k.startswith(("replay_", "eager_"))]:
         e = result[name]
         p, q = e["plain"], e["checked"]
-        print(f"{name:24s} plain {p['median']:9.2f} [{p['p10']:.2f}, {p['p90']:.2f}]  "
-              f"checked {q['median']:9.2f} [{q['p10']:.2f}, {q['p90']:.2f}] {e['unit']}  "
+        print(f"{name:24s} plain {p['p50']:9.2f} [{p['p10']:.2f}, {p['p90']:.2f}]  "
+              f"checked {q['p50']:9.2f} [{q['p10']:.2f}, {q['p90']:.2f}] {e['unit']}  "
               f"overhead {100 * e['overhead']:+.1f}%")
     print("wrote", out)
     return result

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -37,15 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runtime  # noqa: E402
 import runtime.kernels as K  # noqa: E402
+from runtime.bench import machine, summarize, write_json  # noqa: E402
 
 LENGTHS = (1, 10, 100, 1000)
 N = 64
-
-
-def pct(samples, qs=(50, 99)) -> dict:
-    """``{"p50": .., "p99": ..}`` of ``samples`` (seconds) in microseconds."""
-    a = np.asarray(samples) * 1e6
-    return {f"p{q}".replace(".", ""): round(float(np.percentile(a, q)), 2) for q in qs}
 
 
 def reps_for(length: int, quick: bool) -> int:
@@ -100,7 +94,7 @@ def bench_chain(c, length: int, reps: int) -> dict:
     row = {"length": length, "reps": reps, "capture_us": round(capture_s * 1e6, 1),
            "checked": got == float(total)}
     for k, v in out.items():
-        row[k + "_us"] = pct(v)
+        row[k + "_us"] = summarize(v)
     row["speedup_e2e_p50"] = round(row["eager_e2e_us"]["p50"] / row["replay_e2e_us"]["p50"], 2)
     row["eager_per_launch_us_p50"] = round(row["eager_e2e_us"]["p50"] / length, 2)
     g.release()
@@ -126,7 +120,8 @@ def bench_replay_enqueue(c, count: int) -> dict:
             c.sync()
     c.sync()
     g.release()
-    return {"replays": count, "us": pct(samples, (50, 99, 99.9))}
+    return {"replays": count, "us": summarize(samples),
+            "p999_us": float(np.percentile(np.asarray(samples) * 1e6, 99.9))}
 
 
 def _minilm_weights(rng, vocab=30522, hidden=384, layers=6, inter=1536, pos=512):
@@ -177,7 +172,7 @@ def bench_minilm(c, quick: bool) -> dict:
                 ts.append(time.perf_counter() - t0)
             res["replay" if graph else "eager"] = emb
             rows.append({"batch": batch, "seq": seq, "path": "replay" if graph else "eager",
-                         "ms": {k: round(v / 1000, 3) for k, v in pct(ts).items()}})
+                         "ms": summarize(ts, 1e3)})
         rows[-1]["max_abs_diff_vs_eager"] = float(np.max(np.abs(res["replay"] - res["eager"])))
     model.release()
     return {"rows": rows}
@@ -192,13 +187,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     c = runtime.client(args.backend)
     c.set_stream(runtime.StreamId.new())
-    result = {"backend": args.backend, "device": c.device_name, "python": platform.python_version(),
-              "numpy": np.__version__, "quick": args.quick, "chain": []}
-    try:
-        import cupy
-        result["cupy"] = cupy.__version__
-    except Exception:  # noqa: BLE001
-        pass
+    result = {"backend": args.backend, "device": c.device_name, "machine": machine(),
+              "quick": args.quick, "chain": []}
     for length in LENGTHS:
         row = bench_chain(c, length, reps_for(length, args.quick))
         result["chain"].append(row)
@@ -213,9 +203,7 @@ def main(argv=None) -> int:
     print(f"minilm: {json.dumps(result['minilm'])}", flush=True)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"cuda_latency_{args.backend}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(out, result)
     print(f"wrote {out}")
     return 0 if all(r["checked"] for r in result["chain"]) else 1
 

@@ -1,4 +1,4 @@
-"""Graph replay vs the normal launch path, swept over kernel size x graph length.
+"""Graph replay vs the eager launch path, swept over kernel size x graph length.
 
 The analogue of CubeCL's ``cubecl-wgpu/examples/graph_bench.rs`` (research/cubecl-scenarios.md
 section E). One *pass* is ``kernels`` dependent launches of ``add_scalar`` (``y = x + 1``)
@@ -6,7 +6,7 @@ ping-ponging between two f32 buffers ``a`` and ``b``; a pass is issued, then syn
 blocking ``read(a)``. Three paths run back to back in every round (interleaved, so slow drift
 hits all three alike; their order rotates from round to round):
 
-- normal: ``kernels`` calls of ``client.launch``;
+- eager: ``kernels`` calls of ``client.launch``;
 - replay: one ``Graph.replay()`` of the same pass captured with ``start_capture/stop_capture``;
 - floor: the same prebuilt dispatches with no runtime around them. On wgpu, a hand-written
   wgpu-py loop over its own device (one encoder, one compute pass, ``set_pipeline`` once,
@@ -14,10 +14,12 @@ hits all three alike; their order rotates from round to round):
   on cpu, the kernel's numpy callable called in a loop.
 
 Columns: enqueue us/pass (the issuing calls only; not a speedup: replay posts one message),
-end-to-end us/kernel (issue + sync; where a win must survive), ``x`` (normal / replay end to
+end-to-end us/kernel (issue + sync; where a win must survive), ``x`` (eager / replay end to
 end), ``r/floor`` (replay / floor end to end; a software graph's goal is <= 1.2x), ``share``
-(normal enqueue / normal end to end: is launch overhead worth attacking at that size) and
-``capture`` (the ``stop_capture()`` call). Medians, with p10/p90 in the JSON.
+(eager enqueue / eager end to end: is launch overhead worth attacking at that size) and
+``capture`` (the ``stop_capture()`` call). Medians, with p10/p90/p99 in the JSON. Each row is
+the suite's :func:`runtime.bench.replay.measure_pass` (``python -m runtime bench --sections
+replay`` runs the same pass over graph lengths).
 
 Usage::
 
@@ -29,19 +31,17 @@ Writes ``benchmarks/results/graph_sweep_<backend>.json`` and ``.png`` (gitignore
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runtime  # noqa: E402
-from runtime.bench.floors import KERNEL, CpuFloor, WgpuFloor  # noqa: E402
-from runtime.bench.replay import capture, run_pass  # noqa: E402
+from runtime.bench import machine, write_json  # noqa: E402
+from runtime.bench.floors import KERNEL  # noqa: E402
+from runtime.bench.replay import measure_pass  # noqa: E402
 
 #: (name, elems, kernels, rounds), as graph_bench's CONFIGS.
 CONFIGS = [
@@ -54,68 +54,21 @@ CONFIGS = [
     ("1m x2000", 1_048_576, 2000, 5),
 ]
 QUICK = ("tiny x150", "tiny x1000", "64k x1000", "1m x500")
-PATHS = ("normal", "replay", "floor")
-#: untimed pause after every timed pass (seconds).
-SETTLE_S = 0.05
+PATHS = ("eager", "replay", "floor")
 
 
-def stats(xs) -> dict:
-    xs = np.asarray(xs, dtype=np.float64)
-    return {"median": float(np.median(xs)), "p10": float(np.percentile(xs, 10)),
-            "p90": float(np.percentile(xs, 90))}
-
-
-def measure_row(client, name, elems, kernels, rounds, floor_cls, bar) -> dict:
-    """One config: warm, capture, then ``rounds`` interleaved normal/replay/floor rounds."""
-    a = client.create(np.zeros(elems, np.float32))
-    b = client.create(np.zeros(elems, np.float32))
-    graph, capture_s = capture(client, a, b, elems, kernels)   # warm, warm-up, record
-    graph.replay()
-    client.read(a)
-    floor = floor_cls(elems, kernels)
-    floor.issue()
-    floor.sync()
-
-    issue = {p: [] for p in PATHS}
-    total = {p: [] for p in PATHS}
-    for r in range(rounds):
-        for path in PATHS[r % 3:] + PATHS[:r % 3]:   # rotate: no path always follows another
-            t0 = time.perf_counter()
-            if path == "normal":
-                run_pass(client, a, b, elems, kernels)
-            elif path == "replay":
-                graph.replay()
-            else:
-                floor.issue()
-            t1 = time.perf_counter()
-            client.read(a) if path != "floor" else floor.sync()
-            t2 = time.perf_counter()
-            issue[path].append(t1 - t0)
-            total[path].append(t2 - t0)
-            client.sync()                            # untimed settle: on lavapipe the aftermath
-            floor.sync()                             # of a pass slowed the next path ~1.4x, and
-            time.sleep(SETTLE_S)                     # only a pause cleared it (not a sync)
-        bar.update(1)
-    # correctness: every runtime pass (warm, warm-up, first replay, then normal + replay per
-    # round) adds `kernels` to a (kernels is even: the pass ends writing a)
-    expect = float((3 + 2 * rounds) * kernels)
-    got = float(client.read(a)[0])
-    if got != expect:
-        print(f"WARNING {name}: a[0] = {got}, expected {expect}: the paths disagree",
-              file=sys.stderr)
-    graph.release()
-    a.release()
-    b.release()
-
-    row = {"config": name, "elems": elems, "kernels": kernels, "rounds": rounds,
-           "capture_ms": capture_s * 1e3, "check_a0": got, "check_expected": expect}
-    for p in PATHS:
-        row[f"enqueue_us_per_pass_{p}"] = stats(np.array(issue[p]) * 1e6)
-        row[f"e2e_us_per_kernel_{p}"] = stats(np.array(total[p]) * 1e6 / kernels)
-    med = {p: float(np.median(total[p])) for p in PATHS}
-    row["speedup_replay_vs_normal"] = med["normal"] / med["replay"]
-    row["replay_vs_floor"] = med["replay"] / med["floor"]
-    row["enqueue_share_normal"] = float(np.median(issue["normal"]) / med["normal"])
+def measure_row(client, backend, name, elems, kernels, rounds, bar) -> dict:
+    """One config: the suite's eager/replay/floor pass (:func:`runtime.bench.replay.
+    measure_pass`: warm, capture, ``rounds`` interleaved repetitions, the values checked),
+    with this sweep's derived columns."""
+    row = measure_pass(client, backend, elems, kernels, rounds, tick=bar.update)
+    row["config"] = name
+    e2e = {p: row[p]["e2e"]["p50"] for p in PATHS}
+    row["e2e_us_per_kernel"] = {p: {q: row[p]["e2e"][q] / kernels for q in ("p10", "p50", "p90")}
+                                for p in PATHS}
+    row["speedup_replay_vs_eager"] = e2e["eager"] / e2e["replay"]
+    row["replay_vs_floor"] = e2e["replay"] / e2e["floor"]
+    row["enqueue_share_eager"] = row["eager"]["enqueue"]["p50"] / e2e["eager"]
     return row
 
 
@@ -123,16 +76,16 @@ def print_table(rows, device: str) -> None:
     print(f"\ndevice: {device}")
     print(f"{'config':<12} {'enqueue us/pass':^32} {'e2e us/kernel (p10-p90 replay)':^44} "
           f"{'x':>6} {'r/floor':>8} {'share':>6} {'capture':>9}")
-    print(f"{'':<12} {'normal':>10} {'replay':>10} {'floor':>10} {'normal':>9} {'replay':>9} "
+    print(f"{'':<12} {'eager':>10} {'replay':>10} {'floor':>10} {'eager':>9} {'replay':>9} "
           f"{'':>13} {'floor':>9} ")
     for r in rows:
-        e = {p: r[f'enqueue_us_per_pass_{p}']['median'] for p in PATHS}
-        k = {p: r[f'e2e_us_per_kernel_{p}'] for p in PATHS}
+        e = {p: r[p]["enqueue"]["p50"] for p in PATHS}
+        k = r["e2e_us_per_kernel"]
         spread = f"({k['replay']['p10']:.1f}-{k['replay']['p90']:.1f})"
-        print(f"{r['config']:<12} {e['normal']:>10.0f} {e['replay']:>10.0f} {e['floor']:>10.0f} "
-              f"{k['normal']['median']:>9.2f} {k['replay']['median']:>9.2f} {spread:>13} "
-              f"{k['floor']['median']:>9.2f}  {r['speedup_replay_vs_normal']:>5.2f}x "
-              f"{r['replay_vs_floor']:>7.2f}x {100 * r['enqueue_share_normal']:>5.0f}% "
+        print(f"{r['config']:<12} {e['eager']:>10.0f} {e['replay']:>10.0f} {e['floor']:>10.0f} "
+              f"{k['eager']['p50']:>9.2f} {k['replay']['p50']:>9.2f} {spread:>13} "
+              f"{k['floor']['p50']:>9.2f}  {r['speedup_replay_vs_eager']:>5.2f}x "
+              f"{r['replay_vs_floor']:>7.2f}x {100 * r['enqueue_share_eager']:>5.0f}% "
               f"{r['capture_ms']:>7.2f}ms")
 
 
@@ -144,8 +97,8 @@ def plot(rows, device: str, path: str) -> None:
     x = np.arange(len(rows))
     width = 0.27
     for i, p in enumerate(PATHS):
-        k = [r[f"e2e_us_per_kernel_{p}"] for r in rows]
-        med = np.array([v["median"] for v in k])
+        k = [r["e2e_us_per_kernel"][p] for r in rows]
+        med = np.array([v["p50"] for v in k])
         err = np.array([[m - v["p10"] for m, v in zip(med, k)],
                         [v["p90"] - m for m, v in zip(med, k)]])
         axes[0].bar(x + (i - 1) * width, med, width, yerr=err, capsize=2, label=p)
@@ -153,8 +106,8 @@ def plot(rows, device: str, path: str) -> None:
     axes[0].set_ylabel("end-to-end us / kernel (median, p10-p90)")
     axes[0].set_xticks(x, [r["config"] for r in rows], rotation=30)
     axes[0].legend()
-    axes[1].bar(x - 0.2, [r["speedup_replay_vs_normal"] for r in rows], 0.4,
-                label="replay vs normal")
+    axes[1].bar(x - 0.2, [r["speedup_replay_vs_eager"] for r in rows], 0.4,
+                label="replay vs eager")
     axes[1].bar(x + 0.2, [r["replay_vs_floor"] for r in rows], 0.4, label="replay / floor")
     axes[1].axhline(1.0, color="k", lw=0.8)
     axes[1].axhline(1.2, color="r", lw=0.8, ls="--", label="floor goal 1.2x")
@@ -187,21 +140,16 @@ def main(argv=None) -> int:
 
     client = runtime.client(args.backend)
     device = getattr(client, "device_name", None) or f"{client.backend}:{client.device}"
-    floor_cls = WgpuFloor if args.backend == "wgpu" else CpuFloor
     rows = []
     with tqdm(total=sum(c[3] for c in configs), unit="round", desc="graph_sweep") as bar:
         for name, elems, kernels, rounds in configs:
             bar.set_postfix_str(name)
-            rows.append(measure_row(client, name, elems, kernels, rounds, floor_cls, bar))
+            rows.append(measure_row(client, args.backend, name, elems, kernels, rounds, bar))
     print_table(rows, device)
 
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"graph_sweep_{args.backend}")
-    meta = {"backend": args.backend, "device": device, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "kernel": KERNEL.name,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = {"backend": args.backend, "device": device, "kernel": KERNEL.name, **machine()}
+    write_json(stem + ".json", {"meta": meta, "rows": rows})
     plot(rows, device, stem + ".png")
     print(f"\nwrote {stem}.json and {stem}.png")
     return 0

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -114,7 +113,10 @@ def _worker_product(job: dict) -> dict:
                                job["budget_s"])
     try:               # numba's count is per thread: report what one executing stream gets
         from runtime.kernels.cpu_loops import set_threads
-        from runtime.kernels.threads import RULE
+        try:
+            from runtime.cpu_threads import RULE
+        except ImportError:                        # a checkout before the leaf module
+            from runtime.kernels.threads import RULE
         RULE.enter()
         set_threads(RULE.threads())
         RULE.exit()
@@ -154,9 +156,10 @@ def _run_worker(python: str, kind: str, job_file: str, env: dict) -> dict:
 
 
 def _summary(samples: list, batch: int) -> dict:
-    rate = batch / np.asarray(samples)
-    p10, p50, p90 = np.percentile(rate, [10, 50, 90])
-    return {"sent_per_s": float(p50), "p10": float(p10), "p90": float(p90), "n": len(samples)}
+    """Sentences/s percentiles of forward times ``samples`` (seconds) of ``batch`` texts."""
+    from runtime.bench import summarize       # not at the top: workers may time another checkout
+    rate = summarize(batch / np.asarray(samples, np.float64), 1)
+    return {"sent_per_s": rate["p50"], **rate}
 
 
 def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
@@ -171,6 +174,7 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
             ``{"runtime": {}}``.
     """
     sys.path.insert(0, str(ROOT))
+    from runtime.bench import machine
     from runtime.models.minilm import default_model_dir
     model_dir = str(default_model_dir())
     texts = {f"{b}x{s}": texts_for(os.path.join(model_dir, "tokenizer.json"), b, s)
@@ -208,8 +212,7 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
                     row[f"ratio:{name}"] = row[name]["sent_per_s"] / base
         table.append(row)
     return {"kind": "minilm_compare", "rounds": rounds, "impls": info, "rows": table,
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "load_start": os.getloadavg()}}
+            "machine": machine()}
 
 
 def print_table(res: dict) -> None:
@@ -227,7 +230,7 @@ def print_table(res: dict) -> None:
         print("| " + " | ".join(cells) + " |")
     for n, i in res["impls"].items():
         print(f"- {n}: threads {i['threads']}" + (f", env {i['env']}" if i["env"] else ""))
-    print(f"- load average at start {res['machine']['load_start']}")
+    print(f"- load average at start {res['machine'].get('loadavg')}")
 
 
 def plot(res: dict, path: str) -> None:
@@ -283,15 +286,16 @@ def _kernel_inputs(batch: int, seq: int) -> dict:
 
 
 def _timer(reps: int):
+    from runtime.bench import summarize
+
     def t(fn):
         fn()
         s = []
         for _ in range(reps):
             t0 = time.perf_counter()
             fn()
-            s.append((time.perf_counter() - t0) * 1e6)
-        p10, p50, p90 = np.percentile(s, [10, 50, 90])
-        return {"p50": float(p50), "p10": float(p10), "p90": float(p90)}
+            s.append(time.perf_counter() - t0)
+        return summarize(s)                  # µs
     return t
 
 
@@ -300,8 +304,8 @@ def _kernels_runtime(batch: int, seq: int, reps: int) -> dict:
     "numpy"}}``. Runs on the calling thread as one executing stream under the cpu backend's
     thread rule (BLAS and numba at every core unless the environment says otherwise)."""
     sys.path.insert(0, str(ROOT))
+    from runtime.cpu_threads import RULE
     from runtime.kernels import nn
-    from runtime.kernels.threads import RULE
     H, FF, heads, hd = 384, 1536, 12, 32
     M, f = batch * seq, np.float32
     d = _kernel_inputs(batch, seq)

@@ -14,8 +14,9 @@ start.
 """
 
 from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError, LivenessError,
-                     LoopLimitExceeded, OutOfMemory, ReplayFailed, ServerClosed, ServerError, ServerUnhealthy,
-                     StreamRaceError, UnknownGraph, UnsupportedError)
+                     LoopLimitExceeded, OutOfMemory, ReplayFailed, ServerClosed, ServerError,
+                     ServerForked, ServerUnhealthy, StreamRaceError, UnknownGraph,
+                     UnsupportedError)
 from .kernel import Binding, Kernel, Param
 from .frontend import ComputeClient, Graph, Handle
 from .frontend.client import client
@@ -33,5 +34,5 @@ __all__ = [
     "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
-    "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
+    "ServerForked", "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
 ]

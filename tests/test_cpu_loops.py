@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 import runtime
-from runtime.backends.cpu import limit_blas_threads
+from runtime.cpu_threads import RULE, FanOutPool, ThreadRule, limit_blas_threads
 from runtime.kernels import cpu_loops, nn
-from runtime.kernels.threads import RULE, ThreadRule
 from runtime.tensor import Arena, Tensor, embedding
 
 from test_kernels_nn import attention_ref, gelu_ref
@@ -211,7 +210,7 @@ def test_pinned_blas_leaves_the_rule(monkeypatch):
     assert rule.threads() == 2 and rule.active == 0
     assert lib.calls == [2, 1, 2]
     limits = []
-    monkeypatch.setattr("runtime.backends.cpu.limit_blas_threads",
+    monkeypatch.setattr("runtime.cpu_threads.limit_blas_threads",
                         lambda n, force=False: limits.append((n, force)))
     with pytest.raises(ValueError):
         rule.pin_blas(0)
@@ -233,7 +232,7 @@ def test_the_thread_rule_reaches_numpys_openblas():
             os.environ.pop(v, None)
         import numpy
         from threadpoolctl import threadpool_info
-        from runtime.kernels.threads import ThreadRule
+        from runtime.cpu_threads import ThreadRule
         def blas():
             return sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
         rule = ThreadRule(cores=2)

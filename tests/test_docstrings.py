@@ -54,7 +54,8 @@ def _raises(fn) -> bool:
 def test_the_walk_covers_the_five_faces():
     names = {n for n, _ in public_objects()}
     for probe in ("runtime.client", "runtime.Event", "runtime.testing.programs",
-                  "runtime.bench.compare", "runtime.kernels.grid", "runtime.serving.Batcher.submit"):
+                  "runtime.bench.compare", "runtime.kernels.grid",
+                  "runtime.serving.Batcher.submit"):
         assert probe in names
 
 

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(runtime.__file__).resolve().parent
 #: lowest first; a module may import its own layer or one below, never one above. A name is a
 #: module or a package (everything under it).
 LAYERS = [
-    ["runtime.errors", "runtime.kernel", "runtime.streams"],
+    ["runtime.errors", "runtime.kernel", "runtime.streams", "runtime.cpu_threads"],
     ["runtime.kernels"],
     ["runtime.backends"],
     ["runtime.server"],
@@ -29,14 +29,10 @@ LAYERS = [
      "runtime.testing", "runtime.__main__"],
 ]
 
-#: Edges the owners are removing (each owner deletes its line when it lands; the goal is none):
-#: H4 moves the cpu thread rule into a leaf module (issue 30 / issue 24 item 5).
-KNOWN = {
-    ("runtime.kernels.threads", "runtime.backends.cpu"),
-    ("runtime.backends.cpu", "runtime.kernels.threads"),
-    # H8 (issue 29 item 1) after H7's suite rework: each section owns its renderer.
-    ("runtime.bench.report", "runtime.bench.suite"),
-}
+#: Edges an owner is still removing, as ``(importer, imported)`` pairs (each owner deletes its
+#: line when its fix lands). None left: the cpu thread-rule cycle (H4) and the bench report <->
+#: suite cycle are gone.
+KNOWN: set = set()
 
 
 def modules() -> dict:

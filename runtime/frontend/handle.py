@@ -47,7 +47,7 @@ class Handle:
             self.released = True
             srv = self._server
             if not srv.closed:
-                srv.post(srv.h_free, self._stream, self.id)
+                srv.release(srv.h_free, self._stream, self.id)
 
     def __del__(self):
         try:
@@ -55,7 +55,7 @@ class Handle:
                 self.released = True
                 srv = self._server
                 if not srv.closed:
-                    srv.post(srv.h_free, self._stream, self.id)
+                    srv.release(srv.h_free, self._stream, self.id)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -63,6 +63,8 @@ class Handle:
         if self.released:
             raise InvalidHandle(f"{what}: handle {self.id} was released; it cannot be used again")
         if self._server is not server:
+            if self._server.queue.forked_from is not None:
+                raise self._server.queue.closed_error()       # a parent's handle, after fork
             raise InvalidHandle(f"{what}: handle {self.id} belongs to another server "
                                 f"({self._server.name}); copy it through the host")
         return self.id

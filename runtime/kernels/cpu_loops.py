@@ -25,6 +25,7 @@ numba's user cache directory when that is read-only).
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numba
@@ -34,7 +35,7 @@ from numba import njit, prange
 
 def _start_pool() -> None:
     """Start numba's thread pool with its OpenMP runtime told to sleep as soon as a parallel
-    region ends (``OMP_WAIT_POLICY=PASSIVE``; :mod:`runtime.kernels.threads` says why), unless
+    region ends (``OMP_WAIT_POLICY=PASSIVE``; :mod:`runtime.cpu_threads` says why), unless
     the user set the variable. GNU OpenMP reads it once, when numba loads it here; the variable
     is removed again, so it reaches neither other libraries nor child processes."""
     mine = "OMP_WAIT_POLICY" not in os.environ
@@ -48,8 +49,37 @@ def _start_pool() -> None:
 
 
 _start_pool()
-#: the size of numba's thread pool (``NUMBA_NUM_THREADS``; default: the cores)
+#: the size of numba's thread pool (``NUMBA_NUM_THREADS``; default: the cores); 1 in a process
+#: forked from one that ran GNU OpenMP (see :func:`_after_fork_in_child`)
 POOL = numba.config.NUMBA_NUM_THREADS
+
+
+def _after_fork_in_child() -> None:
+    """A forked child of a process whose numba runs on GNU OpenMP (the ``omp`` layer on Linux)
+    cannot use that pool: its threads stayed in the parent, libgomp waits for them at the next
+    parallel region, and numba guards against that by killing the child (``SIGTERM``: "fork()
+    called from a process already using GNU OpenMP"). A region of one thread starts no team,
+    so the child runs every loop on its calling thread: numba's count at 1 here (``POOL``), the
+    layer's default for new threads at 1, and the layer told that this process is its own
+    parent now (``launch_threads`` records the pid it runs in), so its guard lets it through.
+    BLAS (OpenBLAS re-creates its pool after a fork) and attention's fan-out threads keep the
+    child's other cores busy."""
+    global POOL
+    try:
+        if numba.threading_layer() != "omp":
+            return
+        from numba.np.ufunc import omppool
+    except (ImportError, ValueError):                 # layer not loaded: nothing inherited
+        return
+    if getattr(omppool, "openmp_vendor", "GNU") != "GNU":
+        return
+    POOL = 1
+    ctypes.CFUNCTYPE(None, ctypes.c_int)(omppool.launch_threads)(1)
+    numba.set_num_threads(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _FAST = {"nsz", "arcp", "contract", "reassoc"}
 _ROWS = dict(parallel=True, fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
@@ -250,7 +280,7 @@ def set_threads(n: int) -> int:
     """Run this thread's next parallel loops on ``n`` threads of numba's pool (capped at the
     pool's size, ``NUMBA_NUM_THREADS``, which defaults to the cores); returns the count applied.
     numba's count is per calling thread; :mod:`runtime.kernels.nn` applies the thread rule
-    (:mod:`runtime.kernels.threads`) through this before each cpu kernel's loops."""
+    (:mod:`runtime.cpu_threads`) through this before each cpu kernel's loops."""
     n = max(1, min(int(n), POOL))
     numba.set_num_threads(n)
     return n

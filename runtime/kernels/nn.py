@@ -22,14 +22,13 @@ its scratch owned by the worker thread.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 
 from .pointwise import WORKGROUP, elementwise, grid
-from .shader import program
-from .threads import RULE
+from .shader import program, tree_reduce
+from ..cpu_threads import FAN_OUT, RULE
 
 R, RW, W = "read", "read_write", "write"
 
@@ -104,7 +103,7 @@ _tls = threading.local()
 def _loops():
     """:mod:`runtime.kernels.cpu_loops`, imported on the first cpu launch (numba loads there, not
     when ``runtime`` is imported), with numba's threads for the calling thread set by the thread
-    rule (:mod:`runtime.kernels.threads`: cores shared among the stream items executing now)."""
+    rule (:mod:`runtime.cpu_threads`: cores shared among the stream items executing now)."""
     global _LOOPS
     if _LOOPS is None:
         from . import cpu_loops
@@ -299,17 +298,6 @@ def matmul_for(M: int, N: int, bias: bool = False, activation: str | None = None
 # Row kernels: one workgroup per row, a tree reduction in workgroup memory.
 
 
-def _reduce(op: str, size: int = ROW_WORKGROUP) -> str:
-    """Tree-reduce ``red[0 .. size)`` into ``red[0]`` with ``op`` ("+" or "max")."""
-    combine = ("red[lidx] + red[lidx + st]" if op == "+" else "max(red[lidx], red[lidx + st])")
-    return f"""
-    workgroupBarrier();
-    for (var st = {size // 2}u; st > 0u; st = st / 2u) {{
-        if (lidx < st) {{ red[lidx] = {combine}; }}
-        workgroupBarrier();
-    }}"""
-
-
 def rows_count(rows: int) -> tuple:
     """Workgroups ``(x, y, 1)`` giving one workgroup per row (row = ``wg.y * nwg.x + wg.x``)."""
     return grid(rows, 1)
@@ -332,14 +320,14 @@ def _layer_norm(name: str, residual: bool):
     let base = row * p.n;
     var s = 0.0f;
     if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += {load}; }} }}
-    red[lidx] = s;{_reduce("+")}
+    red[lidx] = s;{tree_reduce("+", ROW_WORKGROUP)}
     let mean = red[0] / f32(p.n);
     workgroupBarrier();
     var q = 0.0f;
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ let d = {load} - mean; q += d * d; }}
     }}
-    red[lidx] = q;{_reduce("+")}
+    red[lidx] = q;{tree_reduce("+", ROW_WORKGROUP)}
     let rstd = 1.0f / sqrt(red[0] / f32(p.n) + p.eps);
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{
@@ -376,7 +364,7 @@ l2_normalize = program(
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += x[base + c] * x[base + c]; }}
     }}
-    red[lidx] = s;{_reduce("+")}
+    red[lidx] = s;{tree_reduce("+", ROW_WORKGROUP)}
     let inv = 1.0f / max(sqrt(red[0]), 1e-12f);
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] * inv; }}
@@ -456,54 +444,22 @@ def _attend(views, madd, pieces, S, hd, scale):
         np.matmul(s, vv[b0:b1, h0:h1], out=ov[b0:b1, h0:h1])
 
 
-def _on_pool_thread(fn, part):
-    # a fan-out pool thread: numba at one thread here (numba's count is per calling thread)
-    if getattr(_tls, "threads", 0) != 1:
-        _tls.threads = _LOOPS.set_threads(1)
-    fn(part)
-
-
-_FAN_OUT = None
-_FAN_OUT_LOCK = threading.Lock()
-
-
-def _fan_out_pool():
-    """The threads cpu sources hand parts of their work to (created on first use; threads are
-    started as needed, at most one fewer than the CPUs)."""
-    global _FAN_OUT
-    with _FAN_OUT_LOCK:
-        if _FAN_OUT is None:
-            from concurrent.futures import ThreadPoolExecutor
-            _FAN_OUT = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
-                                          thread_name_prefix="runtime-cpu-kernel")
-    return _FAN_OUT
-
-
-def _fan_out(fn, parts) -> None:
-    """``fn(part)`` for every part at once: the first on the calling (worker) thread, the others
-    on pool threads; numba and OpenBLAS at one thread in each meanwhile (``RULE.fan_out``,
-    :mod:`runtime.kernels.threads`). Returns when every part is done; raises the first error."""
-    pool, futures = _fan_out_pool(), []
-    with RULE.fan_out():
-        try:
-            for part in parts[1:]:
-                futures.append(pool.submit(_on_pool_thread, fn, part))
-            _LOOPS.set_threads(1)
-            try:
-                fn(parts[0])
-            finally:
-                _LOOPS.set_threads(_tls.threads)
-        finally:
-            for f in futures:                    # every part done (and its error raised)
-                f.result()
+def _one_thread_piece(fn):
+    # numba at one thread on whichever thread runs a piece (numba's count is per calling
+    # thread; the worker's next kernel sets its own count again in _loops)
+    def run(piece):
+        if getattr(_tls, "threads", 0) != 1:
+            _tls.threads = _LOOPS.set_threads(1)
+        fn(piece)
+    return run
 
 
 def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_off, ld_out,
                    scale, count):
     # Pieces of whole sequences (several when their [heads, S, S] scores fit ATTN_CPU_CHUNK) or
     # of heads of one sequence; from ATTN_FAN_OUT_MACS on, the pieces are dealt out to the
-    # thread rule's threads (_fan_out: this worker and pool threads, 1-thread BLAS and numba
-    # each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
+    # thread rule's threads (cpu_threads.FAN_OUT: this worker and pool threads take pieces in
+    # turn, 1-thread BLAS and numba each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
     # allocated once warm but the pool's futures.
     L = _loops()
     B = count[1] // heads
@@ -523,12 +479,11 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     np.subtract(1.0, mask[:B * S].reshape(B, S), out=madd)     # the additive mask, once
     madd *= np.float32(-1e9)
     sc = np.float32(scale)
-    n = min(want, len(pieces))
-    if n <= 1:
+    if want <= 1 or len(pieces) <= 1:
         _attend(views, madd, pieces, S, hd, sc)
     else:
-        _fan_out(lambda part: _attend(views, madd, part, S, hd, sc),
-                 [pieces[i::n] for i in range(n)])
+        FAN_OUT.run(_one_thread_piece(lambda piece: _attend(views, madd, (piece,), S, hd, sc)),
+                    pieces, want)
 
 
 def _attention(hd: int):

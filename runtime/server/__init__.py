@@ -1,6 +1,8 @@
 """The device server: one per (backend, device), on its own thread, owning every table.
 
-``get_server`` starts servers lazily; ``shutdown`` stops them (also at interpreter exit).
+``get_server`` starts servers lazily; ``shutdown`` stops them (also at interpreter exit). A
+process forked from one with servers starts without any: the inherited ones raise
+``ServerForked`` there, and its first ``get_server`` starts a fresh one.
 """
 
 from __future__ import annotations
@@ -183,4 +185,14 @@ def shutdown() -> None:
         srv.shutdown()
 
 
+def _after_fork_in_child() -> None:
+    # the parent's servers are closed here (queue.py); the child's first runtime.client(...)
+    # starts a fresh one. The table's lock may have been held by another thread at the fork.
+    global _lock
+    _lock = threading.Lock()
+    _servers.clear()
+
+
 atexit.register(shutdown)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

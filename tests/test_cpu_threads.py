@@ -1,0 +1,166 @@
+"""The cpu thread rule's leaf module (``runtime.cpu_threads``): it stands alone (imports nothing
+from ``runtime``), the old import paths still reach the same objects, and the fan-out pool hands
+pieces out one at a time, so a thread that does not get to run holds up one piece only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import runtime.cpu_threads as ct
+
+LEAF = os.path.join(os.path.dirname(ct.__file__), "cpu_threads.py")
+
+
+def test_the_thread_rule_module_loads_alone_without_any_of_runtime():
+    # loaded from its file, under another name, in a fresh process: nothing of runtime comes in
+    code = f"""if True:
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("leaf", {LEAF!r})
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+        assert m.RULE.threads() >= 1 and m.available_cores() >= 1
+        print(sorted(k for k in sys.modules if k == "runtime" or k.startswith("runtime.")))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_old_import_paths_reach_the_same_rule_and_blas_setting():
+    from runtime.backends import cpu
+    from runtime.kernels import threads
+    from runtime.serving import limit_blas_threads
+    assert threads.RULE is ct.RULE and threads.ThreadRule is ct.ThreadRule
+    assert threads.available_cores is ct.available_cores
+    assert cpu.limit_blas_threads is ct.limit_blas_threads is limit_blas_threads
+
+
+def test_fan_out_runs_every_piece_once_on_up_to_the_threads_asked():
+    pool, seen, lock = ct.FanOutPool(), [], threading.Lock()
+
+    def fn(p):
+        with lock:
+            seen.append((p, threading.get_ident()))
+
+    pool.run(fn, range(50), 3)
+    assert sorted(p for p, _ in seen) == list(range(50))
+    assert len({t for _, t in seen}) <= 3
+    seen.clear()
+    pool.run(fn, [7], 4)                                  # one piece: on the caller
+    assert seen == [(7, threading.get_ident())]
+
+
+def test_a_stalled_fan_out_thread_holds_up_one_piece_not_a_share():
+    # the first piece a pool thread takes stalls until the caller has done every other piece:
+    # with a fixed partition (half the pieces each) the caller would wait on the stalled
+    # thread's remaining half, and the stall would time out
+    pool, caller = ct.FanOutPool(), threading.get_ident()
+    n, done, lock = 20, [], threading.Lock()
+    rest_done, timed_out = threading.Event(), []
+
+    def fn(p):
+        if threading.get_ident() != caller and not rest_done.is_set():
+            if not rest_done.wait(10):
+                timed_out.append(p)
+        with lock:
+            done.append((p, threading.get_ident() == caller))
+            if sum(c for _, c in done) == n - 1:
+                rest_done.set()
+
+    pool.run(fn, range(n), 2)
+    assert not timed_out
+    assert sorted(p for p, _ in done) == list(range(n))
+    assert sum(not c for _, c in done) <= 1               # the stalled thread ran one piece
+
+
+def test_fan_out_raises_the_first_error_and_skips_pieces_not_started():
+    pool, ran = ct.FanOutPool(), []
+
+    def fn(p):
+        ran.append(p)
+        if p == 3:
+            raise KeyError("piece 3")
+
+    with pytest.raises(KeyError, match="piece 3"):
+        pool.run(fn, range(200), 2)
+    assert len(ran) < 200
+    assert ct.RULE.fan_outs == 0                          # BLAS back under the rule
+    pool.run(lambda p: ran.append(p), range(4), 2)        # the pool still works
+
+
+# -- the CPU quota (cgroup v2 cpu.max, v1 cfs quota/period), on fake trees ---------------------
+V2_MOUNT = "41 31 0:38 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+V1_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n"
+             "32 31 0:29 {root} /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+             "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+
+
+def _tree(tmp_path, cgroup: str, mountinfo: str, files: dict) -> str:
+    """A fake root: proc/self/cgroup, proc/self/mountinfo and the cgroup files given."""
+    for rel, text in {"proc/self/cgroup": cgroup, "proc/self/mountinfo": mountinfo,
+                      **files}.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return str(tmp_path)
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    """A process allowed on 64 CPUs, no OMP_NUM_THREADS."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+
+
+def test_cgroup_v2_quota_caps_the_cores_rounded_up(tmp_path, many_cores, monkeypatch):
+    root = _tree(tmp_path, "0::/kubepods/pod1/ctr\n", V2_MOUNT, {
+        "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "150000 100000\n",   # 1.5 cores
+        "sys/fs/cgroup/kubepods/pod1/cpu.max": "max 100000\n",
+        "sys/fs/cgroup/kubepods/cpu.max": "400000 100000\n"})
+    assert ct.cpu_quota(root) == 1.5
+    assert ct.available_cores(root) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert ct.available_cores(root) == 5                  # the user's setting wins
+
+
+def test_a_parents_tighter_quota_wins_and_no_quota_leaves_the_affinity(tmp_path, many_cores):
+    root = _tree(tmp_path, "0::/a/b\n", V2_MOUNT, {
+        "sys/fs/cgroup/a/b/cpu.max": "800000 100000\n",
+        "sys/fs/cgroup/a/cpu.max": "25000 50000\n"})      # half a core above it
+    assert ct.cpu_quota(root) == 0.5
+    assert ct.available_cores(root) == 1                  # at least one
+    free = _tree(tmp_path / "free", "0::/a\n", V2_MOUNT, {"sys/fs/cgroup/a/cpu.max": "max\n"})
+    assert ct.cpu_quota(free) is None
+    assert ct.available_cores(free) == 64
+    assert ct.cpu_quota(str(tmp_path / "nothing")) is None       # no /proc files: no limit
+    assert ct.available_cores(str(tmp_path / "nothing")) == 64
+
+
+def test_cgroup_v1_cfs_quota_inside_a_container_mount(tmp_path, many_cores):
+    # v1, no cgroup namespace: the process's path /docker/abc is the mount's root, so the
+    # container's own files sit at the mount point (the hybrid v2 line has no cpu.max)
+    cgroup = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n"
+    root = _tree(tmp_path, cgroup, V1_MOUNTS.format(root="/docker/abc") + V2_MOUNT.replace(
+        "/sys/fs/cgroup ", "/sys/fs/cgroup/unified "), {
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "300000\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "sys/fs/cgroup/unified/docker/abc/cpu.pressure": ""})
+    assert ct.cpu_quota(root) == 3.0
+    assert ct.available_cores(root) == 3
+    nolimit = _tree(tmp_path / "n", "4:cpu,cpuacct:/\n", V1_MOUNTS.format(root="/"), {
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    assert ct.cpu_quota(nolimit) is None
+
+
+def test_a_quota_above_the_affinity_mask_leaves_the_mask(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    root = _tree(tmp_path, "0::/\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "1600000 100000\n"})
+    assert ct.cpu_quota(root) == 16.0
+    assert ct.available_cores(root) == 2

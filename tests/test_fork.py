@@ -1,0 +1,158 @@
+"""Fork safety (issue 24 item 4): after the cpu backend ran numba kernels (layer norm), a forked
+child (``os.fork``, ``multiprocessing`` with the ``fork`` start method, ``ProcessPoolExecutor``
+with it) runs them too, on a fresh server of its own, with values equal to numpy's; a parent's
+client, handle or graph used in the child raises ``ServerForked``; the parent goes on working.
+
+Each scenario runs in a fresh interpreter (so its parent really started numba's pool and the
+cpu workers first) under a timeout, and every wait inside has one: a regression fails the test
+instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+
+PRELUDE = textwrap.dedent("""
+    import os, sys, threading, time
+    import multiprocessing as mp
+    import concurrent.futures as cf
+    import numpy as np
+    import runtime
+    from runtime.tensor import Tensor
+
+    H = 384
+
+    def inputs(seed):
+        rng = np.random.default_rng(seed)
+        return (rng.standard_normal((64, H)).astype(np.float32),
+                rng.standard_normal((64, H)).astype(np.float32),
+                rng.standard_normal(H).astype(np.float32), rng.standard_normal(H).astype(np.float32))
+
+    def reference(seed):
+        x, r, g, b = (a.astype(np.float64) for a in inputs(seed))
+        v = x + r
+        d = v - v.mean(-1, keepdims=True)
+        return d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-12) * g + b
+
+    def layer_norm(seed, c=None):
+        # add + layer norm on the cpu backend (numba's parallel loops); the max error vs numpy
+        c = c or runtime.client("cpu")
+        x, r, g, b = (Tensor.from_numpy(c, a) for a in inputs(seed))
+        got = x.layer_norm(g, b, residual=r).numpy()
+        return float(np.abs(got - reference(seed)).max())
+
+    def wait_child(pid, timeout=60.0):
+        # the child's exit status, or kill it and fail after `timeout` seconds
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise SystemExit(f"child {pid} hung")
+
+    assert layer_norm(0) < 1e-4                      # the parent ran numba kernels first
+""")
+
+
+def _run(body: str, timeout: float = 240) -> str:
+    out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-4000:]}"
+    return out.stdout
+
+
+def test_os_fork_child_gets_a_fresh_server_and_the_parents_objects_raise_server_forked():
+    out = _run("""
+        c = runtime.client("cpu")
+        h = c.create(np.arange(8, dtype=np.float32))
+        y = c.empty(32)
+        c.graph_prepare()
+        c.launch(runtime.kernels.add_scalar, runtime.kernels.grid(8), [h, y],
+                 {"alpha": 1.0, "n": 8})
+        c.start_capture()
+        c.launch(runtime.kernels.add_scalar, runtime.kernels.grid(8), [h, y],
+                 {"alpha": 1.0, "n": 8})
+        g = c.stop_capture()
+        stop = threading.Event()
+
+        def busy():                            # another thread mid-work at the fork
+            s = c.with_stream(runtime.StreamId.new())
+            while not stop.is_set():
+                layer_norm(1, s)
+
+        t = threading.Thread(target=busy)
+        t.start()
+        time.sleep(0.3)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(r)
+                lines = []
+                for what, fn in (("client", lambda: c.read(h)), ("graph", g.replay),
+                                 ("sync", c.sync)):
+                    try:
+                        fn()
+                        lines.append(f"{what}: no error")
+                    except runtime.ServerForked as e:
+                        lines.append(f"{what}: ServerForked fork={'fork' in str(e)}")
+                c2 = runtime.client("cpu")
+                assert c2._server is not c._server
+                try:
+                    c2.read(h)
+                    lines.append("handle: no error")
+                except runtime.ServerForked:
+                    lines.append("handle: ServerForked")
+                lines.append(f"child error {layer_norm(2) < 1e-4}")
+                x = c2.create(np.arange(8, dtype=np.float32))
+                lines.append(f"child read {c2.read(x).view(np.float32)[3]}")
+                os.write(w, "\\n".join(lines).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        status = wait_child(pid)
+        with os.fdopen(r) as f:
+            print(f.read())
+        stop.set()
+        t.join(30)
+        print(f"status {status}")
+        print(f"parent error {layer_norm(3) < 1e-4}")
+        g.replay()
+        print(f"parent graph {c.read(y).view(np.float32)[:8].tolist()}")
+    """)
+    assert out.split("\n") == [
+        "client: ServerForked fork=True", "graph: ServerForked fork=True",
+        "sync: ServerForked fork=True", "handle: ServerForked", "child error True",
+        "child read 3.0", "status 0", "parent error True",
+        "parent graph [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]", ""]
+
+
+def test_multiprocessing_pool_with_fork_maps_numba_kernels():
+    out = _run("""
+        with mp.get_context("fork").Pool(2) as pool:
+            errors = pool.map_async(layer_norm, range(6)).get(120)
+        print(all(e < 1e-4 for e in errors), len(errors))
+        print(layer_norm(7) < 1e-4)
+    """)
+    assert out.split() == ["True", "6", "True"]
+
+
+def test_process_pool_executor_with_fork_maps_numba_kernels():
+    out = _run("""
+        with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as ex:
+            errors = list(ex.map(layer_norm, range(6), timeout=120))
+        print(all(e < 1e-4 for e in errors), len(errors))
+    """)
+    assert out.split() == ["True", "6"]

@@ -252,6 +252,7 @@ class CaptureIf(NamedTuple):
         return f"c{self.client}.capture_if(b{self.cond}, {_lambda(self.then, kernels)}{other})"
 
     def launches(self) -> tuple:
+        """Every ``Launch`` of both branches (then, else)."""
         return self.then + self.other
 
 
@@ -275,6 +276,7 @@ class CaptureWhile(NamedTuple):
                 f"{_lambda(self.body, kernels)}, max_iterations={self.max_iterations})")
 
     def launches(self) -> tuple:
+        """Every ``Launch`` of the op: the counter's ``set_counter``, then the body."""
         return self.init + self.body
 
 

@@ -26,13 +26,17 @@ from . import kernels
 from .tensor import Tensor
 from .captured import CapturedGraph, capture
 from .static_graph import StaticGraph
+from .tracing import trace, from_env as _trace_from_env
 
 __version__ = "0.1.0"
 
 __all__ = [
     "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId", "Event",
     "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
+    "trace",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
     "ServerForked", "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
 ]
+
+_trace_from_env()          # RUNTIME_TRACE=FILE traces the whole process

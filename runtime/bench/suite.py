@@ -33,7 +33,9 @@ section (plots at the end), each section's table is printed as it finishes, and 
 Ctrl-C or SIGTERM writes what it has (``"interrupted"`` in the JSON). ``--budget-s S`` bounds the
 run (default :data:`DEFAULT_BUDGET_S`, about 10 minutes for the full cpu,wgpu run on 2 cores):
 each section gets a share of the seconds left by its ``weight`` (:mod:`runtime.bench.budget`)
-and runs fewer repetitions once its share is spent, never fewer rows; ``result["timing"]`` and
+and runs fewer repetitions once its share is spent (only MiniLM, whose warm-up alone takes
+seconds a row on lavapipe, leaves its remaining rows out once its whole share is spent, each
+such row saying so); ``result["timing"]`` and
 the report's "Run time and budget" table say how long each section took and what a budget cut.
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
@@ -89,7 +91,7 @@ class Section:
             other sections' (a number, or ``{backend: number}`` with ``"*"`` for the rest).
             ``measure`` gets its share as ``budget=`` (a :class:`runtime.bench.budget.Budget`)
             when it has that keyword: it should run fewer repetitions once the budget is spent,
-            never fewer rows, and record each cut (``budget.stop``/``budget.cut``). A section
+            and record each cut (``budget.stop``/``budget.cut``); a row left out says so. A section
             without the keyword runs in full; the report says so.
         takes: how long the section takes, for ``--help`` (e.g. ``"cpu ~40 s, wgpu ~60 s"``).
         default: run when ``--sections`` does not name any (False: only when named, e.g. the
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     ap.add_argument("--budget-s", type=float, default=None, metavar="S",
                     help=f"seconds for the whole run, shared among the sections by weight; a "
-                         f"section past its share runs fewer repetitions (never fewer rows) and "
+                         f"section past its share runs fewer repetitions and "
                          f"the report says so (default: {DEFAULT_BUDGET_S:g}; --quick: none; "
                          f"0: none)")
     ap.add_argument("--compare", metavar="REF",

@@ -20,8 +20,11 @@ class GraphStateError(ServerError):
 
 
 class CaptureRefused(ServerError):
-    """An operation the capture window forbids: read/sync/replay on the capturing stream (raised at
-    once), or a write / free of a used handle inside the window (raised by ``stop_capture``)."""
+    """An operation the capture window forbids: read/sync/replay/record_event/wait_event on the
+    capturing stream (raised at once), or a write / free of a used handle / refused launch
+    inside the window (raised by ``stop_capture``). Any refusal invalidates the window (CUDA's
+    ``cudaErrorStreamCaptureInvalidated``): ``stop_capture`` raises this naming the first
+    refused operation, and makes no graph."""
 
 
 class UnknownGraph(ServerError):
@@ -97,6 +100,14 @@ class ServerUnhealthy(ServerError):
         self.errors = list(errors)
         lines = "; ".join(f"{type(e).__name__}: {e}" for e in self.errors)
         super().__init__(f"{len(self.errors)} queued error(s) on this stream: {lines}")
+
+    def __reduce__(self):
+        # errors cross process pools and Ray: rebuilt from the drained errors, so the copy has
+        # the same classes (the combined class is made again by ``unhealthy``) and message
+        state = {k: v for k, v in self.__dict__.items() if k != "errors"} or None
+        if type(self) is ServerUnhealthy:
+            return (ServerUnhealthy, (self.errors,), state)
+        return (unhealthy, (self.errors,), state)
 
 
 _UNHEALTHY_CLASSES: dict[tuple, type] = {}

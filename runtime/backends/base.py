@@ -182,7 +182,8 @@ class Backend:
 
     def release_stream(self, stream) -> bool:
         """Forget ``stream`` if its work is done (True); False: work is pending, ask again
-        later. The server calls it for the default stream of a thread that ended."""
+        later. The server calls it for the default stream of a thread that ended. Errors the
+        stream's work left and did not report yet go to ``failures`` (never dropped)."""
         return True
 
     def record_event(self, stream):

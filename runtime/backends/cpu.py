@@ -38,12 +38,14 @@ from .cpu_schedule import CALL as _CALL, RUN as _RUN, SIGNAL as _SIGNAL, WAIT as
 
 
 class CpuEvent:
-    """Completes when the stream that recorded it reaches it."""
+    """Completes when the stream that recorded it reaches it; ``waiters``: streams the thread
+    scheduler parked on it (their head waits for it), or None."""
 
-    __slots__ = ("done",)
+    __slots__ = ("done", "waiters")
 
     def __init__(self):
         self.done = False
+        self.waiters = None
 
 
 class CpuBuffer:
@@ -57,12 +59,15 @@ class CpuBuffer:
 
 
 class CpuStream:
-    """An in-order queue of ``(kind, payload)`` items and the errors its work raised."""
+    """An in-order queue of ``(kind, payload)`` items and the errors its work raised;
+    ``index`` (never reused) names it in traces, ``busy``/``sched``/``pending`` belong to the
+    scheduler."""
 
-    __slots__ = ("q", "errors", "index", "busy")
+    __slots__ = ("q", "errors", "index", "busy", "sched", "pending")
 
     def __init__(self, index):
-        self.busy = False
+        self.busy = self.pending = False
+        self.sched = 0
         self.q = collections.deque()
         self.errors: list = []
         self.index = index
@@ -184,16 +189,17 @@ def _bind(fn, views, kwargs, count, name):
 
 
 def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
-    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
-    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
-    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
-    completion (``_execute``)."""
+    """Run one launch on this thread. Anything the body raises (any exception: a
+    ``ServerError`` of its own, ``SystemExit`` or ``KeyboardInterrupt`` raised by it included)
+    becomes a ``LaunchError`` naming the kernel, handed to ``mark.fail`` (its outputs are
+    marked) and raised: the stream reports it at its next completion (``_execute``); the
+    worker thread goes on."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
         count = _counts(count)
     if count[0] and count[1] and count[2]:
         try:
             fn(*views, count=count, **kwargs)
-        except Exception as e:  # noqa: BLE001 - kernel code is user code
+        except BaseException as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
             if mark is not None:
                 err = mark.fail(err)
@@ -248,7 +254,8 @@ class CpuBackend(Backend):
         elif not isinstance(scheduler, Scheduler):
             raise ValueError(f"scheduler must be 'thread', 'interleave', 'trace' or a Scheduler, "
                              f"got {scheduler!r}")
-        self.streams: list[CpuStream] = []
+        self.streams: dict = {}              # {index: CpuStream} of live streams
+        self._indices = itertools.count()     # stream indices, never reused (traces name them)
         self.scheduler = scheduler
         self.enqueued = 0                    # items enqueued (by the server's owner only)
         self.executed = 0                    # items run (any thread; see load())
@@ -267,16 +274,16 @@ class CpuBackend(Backend):
         return (self.enqueued - self.executed, self._bytes)
 
     def release_stream(self, stream) -> bool:
-        """Drop ``stream`` from the scheduler's list once its queue is empty (True), so a pick
-        is linear in live streams only; False while it has work."""
+        """Forget ``stream`` once its queue is empty and nothing runs it (True); False while it
+        has work. Errors its work left and no completion reported go to ``failures``."""
         lock = getattr(self.scheduler, "cv", None) or threading.Lock()
         with lock:
             if not self.scheduler.is_idle(stream):
                 return False
-            try:
-                self.streams.remove(stream)
-            except ValueError:
-                pass
+            self.streams.pop(stream.index, None)
+            if stream.errors:            # never dropped: raised by any stream's next call
+                self.failures.extend(stream.errors)
+                stream.errors = []
         return True
 
     # -- execution (scheduler side) ----------------------------------------------------------
@@ -291,14 +298,14 @@ class CpuBackend(Backend):
         if kind == _CALL:                   # no library pool: outside the thread rule
             try:
                 payload()
-            except Exception as e:  # noqa: BLE001 - kernel code is user code
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
         elif kind == _RUN:
             RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
-            except Exception as e:  # noqa: BLE001 - kernel code is user code
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
             finally:
@@ -306,7 +313,7 @@ class CpuBackend(Backend):
         elif kind == _SIGNAL:
             if isinstance(payload, CpuEvent):
                 payload.done = True
-                self.scheduler.notify_all()
+                self.scheduler.event_done(payload)
             else:
                 if s.errors:
                     errs, s.errors = s.errors, []
@@ -332,8 +339,8 @@ class CpuBackend(Backend):
 
     # -- streams and events -------------------------------------------------------------------
     def new_stream(self):
-        s = CpuStream(len(self.streams))
-        self.streams.append(s)
+        s = CpuStream(next(self._indices))
+        self.streams[s.index] = s
         return s
 
     def record_event(self, stream):
@@ -436,7 +443,7 @@ class CpuBackend(Backend):
             try:
                 for f in calls:     # a failing launch stops the replay: the rest never runs
                     f()
-            except Exception as e:  # noqa: BLE001 - kernel code is user code
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 name = next(n for c, n in zip(calls, names) if c is f)
                 err = LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
                                   f"{type(e).__name__}: {e}")
@@ -501,7 +508,7 @@ class CpuBackend(Backend):
         self.closed = True
         self.scheduler.close()
         err = ServerClosed("the cpu server was shut down before this work ran")
-        for s in self.streams:
+        for s in list(self.streams.values()):
             while s.q:
                 kind, payload = s.q.popleft()
                 if kind == _SIGNAL and isinstance(payload, Completion):

@@ -10,15 +10,22 @@
 - :class:`TraceScheduler` (``scheduler="trace", trace=...``): runs a recorded trace again, so a
   failing schedule stays reproducible after the code around it changed.
 
-A scheduler sees the backend through ``backend.streams`` (each with ``q``, a deque of
-``(kind, payload)`` items, ``busy`` and ``index``) and ``backend.execute(stream, kind,
-payload)``; item kinds are ``RUN`` (a callable; ``CALL``: one that uses no library thread
-pool), ``WAIT`` (an event: runnable once
-``event.done``) and ``SIGNAL`` (an event or a completion to finish).
+A scheduler sees the backend through ``backend.streams`` (``{index: stream}``, each stream with
+``q``, a deque of ``(kind, payload)`` items, ``busy``, ``sched``, ``pending`` and ``index``: a
+number never reused, in order of creation) and ``backend.execute(stream, kind, payload)``; item
+kinds are ``RUN`` (a callable; ``CALL``: one that uses no library thread pool), ``WAIT`` (an
+event: runnable once ``event.done``) and ``SIGNAL`` (an event or a completion to finish). The
+backend calls :meth:`Scheduler.event_done` when an event completes.
+
+Cost: a pick looks only at streams that have work (the thread scheduler: a FIFO of runnable
+streams; a stream whose head waits on an event sits on that event's ``waiters`` until it
+completes; the interleaving scheduler: the streams with queued items), never at every stream
+ever created: a server with thousands of idle streams schedules as fast as one with a few.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import threading
@@ -35,6 +42,9 @@ CALL = 3
 DEFER_MAX = 16
 #: seconds deferred work waits at most for a caller before the polling worker runs it.
 DEFER_S = 0.005
+#: a stream's ``sched`` state in the thread scheduler: in no list, in ``ready``, on an event's
+#: ``waiters``.
+IDLE, READY, BLOCKED = 0, 1, 2
 
 
 class Scheduler:
@@ -59,6 +69,10 @@ class Scheduler:
     def notify_all(self) -> None:
         """An event completed: streams waiting on it may run."""
 
+    def event_done(self, event) -> None:
+        """``event`` completed (``event.done`` is set): streams waiting on it may run."""
+        self.notify_all()
+
     def settle(self, comp: Completion, stream) -> Completion:
         """Called by the server's owner after enqueuing the item on ``stream`` that finishes
         ``comp``."""
@@ -73,7 +87,11 @@ class ThreadScheduler(Scheduler):
 
     A stream is run by at most one worker at a time (per-stream FIFO); different streams run
     concurrently (numpy releases the GIL in large operations), so a stream blocked on an event
-    or a long kernel does not hold up the others.
+    or a long kernel does not hold up the others. Runnable streams wait in ``ready`` (FIFO, so
+    streams take turns); a stream whose head waits on an event is parked on the event's
+    ``waiters`` until :meth:`event_done`; a stream given deferred work is noted in ``deferred``
+    (a lock-free append) and made ready when a worker looks: a pick never scans idle or
+    blocked streams.
 
     Small work is not handed to a worker (issue 26, the combining idea applied to execution):
     an item pushed with ``defer=True`` stays queued without waking a worker, and the caller
@@ -97,9 +115,10 @@ class ThreadScheduler(Scheduler):
     def attach(self, backend):
         super().attach(backend)
         self.cv = threading.Condition()
+        self.ready = collections.deque()      # streams that may be runnable (sched == READY)
+        self.deferred = collections.deque()   # streams given deferred work (pending == True)
         self.waiting = 0
         self.closed = False
-        self.rr = 0
         self.pushes = 0                 # deferred pushes so far (by the server's owner only)
         self._seen = 0                  # ... when the polling worker last looked
         self.poller_asleep = False      # the polling worker waits without a timeout
@@ -119,6 +138,9 @@ class ThreadScheduler(Scheduler):
             be = self.backend
             if be.enqueued - be.executed <= DEFER_MAX:
                 s.q.append(item)            # left for the caller that waits (help) to run
+                if not s.pending:           # (a worker clears it, then looks at s.q)
+                    s.pending = True
+                    self.deferred.append(s)
                 self.pushes += 1
                 if self.poller_asleep:      # (read after the count: see _loop)
                     with self.cv:
@@ -126,6 +148,18 @@ class ThreadScheduler(Scheduler):
                 return
         with self.cv:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
+            if s.sched == IDLE and not s.busy:
+                s.sched = READY
+                self.ready.append(s)
+                if self.waiting:
+                    self.cv.notify()
+
+    def _requeue(self, s) -> None:
+        """``s`` stopped running, got work or its event completed: ready again if it has work
+        (under cv)."""
+        if s.q and s.sched == IDLE and not s.busy:
+            s.sched = READY
+            self.ready.append(s)
             if self.waiting:
                 self.cv.notify()
 
@@ -138,18 +172,37 @@ class ThreadScheduler(Scheduler):
         with self.cv:
             self.cv.notify_all()
 
+    def event_done(self, event):
+        with self.cv:
+            waiters = getattr(event, "waiters", None)
+            if waiters:
+                event.waiters = None
+                for s in waiters:
+                    if s.sched == BLOCKED:
+                        s.sched = IDLE
+                        self._requeue(s)
+
     def _pick(self):
-        streams = self.backend.streams
-        n = len(streams)
-        for k in range(n):
-            s = streams[(self.rr + k) % n]
-            if s.q and not s.busy:
-                kind, payload = s.q[0]
-                if kind != WAIT or payload.done:
-                    self.rr = (self.rr + k + 1) % n
-                    s.busy = True               # before popleft: see is_idle
-                    s.q.popleft()
-                    return s, kind, payload
+        deferred, ready = self.deferred, self.ready
+        while deferred:                         # streams given deferred work: ready them
+            s = deferred.popleft()
+            s.pending = False
+            self._requeue(s)
+        while ready:
+            s = ready.popleft()
+            s.sched = IDLE
+            if s.busy or not s.q:               # run elsewhere (help) or emptied meanwhile
+                continue
+            kind, payload = s.q[0]
+            if kind == WAIT and not payload.done:
+                s.sched = BLOCKED               # event_done makes it ready again
+                if payload.waiters is None:
+                    payload.waiters = []
+                payload.waiters.append(s)
+                continue
+            s.busy = True                       # before popleft: see is_idle
+            s.q.popleft()
+            return s, kind, payload
         return None
 
     def _loop(self, poller=False):
@@ -180,8 +233,7 @@ class ThreadScheduler(Scheduler):
                 finally:
                     cv.acquire()
                     item[0].busy = False
-                    if item[0].q:
-                        cv.notify()             # its next item may be runnable now
+                    self._requeue(item[0])      # its next item may be runnable now
 
     def is_idle(self, stream) -> bool:
         return not stream.q and not stream.busy   # q first: a worker sets busy, then pops
@@ -214,8 +266,9 @@ class ThreadScheduler(Scheduler):
         finally:
             with cv:
                 stream.busy = False
-                if (q or not comp.done) and self.waiting:
-                    cv.notify_all()
+                self._requeue(stream)
+                if not comp.done and self.waiting:
+                    cv.notify_all()             # (deferred work it waits for: see _pick)
 
     def is_alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
@@ -281,6 +334,11 @@ class InterleavingScheduler(Scheduler):
         self.seed = seed
         self.rng = random.Random(seed)
         self.picks: list = []
+        self.active: dict = {}        # {index: stream} of streams that may have queued work
+
+    def push(self, stream, item, defer: bool = False) -> None:
+        stream.q.append(item)
+        self.active[stream.index] = stream
 
     def __repr__(self):
         return f"InterleavingScheduler(seed={self.seed})"
@@ -294,10 +352,22 @@ class InterleavingScheduler(Scheduler):
         """The stream to run next among ``ready`` (runnable heads, in stream index order)."""
         return ready[self.rng.randrange(len(ready))]
 
+    def _ready(self) -> list:
+        """Streams with a runnable head, in index order (only streams with work are looked
+        at; emptied ones leave ``active``)."""
+        active = self.active
+        ready = []
+        for k in sorted(active):
+            s = active[k]
+            if not s.q:
+                del active[k]
+            elif s.q[0][0] != WAIT or s.q[0][1].done:
+                ready.append(s)
+        return ready
+
     def settle(self, comp, stream):
-        streams = self.backend.streams
         while not comp.done:
-            ready = [s for s in streams if s.q and (s.q[0][0] != WAIT or s.q[0][1].done)]
+            ready = self._ready()
             if not ready:
                 comp.fail(LaunchError("interleaving scheduler: no stream can make progress "
                                       "(an event wait that never completes)"))
@@ -346,7 +416,7 @@ class TraceScheduler(InterleavingScheduler):
         planned, streams = self.planned, self.backend.streams
         while self.step < len(planned):
             k = planned[self.step]
-            s = streams[k] if k < len(streams) else None
+            s = streams.get(k)
             if s is not None and s in ready:
                 self.step += 1
                 return s

@@ -158,16 +158,19 @@ class WgpuStream:
     ``log`` lists what the open batch holds, ``(graph or None, tasks, mark or None)``, so a
     batch that fails validation can be split into its dispatches. ``errors``: failures found
     after the enqueue (at submit: server's owner or queue thread), reported by the stream's
-    next completion (a deque: appended and drained on different threads).
+    next completion (a deque: appended and drained on different threads). ``released``: the
+    server forgot it; an error found later goes to the backend's ``failures`` instead.
     """
 
-    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log", "errors")
+    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log", "errors", "released")
 
     def __init__(self):
+        self.released = False
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
         self.errors: collections.deque = collections.deque()
+        self.released = False      # reclaimed: later errors go to the backend's ``failures``
 
 
 class _Batch:
@@ -538,7 +541,8 @@ class WgpuBackend(Backend):
             err = _gpu_error(exc, "a submit")
             for mark in obj.marks:
                 mark.fail(err)
-            obj.stream.errors.append(err)
+            s = obj.stream
+            (self.failures if s.released else s.errors).append(err)
         elif kind in (_SUBMIT, _WRITE):
             what = "a submit" if kind == _SUBMIT else "a write_buffer"
             self.failures.append(_gpu_error(exc, what))
@@ -641,9 +645,14 @@ class WgpuBackend(Backend):
 
     def release_stream(self, stream) -> bool:
         """Submit ``stream``'s batch and forget it (True): on the one queue, submitted work is
-        ordered before anything any stream submits later."""
+        ordered before anything any stream submits later. Errors it reported and did not hand
+        to a completion yet (and any found later) go to ``failures``: never dropped."""
         self._submit(stream)
+        stream.released = True
+        while stream.errors:
+            self.failures.append(stream.errors.popleft())
         return True
+
 
     def record_event(self, stream):
         """A token for "everything enqueued on ``stream`` so far" (the stream itself: on one

@@ -29,6 +29,7 @@ import runtime
 import runtime.kernels as K
 from runtime.server import backend_class
 
+from .budget import unbounded
 from .timing import clock, summarize
 
 THREADS = (1, 2, 4, 8)
@@ -78,8 +79,10 @@ def paths_for(backend: str) -> list:
     return base + (["call"] if backend == "cpu" else [])
 
 
-def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None) -> dict:
-    """All paths with ``len(floors)`` client threads; returns path -> summary (µs)."""
+def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None,
+                budget=None) -> dict:
+    """All paths with ``len(floors)`` client threads; returns path -> summary (µs). A
+    ``budget`` (:class:`runtime.bench.budget.Budget`) ends it after fewer rounds (at least 2)."""
     n = len(floors)
     paths = paths_for(backend)
     samples = {p: [] for p in paths}
@@ -124,6 +127,8 @@ def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None) 
         t.start()
     try:
         for r in range(rounds):
+            if budget is not None and budget.stop(r, rounds, f"{n} thread(s)"):
+                break
             k = r % len(paths)
             for path in paths[k:] + paths[:k]:
                 current[0] = path
@@ -142,14 +147,19 @@ def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None) 
     return {p: summarize(v) for p, v in samples.items()}
 
 
-def measure(backend: str, quick: bool = False, tick=None, threads=THREADS) -> dict:
-    """Device-thread rows of ``backend``: ``{"threads": {n: {path: summary}}}``."""
+def measure(backend: str, quick: bool = False, tick=None, threads=THREADS,
+            budget=None) -> dict:
+    """Device-thread rows of ``backend``: ``{"threads": {n: {path: summary}}}``. A ``budget``
+    (:class:`runtime.bench.budget.Budget`) is shared among the thread counts in proportion
+    to the threads, each running fewer rounds once its share is spent."""
     rounds, batch = (8, 25) if quick else (40, 50)
     floors = [_floor_backend(backend) for _ in range(max(threads))]
     out = {"rounds": rounds, "batch": batch, "threads": {}}
+    parts = (budget or unbounded()).split(threads)
     try:
         for n in threads:
-            out["threads"][str(n)] = run_threads(backend, floors[:n], rounds, batch, tick)
+            out["threads"][str(n)] = run_threads(backend, floors[:n], rounds, batch, tick,
+                                                 next(parts))
     finally:
         for f in floors:
             f["backend"].close()

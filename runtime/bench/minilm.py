@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .budget import unbounded
 from .timing import clock, summarize
 
 MINILM_FULL = [(b, s) for b in (1, 8, 32) for s in (16, 128)]
@@ -35,11 +36,15 @@ def _sentence_transformer():
         return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
-def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0) -> dict:
+def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
+            budget=None) -> dict:
     """MiniLM forward per ``(batch, seq)``: eager vs replay (+ sentence-transformers), in ms.
 
     Each configuration takes turns between the paths until ``min_reps`` and ``budget_s`` seconds
-    are both reached, or ``max_reps``. Host ids in, embeddings out, as a server calls it.
+    are both reached, or ``max_reps``. Host ids in, embeddings out, as a server calls it. A
+    ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the configurations by
+    their size; one whose share is spent stops after fewer repetitions (at least one of each
+    path after the warm-up), and the cut is recorded.
 
     Returns: ``{"rows": [{"batch", "seq", "reps", "eager", "replay"[, "sentence_transformers"]}],
     "sentence_transformers": "measured" or why not}`` (summaries in ms), or ``{"skipped": why}``
@@ -62,7 +67,9 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0)
     st, st_reason = _sentence_transformer() if backend == "cpu" else (None, "cpu rows only")
     rng = np.random.default_rng(0)
     out = {"rows": [], "sentence_transformers": st_reason or "measured"}
+    parts = (budget or unbounded()).split([b * s + 64 for b, s in plan])
     for batch, seq in plan:
+        part = next(parts)
         ids = rng.integers(1000, 29000, (batch, seq))
         ids[:, 0], ids[:, -1] = 101, 102                 # [CLS] ... [SEP]
         mask = np.ones((batch, seq), np.int64)
@@ -75,6 +82,10 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0)
         samples = {p: [] for p in paths}
         start, r = clock(), 0
         while r < max_reps and (r < min_reps or clock() - start < budget_s):
+            if r >= 1 and part.expired():
+                part.cut(f"MiniLM batch {batch} seq {seq}: {r} repetition(s), planned "
+                         f"{min_reps}-{max_reps}")
+                break
             names = list(paths)[r % len(paths):] + list(paths)[:r % len(paths)]
             for name in names:
                 t = clock()

@@ -27,6 +27,7 @@ import numpy as np
 import runtime
 import runtime.kernels as K
 
+from .budget import unbounded
 from .floors import KERNEL, floor_class
 from .timing import clock, interleaved, summarize
 
@@ -64,7 +65,7 @@ SETTLE_S = 0.05
 
 
 # -- item 2 ----------------------------------------------------------------------------------
-def measure_enqueue(client, lengths, reps: int, tick=None) -> dict:
+def measure_enqueue(client, lengths, reps: int, tick=None, budget=None) -> dict:
     """``Graph.replay()`` call latency per graph length (tiny kernels): ``{L: summary}``.
 
     Graphs longer than 1000 launches are sampled every fifth repetition (their execution, not
@@ -87,7 +88,8 @@ def measure_enqueue(client, lengths, reps: int, tick=None) -> dict:
 
     paths = {str(L): one(graphs[L]) for L in lengths}
     every = {str(L): (5 if L > 1000 else 1) for L in lengths}
-    samples = interleaved(paths, reps, tick, every=every)
+    samples = interleaved(paths, reps, tick, every=every, budget=budget,
+                          what="replay() enqueue", min_reps=5)
     client.sync()
     out = {L: dict(summarize(samples[str(L)]), capture_ms=capture_s[L] * 1e3) for L in lengths}
     for g in graphs.values():
@@ -96,7 +98,8 @@ def measure_enqueue(client, lengths, reps: int, tick=None) -> dict:
 
 
 # -- item 3 ----------------------------------------------------------------------------------
-def measure_pass(client, backend: str, elems: int, length: int, reps: int, tick=None) -> dict:
+def measure_pass(client, backend: str, elems: int, length: int, reps: int, tick=None,
+                 budget=None) -> dict:
     """Eager vs replay vs floor per pass for one ``(elems, L)``; summaries in µs per pass."""
     a = client.create(np.zeros(elems, np.float32))
     b = client.create(np.zeros(elems, np.float32))
@@ -129,7 +132,9 @@ def measure_pass(client, backend: str, elems: int, length: int, reps: int, tick=
         floor.sync()
         if backend == "wgpu":
             time.sleep(SETTLE_S)
-    samples = interleaved(paths, reps, tick, settle=settle)
+    samples = interleaved(paths, reps, tick, settle=settle, budget=budget,
+                          what=f"end to end elems={elems} L={length}")
+    reps = len(samples["eager"]["e2e"])           # fewer when the budget cut the row
     row = {"elems": elems, "length": length, "reps": reps, "capture_ms": capture_s * 1e3,
            "floor_impl": f"{cls.__module__}.{cls.__name__}"}
     for name, s in samples.items():
@@ -167,13 +172,29 @@ def units(quick: bool) -> int:
     return enqueue_reps(quick) + sum(p[3] for p in e2e_plan(quick))
 
 
-def measure(backend: str, quick: bool = False, tick=None) -> dict:
-    """Items 2 and 3 on ``backend``: ``{"enqueue": {L: summary}, "e2e": [row, ...]}``."""
+def _cost(elems: int, length: int, reps: int) -> float:
+    """A row's rough relative cost, for sharing a budget: per pass, launch overhead plus the
+    work of large kernels, plus a fixed cost (capture, warm-up) of a few passes."""
+    return (reps + 4) * length * (1 + elems / 65536) + 50
+
+
+def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
+    """Items 2 and 3 on ``backend``: ``{"enqueue": {L: summary}, "e2e": [row, ...]}``.
+
+    A ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the enqueue rows and
+    the end-to-end rows by their rough cost; each row runs fewer repetitions once its share is
+    spent (``reps`` in the row says how many ran).
+    """
     client = runtime.client(backend)
     lengths = QUICK_LENGTHS if quick else LENGTHS
+    plan = e2e_plan(quick)
+    parts = (budget or unbounded()).split(
+        [0.15 * sum(_cost(e, L, r) for _, e, L, r in plan)]
+        + [_cost(e, L, r) for _, e, L, r in plan])
     out = {"device": client.device_name,
-           "enqueue": measure_enqueue(client, lengths, enqueue_reps(quick), tick), "e2e": []}
-    for size, elems, length, reps in e2e_plan(quick):
-        row = measure_pass(client, backend, elems, length, reps, tick)
+           "enqueue": measure_enqueue(client, lengths, enqueue_reps(quick), tick, next(parts)),
+           "e2e": []}
+    for size, elems, length, reps in plan:
+        row = measure_pass(client, backend, elems, length, reps, tick, next(parts))
         out["e2e"].append(dict(row, size=size))
     return out

@@ -14,8 +14,6 @@ Targets (goals, not tests), each marked met or missed per backend:
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 GOAL_SYNC_US, GOAL_ENQUEUE_US, GOAL_FLOOR_X, GOAL_CONTROL = 5.0, 10.0, 1.2, 0.05
@@ -94,14 +92,15 @@ def replay_targets(result: dict) -> list:
 
 
 def targets(result: dict, sections=None) -> list:
-    """Every target that applies, from the ``targets`` of each section (default: the suite's)."""
+    """Every target that applies, from the ``targets`` of each of ``sections``."""
     return [t for sec in _sections(sections) if sec.targets for t in sec.targets(result)]
 
 
 def _sections(sections):
+    """The sections to render: the caller's (the report imports no section: they import it)."""
     if sections is None:
-        from .suite import SECTIONS
-        sections = SECTIONS
+        raise TypeError("runtime.bench.report renders the sections it is given: pass "
+                        "sections=runtime.bench.suite.SECTIONS (or a selection)")
     return sections
 
 
@@ -257,6 +256,9 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False,
         lines.append(f"- `{b}`: {res.get('device', '?')}")
     for b, why in result.get("skipped_backends", {}).items():
         lines.append(f"- `{b}`: not run ({why})")
+    if result.get("interrupted"):
+        lines += ["", f"**Partial run:** interrupted ({result['interrupted']}); the sections "
+                  "below are the ones that finished."]
     lines += ["", "All times are medians with [p10–p90] (and p99 for latencies) over repetitions "
               "in which the compared paths take turns (order rotated each repetition).", "",
               "## Targets (goals, not tests)", "", "| backend | target | measured | |",
@@ -270,6 +272,7 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False,
             return ["", f"![{alt}]({img_dir}/{name})"]
         return []
 
+    lines += [""] + budget_lines(result)
     number = 0
     for sec in _sections(sections):
         if sec.markdown is None:
@@ -281,6 +284,37 @@ def markdown(result: dict, img_dir: str | None = ".", title: bool = False,
             lines.append(line)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def budget_lines(result: dict) -> list:
+    """The "Run time and budget" table: per backend and section the share of ``--budget-s``
+    it was given, the seconds it took, and what the budget cut (empty: ran in full)."""
+    timing = result.get("timing") or {}
+    if not timing:
+        return []
+    total = result.get("budget_s")
+    lines = ["## Run time and budget", "",
+             f"Budget: {f'{total:g} s for the run' if total else 'none'} (`--budget-s`); a "
+             "section past its share runs fewer repetitions, never fewer rows.", "",
+             "| backend | section | budget s | took s | cut by the budget |",
+             "|---|---|---:|---:|---|"]
+    for b, secs in timing.items():
+        for name, t in secs.items():
+            if not t.get("budgeted", True):
+                cut = "(takes no budget: ran in full)"
+            else:
+                cut = "; ".join(t.get("cuts") or []) or "nothing"
+            bs = "" if t.get("budget_s") is None else f"{t['budget_s']:g}"
+            lines.append(f"| {b} | {name} | {bs} | {t['wall_s']:g} | {cut} |")
+    return lines
+
+
+def section_text(result: dict, section, backend: str) -> str:
+    """One section's markdown for one backend (what the suite prints as a section finishes)."""
+    if section.markdown is None:
+        return ""
+    one = dict(result, backends={backend: result["backends"][backend]})
+    return "\n".join(section.markdown(one, lambda name, alt: [])).strip()
 
 
 # -- plots ------------------------------------------------------------------------------------
@@ -448,22 +482,3 @@ def write(result: dict, out_dir, plots: bool = True, img_dir: str = ".",
     path.write_text(markdown(dict(result, _out=str(out)), img_dir if plots else None, title,
                              sections))
     return path
-
-
-def main(argv=None) -> int:
-    """``python benchmarks/report.py JSON [--out DIR | --readme]``: re-render a saved run.
-
-    Returns: the exit status (0). Raises: ``OSError``/``ValueError`` (unreadable JSON).
-    """
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json")
-    ap.add_argument("--out", help="folder (default: the JSON's)")
-    ap.add_argument("--readme", action="store_true",
-                    help="write benchmarks/README.md and benchmarks/img/ instead")
-    a = ap.parse_args(argv)
-    result = json.loads(Path(a.json).read_text())
-    if a.readme:
-        print(write(result, checkout_benchmarks(), img_dir="img", name="README.md", title=True))
-    else:
-        print(write(result, a.out or Path(a.json).parent))
-    return 0

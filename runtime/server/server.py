@@ -34,15 +34,34 @@ from .queue import DeviceQueue
 _graph_ids = itertools.count(1)
 
 
+class _Folded(ServerError):
+    """Errors past ``ComputeServer.MAX_ASYNC_ERRORS`` waiting for a blocking call, folded into
+    one: their count and the latest message (so the list stays bounded, nothing is silent)."""
+
+    def __init__(self, first):
+        super().__init__()
+        self.count, self.last = 0, None
+        self.add(first)
+
+    def add(self, err) -> None:
+        self.count += 1
+        self.last = err
+        self.args = (f"{self.count} errors of reclaimed streams or fire-and-forget messages "
+                     f"(the latest: {type(err).__name__}: {err})",)
+
+    def __reduce__(self):
+        return (ServerError, self.args)       # a plain ServerError with the same message
+
+
 class StreamState:
     """Server-side state of one logical stream."""
 
     __slots__ = ("id", "raw", "pos", "synced", "event", "event_pos", "errors", "state",
                  "pool", "warm", "warm_bytes", "warm_peak",
-                 "window", "primed", "fences", "done_pos")
+                 "window", "primed", "fences", "done_pos", "graphs")
 
     def __init__(self, sid, raw):
-        self.id, self.raw = sid, raw
+        self.id, self.raw = sid, raw  # id: a plain int, never the client's StreamId
         self.pos = 0                  # operations executed (enqueued to the backend) so far
         self.fences = collections.deque()   # (position, tick) of reads, syncs, fences
         self.done_pos = 0             # every operation up to here is known to have run
@@ -55,6 +74,7 @@ class StreamState:
         self.pool = None              # the GraphPool (memory.py) of the capture being prepared
         self.warm: set = set()        # handles allocated on it since graph_prepare, still live
         self.warm_bytes = self.warm_peak = 0   # their bytes, and the most at once (estimate)
+        self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
 class HandleState:
@@ -68,7 +88,7 @@ class HandleState:
         self.writes = dict(slot.fences)  # a reused buffer inherits its earlier uses as writes
         self.reads: dict = {}
         self.mark = CLEAN                # the Mark of its last writer (marks.py)
-        self.graphs: list = []           # GraphStates that use it
+        self.graphs: dict = {}           # {GraphState: None} of the graphs that use it
         self.replayed: dict = {}         # {stream: position} of replays of destroyed graphs
 
 
@@ -85,16 +105,22 @@ class ComputeServer:
         max_idle_bytes: bound on the pool's idle bytes (default ``memory.MAX_IDLE``); past it
             the oldest idle buffers go back to the device.
 
-    Streams: the default stream of a thread that ended is reclaimed (server and backend) once
-    its work is done and no graph or capture uses it; stream ids are never reused.
+    Streams: a stream nobody can name any more (its last ``StreamId`` was dropped: a
+    per-request stream, a ``StaticGraph``'s, the default stream of a thread that ended) is
+    reclaimed, server and backend, once its queued work ran and no graph that replays on it
+    lives; a capture left open on it is aborted (its pool reservations go back) and errors
+    queued on it are raised by the next blocking call on any stream. Every table keyed by
+    stream id is pruned of reclaimed ids (``_sweep``), so all of them are bounded by live
+    streams.
     """
 
     def __init__(self, backend, name: str, check: bool = False, max_idle_bytes: int | None = None):
         self.backend = backend
         self.name = name
         self.pool = Pool(backend, max_idle_bytes)
-        self.streams: dict = {}
-        self.ended: set = set()        # default streams of ended threads, not yet reclaimed
+        self.streams: dict = {}        # {int stream id: StreamState}
+        self.ended: set = set()        # ids nobody can name any more, not yet reclaimed
+        self._reaped = 0               # streams reclaimed since the last _sweep
         self.handles: dict = {}
         self.graphs: dict = {}
         self.graph_pools: dict = {}     # pool id -> memory.GraphPool
@@ -107,11 +133,12 @@ class ComputeServer:
         if check:
             from .checker import Checker
             self.checker = marks.checker = Checker(self)
-        self.queue = DeviceQueue(name, marks.on_async_error, backend.is_alive, backend.load)
+        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load)
         backend.on_room = self.queue.notify_room
         watch_thread_ends(self)
         self.submit = self.queue.submit
         self.post = self.queue.post
+        self.release = self.queue.release
         self.call = self.queue.call
         self.wait = self.queue.wait
 
@@ -121,36 +148,101 @@ class ComputeServer:
         if s is None:
             if self.ended:
                 self._reap_streams()
+            sid = int(sid)                # a table never holds a StreamId (client/stream.py)
             s = self.streams[sid] = StreamState(sid, self.backend.new_stream())
         return s
 
-    def thread_ended(self, sid) -> None:
-        """The thread whose default stream is ``sid`` ended (called on that thread, by
-        ``runtime.streams``): queue its reclamation. Never blocks."""
-        self.post(self.h_stream_ended, sid)
+    def stream_dropped(self, sid: int) -> None:
+        """The last ``StreamId`` naming stream ``sid`` was dropped (called from its finalizer,
+        on any thread, by ``runtime.client.stream``): queue its reclamation. Never blocks."""
+        self.release(self.h_stream_ended, sid)
 
     def h_stream_ended(self, sid) -> None:
-        """Reclaim ``sid`` now if its work is done, else at a later message."""
+        """Reclaim ``sid`` now if nothing uses it, else when its work ran or its last graph
+        went (``_reap_streams``, at the next new stream, graph destroy or ``memory_usage``)."""
         if sid in self.streams:
             self.ended.add(sid)
-            self._reap_streams()
+            self._reap(sid)
 
     def _reap_streams(self) -> None:
-        """Drop every ended thread's stream whose work is done, from the server's table and the
-        backend's (``release_stream``); a stream a graph, window or warm-up still uses stays."""
-        busy = {g.stream for g in self.graphs.values()}
+        """Try to reclaim every stream nobody can name any more (``_reap``)."""
         for sid in list(self.ended):
-            s = self.streams.get(sid)
-            if s is None:
-                self.ended.discard(sid)
-                continue
-            if (sid in busy or s.state != cap.NO_CAPTURE or s.window is not None or s.primed
-                    or not self.backend.release_stream(s.raw)):
-                continue
-            del self.streams[sid]
+            self._reap(sid)
+
+    def _reap(self, sid) -> bool:
+        """Reclaim ``sid`` (nobody can name it: ``ended``) from the server's table and the
+        backend's (``release_stream``) unless a live graph replays on it or its queued work has
+        not run yet (then False: tried again later). A capture or warm-up left open on it is
+        aborted (its window's buffers and primed slots go back to the pool); errors queued on
+        it go to the next blocking call of any stream (``Marks.on_reclaim``; the backend's
+        through ``failures``), bounded (``_bound_async_errors``)."""
+        s = self.streams.get(sid)
+        if s is None:
             self.ended.discard(sid)
-            for other in self.streams.values():
-                other.synced.pop(sid, None)
+            return True
+        if s.graphs:
+            return False
+        if s.state != cap.NO_CAPTURE or s.window is not None or s.primed:
+            self.capture.abort(s)
+        if not self.backend.release_stream(s.raw):
+            return False
+        del self.streams[sid]
+        self.ended.discard(sid)
+        self.marks.on_reclaim(s)      # its queued errors: to the next blocking call (bounded)
+        self.marks.collect()          # (release_stream handed the backend's to failures)
+        self._bound_async_errors()
+        if self.checker is not None:
+            self.checker.on_reclaim(sid)
+        self._reaped += 1
+        if self._reaped > 64 + len(self.handles) + len(self.graphs) + len(self.streams):
+            self._sweep()
+        return True
+
+    def _sweep(self) -> None:
+        """Forget reclaimed stream ids in every table keyed by stream id: handles' accesses,
+        idle pool slots' and graphs' fences, streams' ``synced`` (a reclaimed stream's work
+        ran or was submitted in order: nothing is left to wait for). Amortised: runs once per
+        as many reclaims as there are live entries."""
+        self._reaped = 0
+        live = self.streams
+
+        def prune(d: dict) -> None:
+            for k in [k for k in d if k not in live]:
+                del d[k]
+        for st in self.handles.values():
+            prune(st.writes)
+            prune(st.reads)
+            prune(st.replayed)
+            prune(st.slot.fences)
+        for lst in self.pool._free.values():
+            for slot in lst:
+                prune(slot.fences)
+        for g in self.graphs.values():
+            prune(g.fences)
+        for s in self.streams.values():
+            prune(s.synced)
+
+    #: unattributed errors kept for the next blocking call; past it the rest are summarised.
+    MAX_ASYNC_ERRORS = 64
+
+    def _bound_async_errors(self) -> None:
+        """Keep the errors waiting for the next blocking call of any stream
+        (``Marks.async_errors``: of reclaimed streams, of fire-and-forget messages) bounded:
+        past ``MAX_ASYNC_ERRORS`` the rest are folded into one ``ServerError`` that counts
+        them and keeps the latest message (nothing is dropped silently)."""
+        a = self.marks.async_errors
+        n = self.MAX_ASYNC_ERRORS
+        if len(a) > n:
+            folded = a[n - 1] if isinstance(a[n - 1], _Folded) else _Folded(a[n - 1])
+            for e in a[n:]:
+                folded.add(e)
+            del a[n - 1:]
+            a.append(folded)
+
+    def _on_async_error(self, exc) -> None:
+        # a fire-and-forget message raised past its own error handling: the next blocking call
+        self.marks.on_async_error(exc)
+        self._bound_async_errors()
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -211,7 +303,7 @@ class ComputeServer:
             merge(fences, {g.stream: g.last_pos})
             if st.id in g.required:
                 g.freed.append(st.id)
-        st.graphs = []
+        st.graphs = {}
         slot = st.slot
         if slot.pins:
             slot.orphan = True
@@ -236,6 +328,7 @@ class ComputeServer:
     def h_empty_cache(self) -> int:
         """Free every idle pool buffer to the device (``torch.cuda.empty_cache``); returns the
         bytes given back (0 while a stream is prepared or capturing)."""
+        self.queue.run_releases()
         return self._trim(0)
 
     def h_alloc(self, sid, hid: int, nbytes: int, data) -> None:
@@ -370,14 +463,12 @@ class ComputeServer:
             err = InvalidHandle(f"launch of {kernel.name}: handle {hid} is unknown or freed on "
                                 f"server {self.name}; keep the Handle alive while it is in use")
             s.errors.append(err)
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            self._launch_failed(s, outs, kernel, err)
             return
         prog = self.programs.get(kernel) or self._program(s, kernel)
         if prog is None:
-            if w is None:
-                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
-                self.marks.fail(outs, ("launch", kernel.name, sid), s.errors[-1])
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, s.errors[-1])
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
@@ -409,9 +500,8 @@ class ComputeServer:
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
-            if w is None:
-                outs = [st for b, st in zip(bindings, states) if b.access != "read"]
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, err)
             return
         s.pos += 1
         pos = s.pos
@@ -424,6 +514,14 @@ class ComputeServer:
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
+
+    def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
+        """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
+        would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
+        if s.window is None:
+            self.marks.fail(outs, ("launch", kernel.name, s.id), err)
+        else:
+            self.capture.refuse(s, f"launch of {kernel.name} ({type(err).__name__}: {err})")
 
     # -- synchronisation ------------------------------------------------------------------------
     def h_sync(self, sid) -> tuple:
@@ -494,6 +592,7 @@ class ComputeServer:
         Raises: ``GraphStateError`` (already prepared or capturing; or the pool's graphs live
         on another stream: graphs of one pool replay in order on one stream). Nothing changes.
         """
+        self.queue.run_releases()     # frees dropped before it are not primed
         s = self._stream(sid)
         gp = None
         if pool_id is not None:
@@ -527,6 +626,7 @@ class ComputeServer:
         """First half of ``start_capture``: hand the warm-up to the device and return a
         completion of it, which the caller waits for outside the server (failures found at
         submit are queued on the stream). Raises ``GraphStateError`` when ``begin`` would."""
+        self.queue.run_releases()     # frees dropped in the warm-up are primed
         s = self._stream(sid)
         self.capture.check_begin(s)
         try:
@@ -562,11 +662,15 @@ class ComputeServer:
                 it); else a replay after the free of a caller-owned handle raises
                 ``LivenessError``. Either way no buffer it uses changes owner while it lives.
         Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
-        late refusals (no graph is made); ``ServerUnhealthy`` (errors queued in the window).
+        window's refusals, first first (at once or late: any refusal invalidates the window; no
+        graph is made), with the errors queued in the window; ``ServerUnhealthy`` (errors
+        queued in the window). See ``Capture.end``.
         """
+        self.queue.run_releases()     # frees dropped in the window are refused
         s = self._stream(sid)
         g = self.capture.end(s, next(_graph_ids), retain)
         self.graphs[g.id] = g
+        s.graphs += 1                 # the stream is not reclaimed while a graph replays there
         gp, s.pool = s.pool, None
         s.warm, s.warm_bytes = set(), 0
         if gp is not None:                      # its window's buffers join the graph pool
@@ -641,11 +745,11 @@ class ComputeServer:
         if g is None:
             return
         s = self.streams[g.stream]
+        s.graphs -= 1
         if not self.capture.on_destroy(s, g.graph):
             self.backend.destroy_graph(s.raw, g.graph)
-        for st in g.handles:
-            if g in st.graphs:
-                st.graphs.remove(g)
+        for st in g.handles:              # O(1) each: destroying N graphs is linear in N
+            if st.graphs.pop(g, 0) is None:
                 merge(st.replayed, {g.stream: g.last_pos})
         fence = {g.stream: s.pos}
         gp = self.graph_pool_of.pop(gid, None)
@@ -666,8 +770,9 @@ class ComputeServer:
             self._trim(self.pool.max_idle)
         if self.checker is not None:
             self.checker.on_graph_destroy(g)
-        if self.ended:
-            self._reap_streams()
+        if not s.graphs and s.id in self.ended:
+            self._reap(s.id)
+        return 1 + len(g.handles) // 8    # its cost in a batch of releases (queue.release)
 
     # -- graphs that change (graphs.py) ---------------------------------------------------------
     def _graph(self, gid: int, what: str):
@@ -696,8 +801,10 @@ class ComputeServer:
         """``Graph.instantiate``: a new graph from the recording of ``gid`` against other
         buffers; returns ``(graph id, stream id, is_hardware)``."""
         g = self._graph(gid, "instantiate")
-        ng = graphs.instantiate(self, g, rebind, next(_graph_ids), sid)
+        ng = graphs.instantiate(self, g, rebind, next(_graph_ids),
+                                None if sid is None else int(sid))
         self.graphs[ng.id] = ng
+        self.streams[ng.stream].graphs += 1
         if self.checker is not None:
             self.checker.on_graph(ng)
         return ng.id, ng.stream, bool(self.backend.hardware_graphs)
@@ -716,7 +823,9 @@ class ComputeServer:
     # -- introspection --------------------------------------------------------------------------
     def h_memory_usage(self) -> dict:
         """Pool bytes reserved from the device, handed to live handles and idle; counts of
-        handles, graphs and streams (reclaims ended threads' streams first)."""
+        handles, graphs and streams (runs every pending release and reclaims unnamed streams
+        first, so the counts are of live objects)."""
+        self.queue.run_releases()
         if self.ended:
             self._reap_streams()
         graph_bytes = sum(sl.nbytes for sl in {id(sl): sl for g in self.graphs.values()

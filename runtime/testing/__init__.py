@@ -1,6 +1,6 @@
 """``runtime.testing``: property-based stream-ordering tests for code built on the runtime.
 
-Three tools, usable alone or together (README "Testing your stream ordering"):
+Four tools, usable alone or together (README "Testing your stream ordering"):
 
 - **Seeded schedules for any test** (the pytest plugin, ``runtime.testing.plugin``, registered
   through the ``pytest11`` entry point): the ``runtime_client`` fixture and the
@@ -8,6 +8,12 @@ Three tools, usable alone or together (README "Testing your stream ordering"):
   interleaving scheduler and ``check=True``, and once on every other available backend; a
   failure prints the seed, the schedule (a trace, saved to a file) and a one-line command
   that reproduces it.
+- **Search with a guarantee** (``runtime.testing.search``): PCT, the plugin's default strategy
+  (a bug of depth ``d`` is found per run with probability at least ``1/(n k^(d-1))``;
+  :func:`pct_runs` says how many runs make a miss unlikely), and a bounded exhaustive search
+  with partial-order reduction (``strategy="exhaustive"``). A failure is minimised to the
+  fewest context switches and names the racing accesses (operation, stream, buffer, the test
+  line that issued each): ``explore(test)`` or the marker's ``strategy=``/``depth=``.
 - **Recorded schedules**: the cpu interleaving scheduler records the order it ran stream heads
   (``trace``); ``runtime.client("cpu", scheduler="trace", trace=...)`` runs it again exactly.
 - **Programs over your kernels**: ``programs(kernels=[...])`` is a hypothesis strategy of
@@ -25,9 +31,11 @@ from .program import (Clone, Create, Empty, Free, KernelSpec, Launch, Prepare, P
                       Write, copy32)
 from ..server import backend_unavailable
 from .run import ProgramMismatch, ProgramRun, Step, run_program
+from .search import ScheduleFailure, explore, pct_runs
 from .strategies import programs
 
-__all__ = ["programs", "run_program", "Program", "ProgramRun", "ProgramMismatch", "Step",
+__all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", "Program",
+           "ProgramRun", "ProgramMismatch", "Step",
            "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
            "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
            "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone"]

@@ -189,8 +189,11 @@ class Model:
             return str(e)
 
     def _refused(self, op, error):
-        """Calls refused at once on a capturing stream (design.md section 4)."""
-        return self._expect_raise(error, CaptureRefused, P.Program.line(self.p, op))
+        """Calls refused at once on a capturing stream (design.md section 4); each invalidates
+        the window: its ``stop_capture`` raises ``CaptureRefused`` and makes no graph."""
+        what = P.Program.line(self.p, op)
+        self.windows[self.stream(op)].refused.append(f"{what} (refused at once)")
+        return self._expect_raise(error, CaptureRefused, what)
 
     def _create(self, op, value, error):
         s = self.stream(op)
@@ -323,7 +326,7 @@ class Model:
         if s in self.windows:
             for b in writes:               # a refused replay marks its write set
                 self.bufs[b].failed = True
-            return self._expect_raise(error, CaptureRefused, f"replay of g{op.graph}")
+            return self._refused(op, error)
         if any(self.bufs[b].failed for b in sources):
             for b in writes:               # a marked input or state marks the whole write set
                 self.bufs[b].value, self.bufs[b].failed = None, True

@@ -360,6 +360,7 @@ class Builder:
             # refused at once, marking the graph's write set (or run: see _maybe)
             if self.cfg["refusals"] and self._maybe(info.stream, info.uses, True):
                 self.ops.append(P.Replay(self.windows[info.stream].client, g))
+                self.windows[info.stream].refused = True   # invalidates the window
             return
         from hypothesis import strategies as st
         for _ in range(self.draw(st.integers(1, 2))):
@@ -422,17 +423,21 @@ class Builder:
             if used:                      # refused by every open window that uses it
                 self._free(self.pick(used))
             return
-        if kind == "read":
+        if kind == "read":              # refused at once: invalidates the window (CUDA's rule)
             b = self.pick(sorted(self.live))
             if self._maybe(s, {b: False}, False):
                 self.ops.append(P.Read(w.client, b))
+                w.refused = True
         elif kind == "sync":
             self.ops.append(P.Sync(w.client))
+            w.refused = True
         elif kind == "record":
             self.ops.append(P.RecordEvent(w.client, self.nevent))
             self.nevent += 1              # never made: a wait on it is skipped
+            w.refused = True
         elif kind == "wait":
             self.ops.append(P.WaitEvent(w.client, self.pick(sorted(self.events))))
+            w.refused = True
         else:
             b = self.pick(sorted(self.live))
             if self._maybe(s, {b: True}, False):

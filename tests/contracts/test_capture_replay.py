@@ -152,9 +152,11 @@ def test_read_inside_the_window_is_refused_at_once(client):              # scena
         client.read(out)
     with pytest.raises(CaptureRefused):
         client.sync()
-    g = client.stop_capture()                     # the refusal did not poison the capture
-    client.write(inp, np.array([4, 3, 2, 1], np.float32))
-    g.replay()
+    # the refusals invalidated the window (CUDA's cudaErrorStreamCaptureInvalidated)
+    with pytest.raises(CaptureRefused, match=f"first refused operation: read of handle {out.id}"):
+        client.stop_capture()
+    client.write(inp, np.array([4, 3, 2, 1], np.float32))   # the stream is back to no capture
+    add_one(client, inp, out)
     np.testing.assert_array_equal(client.read(out), [5, 4, 3, 2])
 
 
@@ -245,7 +247,8 @@ def test_replay_inside_its_own_window_is_refused_and_marks_the_write_set(client)
     c.start_capture()
     with pytest.raises(CaptureRefused):
         g.replay()
-    c.stop_capture()
+    with pytest.raises(CaptureRefused, match=f"first refused operation: replay of graph {g.id}"):
+        c.stop_capture()                          # the refusal invalidated the window
     other = c.with_stream(runtime.StreamId.new())
     with pytest.raises(runtime.ReplayFailed) as info:
         other.read(out)                           # the failed replay's write set

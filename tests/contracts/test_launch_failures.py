@@ -22,19 +22,8 @@ from runtime.backends.cpu import ThreadScheduler
 from runtime.errors import LaunchError, ReplayFailed, ServerUnhealthy
 from runtime.testing import backend_unavailable
 
-WGSL = """
-@group(0) @binding(0) var<storage, read_write> y: array<f32, 64>;
-@compute @workgroup_size(1)
-fn main() { y[63] = 5.0; }
-"""
+from helpers import PAST_END  # fails once it runs (cpu, wgpu)
 
-
-def _past_end_cpu(y, *, count):
-    y[63] = 5.0
-
-
-PAST_END = runtime.Kernel("past_end", [runtime.Binding("y", "f32", "read_write")],
-                          workgroup_size=(1, 1, 1), wgsl=WGSL, cpu=_past_end_cpu)
 ONES = np.ones(4, np.float32)
 
 

@@ -120,7 +120,7 @@ def test_checker_sees_a_pool_buffer_shared_by_two_graphs():
     """Graph B's output lives in graph A's temporary (the pool handed it over); reading it
     from another stream after a replay of A, with nothing ordering the two, is a race on that
     buffer, though the read names another handle than A ever used."""
-    c = runtime.client("cpu", check=True)
+    c = runtime.client("cpu", check=True, max_idle_bytes=(1 << 30) + 27)   # its own server
     s = c.with_stream(runtime.StreamId.new())
     other = c.with_stream(runtime.StreamId.new())
     n = 256
@@ -143,6 +143,8 @@ def test_checker_sees_a_pool_buffer_shared_by_two_graphs():
     with pytest.raises(runtime.StreamRaceError):
         other.read(out)
     s.sync()
+    assert len(srv.checker.violations) == 1
+    c.shutdown()
 
 
 def test_capture_with_a_pool_keeps_outputs_out_of_the_pool():

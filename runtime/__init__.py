@@ -27,6 +27,7 @@ from . import kernels
 from .tensor import Tensor
 from .captured import CapturedGraph, capture
 from .static_graph import StaticGraph
+from .tracing import trace, from_env as _trace_from_env
 
 __version__ = "0.1.0"
 
@@ -34,7 +35,10 @@ __all__ = [
     "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "GraphPool", "StreamId",
     "Event",
     "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
+    "trace",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
     "ServerForked", "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
 ]
+
+_trace_from_env()          # RUNTIME_TRACE=FILE traces the whole process

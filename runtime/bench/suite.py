@@ -28,7 +28,9 @@ section (plots at the end), each section's table is printed as it finishes, and 
 Ctrl-C or SIGTERM writes what it has (``"interrupted"`` in the JSON). ``--budget-s S`` bounds the
 run (default :data:`DEFAULT_BUDGET_S`, about 10 minutes for the full cpu,wgpu run on 2 cores):
 each section gets a share of the seconds left by its ``weight`` (:mod:`runtime.bench.budget`)
-and runs fewer repetitions once its share is spent, never fewer rows; ``result["timing"]`` and
+and runs fewer repetitions once its share is spent (only MiniLM, whose warm-up alone takes
+seconds a row on lavapipe, leaves its remaining rows out once its whole share is spent, each
+such row saying so); ``result["timing"]`` and
 the report's "Run time and budget" table say how long each section took and what a budget cut.
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
@@ -84,7 +86,7 @@ class Section:
             other sections' (a number, or ``{backend: number}`` with ``"*"`` for the rest).
             ``measure`` gets its share as ``budget=`` (a :class:`runtime.bench.budget.Budget`)
             when it has that keyword: it should run fewer repetitions once the budget is spent,
-            never fewer rows, and record each cut (``budget.stop``/``budget.cut``). A section
+            and record each cut (``budget.stop``/``budget.cut``); a row left out says so. A section
             without the keyword runs in full; the report says so.
         takes: how long the section takes, for ``--help`` (e.g. ``"cpu ~40 s, wgpu ~60 s"``).
     """
@@ -113,13 +115,12 @@ class Section:
 
 #: the suite, in run and report order. Add a section here (see ``runtime.bench``'s docstring).
 SECTIONS: list[Section] = [
-    Section("device_thread", device_thread.measure, device_thread.units,
-            report.device_thread_section, report.plot_device_thread,
-            report.device_thread_targets, weight=1.0,
+    Section("device_thread", device_thread.measure, device_thread.units, device_thread.markdown,
+            device_thread.plot, device_thread.targets, weight=1.0,
             takes="~"),
-    Section("replay", replay.measure, replay.units, report.replay_section, report.plot_replay,
-            report.replay_targets, weight=1.5, takes="~"),
-    Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm,
+    Section("replay", replay.measure, replay.units, replay.markdown, replay.plot,
+            replay.targets, weight=1.5, takes="~"),
+    Section("minilm", minilm.measure, minilm.units, minilm.markdown, minilm.plot,
             weight={"cpu": 1.0, "*": 3.0}, takes="~"),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
             stalls.suite_targets, weight=1.0, takes="~"),
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     ap.add_argument("--budget-s", type=float, default=None, metavar="S",
                     help=f"seconds for the whole run, shared among the sections by weight; a "
-                         f"section past its share runs fewer repetitions (never fewer rows) and "
+                         f"section past its share runs fewer repetitions and "
                          f"the report says so (default: {DEFAULT_BUDGET_S:g}; --quick: none; "
                          f"0: none)")
     ap.add_argument("--compare", metavar="REF",

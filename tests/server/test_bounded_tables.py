@@ -8,7 +8,8 @@
    another client's blocking call waits for at most one batch of them, and destroying N graphs
    that share buffers is linear in N.
 
-Counts and bounds are asserted, never times; waits are bounded (``_until``).
+Counts and bounds are asserted, never times; waits are bounded (``_until``). The private
+reaches (``c._server``: stream table, queue, backend) are the server's tables under test.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def main(argv=None):
         eager_pass(c, hs, args.launches)          # warm: compile, pool, caches
         replay_samples(c, g, args.batch, args.batch)
         modes[check] = (c, hs, g)
-    assert modes[True][0]._server.checker is not None and modes[False][0]._server.checker is None
+    assert modes[True][0].capabilities["checked"] and not modes[False][0].capabilities["checked"]
 
     replay = {False: [], True: []}
     replay_cpu = {False: [], True: []}

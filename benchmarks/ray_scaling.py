@@ -7,9 +7,12 @@ its cores by the cpu thread rule (``runtime.cpu_threads``; a Ray worker's cores 
 ``num_cpus``, through the ``OMP_NUM_THREADS`` Ray sets).
 
 - **Corpus** (``embed_corpus``): a JSON Lines file of ``--rows`` distinct short sentences,
-  embedded in-process, by a Ray Data pool of 1 actor and of 2 actors. The paths take turns
-  (order rotated per repetition); each sample is the whole command's wall time, actor start-up
-  and model load included, reported as texts/s.
+  embedded in-process (one Parquet file), by a Ray Data pool of 1 actor and of 2 actors (a
+  Parquet dataset the workers write). Each run is its own process (with Ray: its own local
+  cluster); the paths take turns (order rotated per repetition); each sample is the whole
+  call's wall time, actor start-up and model load included, reported as texts/s, with the
+  driver process's peak RSS (``--small-rows N`` adds a 2-actor run on N rows: the driver's
+  RSS should not grow with the corpus).
 - **Serving**: the single-process server (``python -m runtime serve`` in its own process) and
   two Serve applications behind one proxy, 1 replica (``/one``) and 2 replicas (``/two``), all
   warmed up with the same buckets. For each client count (``--clients``, default 1, 8, 64) the
@@ -20,7 +23,7 @@ its cores by the cpu thread rule (``runtime.cpu_threads``; a Ray worker's cores 
 
 Usage::
 
-    python benchmarks/ray_scaling.py [--rows 2000] [--reps 3] [--clients 1,8,64]
+    python benchmarks/ray_scaling.py [--rows 2000] [--small-rows 0] [--reps 3] [--clients 1,8,64]
                                      [--requests 128] [--quick] [--no-plot]
 
 Writes ``benchmarks/results/ray_scaling.json`` and ``.png`` (gitignored).
@@ -64,31 +67,76 @@ def write_corpus(path: Path, rows: int) -> None:
             f.write(json.dumps({"id": i, "text": f"{SHORT[i % len(SHORT)]} (#{i})"}) + "\n")
 
 
-def bench_corpus(rows: int, reps: int, cpus: int) -> dict:
-    """texts/s of in-process vs 1 vs 2 Ray Data actors, interleaved; returns the summaries."""
-    from runtime.corpus import embed_corpus
+CORPUS_CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, {repo!r})
+from runtime.cluster import init_ray
+from runtime.corpus import embed_corpus
+kw = json.loads({kw!r})
+if kw.get("use_ray"):
+    init_ray(num_cpus={cpus}, log_to_driver=False)
+t0 = time.perf_counter()
+s = embed_corpus({src!r}, {out!r}, progress=False, backend="cpu", **kw)
+wall = time.perf_counter() - t0
+print(json.dumps({{"rows": s.rows, "failed": s.failed, "wall_s": wall,
+                  "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
 
+
+def _corpus_run(src: Path, out: Path, kw: dict, cpus: int) -> dict:
+    """One ``embed_corpus`` in a fresh process (the driver, with Ray: a local cluster of its
+    own); returns its rows, wall time (the whole call, actor start-up and model load included)
+    and the driver process's own peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``)."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    if out.is_file():
+        out.unlink()
+    code = CORPUS_CHILD.format(repo=str(REPO), kw=json.dumps(kw), cpus=cpus, src=str(src),
+                               out=str(out))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=7200)
+    if r.returncode != 0:
+        raise RuntimeError(f"corpus run {kw} failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_corpus(rows: int, reps: int, cpus: int, small: int = 0) -> dict:
+    """texts/s and the driver's peak RSS of in-process vs 1 vs 2 Ray Data actors (each run in
+    its own process, paths interleaved); with ``small`` rows also the 2-actor run on a corpus of
+    that size, whose driver RSS beside the big one shows whether it grows with the corpus."""
     tmp = Path(tempfile.mkdtemp(prefix="ray_scaling_"))
     src = tmp / "corpus.jsonl"
     write_corpus(src, rows)
-    # actors take half a logical CPU each, so 2 actors leave room for Ray Data's read tasks
-    paths = {"in-process": {}, "ray 1 actor": {"use_ray": True, "actors": 1},
-             "ray 2 actors": {"use_ray": True, "actors": 2}}
+    # actors take half a logical CPU each, so 2 actors leave room for Ray Data's tasks
+    half = min(0.5, cpus / 4)
+    paths = {"in-process": {}, "ray 1 actor": {"use_ray": True, "actors": 1, "actor_cpus": half},
+             "ray 2 actors": {"use_ray": True, "actors": 2, "actor_cpus": half}}
     rate: dict = {n: [] for n in paths}
+    rss: dict = {n: [] for n in paths}
     names = list(paths)
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            t0 = time.perf_counter()
-            s = embed_corpus(src, tmp / "out.parquet", actor_cpus=min(0.5, cpus / 4),
-                             progress=False, backend="cpu", **paths[name])
-            wall = time.perf_counter() - t0
-            assert s.rows == rows and s.failed == 0, s
-            rate[name].append(rows / wall)
-            print(f"  corpus {name:13s} rep {rep}: {rows / wall:7.1f} texts/s ({wall:.1f} s)",
+            out = tmp / ("out" if paths[name] else "out.parquet")
+            r = _corpus_run(src, out, paths[name], cpus)
+            assert r["rows"] == rows and r["failed"] == 0, r
+            rate[name].append(rows / r["wall_s"])
+            rss[name].append(r["driver_peak_rss_mib"])
+            print(f"  corpus {name:13s} rep {rep}: {rows / r['wall_s']:7.1f} texts/s "
+                  f"({r['wall_s']:.1f} s), driver peak RSS {r['driver_peak_rss_mib']:.0f} MiB",
                   flush=True)
     out = {n: summarize(v, scale=1.0) for n, v in rate.items()}
+    out["driver_peak_rss_mib"] = {n: max(v) for n, v in rss.items()}
     out["ratio_2_vs_1_actor"] = out["ray 2 actors"]["p50"] / out["ray 1 actor"]["p50"]
     out["ratio_1_actor_vs_in_process"] = out["ray 1 actor"]["p50"] / out["in-process"]["p50"]
+    if small:
+        write_corpus(tmp / "small.jsonl", small)
+        r = _corpus_run(tmp / "small.jsonl", tmp / "small_out", paths["ray 2 actors"], cpus)
+        out["driver_peak_rss_mib_small"] = {"rows": small, "ray 2 actors":
+                                            r["driver_peak_rss_mib"]}
+        print(f"  corpus ray 2 actors, {small} rows: driver peak RSS "
+              f"{r['driver_peak_rss_mib']:.0f} MiB", flush=True)
+    out["rows"] = rows
     return out
 
 
@@ -198,6 +246,8 @@ def main(argv=None) -> int:
     """Run both parts; returns 0."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=2000, help="corpus rows")
+    p.add_argument("--small-rows", type=int, default=0,
+                   help="also run 2 actors on a corpus of this many rows (driver RSS vs size)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per path")
     p.add_argument("--clients", default="1,8,64", help="client counts")
     p.add_argument("--requests", type=int, default=128, help="requests per client count")
@@ -210,11 +260,9 @@ def main(argv=None) -> int:
     from runtime.cluster import init_ray
 
     cpus = os.cpu_count() or 2
-    init_ray(num_cpus=cpus, log_to_driver=False)
     res = {"machine": machine(), "args": vars(args)}
-    if args.skip != "corpus":
-        res["corpus"] = bench_corpus(args.rows, args.reps, cpus)
-    if args.skip != "serving":
+    if args.skip != "corpus":         # each run in its own process, with its own cluster
+        res["corpus"] = bench_corpus(args.rows, args.reps, cpus, args.small_rows)
         res["serving"] = bench_serving([int(c) for c in args.clients.split(",")], args.requests,
                                        args.reps, cpus)
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]

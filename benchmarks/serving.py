@@ -21,6 +21,10 @@ Sections (``--sections``, default all three):
   tokens (the reference), texts as long as the body limit allows (the largest legal request),
   and texts of ``--max-input-chars`` characters, as many as the body limit allows; each
   ``--largest-inputs`` texts at most (default ``--max-inputs``). Linux only.
+- ``health`` (not in the default set): ``/health`` latency (p50/p99/max, goal p99 <= 50 ms)
+  from a ``serve`` child while ``--health-senders`` clients send maximum-size legal requests
+  of each input kind: ``texts`` (``--max-inputs`` texts filling the body limit) and ``ids`` (one
+  token list of 2.4 million ids, 13.7 MiB). :func:`health_rows`.
 
 Paths: ``graph`` (the batcher replays each ``(batch, seq_len)`` bucket's captured graph,
 captured at start-up before anything is timed), ``eager`` (the same batcher and padded shapes,
@@ -39,7 +43,7 @@ checkout's ``runtime`` (``python -m runtime serve`` in the child too).
 
 Usage::
 
-    python benchmarks/serving.py [--backend cpu] [--sections closed,mixed,largest]
+    python benchmarks/serving.py [--backend cpu] [--sections closed,mixed,largest,health]
                                  [--clients 1,8,64] [--requests 256] [--texts 1] [--no-st]
                                  [--st-threads 0] [--mixed-requests 16] [--mixed-seconds 60]
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
@@ -284,30 +288,10 @@ def largest_rows(args) -> list:
     per_text = (args.max_body_bytes - 1000) // args.max_inputs - 6         # JSON quotes, commas
     long_text = (" ".join(words) + " ") * (per_text // len(" ".join(words)) + 1)
     long_text = long_text[:per_text]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "runtime", "serve", "--backend", args.backend, "--port",
-           str(port), "--log-level", "warning", "--warmup", "32x256"]
-    env = dict(os.environ)
-    env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # cwd: this folder, so `-m runtime` imports the checkout on PYTHONPATH, not the current dir's
-    child = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-    url = f"http://127.0.0.1:{port}"
+    child, url = _serve_child(args, ["--warmup", "32x256"])
     rows = []
     try:
         with httpx.Client(base_url=url, timeout=1800.0) as http:
-            t_end = time.monotonic() + 300
-            while True:
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if child.poll() is not None or time.monotonic() > t_end:
-                    raise RuntimeError("the serve child did not start")
-                time.sleep(0.2)
             http.post("/v1/embeddings", json={"input": [ref_text] * 64})        # warm-up
             n = args.largest_inputs or args.max_inputs
             longest = (" ".join(words) + " ") * (args.max_input_chars // len(" ".join(words)) + 1)
@@ -435,8 +419,109 @@ def isolated_rows(clients: list, args) -> list:
     return rows
 
 
-def print_tables(closed: list, mixed: list, largest: list) -> None:
+def _serve_child(args, extra=()):
+    """``python -m runtime serve`` in a child process on a free port; returns (child, url)
+    once ``/health`` answers."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "runtime", "serve", "--backend", args.backend, "--port",
+           str(port), "--log-level", "warning", *extra]
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    url = f"http://127.0.0.1:{port}"
+    t_end = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return child, url
+        except httpx.TransportError:
+            pass
+        if child.poll() is not None or time.monotonic() > t_end:
+            child.kill()
+            raise RuntimeError("the serve child did not start")
+        time.sleep(0.2)
+
+
+def health_rows(args) -> list:
+    """The ``health`` section: ``/health`` latency while maximum-size legal requests arrive.
+
+    One ``serve`` child (``--token-ids wordpiece`` where the checkout has the flag, so id lists
+    are embedded, not refused). For each input kind, ``--health-senders`` clients each send
+    ``--health-requests`` maximum-size requests back to back: ``texts`` (``--max-inputs``
+    texts filling the body limit) and ``ids`` (one token list of as many ids as the body limit
+    holds: 2.4 million at 16 MiB). Meanwhile one client GETs ``/health`` every 10 ms. Reported
+    per kind: the probes' p50/p99/max latency (ms), how many, and the big requests' statuses.
+    The goal (issue 25): p99 <= 50 ms."""
+    import importlib.util
+    import threading
+
+    import httpx
+
+    words = " ".join(SHORT).split()
+    per_text = (args.max_body_bytes - 1000) // args.max_inputs - 6
+    long_text = ((" ".join(words) + " ") * (per_text // len(" ".join(words)) + 1))[:per_text]
+    n_ids = (args.max_body_bytes - 1000) // 6                  # "12345," per id
+    ids = [1000 + (i * 7919) % 28000 for i in range(n_ids)]
+    bodies = {"texts": json.dumps({"input": [long_text] * args.max_inputs}).encode(),
+              "ids": json.dumps({"input": ids}).encode()}
+    modes = importlib.util.find_spec("runtime.serving.token_ids") is not None
+    child, url = _serve_child(args, ["--token-ids", "wordpiece"] if modes else [])
+    rows = []
+    try:
+        httpx.post(url + "/v1/embeddings", json={"input": SHORT[:8]}, timeout=600)   # warm-up
+        for kind, body in bodies.items():
+            if kind not in args.health_kinds.split(","):
+                continue
+            statuses, lat, done = [], [], threading.Event()
+
+            def sender():
+                with httpx.Client(timeout=1800) as http:
+                    for _ in range(args.health_requests):
+                        r = http.post(url + "/v1/embeddings", content=body,
+                                      headers={"content-type": "application/json"})
+                        statuses.append(r.status_code)
+
+            senders = [threading.Thread(target=sender) for _ in range(args.health_senders)]
+            for t in senders:
+                t.start()
+            with httpx.Client(timeout=60) as http:
+                while any(t.is_alive() for t in senders):
+                    t0 = time.perf_counter()
+                    http.get(url + "/health")
+                    lat.append((time.perf_counter() - t0) * 1000)
+                    time.sleep(0.01)
+            for t in senders:
+                t.join()
+            rows.append({"kind": kind, "body_bytes": len(body), "senders": args.health_senders,
+                         "requests": len(statuses), "statuses": sorted(set(statuses)),
+                         "probes": len(lat), "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
+                         "max_ms": max(lat), "goal_p99_ms": 50.0,
+                         "token_ids_flag": modes})
+            if not args.quiet:
+                x = rows[-1]
+                print(f"health beside {kind:5s} ({x['body_bytes'] / 2**20:.1f} MiB x "
+                      f"{x['senders']}): p50 {x['p50_ms']:.1f} ms, p99 {x['p99_ms']:.1f} ms, "
+                      f"max {x['max_ms']:.1f} ms over {x['probes']} probes; statuses "
+                      f"{x['statuses']}", file=sys.stderr, flush=True)
+    finally:
+        _stop_child(child)
+    return rows
+
+
+def print_tables(closed: list, mixed: list, largest: list, health: list = ()) -> None:
     """Plain-text tables of each section's rows."""
+    if health:
+        print(f"\n{'/health beside (serve child)':30s} {'MiB':>6s} {'p50 ms':>7s} {'p99 ms':>7s} "
+              f"{'max ms':>7s} {'probes':>6s} {'goal':>5s}")
+        for r in health:
+            print(f"{r['kind'] + ' x' + str(r['senders']):30s} {r['body_bytes'] / 2**20:6.1f} "
+                  f"{r['p50_ms']:7.1f} {r['p99_ms']:7.1f} {r['max_ms']:7.1f} {r['probes']:6d} "
+                  f"{'ok' if r['p99_ms'] <= r['goal_p99_ms'] else 'MISS':>5s}")
     if closed and max(r.get("round", 0) for r in closed) > 0:
         print(f"\n{'path':22s} {'clients':>7s} {'rounds':>6s} {'req/s p50':>9s} {'min':>7s} "
               f"{'max':>7s} {'p50 ms':>8s} {'vs ST':>6s} {'min':>6s} {'max':>6s}")
@@ -483,7 +568,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="cpu")
     p.add_argument("--sections", default="closed,mixed,largest",
-                   help="comma list of closed, mixed, largest")
+                   help="comma list of closed, mixed, largest, health")
     p.add_argument("--clients", default="1,8,64", help="comma list of concurrent clients")
     p.add_argument("--requests", type=int, default=256, help="requests per (path, clients)")
     p.add_argument("--texts", type=int, default=1, help="texts per request")
@@ -520,6 +605,12 @@ def main(argv=None) -> int:
     p.add_argument("--largest-inputs", type=int, default=None,
                    help="texts sent in the largest section (default --max-inputs; fewer "
                    "scales the measurement down, each text keeping its size)")
+    p.add_argument("--health-senders", type=int, default=4,
+                   help="health section: clients sending maximum-size requests")
+    p.add_argument("--health-requests", type=int, default=2,
+                   help="health section: maximum-size requests per sender and input kind")
+    p.add_argument("--health-kinds", default="texts,ids",
+                   help="health section: input kinds (texts, ids)")
     p.add_argument("--quick", action="store_true", help="64 requests, 8 per mixed client")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", default=RESULTS)
@@ -597,7 +688,8 @@ def _main(args) -> int:
             b.close()
     if "largest" in sections:
         largest = largest_rows(args)
-    print_tables(closed, mixed, largest)
+    health = health_rows(args) if "health" in sections else []
+    print_tables(closed, mixed, largest, health)
     if st_note:
         print(st_note)
     os.makedirs(args.out, exist_ok=True)
@@ -614,7 +706,7 @@ def _main(args) -> int:
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": closed, "summary": summarize_closed(closed),
-                   "mixed": mixed, "largest": largest}, f, indent=1)
+                   "mixed": mixed, "largest": largest, "health": health}, f, indent=1)
     if not closed:
         print(f"wrote {base}.json")
         return 0

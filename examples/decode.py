@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     g = dec.step_graph()
     dec.generate(args.prompt, 2, graph=True)
     print(f"step graph: {g.recorded and 'recorded' or 'fallback'}, hardware={g.is_hardware}, "
-          f"{g._cap.graph.info()['launches'] if g.recorded else '-'} launches per replay")
+          f"{g.graph.info()['launches'] if g.recorded else '-'} launches per replay")
 
     modes = [(f"{'replayed' if graph else 'eager':8s} read {'each step' if each else 'at end':9s}",
               dict(graph=graph, read_each_step=each)) for graph in (False, True)

@@ -20,8 +20,11 @@ class GraphStateError(ServerError):
 
 
 class CaptureRefused(ServerError):
-    """An operation the capture window forbids: read/sync/replay on the capturing stream (raised at
-    once), or a write / free of a used handle inside the window (raised by ``stop_capture``)."""
+    """An operation the capture window forbids: read/sync/replay/record_event/wait_event on the
+    capturing stream (raised at once), or a write / free of a used handle / refused launch
+    inside the window (raised by ``stop_capture``). Any refusal invalidates the window (CUDA's
+    ``cudaErrorStreamCaptureInvalidated``): ``stop_capture`` raises this naming the first
+    refused operation, and makes no graph."""
 
 
 class UnknownGraph(ServerError):
@@ -98,6 +101,14 @@ class ServerUnhealthy(ServerError):
         lines = "; ".join(f"{type(e).__name__}: {e}" for e in self.errors)
         super().__init__(f"{len(self.errors)} queued error(s) on this stream: {lines}")
 
+    def __reduce__(self):
+        # errors cross process pools and Ray: rebuilt from the drained errors, so the copy has
+        # the same classes (the combined class is made again by ``unhealthy``) and message
+        state = {k: v for k, v in self.__dict__.items() if k != "errors"} or None
+        if type(self) is ServerUnhealthy:
+            return (ServerUnhealthy, (self.errors,), state)
+        return (unhealthy, (self.errors,), state)
+
 
 _UNHEALTHY_CLASSES: dict[tuple, type] = {}
 
@@ -123,6 +134,22 @@ def unhealthy(errors) -> ServerUnhealthy:
     if isinstance(err, ReplayFailed):
         err.cause = next((getattr(e, "cause", None) for e in errors if isinstance(e, ReplayFailed)), None)
     return err
+
+
+def detach(error):
+    """Drop the tracebacks of ``error`` and the exceptions it chains (``__cause__``,
+    ``__context__``), and return it. For errors the runtime keeps (a failure mark, a stream's
+    queued errors): a traceback holds its frames, and through them every frame below (a client
+    call that ran the kernel on its own thread), so a kept error would keep that caller's
+    handles and streams alive for as long as the mark lives. The message (kernel, cause type and
+    text) is kept."""
+    seen = set()
+    e = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
 
 
 def error_list(error) -> list:

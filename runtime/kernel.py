@@ -13,6 +13,11 @@ Conventions every backend follows:
   ``workgroup_size``, grid = ``count``.
 - cpu: ``cpu(*views, count=(x, y, z), **params)``; each binding arrives as a 1-D numpy view of the
   whole buffer (the handle's bytes) in its dtype; the callable mutates the views in place.
+  Optionally the callable has a ``bind`` attribute, ``cpu.bind(*views, count=..., **params) ->
+  callable()``: the same work as one zero-argument call with views, params and output bound once
+  (e.g. ``functools.partial(np.add, x[:n], alpha, y[:n])``). A software graph on the cpu
+  backend resolves each recorded launch into it at capture, so a replay is a loop of such calls
+  (issue 26); without it the graph calls ``cpu`` with the recorded arguments.
 """
 
 from __future__ import annotations
@@ -174,6 +179,11 @@ def normalize_count(count) -> tuple:
         TypeError: not an int or a sequence of 1 to 3 ints.
         ValueError: a negative entry.
     """
+    if count.__class__ is tuple and len(count) == 3:      # the common case, checked cheaply
+        x, y, z = count
+        if x.__class__ is int and y.__class__ is int and z.__class__ is int and (
+                x >= 0 and y >= 0 and z >= 0):
+            return count
     if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
         c = (int(count), 1, 1)
     elif isinstance(count, (tuple, list)) and 1 <= len(count) <= 3 and all(

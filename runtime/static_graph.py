@@ -371,6 +371,13 @@ class StaticGraph:
         return self._cap.is_hardware
 
     @property
+    def graph(self):
+        """The recorded :class:`~runtime.Graph` calls replay (``info()``, ``describe()``,
+        ``to_dot()``), or ``None`` on the fallback (:attr:`fallback_reason`) and after
+        ``release``. Owned by this StaticGraph: do not release it yourself."""
+        return self._cap.graph
+
+    @property
     def recorded(self) -> bool:
         """True when calls replay a recorded graph; False on the fallback (body re-run)."""
         return self._cap.recorded

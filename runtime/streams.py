@@ -1,8 +1,9 @@
 """Stream ids and the thread-end watcher (docs/contract.md section 3).
 
 Below both the client and the server (CubeCL keeps its stream id below both too,
-``cubecl-environment/src/stream/id.rs``): the client mints ids, the server reclaims a thread's
-stream when the thread ends. Imports nothing of the runtime."""
+``cubecl-environment/src/stream/id.rs``): the client mints ids, the server reclaims a stream once
+the last id naming it is dropped (a per-request id, a thread's own id when the thread ended).
+Imports nothing of the runtime."""
 
 from __future__ import annotations
 
@@ -13,41 +14,47 @@ import weakref
 
 _ids = itertools.count(1)
 _local = threading.local()
-_watchers: "weakref.WeakSet" = weakref.WeakSet()
+_watchers: tuple = ()              # weakrefs of servers; replaced whole (read without a lock)
 _watchers_lock = threading.Lock()
 
 
 def watch_thread_ends(server) -> None:
-    """Call ``server.thread_ended(sid)`` whenever a thread whose default stream ``sid`` was
-    minted ends (held weakly; ``ComputeServer`` registers itself). The call runs on the ending
-    thread and must not block."""
+    """Call ``server.stream_dropped(key)`` whenever the last reference to a minted stream id
+    (``StreamId.new()``, or a thread's ``StreamId.current()`` once the thread ended) is dropped;
+    ``key`` is the plain int id. Servers are held weakly; ``ComputeServer`` registers itself.
+    The call runs inside a finalizer, on any thread: it must not block."""
+    global _watchers
     with _watchers_lock:
-        _watchers.add(server)
+        _watchers = tuple(r for r in _watchers if r() is not None) + (weakref.ref(server),)
 
 
-def _thread_ended(sid) -> None:
-    with _watchers_lock:
-        servers = list(_watchers)
-    for server in servers:
-        try:
-            server.thread_ended(sid)
-        except Exception:  # noqa: BLE001 - a closed server, interpreter shutdown
-            pass
+def _dropped(key: int) -> None:
+    for ref in _watchers:             # no lock: this runs in finalizers, even inside one
+        server = ref()
+        if server is not None:
+            try:
+                server.stream_dropped(key)
+            except Exception:  # noqa: BLE001 - a closed server, interpreter shutdown
+                pass
 
 
 def _after_fork_in_child() -> None:
-    global _watchers_lock
+    global _watchers_lock, _watchers
     _watchers_lock = threading.Lock()      # another thread may have held it at the fork
+    _watchers = ()                         # the parent's servers are closed in the child
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _ThreadEnd:
-    """Lives in the thread's ``threading.local`` only: finalized when the thread ends."""
-
-    __slots__ = ("__weakref__",)
+def current_key() -> int:
+    """The plain int id of the calling thread's own stream (``StreamId.current()``)."""
+    try:
+        return _local.key
+    except AttributeError:
+        StreamId.current()
+        return _local.key
 
 
 class StreamId(int):
@@ -57,6 +64,15 @@ class StreamId(int):
     ``StreamId.current()``); ``ComputeClient.set_stream`` pins a client to one. Work on different
     streams may run in any order and overlap unless ordered by an event (the server inserts
     those for ordinary operations; graph replays order only against their capture stream).
+
+    Lifetime: an id minted here (``new()``, ``current()``) names its stream for as long as a
+    reference to it lives (a pinned client, a ``Graph``, a ``StaticGraph``, the thread for
+    ``current()``). Once the last one is dropped nobody can enqueue on the stream again: servers
+    reclaim it as soon as nothing else uses it (its queued work ran, no graph was captured on it;
+    an open capture on it is aborted; errors queued on it are raised by the next blocking call
+    on any stream). An id is never minted twice. ``copy``/``deepcopy`` return the same object.
+    ``StreamId(n)`` made from an int is a plain name: dropping it tells nobody, so a stream
+    named only that way is kept until the server stops (mint ids with ``new()``).
     """
 
     __slots__ = ()
@@ -64,21 +80,45 @@ class StreamId(int):
     @classmethod
     def new(cls) -> "StreamId":
         """A fresh stream id, distinct from every other (thread-safe)."""
-        return cls(next(_ids))
+        return _Minted(next(_ids))
 
     @classmethod
     def current(cls) -> "StreamId":
-        """The calling thread's own stream id (stable on one thread). When the thread ends,
-        servers reclaim the stream once its work is done; the id is never minted again."""
+        """The calling thread's own stream id (stable on one thread). When the thread ends (and
+        no other reference to the id lives), servers reclaim the stream."""
         sid = getattr(_local, "sid", None)
         if sid is None:
-            sid = _local.sid = cls(next(_ids))
-            end = _local.end = _ThreadEnd()
-            weakref.finalize(end, _thread_ended, sid).atexit = False
+            sid = _local.sid = _Minted(next(_ids))
+            _local.key = int(sid)
         return sid
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        return (StreamId, (int(self),))
+
+    def __deepcopy__(self, memo):
+        return self
 
     def __repr__(self):
         return f"StreamId({int(self)})"
+
+
+class _Minted(StreamId):
+    """A minted ``StreamId``: tells the servers when its last reference is dropped (an int
+    subclass cannot be weakly referenced, hence ``__del__``)."""
+
+    __slots__ = ()
+
+    def __del__(self):
+        try:
+            _dropped(int(self))
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_Minted.__name__ = _Minted.__qualname__ = "StreamId"   # pickles and prints as a StreamId
 
 
 class Event:

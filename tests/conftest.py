@@ -48,7 +48,7 @@ def client(backend):
 
 @pytest.fixture
 def hardware(client):
-    return client._server.backend.hardware_graphs
+    return client.capabilities["hardware_graphs"]
 
 
 # one capture at a time per device across threads (CUDA global capture mode; CubeCL's tests do so)

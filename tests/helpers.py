@@ -77,3 +77,22 @@ def library_kernels() -> dict:
         k = K.nn.attention_for(hd)
         found.setdefault(id(k), (f"runtime.kernels.nn.attention_for({hd})", k))
     return dict(found.values())
+
+
+_PAST_END_WGSL = """
+@group(0) @binding(0) var<storage, read_write> y: array<f32, 64>;
+@compute @workgroup_size(1)
+fn main() { y[63] = 5.0; }
+"""
+
+
+def _past_end_cpu(y, *, count):
+    y[63] = 5.0
+
+
+#: A kernel that fails once it runs, on cpu and wgpu: it writes element 63 of its binding.
+#: WGSL declares ``array<f32, 64>``, so wgpu refuses a 16-byte binding when the batch is
+#: finished; the numpy body raises ``IndexError`` on a 4-element view. (cuda: an
+#: out-of-bounds store is undefined behaviour there, not an error.)
+PAST_END = Kernel("past_end", [("y", "f32", "read_write")], workgroup_size=(1, 1, 1),
+                  wgsl=_PAST_END_WGSL, cpu=_past_end_cpu)

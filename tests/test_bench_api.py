@@ -96,3 +96,23 @@ def test_sections_are_selected_by_name_and_unknown_names_are_refused():
                                                          "decode"]
     with pytest.raises(ValueError, match="unknown section"):
         suite.select("nope")
+
+
+def test_the_report_renders_the_sections_it_is_given_and_rerender_uses_the_suites(tmp_path):
+    """``runtime.bench.report`` imports no section (issue 29 item 1: report <-> suite was an
+    import cycle): it refuses to guess, and ``suite.rerender`` (benchmarks/report.py) passes
+    the suite's sections."""
+    import json
+
+    from runtime.bench import machine, report, suite
+    result = {"suite": "runtime bench", "quick": True, "machine": machine(), "sections": [],
+              "backends": {"cpu": {"device": "numpy", "device_thread": {"threads": {"1": {
+                  "sync": {"p50": 1.0, "p10": 0.5, "p90": 2.0, "p99": 3.0, "n": 5}}}}}}}
+    with pytest.raises(TypeError, match="sections"):
+        report.summary(result)
+    assert "met" in report.summary(result, suite.SECTIONS)          # 1 µs < the 5 µs goal
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(result))
+    assert suite.rerender([str(path), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "Device-thread cost" in md and "| runtime `sync()` | 1.00 [0.50–2.00]" in md

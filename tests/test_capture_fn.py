@@ -99,7 +99,7 @@ def test_host_write_inside_fn_falls_back(client):
 
 def test_backend_without_graphs_falls_back(monkeypatch):
     c = runtime.client("cpu", seed=424242)            # a server of its own
-    backend = c._server.backend
+    backend = c._server.backend                       # private: a backend without graphs
 
     def no_graphs(raw):
         raise UnsupportedError("graph capture is not supported by this test backend")

@@ -14,8 +14,8 @@ import pytest
 
 pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install 'runtime[ray]')")
 
-from runtime.corpus import (ERROR, CorpusEmbedder, ParquetSink, column_names,  # noqa: E402
-                            embed_corpus, input_format)
+from runtime.corpus import (ERROR, CorpusEmbedder, ParquetSink, embed_corpus,  # noqa: E402
+                            input_format, plan_input, read_block)
 from runtime.serving.batcher import Batcher  # noqa: E402
 from test_serving import HIDDEN, FakeModel, expected  # noqa: E402
 
@@ -62,10 +62,16 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         input_format(tmp_path / "none.csv")
     (tmp_path / "c.csv").write_text("id,body\n1,hello\n")
-    assert column_names(tmp_path / "c.csv") == ["id", "body"]
+    assert [c for c, _ in plan_input(tmp_path / "c.csv", "body").columns] == ["id", "body"]
     # refused before the model loads: no such column
     with pytest.raises(ValueError, match="'text' not in"):
         embed_corpus(tmp_path / "c.csv", tmp_path / "o.parquet", progress=False)
+    (tmp_path / "c.jsonl").write_text('{"body": "a"}\n{"body": "b"}\n')     # in no row
+    with pytest.raises(ValueError, match="'text' not in"):
+        embed_corpus(tmp_path / "c.jsonl", tmp_path / "o.parquet", progress=False)
+    (tmp_path / "e.csv").write_text("id,text\n")
+    with pytest.raises(ValueError, match="no rows"):
+        embed_corpus(tmp_path / "e.csv", tmp_path / "o.parquet", progress=False)
     r = subprocess.run([sys.executable, "-m", "runtime", "embed-corpus", str(tmp_path / "c.csv"),
                         "--out", str(tmp_path / "o.parquet")], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
@@ -98,3 +104,96 @@ def test_serve_cli_takes_the_ray_flags_in_one_group():
     assert (args.min_replicas, args.max_replicas, args.target_ongoing_requests) == (1, 4, 8.0)
     assert not build_parser().parse_args([]).ray
 
+
+
+# -- reading: the text column is never type-inferred, every row is kept ---------------------
+BAD_JSONL = ('{"id": 0, "tag": "x"}\n'                # no text field in the first line
+             '{"id": 1, "text": "hello there"}\n\n'   # a blank line is no row
+             '{"id": 2, "text": 5}\n'                  # a number (pyarrow: ArrowInvalid)
+             'not json\n[1, 2]\n'
+             '{"id": 3, "text": null}\n'
+             '{"id": 4, "text": {"a": 1}, "tag": 7}\n'  # an object; tag becomes mixed
+             '{"id": 5, "text": "bye now"}\n')
+WANT_ERRORS = ["the row has no text field", None, "the text is a JSON number, not a string",
+               "the line is not valid JSON", "the line is a JSON list, not an object",
+               "the text is null", "the text is a JSON object, not a string", None]
+
+
+@pytest.mark.parametrize("block_rows", [1, 3, 100])
+def test_every_block_reads_the_same_rows_and_types_whatever_the_block_size(tmp_path,
+                                                                            block_rows):
+    (tmp_path / "c.jsonl").write_text(BAD_JSONL)
+    plan = plan_input(tmp_path / "c.jsonl", "text", block_rows)
+    assert plan.rows == 8 and [b.first_row for b in plan.blocks] == list(range(0, 8, block_rows))
+    t = pa.concat_tables([read_block(plan, b) for b in plan.blocks])
+    assert t.column("id").to_pylist() == [0, 1, 2, None, None, 3, 4, 5]
+    assert t.column("text").to_pylist() == [None, "hello there"] + [None] * 5 + ["bye now"]
+    assert t.column("tag").to_pylist() == ["x"] + [None] * 5 + ["7", None]
+    assert t.schema.field("text").type == pa.string()
+    rows = ['id,text,n\n', '1,"two\nlines, quoted",3\n', '2,42,4\n', '\n', '3,plain,x\n']
+    (tmp_path / "c.csv").write_text("".join(rows))
+    plan = plan_input(tmp_path / "c.csv", "text", block_rows)
+    t = pa.concat_tables([read_block(plan, b) for b in plan.blocks])
+    assert t.column("text").to_pylist() == ["two\nlines, quoted", "42", "plain"]
+    assert t.column("n").to_pylist() == ["3", "4", "x"]          # "x" in a number column
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": list(range(10)), "text": [f"t{i}" for i in range(10)]}),
+                   tmp_path / "c.parquet", row_group_size=3)
+    plan = plan_input(tmp_path / "c.parquet", "text", block_rows)
+    t = pa.concat_tables([read_block(plan, b) for b in plan.blocks])
+    assert t.column("id").to_pylist() == list(range(10))
+
+
+def test_embed_corpus_keeps_every_good_row_of_a_bad_corpus(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    import runtime.serving as serving
+
+    model = FakeModel()
+    monkeypatch.setattr(serving, "load_model", lambda *a, **k: model)
+    (tmp_path / "c.jsonl").write_text(BAD_JSONL)
+    s = embed_corpus(tmp_path / "c.jsonl", tmp_path / "o.parquet", progress=False,
+                     block_rows=3, batch_size=2, seq_buckets=(4, 8, 16))
+    t = pq.read_table(tmp_path / "o.parquet")
+    assert (s.rows, s.failed) == (8, 6)
+    errors = t.column(ERROR).to_pylist()
+    for got, want in zip(errors, WANT_ERRORS):
+        assert (got is None) == (want is None) and (want is None or got.startswith(want))
+    assert [r for r, _ in s.failures] == [0, 2, 3, 4, 5, 6]
+    rows = t.column("embedding").to_pylist()
+    np.testing.assert_array_equal(rows[1], expected(model, "hello there"))
+    np.testing.assert_array_equal(rows[7], expected(model, "bye now"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "o.parquet"]
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_no_partial_file(tmp_path):
+    import os
+    import signal
+    import time
+
+    pytest.importorskip("tokenizers", reason="tokenizers is not installed")
+    from runtime.models.minilm import default_model_dir
+    try:
+        if not (default_model_dir() / "model.safetensors").is_file():
+            pytest.skip("no MiniLM model files")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(f'{{"text": "sentence number {i} of many"}}\n' for i in range(3000)))
+    out = tmp_path / "o.parquet"
+    proc = subprocess.Popen([sys.executable, "-m", "runtime", "embed-corpus", str(src), "--out",
+                             str(out), "--block-rows", "32", "--batch-size", "32"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / "o.parquet.partial"
+    try:
+        t_end = time.monotonic() + 240
+        while not partial.exists() and proc.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert partial.exists(), "the run never started writing"
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"], err

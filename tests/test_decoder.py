@@ -36,10 +36,10 @@ def test_eager_and_replayed_tokens_are_identical(decoder):
 
 def test_one_graph_serves_every_step_without_recapture(decoder):
     g = decoder.step_graph()
-    gid = g._cap.graph.id
+    gid = g.graph.id
     a = decoder.generate([1], 12, graph=True, timings=(t := {}))
     b = decoder.generate([7, 3], 30, graph=True)     # other positions, longer: same graph
-    assert decoder.step_graph() is g and g._cap.graph.id == gid
+    assert decoder.step_graph() is g and g.graph.id == gid
     assert t["steps"] == 12 and t["per_token_ms"] > 0
     np.testing.assert_array_equal(a, decoder.generate([1], 12))
     np.testing.assert_array_equal(b, decoder.generate([7, 3], 30))

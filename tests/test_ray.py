@@ -5,8 +5,9 @@ One local Ray cluster for the module, on loopback only (``runtime.cluster.init_r
 ``ray.nodes()``; Serve's HTTP proxy listens on 127.0.0.1. Every embedding is checked against the
 MiniLM reference fixture to 1e-4. Skipped, with the reason, when ray (serve, data), pyarrow,
 fastapi/httpx or the model files are missing, or when Ray cannot start here.
-About 2-2.5 minutes measured on the shared 2-core machine at load 8-16 (cluster ~25 s, corpus
-~60 s, readers ~1-25 s, Serve ~40 s); less on a quiet one.
+About 3-5 minutes measured on the shared 2-core machine at load 8-16 (cluster ~25 s, corpus
+~60 s, the bad corpora through both paths and the resumed run ~60-90 s, Serve ~40-90 s); less on
+a quiet one.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ for _mod in ("ray", "ray.serve", "ray.data", "pyarrow", "fastapi", "httpx", "saf
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
-# small bucket lists keep the captures few: batches of 1, 4 or 16
-SERVE_SETTINGS = {"backend": "cpu", "max_graphs": 6, "batch_buckets": (1, 4, 16),
-                  "seq_buckets": (16, 32, 256), "max_wait_ms": 5}
+# small bucket lists keep the captures few: batches of 1, 4 or 16; the rest are non-default
+# values of every kind of serve flag, which /health must report from each replica
+SERVE_ARGS = ["--ray", "--replicas", "2", "--replica-cpus", "0.25", "--max-graphs", "6",
+              "--batch-buckets", "1,4,16", "--seq-buckets", "16,32,256", "--max-wait-ms", "5",
+              "--max-queue", "1000", "--max-batch-tokens", "4096", "--max-inputs", "64",
+              "--max-input-chars", "20000", "--grace", "3", "--token-ids", "wordpiece"]
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +90,26 @@ def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tm
                                                                                  "")]))
     # the in-process path as a user runs it (a subprocess, meanwhile the Ray path runs here)
     cli = subprocess.Popen([sys.executable, "-m", "runtime", "embed-corpus", str(src), "--out",
-                            str(local_out), "--max-graphs", "8", "--seq-buckets", "8,32,256"],
-                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                            str(local_out), "--max-graphs", "8", "--seq-buckets", "8,32,256",
+                            "--block-rows", "300"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
     try:
-        summary = embed_corpus(src, tmp_path / "ray.parquet", use_ray=True, actors=1,
-                               batch_size=256, actor_cpus=0.5, backend="cpu", max_graphs=8,
-                               seq_buckets=(8, 32, 256))
+        summary = embed_corpus(src, tmp_path / "ray", use_ray=True, actors=1, batch_size=256,
+                               block_rows=300, actor_cpus=0.5, backend="cpu", max_graphs=8,
+                               seq_buckets=(8, 32, 256), progress=False)
         out, err = cli.communicate(timeout=300)
     finally:
         cli.kill()
     assert cli.returncode == 1, out + err                   # 1: a row failed, and says which
     assert f"row {null_row}: the text is null" in err and "1000 rows" in err
-    assert (summary.rows, summary.failed) == (1000, 1)
+    assert (summary.rows, summary.failed, summary.blocks) == (1000, 1, 4)
     assert summary.failures == [(null_row, "the text is null")]
-    local, remote = pq.read_table(local_out), pq.read_table(tmp_path / "ray.parquet")
+    # the workers wrote one file per block, the row index first; the driver wrote none
+    parts = sorted(p.name for p in (tmp_path / "ray").iterdir())
+    assert parts == ["_plan.json"] + [f"part-{i:06d}.parquet" for i in range(4)]
+    remote = pq.read_table(tmp_path / "ray")
+    assert remote.column("input_row").to_pylist() == list(range(1000))
+    local, remote = pq.read_table(local_out), remote.drop_columns(["input_row"])
     for t in (local, remote):
         assert t.column_names == ["id", "text", "tag", "embedding", "embedding_error"]
         assert t.num_rows == 1000 and t.column("id").to_pylist() == list(range(1000))
@@ -118,56 +127,105 @@ def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tm
     assert np.abs(b[rows] - ref["embeddings"][[where[i] for i in rows]]).max() < 1e-4
 
 
-def test_ray_data_keeps_the_input_order_from_a_processs_first_call(cluster, tmp_path,
-                                                                   monkeypatch):
-    # a Dataset copies the current DataContext when the read creates it: preserve_order set
-    # after the read left a process's first corpus run in completion order (wrong row numbers)
-    import ray.data
-
-    from runtime.corpus import run
-
-    class Stop(Exception):
-        pass
-
-    def no_run(self, *args, **kwargs):
-        raise Stop                                         # the pipeline is built: stop there
-
-    opts = ray.data.DataContext.get_current().execution_options
-    monkeypatch.setattr(opts, "preserve_order", False)     # a fresh process's default
-    seen, real = {}, run.read_dataset
-    monkeypatch.setattr(run, "read_dataset",
-                        lambda *a: seen.setdefault("ds", real(*a)))
-    monkeypatch.setattr(ray.data.Dataset, "map_batches", no_run)
-    src = tmp_path / "in.jsonl"
-    src.write_text('{"text": "a"}\n')
-    with pytest.raises(Stop):
-        list(run._ray_batches(str(src), "text", 1, 8, 0.5, 0, {"backend": "cpu"}))
-    assert seen["ds"].context.execution_options.preserve_order
-
-
-def test_ray_data_and_pyarrow_read_every_format_alike(cluster, tmp_path):
+def _bad_corpora(tmp_path) -> dict:
+    """name -> (file, the exit status embed-corpus must give)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import ray.data
 
-    from runtime.corpus import read_dataset, read_table
+    out = {}
+    lines = ['{"id": 0, "tag": "x"}', '{"id": 1, "text": "hello there"}', "",
+             '{"id": 2, "text": 5}', "not json", "[1, 2]", '{"id": 3, "text": null}',
+             '{"id": 4, "text": {"a": 1}, "tag": 7}', '{"id": 5, "text": "bye now"}']
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines * 3) + "\n")
+    out["mixed.jsonl"] = 1
+    (tmp_path / "notext.jsonl").write_text('{"body": "a"}\n{"body": "b"}\n')
+    out["notext.jsonl"] = 2
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    out["empty.jsonl"] = 2
+    rows = "".join(f'{i},"line {i}\nwith, a comma",{i if i % 4 else "x"}\n' for i in range(20))
+    (tmp_path / "quoted.csv").write_text("id,text,n\n" + rows + "21,42,1\n")
+    out["quoted.csv"] = 0
+    pq.write_table(pa.table({"id": list(range(9)), "text": list(range(9))}),
+                   tmp_path / "inttext.parquet", row_group_size=4)
+    out["inttext.parquet"] = 1
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(9)]}),
+                   tmp_path / "good.parquet", row_group_size=2)
+    out["good.parquet"] = 0
+    return out
 
-    texts = [f"text {i}" if i % 5 else str(i) for i in range(60)]      # "0", "5": numeric-looking
-    want = pa.table({"id": list(range(60)), "text": texts})
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in want.to_pylist()))
-    (tmp_path / "c.csv").write_text("id,text\n" + "".join(f"{i},{t}\n" for i, t in
-                                                           enumerate(texts)))
-    pq.write_table(want, tmp_path / "c.parquet", row_group_size=16)
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    for name in ("c.jsonl", "c.csv", "c.parquet"):
-        tables = [read_table(tmp_path / name)]
-        if name == "c.csv":          # its text column read as strings; JSON Lines: corpus test
-            ds = read_dataset(tmp_path / name)
-            tables.append(pa.concat_tables(list(ds.iter_batches(batch_size=None,
-                                                                batch_format="pyarrow"))))
-        for t in tables:
-            assert t.column("id").to_pylist() == list(range(60)), name
-            assert t.column("text").to_pylist() == texts, name
+
+def _status(run) -> tuple:
+    """(exit status as the CLI gives it, summary or None)."""
+    try:
+        s = run()
+    except (ValueError, FileNotFoundError):
+        return 2, None
+    return (1 if s.failed else 0), s
+
+
+@pytest.fixture
+def one_core():
+    """This process's cpu thread rule on one core (as each 0.5-CPU actor's), restored after:
+    the same thread split gives the same float32 sums, so the files can match byte for byte."""
+    from runtime.cpu_threads import RULE
+
+    yield 1
+    RULE.set_cores(None)
+
+
+def test_bad_corpora_give_byte_identical_files_and_statuses_on_both_paths(cluster, tmp_path,
+                                                                        one_core):
+    import pyarrow.parquet as pq
+
+    from runtime.corpus import embed_corpus
+
+    settings = {"backend": "cpu", "graph": False, "seq_buckets": (8, 32, 256),
+                "cpu_threads": one_core}
+    for name, want in _bad_corpora(tmp_path).items():
+        src = tmp_path / name
+        local, ray_file = tmp_path / f"{name}.local.parquet", tmp_path / f"{name}.ray.parquet"
+        got_local, s1 = _status(lambda: embed_corpus(src, local, block_rows=4, progress=False,
+                                                     **settings))
+        got_ray, s2 = _status(lambda: embed_corpus(src, ray_file, block_rows=4, use_ray=True,
+                                                   single_file=True, actor_cpus=0.5,
+                                                   progress=False, **settings))
+        assert got_local == got_ray == want, name
+        if want == 2:
+            assert not local.exists() and not ray_file.exists(), name
+            continue
+        assert (s1.rows, s1.failed, s1.failures) == (s2.rows, s2.failed, s2.failures), name
+        a, b = pq.read_table(local), pq.read_table(ray_file)
+        assert a.drop_columns(["embedding"]).equals(b.drop_columns(["embedding"])), name
+        assert np.abs(np.nan_to_num(_rows(a) - _rows(b))).max() < 1e-6, name
+        assert local.read_bytes() == ray_file.read_bytes(), name
+        assert sorted(p.name for p in tmp_path.iterdir() if ".parts" in p.name
+                      or ".partial" in p.name) == [], name
+
+
+def test_a_stopped_ray_run_resumes_from_its_finished_blocks(cluster, tmp_path):
+    import pyarrow.parquet as pq
+
+    from runtime.corpus import embed_corpus
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": f"sentence {i}"}) + "\n" for i in range(40)))
+    kw = {"block_rows": 8, "use_ray": True, "actor_cpus": 0.5, "progress": False,
+          "backend": "cpu", "graph": False, "seq_buckets": (8, 32, 256)}
+    full = embed_corpus(src, tmp_path / "out", **kw)
+    want = pq.read_table(tmp_path / "out")
+    (tmp_path / "out" / "part-000001.parquet").unlink()          # as if stopped mid-run
+    (tmp_path / "out" / "part-000003.parquet").rename(tmp_path / "out" /
+                                                      ".part-000003.parquet.99.tmp")
+    with pytest.raises(ValueError, match="--resume"):
+        embed_corpus(src, tmp_path / "out", **kw)
+    again = embed_corpus(src, tmp_path / "out", resume=True, **kw)
+    assert (full.blocks, again.resumed, again.rows, again.failed) == (5, 3, 40, 0)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        ["_plan.json"] + [f"part-{i:06d}.parquet" for i in range(5)]
+    assert pq.read_table(tmp_path / "out").equals(want)
+    src.write_text(src.read_text() + '{"text": "one more"}\n')   # another input: refused
+    with pytest.raises(ValueError, match="another run"):
+        embed_corpus(src, tmp_path / "out", resume=True, **kw)
 
 
 def _free_port() -> int:
@@ -181,9 +239,11 @@ def served(cluster):
     """The embeddings deployment with 2 replicas behind Serve's proxy on 127.0.0.1."""
     from ray import serve
 
-    from runtime.serving.ray_serve import build_app, deploy
+    from runtime.serving.cli import parse_args, settings_from_args
+    from runtime.serving.ray_serve import build_app_from_args, deploy
 
-    url = deploy(build_app(SERVE_SETTINGS, replicas=2, num_cpus=0.25), host=LOOPBACK,
+    args = parse_args(SERVE_ARGS)
+    url = deploy(build_app_from_args(args, settings_from_args(args)), host=LOOPBACK,
                  port=_free_port())
     assert url.startswith(f"http://{LOOPBACK}:")
     yield url
@@ -237,6 +297,12 @@ def test_two_replicas_answer_concurrent_requests_with_the_reference(ref, served)
     assert httpx.get(served + "/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_ID
     health = httpx.get(served + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["backend"] == "cpu"
+    got = health.json()["settings"]                 # every flag reached the replica (issue 25)
+    assert (got["max_queue"], got["max_batch_tokens"], got["max_inputs"], got["grace"],
+            got["max_input_chars"], got["token_ids"], got["seq_buckets"]) == \
+        (1000, 4096, 64, 3.0, 20000, "wordpiece", [16, 32, 256])
+    too_many = httpx.post(served + "/v1/embeddings", json={"input": ["a"] * 65}, timeout=30)
+    assert too_many.status_code == 400 and "at most 64" in too_many.text
     metrics = httpx.get(served + "/metrics", timeout=30)
     assert 'runtime_serving_requests_total{code="200"}' in metrics.text
     assert metrics.headers[REPLICA_HEADER] in seen
@@ -300,13 +366,7 @@ def test_a_killed_replica_is_replaced_and_no_accepted_request_is_lost(ref, serve
 
 
 def test_replicas_map_to_devices_and_autoscaling_passes_through():
-    from runtime.serving.cli import build_parser
-    from runtime.serving.ray_serve import app_options_from_args, deployment_options
-
-    args = build_parser().parse_args(["--ray", "--api-key", "k", "--max-inputs", "7"])
-    opts = app_options_from_args(args)
-    assert opts["api_key"] == "k" and opts["max_inputs"] == 7      # the app's limits, per replica
-
+    from runtime.serving.ray_serve import deployment_options
     gpu = deployment_options("cuda", replicas=2)
     assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
     assert gpu["num_replicas"] == 2 and "autoscaling_config" not in gpu

@@ -474,7 +474,8 @@ def test_any_malformed_body_gets_a_4xx_error_never_an_exception():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from runtime.serving.app import _ApiError, parse_request
+    from runtime.serving.app import MODEL_ID
+    from runtime.serving.parse import ApiError, parse_request
 
     keys = st.sampled_from(["input", "model", "encoding_format", "dimensions", "user", "x"])
 
@@ -483,8 +484,10 @@ def test_any_malformed_body_gets_a_4xx_error_never_an_exception():
     def check(value, junk):
         for body in (json.dumps(value).encode(), junk, json.dumps(value).encode()[:-1]):
             try:
-                p = parse_request(body, max_inputs=8, max_input_chars=30)
-            except _ApiError as e:
+                p = parse_request(body, model_id=MODEL_ID, max_inputs=8,
+                                  token_ids=("refuse", "wordpiece")[len(junk) % 2],
+                                  vocab_size=30522, window=256)
+            except ApiError as e:
                 assert 400 <= e.status < 500 and e.message
             else:                                  # valid: what the batcher will be given
                 assert p.inputs and len(p.inputs) <= 8
@@ -499,8 +502,9 @@ def test_a_failing_batch_answers_500_to_its_requests_and_the_server_keeps_servin
     from runtime.serving import ServerThread, create_app
 
     model = FakeModel(delay=0.01)
-    b = Batcher(model, batch_buckets=(1, 2, 4), seq_buckets=(4, 8, 16), max_wait_ms=20)
-    with ServerThread(create_app(b, max_inputs=64, max_input_chars=2000)) as srv:
+    b = Batcher(model, batch_buckets=(1, 2, 4), seq_buckets=(4, 8, 16), max_wait_ms=20,
+                max_input_chars=2000)
+    with ServerThread(create_app(b, max_inputs=64, token_ids="wordpiece")) as srv:
         bodies = [{"input": "boom"}, {"input": ["a", "b c d e f g"]}, {"input": "a b c d e"}]
         bodies += [b for b, _ in MALFORMED]
         rs = asyncio.run(_post_all(srv.url, bodies))
@@ -589,8 +593,8 @@ def test_body_and_input_limits_answer_413_and_400():
     from runtime.serving import ServerThread, create_app
 
     model = FakeModel()
-    b = Batcher(model)
-    app = create_app(b, max_inputs=4, max_input_chars=50, max_body_bytes=2000)
+    b = Batcher(model, max_input_chars=50)
+    app = create_app(b, max_inputs=4, max_body_bytes=2000)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=10) as http:
         r = http.post("/v1/embeddings", json={"input": ["x" * 40] * 4})
         assert r.status_code == 200 and len(r.json()["data"]) == 4
@@ -676,7 +680,8 @@ def test_models_routes_have_the_openai_shape():
         _check_error(http.get("/v1/models/text-embedding-3-small"), 404)
     b.close()
     assert listed["object"] == "list" and listed["data"] == [one] and short == one
-    assert set(one) == {"id", "object", "created", "owned_by"}
+    assert set(one) == {"id", "object", "created", "owned_by", "token_ids"}
+    assert one["token_ids"] == "refuse"                     # token arrays: refused by default
     assert one["id"] == MODEL_ID and one["object"] == "model"
     assert isinstance(one["created"], int) and abs(one["created"] - time.time()) < 3600
 
@@ -808,13 +813,14 @@ def test_concurrent_clients_get_the_reference_embeddings_and_only_their_own(mini
     gaps = np.abs(want[:, None, :] - want[None, :, :]).max(-1) + np.eye(len(want))
     assert gaps.min() > 1e-2            # so a row from another text could never pass at 1e-4
     # few buckets: batches of 1, 4 or 16 texts; 16, 32 or 256 tokens (the 256-token sentence)
-    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256), max_wait_ms=5)
+    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256), max_wait_ms=5,
+                max_input_chars=2000)
     plan = [[i] for i in range(12)]                                   # one text each
     plan += [list(range(12)), [11, 3, 3, 0, 2], [9, 1], [5, 4, 7, 6, 8, 10], [2, 2]]
     bodies = [{"input": sents[p[0]] if len(p) == 1 and k % 2 else [sents[i] for i in p],
                "model": MODEL_ID} for k, p in enumerate(plan)]
     bodies += [body for body, _ in MALFORMED]
-    with ServerThread(create_app(b, max_inputs=64, max_input_chars=2000)) as srv:
+    with ServerThread(create_app(b, max_inputs=64, token_ids="wordpiece")) as srv:
         rs = asyncio.run(_post_all(srv.url, bodies))
         for k, p in enumerate(plan):
             r = rs[k]
@@ -885,25 +891,127 @@ def test_token_id_inputs_embed_as_their_texts_and_foreign_ids_are_refused(minilm
     ids = [tok.encode(t).ids for t in sents[:4]]                              # [CLS] ... [SEP]
     ids += [tok.encode(t, add_special_tokens=False).ids for t in sents[4:8]]  # bare
     b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256))
-    with ServerThread(create_app(b)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+    with ServerThread(create_app(b, token_ids="wordpiece")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
         many = http.post("/v1/embeddings", json={"input": ids})
         one = http.post("/v1/embeddings", json={"input": ids[5]})             # one list of ints
         foreign = http.post("/v1/embeddings", json={"input": [[101, minilm.vocab_size, 102]]})
+        late = http.post("/v1/embeddings", json={"input": [ids[0] + [2] * 300 + [-5]]})
         surrogate = http.post("/v1/embeddings", content=b'{"input": ["ok", "\\udc80"]}')
+        mode = http.get("/v1/models").json()["data"][0]["token_ids"]
     b.close()
+    assert mode == "wordpiece"
     assert many.status_code == 200 and one.status_code == 200, many.text + one.text
     got = np.array([d["embedding"] for d in many.json()["data"]], np.float32)
     assert np.abs(got - ref["embeddings"][:8]).max() < 1e-4
     assert many.json()["usage"]["prompt_tokens"] == int(ref["lengths"][:8].sum())
     assert np.abs(np.array(one.json()["data"][0]["embedding"]) - ref["embeddings"][5]).max() < 1e-4
-    _check_error(foreign, 400)
-    assert "tokenizer" in foreign.json()["error"]["message"]
+    for r in (foreign, late):                  # an id beyond the model's window is checked too
+        _check_error(r, 400)
+        assert "tokenizer" in r.json()["error"]["message"]
     for r in (foreign, surrogate):
         assert r.json()["error"]["param"] == "input"
     _check_error(surrogate, 400)
     assert "input[1]" in surrogate.json()["error"]["message"]
     with pytest.raises(ValueError, match=r"input\[2\]"):           # the batcher's own check
         Batcher(minilm, start=False).submit(["a", "b", "\ud800"])
+
+
+def test_token_arrays_are_refused_by_default_and_the_openai_sdk_sends_text(minilm, ref):
+    # langchain-openai's default sends tiktoken (cl100k_base) ids: read as WordPiece ids they
+    # gave 200 with the vectors of unrelated tokens; by default they are refused
+    openai = pytest.importorskip("openai", reason="the openai SDK is not installed")
+    import httpx
+
+    from runtime.serving import MODEL_ID, ServerThread, create_app
+
+    sents = [str(s) for s in ref["sentences"]]
+    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256))
+    with ServerThread(create_app(b)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        refused = [http.post("/v1/embeddings", json={"input": body}) for body in
+                   ([9906, 1917], [[9906, 1917], [15339]], [[]])]
+        mode = http.get("/health").json()["token_ids"]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="check_embedding_ctx_length=False"):
+            client.embeddings.create(model=MODEL_ID, input=[[9906, 1917]])
+        res = client.embeddings.create(model=MODEL_ID, input=sents[:3])
+    b.close()
+    assert mode == "refuse"
+    for r in refused:
+        _check_error(r, 400)
+        msg = r.json()["error"]["message"]
+        assert "embeds text" in msg and "WordPiece" in msg and "--token-ids" in msg
+        assert r.json()["error"]["param"] == "input"
+    got = np.array([d.embedding for d in res.data], np.float32)
+    assert np.abs(got - ref["embeddings"][:3]).max() < 1e-4
+
+
+class FakeEncoding:
+    """Stands in for tiktoken's cl100k_base: id ``k`` of ``pieces`` decodes to ``pieces[k]``
+    (words with their leading space, one split inside a word, as BPE pieces are)."""
+
+    def __init__(self, texts):
+        self.pieces = sorted({p for t in texts for p in self.split(t)})
+        self.index = {p: k for k, p in enumerate(self.pieces)}
+        self.n_vocab = len(self.pieces)
+
+    @staticmethod
+    def split(text: str) -> list:
+        out = []
+        for k, w in enumerate(text.split(" ")):
+            w = (" " if k else "") + w
+            out += [w[:3], w[3:]] if len(w) > 5 else [w]
+        return [p for p in out if p]
+
+    def encode(self, text: str) -> list:
+        return [self.index[p] for p in self.split(text)]
+
+    def decode(self, ids) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_openai_token_ids_decode_to_the_texts_embeddings(minilm, ref, monkeypatch, tmp_path):
+    import httpx
+
+    from runtime.serving import ServerThread, create_app
+    from runtime.serving.token_ids import load_openai_encoding
+
+    sents = [str(s) for s in ref["sentences"]]
+    enc = FakeEncoding(sents)
+    assert all(enc.decode(enc.encode(t)) == t for t in sents)
+    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256))
+    app = create_app(b, token_ids="openai", openai_encoding=enc)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        many = http.post("/v1/embeddings", json={"input": [enc.encode(t) for t in sents[:6]]})
+        one = http.post("/v1/embeddings", json={"input": enc.encode(sents[7])})
+        foreign = http.post("/v1/embeddings", json={"input": [[0, enc.n_vocab]]})
+        mode = http.get("/v1/models").json()["data"][0]["token_ids"]
+    b.close()
+    assert mode == "openai"
+    assert many.status_code == 200 and one.status_code == 200, many.text + one.text
+    got = np.array([d["embedding"] for d in many.json()["data"]], np.float32)
+    assert np.abs(got - ref["embeddings"][:6]).max() < 1e-4
+    assert np.abs(np.array(one.json()["data"][0]["embedding"]) - ref["embeddings"][7]).max() < 1e-4
+    _check_error(foreign, 400)
+    # without cl100k_base in tiktoken's cache the mode refuses to start, in one line
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="--token-ids openai needs") as e:
+        load_openai_encoding()
+    assert "\n" not in str(e.value)
+
+
+def test_langchain_openai_with_text_inputs_gets_the_reference(minilm, ref):
+    lc = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    from runtime.serving import MODEL_ID, ServerThread, create_app
+
+    sents = [str(s) for s in ref["sentences"]]
+    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256))
+    with ServerThread(create_app(b)) as srv:
+        emb = lc.OpenAIEmbeddings(model=MODEL_ID, base_url=srv.url + "/v1", api_key="x",
+                                  check_embedding_ctx_length=False)
+        got = np.array(emb.embed_documents(sents[:4]), np.float32)
+    b.close()
+    assert np.abs(got - ref["embeddings"][:4]).max() < 1e-4
 
 
 def test_long_texts_are_truncated_while_tokenized_as_the_whole_text_would_be(minilm):
@@ -936,3 +1044,96 @@ def test_the_demo_command_passes_its_checks(minilm):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "replayed graphs" in r.stdout and "eager launches" in r.stdout
     assert "all checks passed" in r.stdout
+
+
+def test_big_bodies_are_parsed_off_the_event_loop_and_ids_cut_to_the_window(minilm, ref,
+                                                                            monkeypatch):
+    # issue 25 item 2: four 2.4-million-id lists (13.7 MiB each) stalled /health for 2.7 s:
+    # json.loads and the per-id checks ran on the event loop. A body over INLINE_BYTES must
+    # never be parsed in this process (the pool's spawn worker imports the real parser), and
+    # the batcher must only ever see the ids the model reads
+    import httpx
+
+    from runtime.serving import ServerThread, create_app, parse
+
+    real = parse.parse_request
+
+    def on_loop_only_when_small(body, **kw):
+        assert len(body) <= parse.INLINE_BYTES, "a big body was parsed on the event loop"
+        return real(body, **kw)
+
+    monkeypatch.setattr(parse, "parse_request", on_loop_only_when_small)
+    tok = minilm.tokenizer
+    sents = [str(s) for s in ref["sentences"]]
+    ids = tok.encode(sents[11]).ids
+    huge = ids[:-1] + [1996] * 2_400_000 + [102]         # the model reads its first 256 ids
+    want_huge = minilm.forward(*minilm.encode_ids([huge[:minilm.max_seq_length]]))[0]
+    b = Batcher(minilm, batch_buckets=(1, 4, 16), seq_buckets=(16, 32, 256))
+    seen = []
+    real_submit = b.submit_ids
+    monkeypatch.setattr(b, "submit_ids",
+                        lambda seqs: seen.append(max(len(s) for s in seqs)) or real_submit(seqs))
+    with ServerThread(create_app(b, token_ids="wordpiece")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=300) as http:
+        big = http.post("/v1/embeddings", json={"input": [huge, ids]})
+        bad = http.post("/v1/embeddings", json={"input": [huge[:-1] + [-3]]})   # checked too
+        small = http.post("/v1/embeddings", json={"input": [ids[:5]]})
+        texts = http.post("/v1/embeddings", json={"input": [sents[11] + " x" * 40_000] * 2})
+    b.close()
+    assert big.status_code == 200, big.text
+    got = np.array([d["embedding"] for d in big.json()["data"]], np.float32)
+    assert np.abs(got[0] - want_huge).max() < 1e-4
+    assert np.abs(got[1] - ref["embeddings"][11]).max() < 1e-4
+    assert max(seen) <= minilm.max_seq_length
+    _check_error(bad, 400)
+    assert small.status_code == 200 and texts.status_code == 200
+    got = np.array([d["embedding"] for d in texts.json()["data"]], np.float32)
+    want = minilm.embed([sents[11] + " x" * 40_000], graph=False)
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_each_request_is_traced_with_its_steps_and_the_histograms_count_tokens():
+    _need_http()
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed")
+    import httpx
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from runtime.serving import ServerThread, create_app
+    from runtime.serving.tracing import Tracing
+
+    spans = InMemorySpanExporter()
+    tracing = Tracing(exporter=spans)
+    model = FakeModel()
+    m = ServingMetrics()
+    b = Batcher(model, max_batch=2, batch_buckets=(1, 2), seq_buckets=(4, 16), metrics=m,
+                max_wait_ms=20)
+    with ServerThread(create_app(b, tracer=tracing.tracer)) as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": ["a b", "c", "d e f"]},
+                       timeout=30)
+        bad = httpx.post(srv.url + "/v1/embeddings", json={"input": 5}, timeout=30)
+    b.close()
+    tracing.shutdown()
+    assert r.status_code == 200 and bad.status_code == 400
+    done = spans.get_finished_spans()
+    roots = [s for s in done if s.name == "embeddings"]
+    assert len(roots) == 2
+    ok = next(s for s in roots if s.attributes["http.response.status_code"] == 200)
+    kids = [s for s in done if s.parent is not None and s.parent.span_id ==
+            ok.context.span_id]
+    names = sorted(s.name for s in kids)
+    assert names == ["batch", "batch", "parse", "queue_wait", "respond", "tokenize"], names
+    batches = sorted((s for s in kids if s.name == "batch"), key=lambda s: s.start_time)
+    assert [s.attributes["batch.request_rows"] for s in batches] == [2, 1]
+    assert [s.attributes["batch.bucket_rows"] for s in batches] == [2, 1]
+    steps = [s for s in done if s.parent is not None and s.parent.span_id in
+             {x.context.span_id for x in batches}]
+    assert sorted(s.name for s in steps) == ["capture", "capture"]   # both buckets new
+    qw = next(s for s in kids if s.name == "queue_wait")
+    assert ok.start_time <= qw.start_time <= qw.end_time <= batches[0].start_time
+    assert all(s.context.trace_id == ok.context.trace_id for s in kids + steps)
+    # the histograms: tokens per request and padded tokens per batch
+    assert m.value("request_tokens_count") == 1
+    assert m.value("request_tokens_sum") == float(sum(len(t.split()) + 2
+                                                      for t in ["a b", "c", "d e f"]))
+    assert m.value("batch_padded_tokens_count", path="graph") == 2
+    assert m.value("batch_padded_tokens_sum", path="graph") == 2 * 4 + 1 * 16

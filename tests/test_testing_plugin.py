@@ -83,9 +83,9 @@ def test_marked(runtime_variant):
 def test_each_variant_gets_its_own_scheduler_and_checker(pytester):
     pytester.makepyfile(test_s='''
 def test_server(runtime_client, runtime_variant):
-    sched = runtime_client._server.backend.scheduler
+    sched = runtime_client._server.backend.scheduler   # private: the seed the plugin promises
     assert sched.seed == runtime_variant.seed
-    assert runtime_client._server.checker is not None
+    assert runtime_client.capabilities["checked"]
 ''')
     pytester.runpytest(*PLUGIN, "--runtime-backends", "cpu", "--runtime-seeds", "3"
                        ).assert_outcomes(passed=3)

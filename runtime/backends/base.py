@@ -182,7 +182,8 @@ class Backend:
 
     def release_stream(self, stream) -> bool:
         """Forget ``stream`` if its work is done (True); False: work is pending, ask again
-        later. The server calls it for the default stream of a thread that ended."""
+        later. The server calls it for the default stream of a thread that ended. Errors the
+        stream's work left and did not report yet go to ``failures`` (never dropped)."""
         return True
 
     def record_event(self, stream):
@@ -200,6 +201,12 @@ class Backend:
 
     def flush(self, stream) -> None:
         """Hand batched work of ``stream`` to the device now (wgpu: submit the encoder)."""
+
+    def idle(self, stream) -> bool:
+        """True only when every piece of work enqueued on ``stream`` has run and left no error
+        to report (a sync of it may return at once: ``ComputeServer.sync_idle``); False when
+        unknown (the default: the server then synchronizes as usual)."""
+        return False
 
     # -- copies ---------------------------------------------------------------------------
     def copy_in(self, stream, buf, data: np.ndarray) -> None:

@@ -24,25 +24,29 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from functools import partial
 
 import numpy as np
 
-from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
+from ..errors import (LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, detach,
+                      unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
                            TraceScheduler, decode_trace, encode_trace)
-from .cpu_schedule import RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
+from .cpu_schedule import CALL as _CALL, RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
 
 
 class CpuEvent:
-    """Completes when the stream that recorded it reaches it."""
+    """Completes when the stream that recorded it reaches it; ``waiters``: streams the thread
+    scheduler parked on it (their head waits for it), or None."""
 
-    __slots__ = ("done",)
+    __slots__ = ("done", "waiters")
 
     def __init__(self):
         self.done = False
+        self.waiters = None
 
 
 class CpuBuffer:
@@ -56,26 +60,48 @@ class CpuBuffer:
 
 
 class CpuStream:
-    """An in-order queue of ``(kind, payload)`` items and the errors its work raised."""
+    """An in-order queue of ``(kind, payload)`` items and the errors its work raised;
+    ``index`` (never reused) names it in traces, ``busy``/``sched``/``pending`` belong to the
+    scheduler."""
 
-    __slots__ = ("q", "errors", "index", "busy")
+    __slots__ = ("q", "errors", "index", "busy", "sched", "pending")
 
     def __init__(self, index):
-        self.busy = False
+        self.busy = self.pending = False
+        self.sched = 0
         self.q = collections.deque()
         self.errors: list = []
         self.index = index
 
 
 class CpuGraph:
-    """The resolved launch list of a capture: ``[(fn, views, kwargs, count, name)]``, with
-    :class:`CpuCond` nodes where ``capture_if``/``capture_while`` recorded one (``nodes``)."""
+    """The resolved launch list of a capture: ``launches`` = ``[(fn, views, kwargs, count,
+    name)]``, with :class:`CpuCond` nodes where ``capture_if``/``capture_while`` recorded one
+    (``nodes``). Without nodes each launch is also resolved once into its cheapest call
+    (``calls``, with the kernel ``names``; issue 26): the kernel's cpu ``bind`` (views, params
+    and output bound at capture), else the callable with its arguments bound; zero-count
+    launches are dropped (they run nothing). Whoever changes ``launches`` calls :meth:`rebind`."""
 
-    __slots__ = ("launches", "nodes")
+    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain")
 
     def __init__(self, launches):
         self.launches = launches
-        self.nodes = any(type(x) is not tuple for x in launches)
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Resolve ``launches`` into ``calls`` and ``names`` again (none with nodes)."""
+        self.nodes = any(type(x) is not tuple for x in self.launches)
+        calls, names, largest, plain = [], [], 0, not self.nodes
+        for launch in () if self.nodes else self.launches:
+            call = _bind(*launch)
+            if call is not None:
+                calls.append(call)
+                names.append(launch[4])
+                largest = max(largest, sum(v.nbytes for v in launch[1]))
+                plain = plain and hasattr(launch[0], "bind") and launch[3].__class__ is tuple
+        self.calls, self.names = tuple(calls), tuple(names)
+        self.small = not self.nodes and largest <= DEFER_BYTES  # tiny kernels: a waiter runs it
+        self.plain = plain                      # numpy ufunc calls only: no library pool
 
 
 class CpuRecording:
@@ -131,17 +157,50 @@ def _run_nodes(items, mark) -> None:
                 done += 1
 
 
+#: work whose kernels each touch at most this many bytes (their bindings summed) is left queued
+#: for the caller that waits for it, without waking a worker (``ThreadScheduler``, issue 26):
+#: numpy keeps the GIL on small arrays, so a worker could not run it beside the caller anyway,
+#: and the hand-off (a wake-up, the GIL passed over and back) costs more than the work.
+DEFER_BYTES = 1 << 20
+
+
+def _counts(count) -> tuple:
+    """An indirect count's three u32 (``count``: the bytes of the count buffer), read now."""
+    return tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
+
+
+def _run_indirect(fn, views, kwargs, count):
+    count = _counts(count)
+    if count[0] and count[1] and count[2]:
+        fn(*views, count=count, **kwargs)
+
+
+def _bind(fn, views, kwargs, count, name):
+    """One resolved launch as the cheapest zero-argument call doing its work: ``fn.bind`` (see
+    ``runtime.kernel``), else ``fn`` with its arguments bound; ``None`` for a zero count (it
+    runs nothing); an indirect count is read when the call runs."""
+    if not isinstance(count, tuple):
+        return partial(_run_indirect, fn, views, kwargs, count)
+    if not (count[0] and count[1] and count[2]):
+        return None
+    bind = getattr(fn, "bind", None)
+    if bind is not None:
+        return bind(*views, count=count, **kwargs)
+    return partial(fn, *views, count=count, **kwargs)
+
+
 def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
-    """Run one launch on this thread. Anything the body raises (any ``Exception``, a
-    ``ServerError`` of its own included) becomes a ``LaunchError`` naming the kernel, handed to
-    ``mark.fail`` (its outputs are marked) and raised: the stream reports it at its next
-    completion (``_execute``)."""
+    """Run one launch on this thread. Anything the body raises (any exception: a
+    ``ServerError`` of its own, ``SystemExit`` or ``KeyboardInterrupt`` raised by it included)
+    becomes a ``LaunchError`` naming the kernel, handed to ``mark.fail`` (its outputs are
+    marked) and raised: the stream reports it at its next completion (``_execute``); the
+    worker thread goes on."""
     if not isinstance(count, tuple):         # indirect: three u32 read now
-        count = tuple(int(v) for v in np.frombuffer(count, np.uint32, 3))
+        count = _counts(count)
     if count[0] and count[1] and count[2]:
         try:
             fn(*views, count=count, **kwargs)
-        except Exception as e:  # noqa: BLE001 - kernel code is user code
+        except BaseException as e:  # noqa: BLE001 - kernel code is user code
             err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
             if mark is not None:
                 err = mark.fail(err)
@@ -196,34 +255,36 @@ class CpuBackend(Backend):
         elif not isinstance(scheduler, Scheduler):
             raise ValueError(f"scheduler must be 'thread', 'interleave', 'trace' or a Scheduler, "
                              f"got {scheduler!r}")
-        self.streams: list[CpuStream] = []
+        self.streams: dict = {}              # {index: CpuStream} of live streams
+        self._indices = itertools.count()     # stream indices, never reused (traces name them)
         self.scheduler = scheduler
         self.enqueued = 0                    # items enqueued (by the server's owner only)
         self.executed = 0                    # items run (any thread; see load())
         self._executed = itertools.count(1)  # next() is atomic under the GIL
         self._bytes = 0                      # host bytes held by queued writes
         self._bytes_lock = threading.Lock()
+        self._threaded = isinstance(scheduler, ThreadScheduler)
         scheduler.attach(self)
         self.closed = False
 
     def load(self) -> tuple:
         """``(items, bytes)`` enqueued on the streams and not yet run (design.md section 1).
         ``(0, 0)`` under the interleaving scheduler, which runs nothing until someone waits."""
-        if not isinstance(self.scheduler, ThreadScheduler):
+        if not self._threaded:
             return (0, 0)
         return (self.enqueued - self.executed, self._bytes)
 
     def release_stream(self, stream) -> bool:
-        """Drop ``stream`` from the scheduler's list once its queue is empty (True), so a pick
-        is linear in live streams only; False while it has work."""
+        """Forget ``stream`` once its queue is empty and nothing runs it (True); False while it
+        has work. Errors its work left and no completion reported go to ``failures``."""
         lock = getattr(self.scheduler, "cv", None) or threading.Lock()
         with lock:
             if not self.scheduler.is_idle(stream):
                 return False
-            try:
-                self.streams.remove(stream)
-            except ValueError:
-                pass
+            self.streams.pop(stream.index, None)
+            if stream.errors:            # never dropped: raised by any stream's next call
+                self.failures.extend(stream.errors)
+                stream.errors = []
         return True
 
     # -- execution (scheduler side) ----------------------------------------------------------
@@ -235,19 +296,25 @@ class CpuBackend(Backend):
             self.on_room()
 
     def _execute(self, s: CpuStream, kind, payload) -> None:
-        if kind == _RUN:
+        if kind == _CALL:                   # no library pool: outside the thread rule
+            try:
+                payload()
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
+                    f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+        elif kind == _RUN:
             RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
-            except Exception as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
             finally:
                 RULE.exit()
         elif kind == _SIGNAL:
             if isinstance(payload, CpuEvent):
                 payload.done = True
-                self.scheduler.notify_all()
+                self.scheduler.event_done(payload)
             else:
                 if s.errors:
                     errs, s.errors = s.errors, []
@@ -255,11 +322,11 @@ class CpuBackend(Backend):
                 else:
                     payload.set(payload.value)
 
-    def _enqueue(self, s: CpuStream, kind, payload) -> None:
+    def _enqueue(self, s: CpuStream, kind, payload, defer: bool = False) -> None:
         if self.closed:
             raise ServerClosed("cpu backend is closed")
         self.enqueued += 1
-        self.scheduler.push(s, (kind, payload))
+        self.scheduler.push(s, (kind, payload), defer)
 
     # -- memory -------------------------------------------------------------------------------
     def alloc(self, nbytes):
@@ -273,8 +340,8 @@ class CpuBackend(Backend):
 
     # -- streams and events -------------------------------------------------------------------
     def new_stream(self):
-        s = CpuStream(len(self.streams))
-        self.streams.append(s)
+        s = CpuStream(next(self._indices))
+        self.streams[s.index] = s
         return s
 
     def record_event(self, stream):
@@ -289,11 +356,14 @@ class CpuBackend(Backend):
         if not event.done:
             self._enqueue(stream, _WAIT, event)
 
+    def idle(self, stream):
+        return not stream.q and not stream.busy and not stream.errors and not self.closed
+
     def synchronize(self, stream):
         if self.scheduler.is_idle(stream) and not stream.errors:
             return Completion.ready()
         comp = Completion()
-        self._enqueue(stream, _SIGNAL, comp)
+        self._enqueue(stream, _SIGNAL, comp, True)
         return self.scheduler.settle(comp, stream)
 
     # -- copies -------------------------------------------------------------------------------
@@ -308,7 +378,8 @@ class CpuBackend(Backend):
                     self._bytes -= n
         with self._bytes_lock:
             self._bytes += n
-        self._enqueue(stream, _RUN, write)
+        small = n <= DEFER_BYTES
+        self._enqueue(stream, _CALL if small else _RUN, write, small)
 
     def copy_out(self, stream, buf, nbytes):
         comp = Completion()
@@ -316,8 +387,8 @@ class CpuBackend(Backend):
 
         def read():
             comp.value = src[:nbytes].copy()
-        self._enqueue(stream, _RUN, read)
-        self._enqueue(stream, _SIGNAL, comp)
+        self._enqueue(stream, _CALL if nbytes <= DEFER_BYTES else _RUN, read, True)
+        self._enqueue(stream, _SIGNAL, comp, True)
         return self.scheduler.settle(comp, stream)
 
     # -- kernels ------------------------------------------------------------------------------
@@ -347,7 +418,9 @@ class CpuBackend(Backend):
 
     def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        self._enqueue(stream, _RUN, lambda: _run_launch(fn, views, kwargs, count, name, mark))
+        small = sum(v.nbytes for v in views) <= DEFER_BYTES
+        self._enqueue(stream, _CALL if small and hasattr(fn, "bind") else _RUN,
+                      lambda: _run_launch(fn, views, kwargs, count, name, mark), small)
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -360,15 +433,25 @@ class CpuBackend(Backend):
         return CpuGraph(tuple(recording.stack[0]))
 
     def launch_graph(self, stream, graph, mark=None):
-        launches = graph.launches
         if graph.nodes:
+            launches = graph.launches
             self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
             return
+        calls, names = graph.calls, graph.names
 
         def replay():
-            for launch in launches:   # a failing launch stops the replay: the rest never runs
-                _run_launch(*launch, mark, " (in a graph replay)")
-        self._enqueue(stream, _RUN, replay)
+            f = None
+            try:
+                for f in calls:     # a failing launch stops the replay: the rest never runs
+                    f()
+            except BaseException as e:  # noqa: BLE001 - kernel code is user code
+                name = next(n for c, n in zip(calls, names) if c is f)
+                err = LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
+                                  f"{type(e).__name__}: {e}")
+                if mark is not None:
+                    err = mark.fail(err)
+                raise err from e
+        self._enqueue(stream, _CALL if graph.plain else _RUN, replay, graph.small)
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list
@@ -414,6 +497,7 @@ class CpuBackend(Backend):
                     out.append(node)
             return tuple(out)
         graph.launches = patch(graph.launches)
+        graph.rebind()
         return graph
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -425,7 +509,7 @@ class CpuBackend(Backend):
         self.closed = True
         self.scheduler.close()
         err = ServerClosed("the cpu server was shut down before this work ran")
-        for s in self.streams:
+        for s in list(self.streams.values()):
             while s.q:
                 kind, payload = s.q.popleft()
                 if kind == _SIGNAL and isinstance(payload, Completion):

@@ -10,14 +10,22 @@
 - :class:`TraceScheduler` (``scheduler="trace", trace=...``): runs a recorded trace again, so a
   failing schedule stays reproducible after the code around it changed.
 
-A scheduler sees the backend through ``backend.streams`` (each with ``q``, a deque of
-``(kind, payload)`` items, ``busy`` and ``index``) and ``backend.execute(stream, kind,
-payload)``; item kinds are ``RUN`` (a callable), ``WAIT`` (an event: runnable once
-``event.done``) and ``SIGNAL`` (an event or a completion to finish).
+A scheduler sees the backend through ``backend.streams`` (``{index: stream}``, each stream with
+``q``, a deque of ``(kind, payload)`` items, ``busy``, ``sched``, ``pending`` and ``index``: a
+number never reused, in order of creation) and ``backend.execute(stream, kind, payload)``; item
+kinds are ``RUN`` (a callable; ``CALL``: one that uses no library thread pool), ``WAIT`` (an
+event: runnable once ``event.done``) and ``SIGNAL`` (an event or a completion to finish). The
+backend calls :meth:`Scheduler.event_done` when an event completes.
+
+Cost: a pick looks only at streams that have work (the thread scheduler: a FIFO of runnable
+streams; a stream whose head waits on an event sits on that event's ``waiters`` until it
+completes; the interleaving scheduler: the streams with queued items), never at every stream
+ever created: a server with thousands of idle streams schedules as fast as one with a few.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import threading
@@ -26,6 +34,17 @@ from ..errors import LaunchError
 from .base import Completion
 
 RUN, WAIT, SIGNAL = 0, 1, 2
+#: a ``RUN`` item that uses no library thread pool (a copy, numpy ufunc calls): it runs
+#: outside the thread rule's count (``runtime.kernels.threads``); schedulers treat it as ``RUN``.
+CALL = 3
+#: items a ``ThreadScheduler`` leaves queued without waking a worker (``push(defer=True)``):
+#: past this backlog it wakes one.
+DEFER_MAX = 16
+#: seconds deferred work waits at most for a caller before the polling worker runs it.
+DEFER_S = 0.005
+#: a stream's ``sched`` state in the thread scheduler: in no list, in ``ready``, on an event's
+#: ``waiters``.
+IDLE, READY, BLOCKED = 0, 1, 2
 
 
 class Scheduler:
@@ -38,12 +57,21 @@ class Scheduler:
     def notify(self) -> None:
         """Work was enqueued."""
 
-    def push(self, stream, item) -> None:
-        """Append ``item`` to ``stream``'s queue and let a worker know."""
+    def push(self, stream, item, defer: bool = False) -> None:
+        """Append ``item`` to ``stream``'s queue and let a worker know (``defer``: the work is
+        small and a caller will probably wait for it soon; a scheduler may leave it for that
+        caller to run, see ``ThreadScheduler``)."""
         stream.q.append(item)
+
+    def kick(self) -> None:
+        """Make sure deferred work runs without a caller waiting for it."""
 
     def notify_all(self) -> None:
         """An event completed: streams waiting on it may run."""
+
+    def event_done(self, event) -> None:
+        """``event`` completed (``event.done`` is set): streams waiting on it may run."""
+        self.notify_all()
 
     def settle(self, comp: Completion, stream) -> Completion:
         """Called by the server's owner after enqueuing the item on ``stream`` that finishes
@@ -59,7 +87,23 @@ class ThreadScheduler(Scheduler):
 
     A stream is run by at most one worker at a time (per-stream FIFO); different streams run
     concurrently (numpy releases the GIL in large operations), so a stream blocked on an event
-    or a long kernel does not hold up the others.
+    or a long kernel does not hold up the others. Runnable streams wait in ``ready`` (FIFO, so
+    streams take turns); a stream whose head waits on an event is parked on the event's
+    ``waiters`` until :meth:`event_done`; a stream given deferred work is noted in ``deferred``
+    (a lock-free append) and made ready when a worker looks: a pick never scans idle or
+    blocked streams.
+
+    Small work is not handed to a worker (issue 26, the combining idea applied to execution):
+    an item pushed with ``defer=True`` stays queued without waking a worker, and the caller
+    that waits for it (a read, a sync: :meth:`help`) runs its stream's queue itself, in order,
+    on its own thread. That saves the two thread hand-offs (a wake-up, the GIL passed to the
+    worker and back), which cost more than tiny work itself. A worker is woken as before when
+    the work is large (not deferred), when more than :data:`DEFER_MAX` items wait
+    unannounced, when a waiting caller cannot make progress itself (its stream waits on
+    another stream's event), and by :meth:`kick`. Nobody has to wait for deferred work to
+    run: worker 0 polls every :data:`DEFER_S` while deferred pushes keep coming (one wake-up
+    when they start again after a pause), so a fire-and-forget launch runs within a few
+    milliseconds on its own (a stream is asynchronous to the caller, design.md section 3).
 
     Args:
         workers: worker threads (default 4).
@@ -71,11 +115,16 @@ class ThreadScheduler(Scheduler):
     def attach(self, backend):
         super().attach(backend)
         self.cv = threading.Condition()
+        self.ready = collections.deque()      # streams that may be runnable (sched == READY)
+        self.deferred = collections.deque()   # streams given deferred work (pending == True)
         self.waiting = 0
         self.closed = False
-        self.rr = 0
-        self.threads = [threading.Thread(target=self._loop, name=f"runtime-cpu-worker-{k}",
-                                         daemon=True) for k in range(self.workers)]
+        self.pushes = 0                 # deferred pushes so far (by the server's owner only)
+        self._seen = 0                  # ... when the polling worker last looked
+        self.poller_asleep = False      # the polling worker waits without a timeout
+        self.threads = [threading.Thread(target=self._loop, args=(k == 0,),
+                                         name=f"runtime-cpu-worker-{k}", daemon=True)
+                        for k in range(self.workers)]
         for t in self.threads:
             t.start()
 
@@ -84,38 +133,98 @@ class ThreadScheduler(Scheduler):
             with self.cv:
                 self.cv.notify()
 
-    def push(self, s, item):
+    def push(self, s, item, defer=False):
+        if defer:
+            be = self.backend
+            if be.enqueued - be.executed <= DEFER_MAX:
+                s.q.append(item)            # left for the caller that waits (help) to run
+                if not s.pending:           # (a worker clears it, then looks at s.q)
+                    s.pending = True
+                    self.deferred.append(s)
+                self.pushes += 1
+                if self.poller_asleep:      # (read after the count: see _loop)
+                    with self.cv:
+                        self.cv.notify_all()
+                return
         with self.cv:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
+            if s.sched == IDLE and not s.busy:
+                s.sched = READY
+                self.ready.append(s)
+                if self.waiting:
+                    self.cv.notify()
+
+    def _requeue(self, s) -> None:
+        """``s`` stopped running, got work or its event completed: ready again if it has work
+        (under cv)."""
+        if s.q and s.sched == IDLE and not s.busy:
+            s.sched = READY
+            self.ready.append(s)
             if self.waiting:
                 self.cv.notify()
+
+    def kick(self):
+        if self.waiting:
+            with self.cv:
+                self.cv.notify_all()
 
     def notify_all(self):
         with self.cv:
             self.cv.notify_all()
 
+    def event_done(self, event):
+        with self.cv:
+            waiters = getattr(event, "waiters", None)
+            if waiters:
+                event.waiters = None
+                for s in waiters:
+                    if s.sched == BLOCKED:
+                        s.sched = IDLE
+                        self._requeue(s)
+
     def _pick(self):
-        streams = self.backend.streams
-        n = len(streams)
-        for k in range(n):
-            s = streams[(self.rr + k) % n]
-            if s.q and not s.busy:
-                kind, payload = s.q[0]
-                if kind != WAIT or payload.done:
-                    self.rr = (self.rr + k + 1) % n
-                    s.busy = True               # before popleft: see is_idle
-                    s.q.popleft()
-                    return s, kind, payload
+        deferred, ready = self.deferred, self.ready
+        while deferred:                         # streams given deferred work: ready them
+            s = deferred.popleft()
+            s.pending = False
+            self._requeue(s)
+        while ready:
+            s = ready.popleft()
+            s.sched = IDLE
+            if s.busy or not s.q:               # run elsewhere (help) or emptied meanwhile
+                continue
+            kind, payload = s.q[0]
+            if kind == WAIT and not payload.done:
+                s.sched = BLOCKED               # event_done makes it ready again
+                if payload.waiters is None:
+                    payload.waiters = []
+                payload.waiters.append(s)
+                continue
+            s.busy = True                       # before popleft: see is_idle
+            s.q.popleft()
+            return s, kind, payload
         return None
 
-    def _loop(self):
+    def _loop(self, poller=False):
         cv = self.cv
         with cv:
             while not self.closed:
                 item = self._pick()
                 if item is None:
                     self.waiting += 1
-                    cv.wait()
+                    if poller:
+                        # asleep first, then the count: a push that read asleep=False counted
+                        # before this read, so it is seen here and the wait is timed
+                        self.poller_asleep = True
+                        if self.pushes != self._seen:
+                            self._seen = self.pushes
+                            self.poller_asleep = False
+                            cv.wait(DEFER_S)
+                        else:
+                            cv.wait()
+                            self.poller_asleep = False
+                    else:
+                        cv.wait()
                     self.waiting -= 1
                     continue
                 cv.release()
@@ -124,8 +233,7 @@ class ThreadScheduler(Scheduler):
                 finally:
                     cv.acquire()
                     item[0].busy = False
-                    if item[0].q:
-                        cv.notify()             # its next item may be runnable now
+                    self._requeue(item[0])      # its next item may be runnable now
 
     def is_idle(self, stream) -> bool:
         return not stream.q and not stream.busy   # q first: a worker sets busy, then pops
@@ -137,24 +245,30 @@ class ThreadScheduler(Scheduler):
     def help(self, stream, comp) -> None:
         """Run ``stream``'s runnable head items on the calling (waiting) thread until ``comp``
         is done, unless a worker already holds the stream: saves two thread hand-offs on a
-        read or sync. Runs outside the server's lock; ``busy`` keeps per-stream FIFO."""
+        read or sync. Runs outside the server's lock; ``busy`` keeps per-stream FIFO (held for
+        the whole run, so the items are popped without the lock). When it stops short of
+        ``comp`` (the stream waits on another stream's event), the workers are woken."""
         cv = self.cv
-        while not comp.done:
-            with cv:
-                if stream.busy or not stream.q or self.closed:
-                    return
-                kind, payload = stream.q[0]
+        with cv:
+            if stream.busy or not stream.q or self.closed:
+                if not comp.done and self.waiting:
+                    cv.notify_all()
+                return
+            stream.busy = True
+        q, execute = stream.q, self.backend.execute
+        try:
+            while not comp.done and q:
+                kind, payload = q[0]
                 if kind == WAIT and not payload.done:
-                    return
-                stream.busy = True
-                stream.q.popleft()
-            try:
-                self.backend.execute(stream, kind, payload)
-            finally:
-                with cv:
-                    stream.busy = False
-                    if stream.q and self.waiting:
-                        cv.notify()
+                    break
+                q.popleft()
+                execute(stream, kind, payload)
+        finally:
+            with cv:
+                stream.busy = False
+                self._requeue(stream)
+                if not comp.done and self.waiting:
+                    cv.notify_all()             # (deferred work it waits for: see _pick)
 
     def is_alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
@@ -220,6 +334,11 @@ class InterleavingScheduler(Scheduler):
         self.seed = seed
         self.rng = random.Random(seed)
         self.picks: list = []
+        self.active: dict = {}        # {index: stream} of streams that may have queued work
+
+    def push(self, stream, item, defer: bool = False) -> None:
+        stream.q.append(item)
+        self.active[stream.index] = stream
 
     def __repr__(self):
         return f"InterleavingScheduler(seed={self.seed})"
@@ -233,10 +352,22 @@ class InterleavingScheduler(Scheduler):
         """The stream to run next among ``ready`` (runnable heads, in stream index order)."""
         return ready[self.rng.randrange(len(ready))]
 
+    def _ready(self) -> list:
+        """Streams with a runnable head, in index order (only streams with work are looked
+        at; emptied ones leave ``active``)."""
+        active = self.active
+        ready = []
+        for k in sorted(active):
+            s = active[k]
+            if not s.q:
+                del active[k]
+            elif s.q[0][0] != WAIT or s.q[0][1].done:
+                ready.append(s)
+        return ready
+
     def settle(self, comp, stream):
-        streams = self.backend.streams
         while not comp.done:
-            ready = [s for s in streams if s.q and (s.q[0][0] != WAIT or s.q[0][1].done)]
+            ready = self._ready()
             if not ready:
                 comp.fail(LaunchError("interleaving scheduler: no stream can make progress "
                                       "(an event wait that never completes)"))
@@ -285,7 +416,7 @@ class TraceScheduler(InterleavingScheduler):
         planned, streams = self.planned, self.backend.streams
         while self.step < len(planned):
             k = planned[self.step]
-            s = streams[k] if k < len(streams) else None
+            s = streams.get(k)
             if s is not None and s in ready:
                 self.step += 1
                 return s

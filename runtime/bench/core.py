@@ -8,7 +8,7 @@ under test, so it must import nothing of the runtime but its public API (``runti
 
 Rows (64 float32 per buffer; ``add_scalar`` ``y = x + 1`` ping-ponging ``a -> b -> a ...``):
 
-- ``sync``: ``client.sync()`` on an idle stream;
+- ``sync``: ``client.sync()`` on an idle stream (an untimed sync first);
 - ``launch``: one fire-and-forget ``client.launch`` (an untimed sync after every 16);
 - ``replay``: ``Graph.replay()`` of a 1-launch graph on an idle stream (the enqueue);
 - ``replay_read``: that replay plus ``client.read`` of its output, 64 floats;
@@ -77,7 +77,8 @@ def measure(reps: int, quick: bool = False) -> dict:
     fa, fb = np.zeros(ELEMS, np.float32), np.zeros(ELEMS, np.float32)
     add = np.add
 
-    def t_sync():
+    def t_sync():                             # on an idle stream
+        sync()
         t = pc()
         sync()
         return pc() - t

@@ -36,8 +36,9 @@ def units(quick: bool) -> int:
     return _plan(quick)["reps"] + 1
 
 
-def measure(backend: str, quick: bool = False, tick=None) -> dict:
-    """Tokens/s of the three modes on ``backend`` (see the module doc).
+def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
+    """Tokens/s of the three modes on ``backend`` (see the module doc). A ``budget``
+    (:class:`runtime.bench.budget.Budget`) stops the repetitions early (at least 2).
 
     Returns: ``{"tokens", "config", "modes": {mode: {"tokens_per_s": summary, "ms_per_token":
     summary} | {"skipped": why}}, "speedup_vs_eager": {mode: median ratio}}``.
@@ -75,7 +76,7 @@ def measure(backend: str, quick: bool = False, tick=None) -> dict:
         return run
     paths = {m: sample(m) for m in MODES if m not in skipped}
     try:
-        runs = interleaved(paths, plan["reps"], tick=tick)
+        runs = interleaved(paths, plan["reps"], tick=tick, budget=budget, what="decode")
     finally:
         dec.release()
     modes: dict = {}

@@ -29,7 +29,9 @@ import runtime
 import runtime.kernels as K
 from runtime.server import backend_class
 
+from .budget import unbounded
 from .timing import clock, summarize
+from .report import backends_with, cell, errbars, num, pyplot, save_png
 
 THREADS = (1, 2, 4, 8)
 N = 64                                        # floats in the noop's one binding
@@ -78,8 +80,10 @@ def paths_for(backend: str) -> list:
     return base + (["call"] if backend == "cpu" else [])
 
 
-def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None) -> dict:
-    """All paths with ``len(floors)`` client threads; returns path -> summary (µs)."""
+def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None,
+                budget=None) -> dict:
+    """All paths with ``len(floors)`` client threads; returns path -> summary (µs). A
+    ``budget`` (:class:`runtime.bench.budget.Budget`) ends it after fewer rounds (at least 2)."""
     n = len(floors)
     paths = paths_for(backend)
     samples = {p: [] for p in paths}
@@ -124,6 +128,8 @@ def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None) 
         t.start()
     try:
         for r in range(rounds):
+            if budget is not None and budget.stop(r, rounds, f"{n} thread(s)"):
+                break
             k = r % len(paths)
             for path in paths[k:] + paths[:k]:
                 current[0] = path
@@ -142,14 +148,19 @@ def run_threads(backend: str, floors: list, rounds: int, batch: int, tick=None) 
     return {p: summarize(v) for p, v in samples.items()}
 
 
-def measure(backend: str, quick: bool = False, tick=None, threads=THREADS) -> dict:
-    """Device-thread rows of ``backend``: ``{"threads": {n: {path: summary}}}``."""
+def measure(backend: str, quick: bool = False, tick=None, threads=THREADS,
+            budget=None) -> dict:
+    """Device-thread rows of ``backend``: ``{"threads": {n: {path: summary}}}``. A ``budget``
+    (:class:`runtime.bench.budget.Budget`) is shared among the thread counts in proportion
+    to the threads, each running fewer rounds once its share is spent."""
     rounds, batch = (8, 25) if quick else (40, 50)
     floors = [_floor_backend(backend) for _ in range(max(threads))]
     out = {"rounds": rounds, "batch": batch, "threads": {}}
+    parts = (budget or unbounded()).split(threads)
     try:
         for n in threads:
-            out["threads"][str(n)] = run_threads(backend, floors[:n], rounds, batch, tick)
+            out["threads"][str(n)] = run_threads(backend, floors[:n], rounds, batch, tick,
+                                                 next(parts))
     finally:
         for f in floors:
             f["backend"].close()
@@ -159,3 +170,70 @@ def measure(backend: str, quick: bool = False, tick=None, threads=THREADS) -> di
 def units(quick: bool, threads=THREADS) -> int:
     """Progress-bar units ``measure`` reports (one per round per thread count)."""
     return (8 if quick else 40) * len(threads)
+
+
+# -- report: targets, markdown, plot (the Section hooks of runtime/bench/suite.py) ----------------
+#: the blocking-call target: ``client.sync()`` on an idle stream, cpu, one client thread (µs p50).
+GOAL_SYNC_US = 5.0
+PATH_NAMES = {"sync": "runtime `sync()`", "sync_floor": "backend `synchronize` (floor)",
+              "launch": "runtime `launch(noop)`", "launch_floor": "backend `launch` (floor)",
+              "call": "numpy `noop` call"}
+
+
+def targets(result: dict) -> list:
+    """The blocking-call target (cpu, one client thread): ``[{"backend", "target", "value",
+    "met"}]``."""
+    out = []
+    for b, res in result["backends"].items():
+        dt = res.get("device_thread", {}).get("threads", {})
+        if b == "cpu" and "1" in dt:
+            v = dt["1"]["sync"]["p50"]
+            out.append({"backend": b, "target": f"blocking `sync()` < {GOAL_SYNC_US:g} µs p50",
+                        "value": f"{num(v)} µs", "met": v < GOAL_SYNC_US})
+    return out
+
+def _device_thread_md(b: str, dt: dict) -> list:
+    threads = list(dt["threads"])
+    head = "| path | " + " | ".join(f"{n} thread{'s' if n != '1' else ''}" for n in threads) + " |"
+    lines = [head, "|---|" + "---|" * len(threads)]
+    for p in dt["threads"][threads[0]]:
+        cells = [cell(dt["threads"][n][p], p99=True) for n in threads]
+        lines.append(f"| {PATH_NAMES.get(p, p)} | " + " | ".join(cells) + " |")
+    return lines
+
+def markdown(result: dict, img) -> list:
+    """Markdown of the device-thread section (``img(name, alt)`` gives a plot's lines)."""
+    lines = ["## Device-thread cost (µs per call)", "",
+             "Each client thread has its own stream; the floor rows call the backend's verbs on "
+             "a private backend instance per thread (no queue, no server)."]
+    for b, res in result["backends"].items():
+        dt = res.get("device_thread", {})
+        lines += ["", f"### {b}", ""]
+        lines += _device_thread_md(b, dt) if "threads" in dt else [f"error: {dt.get('error')}"]
+    return lines + img("device_thread.png", "device-thread cost")
+
+def plot(result: dict, folder: Path) -> list:
+    """``device_thread.png`` (µs per call vs client threads) into ``folder``; the paths written.
+
+    Raises: ``ImportError`` without matplotlib.
+    """
+    have = backends_with(result, "device_thread", "threads")
+    if not have:
+        return []
+    plt = pyplot()
+    import matplotlib.ticker
+    fig, axes = plt.subplots(1, len(have), figsize=(5 * len(have), 3.6), squeeze=False)
+    for ax, (b, dt) in zip(axes[0], have):
+        ns = list(dt["threads"])
+        for p in dt["threads"][ns[0]]:
+            ss = [dt["threads"][n][p] for n in ns]
+            ax.errorbar([int(n) for n in ns], [s["p50"] for s in ss], yerr=errbars(ss),
+                        marker="o", capsize=2, label=p, ls="--" if "floor" in p else "-")
+        if b == "cpu":
+            ax.axhline(GOAL_SYNC_US, color="r", lw=0.7, ls=":", label="sync goal")
+        ax.set(xscale="log", yscale="log", title=b, xlabel="client threads",
+               ylabel="µs per call (p50, p10–p90)")
+        ax.set_xticks([int(n) for n in ns], ns)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend(fontsize=7)
+    return [save_png(plt, fig, folder, "device_thread.png")]

@@ -118,7 +118,7 @@ class _Loop:
         self.thread.join(self.limit_s)
 
 
-def replay_under_read(backend: str, plan: dict, tick=None) -> dict:
+def replay_under_read(backend: str, plan: dict, tick=None, budget=None) -> dict:
     """(a): B's ``replay()`` call latency alone vs while A replays and reads a heavy result."""
     a = runtime.client(backend)
     a.set_stream(runtime.StreamId.new())
@@ -142,6 +142,8 @@ def replay_under_read(backend: str, plan: dict, tick=None) -> dict:
     samples = {"alone": [], "with_a": []}
     try:
         for r in range(plan["rounds"]):
+            if budget is not None and budget.stop(r, plan["rounds"], "replay_under_read rounds"):
+                break
             phases = ["alone", "with_a"] if r % 2 == 0 else ["with_a", "alone"]
             for phase in phases:
                 if phase == "with_a":
@@ -202,7 +204,7 @@ def _flood_launch(c, st):
     c.launch(K.add_scalar, 1, [st["x"], st["y"]], {"alpha": 1.0, "n": 64})
 
 
-def read_under_flood(backend: str, plan: dict, tick=None) -> dict:
+def read_under_flood(backend: str, plan: dict, tick=None, budget=None) -> dict:
     """(b): a 16-byte read's latency, idle vs during a 4-thread launch flood."""
     c = runtime.client(backend)
     c.set_stream(runtime.StreamId.new())
@@ -211,6 +213,8 @@ def read_under_flood(backend: str, plan: dict, tick=None) -> dict:
     samples = {"idle": [], "flood": []}
     launches = 0
     for r in range(plan["rounds"]):
+        if budget is not None and budget.stop(r, plan["rounds"], "read_under_flood rounds"):
+            break
         for phase in (["idle", "flood"] if r % 2 == 0 else ["flood", "idle"]):
             done = _flooders(backend, _flood_launch) if phase == "flood" else None
             end = clock() + plan["flood_s"]
@@ -235,14 +239,19 @@ def _churn(c, st):
     h.release()
 
 
-def rss_flood(backend: str, plan: dict, tick=None) -> dict:
-    """(c): RSS while four threads loop unsynced empty + launch + release."""
+def rss_flood(backend: str, plan: dict, tick=None, budget=None) -> dict:
+    """(c): RSS while four threads loop unsynced empty + launch + release, for ``plan["rss_s"]``
+    seconds or what is left of ``budget`` if less (at least 3 s; the cut is recorded)."""
+    seconds = plan["rss_s"]
+    if budget is not None and budget.left() < seconds:
+        seconds = max(3.0, budget.left())
+        budget.cut(f"rss_flood: {seconds:.0f} of {plan['rss_s']:g} s")
     runtime.client(backend).sync()
     start = rss_mb()
     series, stopped = [], False
     t0 = clock()
     done = _flooders(backend, _churn)
-    while clock() - t0 < plan["rss_s"]:
+    while clock() - t0 < seconds:
         time.sleep(0.5)
         now = rss_mb()
         series.append((round(clock() - t0, 2), round(now, 1)))
@@ -263,18 +272,21 @@ def rss_flood(backend: str, plan: dict, tick=None) -> dict:
             "target": "flat: growth <= +100 MB", "met": growth <= 100 and not stopped}
 
 
-def measure(backend: str, quick: bool = False, tick=None) -> dict:
+def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
     """All three measurements on ``backend``: ``{"replay_under_read", "read_under_flood",
     "rss_flood", "plan"}``. In the suite, ``--quick`` runs the section on cpu only (lavapipe's
-    384x384 matmuls take seconds): ``{"skipped": why}`` elsewhere."""
+    384x384 matmuls take seconds): ``{"skipped": why}`` elsewhere. A ``budget``
+    (:class:`runtime.bench.budget.Budget`) is shared (a) 1 : (b) 1 : (c) 2; each runs fewer
+    rounds (at least 2) or a shorter growth phase once its share is spent."""
     if quick and tick is not None and backend != "cpu":
         tick(units(quick))
         return {"skipped": "--quick runs the stalls section on cpu only"}
     plan = _plan(backend, quick)
     out = {"plan": plan}
-    out["replay_under_read"] = replay_under_read(backend, plan, tick)
-    out["read_under_flood"] = read_under_flood(backend, plan, tick)
-    out["rss_flood"] = rss_flood(backend, plan, tick)
+    parts = budget.split([1, 1, 2]) if budget is not None else iter([None] * 3)
+    out["replay_under_read"] = replay_under_read(backend, plan, tick, next(parts))
+    out["read_under_flood"] = read_under_flood(backend, plan, tick, next(parts))
+    out["rss_flood"] = rss_flood(backend, plan, tick, next(parts))
     return out
 
 

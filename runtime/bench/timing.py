@@ -32,7 +32,8 @@ def summarize(samples, scale: float = 1e6) -> dict:
 
 
 def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = None,
-                every: dict | None = None, settle: Callable | None = None) -> dict:
+                every: dict | None = None, settle: Callable | None = None,
+                budget=None, what: str = "", min_reps: int = 2) -> dict:
     """Run each path once per repetition, rotating the order; collect what each returns.
 
     Args:
@@ -46,12 +47,17 @@ def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = N
             on lavapipe: without it, whichever path ran right after 1000 eager launches was
             ~1.4x slower (a sync alone did not help, a 100 ms pause did: the aftermath is
             time-based), and the rotation made that land unevenly on the paths.
+        budget: a :class:`runtime.bench.budget.Budget`: stop after the repetition in which it
+            ran out (at least ``min_reps`` run), recording the cut as ``what`` (the report
+            lists it). None: all ``reps``.
     Returns: name -> list of seconds, or name -> metric -> list of seconds.
     """
     names = list(paths)
     every = every or {}
     out: dict = {n: None for n in names}
     for r in range(reps):
+        if budget is not None and budget.stop(r, reps, what or "+".join(names), min_reps):
+            break
         k = r % len(names)
         for name in names[k:] + names[:k]:
             if r % every.get(name, 1):
@@ -75,7 +81,8 @@ def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = N
 
 def compare(paths: dict[str, Callable[[], object]], reps: int = 30, *, warmup: int = 1,
             settle: Callable[[], object] | None = None, pause_s: float = 0.0,
-            scale: float = 1e6, tick: Callable | None = None) -> dict:
+            scale: float = 1e6, tick: Callable | None = None, budget=None,
+            what: str = "") -> dict:
     """Time several ways of doing one piece of work side by side, as ``python -m runtime bench``.
 
     Each repetition calls every path once, in an order rotated from one repetition to the next
@@ -100,6 +107,8 @@ def compare(paths: dict[str, Callable[[], object]], reps: int = 30, *, warmup: i
             long pass is time-based and only a pause clears it (50 ms served the suite).
         scale: unit of the returned numbers: 1e6 = µs (default), 1e3 = ms.
         tick: called after every repetition (a progress bar's ``update``).
+        budget: a :class:`runtime.bench.budget.Budget`: fewer repetitions (at least 2) once it
+            ran out, the cut recorded as ``what`` (see :func:`interleaved`).
     Returns: name -> ``{"p50", "p10", "p90", "p99", "n"}`` in the unit of ``scale``
         (:func:`summarize`); ``p50`` is the median.
     Raises: ``ValueError`` (no paths, ``reps < 1``, ``warmup < 0``, ``pause_s < 0``),
@@ -132,7 +141,7 @@ def compare(paths: dict[str, Callable[[], object]], reps: int = 30, *, warmup: i
             return clock() - t
         return sample
     samples = interleaved({name: timed(fn) for name, fn in paths.items()}, reps, tick,
-                          settle=after)
+                          settle=after, budget=budget, what=what)
     return {name: summarize(s, scale) for name, s in samples.items()}
 
 

@@ -3,19 +3,30 @@
 Usage::
 
     python -m runtime embed-corpus corpus.jsonl --out corpus.parquet [--text-column text]
-        [--ray [--address ray://head:10001] [--actors 2] [--actor-cpus 1]]
-        [--backend cpu|wgpu|cuda|auto] [--batch-size 256] [--max-graphs 8] [--model-dir DIR]
-        [--seq-buckets 16,32,64,128,256]
+        [--backend cpu|wgpu|cuda|auto] [--batch-size 256] [--block-rows 4096]
+        [--max-graphs 8] [--model-dir DIR] [--seq-buckets 16,32,64,128,256]
+    python -m runtime embed-corpus corpus.jsonl --out corpus_embedded/ --ray [--resume]
+        [--single-file] [--address ray://head:10001] [--actors 2] [--actor-cpus 1] ...
+
+Without ``--ray`` the output is one Parquet file. With ``--ray`` it is a folder, a Parquet
+dataset the Ray workers write (``part-NNNNNN.parquet`` per block, ``input_row`` first);
+``--single-file`` merges it into the one file ``--out`` instead; ``--resume`` finishes a run
+that crashed or was stopped, skipping the blocks it had written.
 
 Exit status: 0 when every row was embedded, 1 when some rows failed (they are in the output
 with a null ``embedding`` and the reason in ``embedding_error``; the first ones are printed),
-2 on bad input (missing file, unknown format, no such column).
+2 on bad input (missing file, unknown format, a text column in no row, no rows), 130 when
+interrupted (SIGINT or SIGTERM: no ``.partial`` file is left; with ``--ray`` the finished
+blocks stay for ``--resume``). The in-process and ``--ray`` paths give the same rows and the
+same status on every input.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .. import flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,13 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 "Parquet file with all-MiniLM-L6-v2; write Parquet with the "
                                 "original columns plus 'embedding' (float32 x 384), in order.")
     p.add_argument("input", help="a .jsonl, .csv or .parquet file")
-    p.add_argument("--out", required=True, help="the Parquet file to write")
+    p.add_argument("--out", required=True,
+                   help="the Parquet file to write (with --ray: the dataset folder)")
     p.add_argument("--text-column", default="text", help="the column holding the texts")
     p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
                    help="device backend of each embedder (default: cpu)")
-    p.add_argument("--batch-size", type=int, default=256, help="rows per embedder call")
-    p.add_argument("--max-graphs", type=int, default=8, help="most bucket graphs per embedder")
-    p.add_argument("--seq-buckets", type=_sizes, default=None, metavar="N,N,...",
+    p.add_argument("--batch-size", type=flags.positive(int), default=256,
+                   help="rows per embedder call")
+    p.add_argument("--block-rows", type=flags.positive(int), default=4096,
+                   help="rows per block: the unit each worker reads, embeds and writes, and "
+                   "that --resume skips (default 4096)")
+    p.add_argument("--max-graphs", type=flags.positive(int), default=8,
+                   help="most bucket graphs per embedder")
+    p.add_argument("--seq-buckets", type=flags.seq_sizes, default=None, metavar="N,N,...",
                    help="sequence-length buckets in tokens, the last >= 256 (default "
                         "16,32,64,128,256; add 8 for corpora of very short texts)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
@@ -39,37 +56,53 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ray", action="store_true", help="embed with a Ray Data actor pool")
     g.add_argument("--address", default=None,
                    help="Ray cluster to join (default: start a local one on 127.0.0.1)")
-    g.add_argument("--actors", type=int, default=1, help="actors (one model + device each)")
-    g.add_argument("--actor-cpus", type=float, default=1.0,
+    g.add_argument("--actors", type=flags.positive(int), default=1,
+                   help="actors (one model + device each)")
+    g.add_argument("--resume", action="store_true",
+                   help="finish the run that wrote --out: skip its finished blocks")
+    g.add_argument("--single-file", action="store_true",
+                   help="merge the dataset into the one Parquet file --out")
+    g.add_argument("--actor-cpus", type=flags.non_negative(float), default=1.0,
                    help="Ray CPUs per actor (--backend cuda asks one GPU each)")
     return p
 
 
-def _sizes(text: str) -> tuple:
-    """argparse type: ``"8,32,256"`` -> ``(8, 32, 256)``."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
-
-
 def main(argv=None) -> int:
     """Run ``embed-corpus``; returns the exit status (see the module docstring)."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    import signal
+
+    p = build_parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    for flag in ("resume", "single_file", "address"):
+        if getattr(args, flag) not in (None, False) and not args.ray:
+            p.error(f"argument --{flag.replace('_', '-')}: only with --ray")
     from .run import embed_corpus
 
     settings = {"backend": None if args.backend == "auto" else args.backend,
                 "model_dir": args.model_dir, "max_graphs": args.max_graphs,
                 "seq_buckets": args.seq_buckets}
+    # SIGTERM stops the run as Ctrl-C does: the with-blocks clean up (no .partial file left)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.ray:
         from ..cluster import init_ray
         init_ray(args.address)
-    summary = embed_corpus(args.input, args.out, text_column=args.text_column,
-                           use_ray=args.ray, actors=args.actors, batch_size=args.batch_size,
-                           actor_cpus=args.actor_cpus, **settings)
+    try:
+        summary = embed_corpus(args.input, args.out, text_column=args.text_column,
+                               use_ray=args.ray, actors=args.actors,
+                               batch_size=args.batch_size, block_rows=args.block_rows,
+                               actor_cpus=args.actor_cpus, resume=args.resume,
+                               single_file=args.single_file, **settings)
+    except KeyboardInterrupt:
+        if args.ray:
+            print(f"interrupted: the finished blocks are in {args.out}"
+                  f"{'.parts' if args.single_file else ''}; rerun with --resume to finish",
+                  file=sys.stderr)
+        raise
+    resumed = f" ({summary.resumed} of {summary.blocks} blocks resumed)" if summary.resumed \
+        else ""
     print(f"{summary.rows} rows -> {summary.output} in {summary.seconds:.1f} s "
           f"({summary.rows / max(summary.seconds, 1e-9):.1f} rows/s); "
-          f"{summary.failed} failed", file=sys.stderr)
+          f"{summary.failed} failed{resumed}", file=sys.stderr)
     for row, msg in summary.failures:
         print(f"  row {row}: {msg}", file=sys.stderr)
     return 1 if summary.failed else 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..serving.batcher import BatchFailed
+from .files import TEXT_ERROR
 
 #: Name of the added column: ``fixed_size_list<float32>[384]``, null where the row failed.
 EMBEDDING = "embedding"
@@ -42,7 +43,9 @@ class CorpusEmbedder:
         """Embed one batch.
 
         Args:
-            batch: a ``pyarrow.Table`` with :attr:`text_column` (any other columns ride along).
+            batch: a ``pyarrow.Table`` with :attr:`text_column` (any other columns ride along;
+                a :data:`~runtime.corpus.files.TEXT_ERROR` column, from ``read_block``, gives
+                the reason of rows whose text was not a string, and is dropped).
         Returns: the same rows, in the same order, with two columns appended: :data:`EMBEDDING`
             (``fixed_size_list<float32>[hidden]``, unit L2 norm) and :data:`ERROR`. A row whose
             text is null or not a string, or whose batch failed even alone, keeps its place with
@@ -53,6 +56,10 @@ class CorpusEmbedder:
         """
         import pyarrow as pa
 
+        reasons = None
+        if TEXT_ERROR in batch.column_names:           # read_block's: why a text is not one
+            reasons = batch.column(TEXT_ERROR).to_pylist()
+            batch = batch.drop_columns([TEXT_ERROR])
         missing = [c for c in (self.text_column,) if c not in batch.column_names]
         taken = [c for c in (EMBEDDING, ERROR) if c in batch.column_names]
         if missing or taken:
@@ -65,6 +72,8 @@ class CorpusEmbedder:
         errors = [None if isinstance(v, str) else
                   ("the text is null" if v is None else
                    f"the text is {type(v).__name__}, not a string") for v in values]
+        if reasons is not None:
+            errors = [r or e for r, e in zip(reasons, errors)]
         rows = [i for i, e in enumerate(errors) if e is None]
         if rows:
             try:

@@ -1,9 +1,18 @@
-"""Corpus files: JSON Lines, CSV or Parquet in (pyarrow's readers, or Ray Data's), one Parquet
-file out (pyarrow's ``ParquetWriter``), written batch by batch in input order."""
+"""Corpus files: JSON Lines, CSV or Parquet in, read block by block; Parquet out.
+
+:func:`plan_input` reads the input once, streaming, and splits it into blocks of rows (byte
+ranges of JSON Lines/CSV records, row ranges of Parquet) with one set of column types for the
+whole file; :func:`read_block` reads one block alone, in any process (the in-process path and
+every Ray worker), so every path reads the same rows with the same types. The text column is
+never type-inferred: a number, an object, a missing field or a line that is not JSON becomes a
+row with a null text and the reason, kept in the output. :class:`ParquetSink` writes tables to
+one Parquet file through a ``.partial`` file renamed when complete.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Input formats by file extension (JSON means JSON Lines: one object per line).
@@ -25,69 +34,285 @@ def input_format(path) -> str:
     return fmt
 
 
-def _csv_options(text_column: str) -> dict:
-    """Read the text column of a CSV as strings (never inferred as numbers)."""
+#: The row-index column of the Ray path's dataset output: each row's 0-based row in the input
+#: (rows sort back into input order by it).
+ROW_INDEX = "input_row"
+#: A private column of :func:`read_block`'s tables: why a row's text is not a string (missing
+#: field, a number, a line that is not JSON), read and dropped by the embedder.
+TEXT_ERROR = "__text_error__"
+#: Rows per block: the unit of reading, embedding, writing and resuming.
+BLOCK_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of input rows: ``index``, its first row (0-based, data rows only) and row
+    count; ``start``/``end`` are its byte range (JSON Lines, CSV) or row range (Parquet)."""
+
+    index: int
+    first_row: int
+    rows: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How an input file splits into blocks, and the column types every block is read with
+    (so each block, read alone by any process, gives the same schema).
+
+    Attributes: path, fmt (``"json"``/``"csv"``/``"parquet"``), text_column, block_rows,
+        blocks (:class:`Block`, in input order), columns (``(name, pyarrow type)`` pairs in
+        input order; the text column is always ``string``), header (CSV: the header record's
+        bytes), size and mtime_ns (the file's, to refuse resuming over a changed input).
+    """
+
+    path: str
+    fmt: str
+    text_column: str
+    block_rows: int
+    blocks: tuple
+    columns: tuple
+    header: bytes = b""
+    size: int = 0
+    mtime_ns: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Data rows in the input."""
+        return sum(b.rows for b in self.blocks)
+
+    def key(self) -> dict:
+        """What identifies this plan (a resumed run must find the same)."""
+        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
+                "text_column": self.text_column, "block_rows": self.block_rows,
+                "blocks": len(self.blocks)}
+
+
+def _kind(v) -> str:
+    """The JSON value kind that decides a column's type."""
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int" if -2**63 <= v < 2**63 else "json"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    return "json"                                   # lists, objects
+
+
+def _json_type(kinds: set):
+    """A column's type from the kinds of its non-null values across the whole file: one kind
+    gives its type, int and float give float64, anything else (mixed, lists, objects) strings
+    (JSON text for the non-strings)."""
+    import pyarrow as pa
+
+    kinds = set(kinds)
+    if kinds <= {"int"}:
+        return pa.int64() if kinds else pa.string()
+    if kinds <= {"int", "float"}:
+        return pa.float64()
+    if kinds == {"bool"}:
+        return pa.bool_()
+    return pa.string()
+
+
+def _blocks_of(ends: list, block_rows: int, start: int) -> tuple:
+    """Blocks from each data row's end offset (bytes): ``block_rows`` rows each."""
+    out = []
+    for first in range(0, len(ends), block_rows):
+        last = min(first + block_rows, len(ends))
+        out.append(Block(len(out), first, last - first, ends[first - 1] if first else start,
+                         ends[last - 1]))
+    return tuple(out)
+
+
+def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) -> Plan:
+    """Split ``path`` into blocks of ``block_rows`` rows and fix every column's type, reading
+    the file once, streaming (memory: the block offsets, not the rows).
+
+    JSON Lines: every line is parsed here to learn the columns (the union of every object's
+    keys, first-seen order) and their types (:func:`_json_type`); nothing is inferred per
+    block. CSV: records end at a newline outside quotes; the types are :func:`_csv_types`, the
+    text column ``string``. Parquet: the file's schema and row count.
+
+    Raises: ``FileNotFoundError``; ``ValueError`` (unknown format; the text column in no row:
+        exit 2); ``pyarrow.ArrowInvalid`` (a CSV or Parquet file pyarrow cannot read).
+    """
+    import pyarrow as pa
+
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    fmt = input_format(path)
+    p = Path(path).resolve()
+    st = p.stat()
+    common = {"path": str(p), "fmt": fmt, "text_column": text_column, "block_rows": block_rows,
+              "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if fmt == "json":
+        import json
+        kinds: dict = {}
+        ends, offset = [], 0
+        with open(p, "rb") as f:
+            for line in f:
+                offset += len(line)
+                if not line.strip():
+                    continue
+                ends.append(offset)
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue                      # kept as a failed row by read_block
+                if isinstance(obj, dict):
+                    for k, v in obj.items():
+                        seen = kinds.setdefault(k, set())
+                        if v is not None:
+                            seen.add(_kind(v))
+        _need_column(list(kinds), text_column)
+        columns = tuple((k, pa.string() if k == text_column else _json_type(v))
+                        for k, v in kinds.items())
+        return Plan(blocks=_blocks_of(ends, block_rows, 0), columns=columns, **common)
+    if fmt == "csv":
+        ends, parity, header, offset = [], 0, None, 0
+        with open(p, "rb") as f:
+            record = b""
+            for line in f:
+                offset += len(line)
+                if header is None:
+                    record += line
+                    parity ^= line.count(b'"') & 1
+                    if not parity:
+                        header = record
+                    continue
+                if not parity and not line.strip(b"\r\n"):
+                    continue                      # an empty line between records: skipped
+                parity ^= line.count(b'"') & 1
+                if not parity:
+                    ends.append(offset)
+        if header is None:
+            raise ValueError(f"input {str(p)!r}: a CSV file needs a header line")
+        return Plan(blocks=_blocks_of(ends, block_rows, len(header)),
+                    columns=_csv_types(p, text_column), header=header, **common)
+    from pyarrow import parquet
+    meta = parquet.ParquetFile(p).metadata
+    schema = meta.schema.to_arrow_schema()
+    _need_column(schema.names, text_column)
+    n = meta.num_rows
+    blocks = tuple(Block(i, r, min(block_rows, n - r), r, min(r + block_rows, n))
+                   for i, r in enumerate(range(0, n, block_rows)))
+    return Plan(blocks=blocks, columns=tuple((f.name, f.type) for f in schema), **common)
+
+
+def _csv_types(path, text_column: str) -> tuple:
+    """Each CSV column's type for the whole file: pyarrow's inference (on the file's first
+    block), checked by streaming every record through it; if any value does not fit, every
+    column but the text is read as strings instead. The text column is always ``string``."""
+    import pyarrow as pa
     from pyarrow import csv
 
-    return {"convert_options": csv.ConvertOptions(column_types={text_column: "string"})}
+    opts = csv.ConvertOptions(column_types={text_column: pa.string()})
+    with csv.open_csv(path, convert_options=opts) as reader:
+        schema = reader.schema
+        _need_column(schema.names, text_column)
+        try:
+            for _ in reader:
+                pass
+        except pa.ArrowInvalid:
+            return tuple((f.name, pa.string()) for f in schema)
+    return tuple((f.name, f.type) for f in schema)
 
 
-def read_table(path, text_column: str = "text"):
-    """Read the whole input file into memory, in order.
+def _need_column(names, text_column: str) -> None:
+    if text_column not in names:
+        raise ValueError(f"text column {text_column!r} not in the input's columns {list(names)}; "
+                         "pass --text-column")
 
-    Args: path: a ``.jsonl``/``.csv``/``.parquet`` file; text_column: read as strings in CSV.
-    Returns: a ``pyarrow.Table``.
-    Raises: ``FileNotFoundError``; ``ValueError`` (format); ``pyarrow.ArrowInvalid`` (bad file).
+
+def _bytes(path, block: Block) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(block.start)
+        return f.read(block.end - block.start)
+
+
+def _read_csv(data: bytes, text_column: str, types=None):
+    import io
+
+    from pyarrow import csv
+
+    column_types = dict(types or {})
+    column_types[text_column] = "string"          # never inferred as numbers
+    return csv.read_csv(io.BytesIO(data),
+                        convert_options=csv.ConvertOptions(column_types=column_types))
+
+
+def read_block(plan: Plan, block: Block):
+    """The rows of one block as a ``pyarrow.Table`` with the plan's columns and types (the
+    text column ``string``: a value that is not a string, a missing field or a line that is
+    not a JSON object is null there, with the reason in :data:`TEXT_ERROR`).
+
+    Raises: ``pyarrow.ArrowInvalid`` (a CSV value that does not fit its column's type).
     """
-    fmt = input_format(path)
-    if fmt == "json":
-        from pyarrow import json
-        return json.read_json(path)
-    if fmt == "csv":
-        from pyarrow import csv
-        return csv.read_csv(path, **_csv_options(text_column))
+    import pyarrow as pa
+
+    tc = plan.text_column
+    if plan.fmt == "json":
+        import json
+        rows, errors = [], []
+        for line in _bytes(plan.path, block).splitlines():
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                rows.append({})
+                errors.append(f"the line is not valid JSON ({str(e)[:80]})")
+                continue
+            if not isinstance(obj, dict):
+                rows.append({})
+                errors.append(f"the line is a JSON {type(obj).__name__}, not an object")
+                continue
+            rows.append(obj)
+            v = obj.get(tc)
+            errors.append("the row has no text field" if tc not in obj else
+                          None if v is None or isinstance(v, str) else
+                          f"the text is a JSON {_json_name(v)}, not a string")
+        cols = {}
+        for name, kind in plan.columns:
+            values = [r.get(name) for r in rows]
+            if name == tc:
+                values = [v if isinstance(v, str) else None for v in values]
+            elif pa.types.is_string(kind):
+                values = [v if v is None or isinstance(v, str) else json.dumps(v)
+                          for v in values]
+            cols[name] = pa.array(values, kind)
+        cols[TEXT_ERROR] = pa.array(errors, pa.string())
+        return pa.table(cols)
+    if plan.fmt == "csv":
+        t = _read_csv(plan.header + _bytes(plan.path, block), tc, plan.columns)
+        return t.append_column(TEXT_ERROR, pa.nulls(t.num_rows, pa.string()))
     from pyarrow import parquet
-    return parquet.read_table(path)
+    pf = parquet.ParquetFile(plan.path)
+    groups, first, r = [], None, 0
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if r + n > block.start and r < block.end:
+            groups.append(g)
+            first = r if first is None else first
+        r += n
+    t = pf.read_row_groups(groups).slice(block.start - first, block.rows)
+    col = t.column(tc)
+    errors = pa.nulls(t.num_rows, pa.string())
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        values = col.to_pylist()
+        errors = pa.array([None if v is None else f"the text is {col.type}, not a string"
+                           for v in values], pa.string())
+        t = t.set_column(t.column_names.index(tc), tc, pa.nulls(t.num_rows, pa.string()))
+    return t.append_column(TEXT_ERROR, errors)
 
 
-def column_names(path) -> list:
-    """The input's column names, read from its head only (Parquet footer, first CSV block,
-    first JSON line), so a wrong ``--text-column`` is refused before any work starts.
-
-    Raises: as :func:`read_table`.
-    """
-    fmt = input_format(path)
-    if fmt == "parquet":
-        from pyarrow import parquet
-        return parquet.read_schema(path).names
-    if fmt == "csv":
-        from pyarrow import csv
-        with csv.open_csv(path) as reader:
-            return reader.schema.names
-    import json
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "{}")
-    row = json.loads(first)
-    if not isinstance(row, dict):
-        raise ValueError(f"input {str(path)!r}: a JSON Lines file needs one object per line")
-    return list(row)
-
-
-def read_dataset(path, text_column: str = "text"):
-    """The input file as a Ray Data ``Dataset`` (``ray.data.read_json``/``read_csv``/
-    ``read_parquet``), for a cluster whose workers can read ``path``.
-
-    Raises: as :func:`read_table`.
-    """
-    import ray.data
-
-    fmt = input_format(path)
-    path = str(Path(path).resolve())
-    if fmt == "json":
-        return ray.data.read_json(path)
-    if fmt == "csv":
-        return ray.data.read_csv(path, **_csv_options(text_column))
-    return ray.data.read_parquet(path)
+def _json_name(v) -> str:
+    return {bool: "boolean", int: "number", float: "number", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
 
 
 class ParquetSink:

@@ -11,12 +11,14 @@ import warnings
 
 import numpy as np
 
-from ..errors import InvalidHandle, LaunchError, LoopLimitExceeded, error_list, unhealthy
+from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, UnsupportedError, error_list,
+                      unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
 from .handle import Handle
-from ..streams import Event, StreamId
+from .pool import GraphPool
+from ..streams import Event, StreamId, current_key
 
 
 #: the iteration bound of ``capture_while(max_iterations=None)`` (eager and cpu replays): a
@@ -53,18 +55,61 @@ class ComputeClient:
         self._server = server
         self.backend = backend
         self.device = device
-        self._pinned = stream
+        self._pinned = self._pin = None
+        if stream is not None:
+            self.set_stream(stream)
 
     @property
     def device_name(self) -> str:
         """What the backend runs on: numpy's version, the wgpu adapter, the GPU's name."""
         return self._server.backend.device_name
 
+    @property
+    def capabilities(self) -> dict:
+        """What this client's server and device do, the same for every client of the server:
+
+        - ``hardware_graphs`` (bool): a graph is a driver graph, one dispatch per replay (cuda;
+          CUDA graphs); a fresh allocation inside a capture window is then refused. False: a
+          software graph the server re-issues (cpu, wgpu).
+        - ``max_workgroups``: the largest workgroup count per dimension ``(x, y, z)`` (WebGPU's
+          ``maxComputeWorkgroupsPerDimension``, CUDA's grid limits), or ``None`` for no limit;
+          ``launch`` refuses a larger count with ``LaunchError``.
+        - ``checked`` (bool): the server runs the stream-ordering checker (``check=True``;
+          see :meth:`checker_violations`).
+        """
+        srv = self._server
+        mw = srv.backend.max_workgroups
+        return {"hardware_graphs": bool(srv.backend.hardware_graphs),
+                "max_workgroups": None if mw is None else tuple(mw),
+                "checked": srv.checker is not None}
+
+    def checker_violations(self) -> list:
+        """Every ``LivenessError`` / ``StreamRaceError`` the stream-ordering checker of this
+        client's server found so far, oldest first (a copy; each was also raised to the call
+        that made it, or queued on its stream). All clients of the server share the list.
+
+        Raises: ``UnsupportedError`` when the server runs without the checker (open it with
+        ``runtime.client(backend, check=True)`` or ``RUNTIME_CHECK=1``): an empty list would
+        read as "no races" when nothing looked.
+        """
+        checker = self._server.checker
+        if checker is None:
+            raise UnsupportedError(f"server {self._server.name} runs without the stream-ordering "
+                                   f"checker: open it with runtime.client(..., check=True)")
+        return list(checker.violations)
+
     # -- streams ------------------------------------------------------------------------------
     @property
     def stream(self) -> StreamId:
         """The stream this client's work goes to: the pinned one, else the thread's own."""
         return self._pinned if self._pinned is not None else StreamId.current()
+
+    @property
+    def _sid(self) -> int:
+        # the plain int id sent to the server: its tables never hold a StreamId, so a dropped
+        # one lets the server reclaim the stream (runtime.client.stream)
+        pin = self._pin
+        return pin if pin is not None else current_key()
 
     def set_stream(self, stream) -> None:
         """Pin this client to ``stream`` (a ``StreamId``); ``None`` unpins.
@@ -74,6 +119,7 @@ class ComputeClient:
         if stream is not None and not isinstance(stream, StreamId):
             raise TypeError(f"set_stream takes a StreamId (runtime.StreamId.new()), got {stream!r}")
         self._pinned = stream
+        self._pin = None if stream is None else int(stream)
 
     def with_stream(self, stream) -> "ComputeClient":
         """A new client on the same server, pinned to ``stream``."""
@@ -104,7 +150,7 @@ class ComputeClient:
         """
         arr = _as_bytes(data)
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         h = Handle(srv, sid, arr.nbytes, arr.dtype, arr.shape)
         payload = arr.reshape(-1).view(np.uint8).copy() if isinstance(data, np.ndarray) else arr
         srv.submit(srv.h_alloc, sid, h.id, arr.nbytes, payload, nbytes=payload.nbytes)
@@ -130,7 +176,7 @@ class ComputeClient:
             raise ValueError(f"shape must be non-negative ints, got {shape!r}")
         nbytes = int(np.prod(shp, dtype=np.int64)) * dtype.itemsize
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         h = Handle(srv, sid, nbytes, dtype, shp)
         srv.submit(srv.h_alloc, sid, h.id, nbytes, None)
         return h
@@ -166,14 +212,15 @@ class ComputeClient:
                 raise InvalidHandle(f"write to handle {hid}: {payload.nbytes} bytes given, the "
                                     f"handle holds {handle.nbytes}")
         srv = self._server
-        srv.submit(srv.h_write, self.stream, hid, payload, nbytes=payload.nbytes)
+        srv.submit(srv.h_write, self._sid, hid, payload, nbytes=payload.nbytes)
 
     def read(self, handle: Handle) -> np.ndarray:
         """Copy ``handle``'s buffer to the host.
 
         Returns: a new ``np.ndarray`` of ``handle.dtype`` and ``handle.shape``. Blocks until the
             work before it on this stream (and the buffer's last write on any stream) ran.
-        Raises: ``CaptureRefused`` (this stream is recording); ``InvalidHandle``; ``ReplayFailed``
+        Raises: ``CaptureRefused`` (this stream is recording; the window is invalidated, its
+            ``stop_capture`` raises too); ``InvalidHandle``; ``ReplayFailed``
             (the buffer's last writer failed, found at enqueue or while this read waited: a
             replay, a launch, a host write; raised on every read until a later write lands);
             ``ServerUnhealthy`` (queued errors of this stream); ``ServerClosed``. Except for
@@ -188,15 +235,15 @@ class ComputeClient:
             raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
         hid = handle._check(self._server, "read")
         srv = self._server
-        comp, mark, errors = srv.call(srv.h_read, self.stream, hid)
+        comp, mark, errors = srv.call(srv.h_read, self._sid, hid)
         if not comp.done:
             srv.wait(comp)
         if mark.error is not None:          # its writer failed (found at enqueue or meanwhile)
             raise mark.stale(hid, errors + error_list(comp.error))
         if errors:                          # queued errors: comp is a fence of the stream
             raise unhealthy(errors + error_list(comp.error))
-        raw = comp.result()
-        return raw.view(handle.dtype).reshape(handle.shape)
+        raw = comp.result().view(handle.dtype)
+        return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
 
     # -- kernels ------------------------------------------------------------------------------
     def launch(self, kernel: Kernel, count, handles, params=None) -> None:
@@ -259,19 +306,23 @@ class ComputeClient:
                 raise LaunchError(f"launch of {kernel.name}: workgroup count {cnt} exceeds the "
                                   f"{srv.backend.name} limit of {lim} per dimension; split the "
                                   "grid over y and z")
-        srv.submit(srv.h_launch, self.stream, kernel, cnt, hids, kernel.pack_params(params))
+        srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, kernel.pack_params(params))
 
     # -- synchronisation ----------------------------------------------------------------------
     def sync(self) -> None:
         """Wait for everything enqueued on this client's stream.
 
-        Raises: ``CaptureRefused`` (the stream is recording, at once); ``ServerUnhealthy`` (the
-            errors of the work enqueued on this stream, found at enqueue or at execution, all
-            together and drained: raised once, after that work ran); ``ServerClosed``.
+        Raises: ``CaptureRefused`` (the stream is recording, at once; the window is invalidated);
+            ``ServerUnhealthy`` (the errors of the work enqueued on this stream, found at
+            enqueue or at execution, all together and drained: raised once, after that work
+            ran); ``ServerClosed``.
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        comp, errors = srv.call(srv.h_sync, self.stream)
+        sid = self._sid
+        if srv.sync_idle(sid):              # idle stream, nothing to report: no message
+            return
+        comp, errors = srv.call(srv.h_sync, sid)
         if not comp.done:
             srv.wait(comp)
         if errors:
@@ -282,17 +333,18 @@ class ComputeClient:
         """Hand this stream's batched work to the device now and raise its queued errors
         (``ServerUnhealthy``); does not wait for the device."""
         srv = self._server
-        srv.call(srv.h_flush, self.stream)
+        srv.call(srv.h_flush, self._sid)
 
     def record_event(self) -> Event:
         """An :class:`~runtime.Event` after the work enqueued on this stream so far
         (``cudaEventRecord``); pass it to ``wait_event`` of a client of this server (another
         stream, another thread). Blocks until the device thread accepted it.
 
-        Raises: ``CaptureRefused`` (this stream is capturing); ``ServerClosed``.
+        Raises: ``CaptureRefused`` (this stream is capturing: the window is invalidated, its
+            ``stop_capture`` raises too); ``ServerClosed``.
         """
         srv = self._server
-        sid, pos = srv.call(srv.h_record_event, self.stream)
+        sid, pos = srv.call(srv.h_record_event, self._sid)
         return Event(sid, pos, srv)
 
     def wait_event(self, event: Event) -> None:
@@ -300,8 +352,9 @@ class ComputeClient:
         work enqueued here afterwards runs after the event's work.
 
         Raises: ``TypeError`` (not an ``Event``); ``ValueError`` (an event of another server:
-        another backend, device or options); ``CaptureRefused`` (this stream is capturing);
-        ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
+        another backend, device or options); ``CaptureRefused`` (this stream is capturing: the
+        join would be missing from the graph, so the window is invalidated and its
+        ``stop_capture`` raises too); ``ServerClosed``. A ``(stream, position)`` tuple, what ``record_event`` returned
         before, is accepted with a ``DeprecationWarning`` for one release.
         """
         srv = self._server
@@ -317,10 +370,10 @@ class ComputeClient:
             token = event
         else:
             raise TypeError(f"wait_event takes the Event record_event() returns, got {event!r}")
-        srv.call(srv.h_wait_event, self.stream, token)
+        srv.call(srv.h_wait_event, self._sid, token)
 
     # -- capture ------------------------------------------------------------------------------
-    def graph_prepare(self) -> None:
+    def graph_prepare(self, pool=None) -> None:
         """Open a capture on this stream: ``no capture -> prepared``.
 
         Then run the work once (the warm-up: executes normally, reads allowed), call
@@ -330,18 +383,38 @@ class ComputeClient:
         The warm-up is optional; this transition is required (CubeCL's state machine).
         For the whole recipe in one call see ``runtime.capture(fn)``.
 
-        Raises: ``GraphStateError`` (already prepared or recording; state unchanged).
+        Args:
+            pool: a ``runtime.GraphPool``: the window allocates from the buffers the pool's
+                graphs share first, and the graph's own window buffers join the pool
+                (docs/contract.md section 4c). All graphs of a pool capture on one stream.
+        Raises: ``GraphStateError`` (already prepared or recording; or ``pool``'s graphs live
+            on another stream; state unchanged); ``TypeError`` (``pool`` is not a GraphPool);
+            ``ValueError`` (``pool`` belongs to another server).
         """
         srv = self._server
-        srv.call(srv.h_graph_prepare, self.stream)
+        if pool is None:
+            srv.call(srv.h_graph_prepare, self._sid)
+            return
+        if not isinstance(pool, GraphPool):
+            raise TypeError(f"graph_prepare(pool=...) takes a runtime.GraphPool, got {pool!r}")
+        srv.call(srv.h_graph_prepare, self._sid, pool._bind(srv))
+
+    def graph_estimate(self) -> dict:
+        """What the capture window prepared on this stream will need, from its warm-up so far:
+        ``{"bytes": the most bytes the allocations made since graph_prepare() held at once,
+        "pool_free_bytes": what its GraphPool can serve of them (0 without a pool)}``. Call it
+        after the warm-up, before ``start_capture()``. Blocks (one round trip)."""
+        srv = self._server
+        return srv.call(srv.h_graph_estimate, self._sid)
 
     def start_capture(self) -> None:
         """Start recording this stream's launches: ``prepared -> capturing``.
 
-        Inside the window, on this stream: ``launch`` is recorded, not run; ``read``, ``sync``
-        and ``replay`` raise ``CaptureRefused`` at once (the capture goes on); ``write`` and
-        freeing a handle the window uses are refused late, by ``stop_capture``. Other streams
-        work normally meanwhile.
+        Inside the window, on this stream: ``launch`` is recorded, not run; ``read``, ``sync``,
+        ``replay``, ``record_event`` and ``wait_event`` raise ``CaptureRefused`` at once;
+        ``write``, freeing a handle the window uses and a refused launch are refused late. Any
+        refusal invalidates the window: ``stop_capture`` raises ``CaptureRefused`` (CUDA's
+        ``cudaErrorStreamCaptureInvalidated``). Other streams work normally meanwhile.
 
         Blocks until the warm-up has run: a warm-up that failed (at the call, at submit or while
         executing) is never captured over.
@@ -351,7 +424,7 @@ class ComputeClient:
             ``UnsupportedError`` (the backend has no graphs).
         """
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         comp = srv.call(srv.h_warmup_fence, sid)     # the warm-up ran, or its errors are known
         if not comp.done:
             srv.wait(comp)
@@ -367,14 +440,17 @@ class ComputeClient:
                 buffers are the caller's to keep alive: a replay after one was freed raises
                 ``LivenessError`` (its buffer never goes to another owner while the graph lives).
         Returns: a ``Graph`` (empty window: a graph whose replay does nothing).
-        Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` naming the
-            late refusals (write, freed handle, allocation on a hardware graph): no graph is made;
-            ``ServerUnhealthy`` (launch errors queued in the window).
+        Raises: ``GraphStateError`` (nothing recording; unchanged); ``CaptureRefused`` when any
+            operation was refused in the window (at once: read, sync, replay, record_event,
+            wait_event; late: write, freed handle, refused launch, allocation on a hardware
+            graph), naming the first, with every other error queued in the window (one error
+            that is an instance of each class): no graph is made, the stream is back to no
+            capture; ``ServerUnhealthy`` (launch errors queued in the window).
         """
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         gid, hw = srv.call(srv.h_stop_capture, sid, bool(retain))
-        return Graph(_Owner(srv, gid), sid, hw)
+        return Graph(_Owner(srv, gid), self.stream, hw)
 
     def abort_capture(self) -> None:
         """Abandon a capture on this stream from any state (``prepared`` or ``capturing``): the
@@ -382,7 +458,7 @@ class ComputeClient:
         is back to ``no capture``; a no-op when nothing is open. Queued errors stay queued.
         Blocks until done. See also: CubeCL's capture abort; ``cudaStreamEndCapture`` + drop."""
         srv = self._server
-        srv.call(srv.h_abort_capture, self.stream)
+        srv.call(srv.h_abort_capture, self._sid)
 
     # -- conditionals (docs/contract.md section 4b) ---------------------------------------------
     def _cond_handle(self, cond, what: str) -> int:
@@ -420,7 +496,7 @@ class ComputeClient:
         if not callable(on_true) or (on_false is not None and not callable(on_false)):
             raise TypeError("capture_if: on_true and on_false must be callables")
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         if not srv.call(srv.h_cond_begin, sid, "if", hid, None, _dtype_name(cond)):
             branch = on_true if self._cond_value(cond) else on_false
             if branch is not None:
@@ -455,7 +531,7 @@ class ComputeClient:
             raise ValueError(f"capture_while: max_iterations must be an int >= 0 or None, got "
                              f"{max_iterations!r}")
         srv = self._server
-        sid = self.stream
+        sid = self._sid
         limit = DEFAULT_MAX_ITERATIONS if max_iterations is None else int(max_iterations)
         if not srv.call(srv.h_cond_begin, sid, "while", hid,
                         None if max_iterations is None else int(max_iterations),

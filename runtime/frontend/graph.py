@@ -28,7 +28,7 @@ class _Owner:
             last = self.count == 0
         if last and not self.server.closed:
             # enqueue only: the server destroys it after the work already enqueued against it
-            self.server.post(self.server.h_graph_destroy, self.id)
+            self.server.release(self.server.h_graph_destroy, self.id)
 
 
 class Graph:
@@ -72,7 +72,8 @@ class Graph:
         Returns: None.
         Raises:
             UnknownGraph: this clone was released, or the graph was destroyed.
-            CaptureRefused: the capture stream is recording a graph right now.
+            CaptureRefused: the capture stream is recording a graph right now (that window is
+                invalidated: its ``stop_capture`` raises too).
             ServerClosed: the server stopped.
             The backend's refusal (e.g. ``UnsupportedError``).
             Any failure is also recorded on the graph's write set: reading one of those buffers
@@ -112,6 +113,20 @@ class Graph:
             raise UnknownGraph(f"graph {self.id}: this clone was released")
         srv = self._owner.server
         return srv.call(srv.h_graph_info, self.id)
+
+    def memory_usage(self) -> dict:
+        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share"}``: the bytes this graph
+        keeps alive (``nbytes`` = its window's buffers no pool shares + its share of its
+        ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id or None.
+        Blocks. Raises ``UnknownGraph``."""
+        srv = self._srv("memory_usage")
+        return srv.call(srv.h_graph_memory, self.id)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this graph keeps alive: its own window allocations and its share of a pool
+        (``memory_usage()["nbytes"]``). Blocks. Raises ``UnknownGraph``."""
+        return self.memory_usage()["nbytes"]
 
     # -- graphs that change (docs/contract.md section 4b) ----------------------------------------
     def _srv(self, what: str):
@@ -223,8 +238,9 @@ class Graph:
         rb = _rebind_ids(srv, rebind, "instantiate")
         if stream is not None and not isinstance(stream, StreamId):
             raise TypeError(f"instantiate: stream must be a StreamId, got {stream!r}")
-        gid, sid, hw = srv.call(srv.h_graph_instantiate, self.id, rb, stream)
-        return Graph(_Owner(srv, gid), sid, hw)
+        target = self.stream if stream is None else stream    # the Graph keeps its StreamId
+        gid, _, hw = srv.call(srv.h_graph_instantiate, self.id, rb, int(target))
+        return Graph(_Owner(srv, gid), target, hw)
 
     def __del__(self):
         try:

@@ -47,7 +47,7 @@ class Handle:
             self.released = True
             srv = self._server
             if not srv.closed:
-                srv.post(srv.h_free, self._stream, self.id)
+                srv.release(srv.h_free, self._stream, self.id)
 
     def __del__(self):
         try:
@@ -55,7 +55,7 @@ class Handle:
                 self.released = True
                 srv = self._server
                 if not srv.closed:
-                    srv.post(srv.h_free, self._stream, self.id)
+                    srv.release(srv.h_free, self._stream, self.id)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

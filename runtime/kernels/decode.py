@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .pointwise import WORKGROUP, grid
-from .shader import program
+from .shader import program, tree_reduce
 
 R, RW, W = "read", "read_write", "write"
 #: invocations per workgroup of :data:`causal_attend` and :data:`argmax`.
@@ -39,16 +39,6 @@ MAX_HEAD_DIM = DECODE_WORKGROUP
 
 def _clamp(p, T):
     return min(max(int(p), 0), int(T) - 1)
-
-
-def _reduce(op: str) -> str:
-    combine = "red[lidx] + red[lidx + st]" if op == "+" else "max(red[lidx], red[lidx + st])"
-    return f"""
-    workgroupBarrier();
-    for (var st = {DECODE_WORKGROUP // 2}u; st > 0u; st = st / 2u) {{
-        if (lidx < st) {{ red[lidx] = {combine}; }}
-        workgroupBarrier();
-    }}"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +126,7 @@ causal_attend = program(
         sc[j] = s;
         mx = max(mx, s);
     }}
-    red[lidx] = mx;{_reduce("max")}
+    red[lidx] = mx;{tree_reduce("max", DECODE_WORKGROUP)}
     let m = red[0];
     workgroupBarrier();
     var l = 0.0f;
@@ -146,7 +136,7 @@ causal_attend = program(
         sc[j] = e;
         l += e;
     }}
-    red[lidx] = l;{_reduce("+")}
+    red[lidx] = l;{tree_reduce("+", DECODE_WORKGROUP)}
     let inv = 1.0f / red[0];
     for (var d = lidx; d < p.hd; d += {DECODE_WORKGROUP}u) {{
         var acc = 0.0f;

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from .pointwise import WORKGROUP, elementwise, grid
-from .shader import program
+from .shader import program, tree_reduce
 from ..cpu_threads import FAN_OUT, RULE
 
 R, RW, W = "read", "read_write", "write"
@@ -298,17 +298,6 @@ def matmul_for(M: int, N: int, bias: bool = False, activation: str | None = None
 # Row kernels: one workgroup per row, a tree reduction in workgroup memory.
 
 
-def _reduce(op: str, size: int = ROW_WORKGROUP) -> str:
-    """Tree-reduce ``red[0 .. size)`` into ``red[0]`` with ``op`` ("+" or "max")."""
-    combine = ("red[lidx] + red[lidx + st]" if op == "+" else "max(red[lidx], red[lidx + st])")
-    return f"""
-    workgroupBarrier();
-    for (var st = {size // 2}u; st > 0u; st = st / 2u) {{
-        if (lidx < st) {{ red[lidx] = {combine}; }}
-        workgroupBarrier();
-    }}"""
-
-
 def rows_count(rows: int) -> tuple:
     """Workgroups ``(x, y, 1)`` giving one workgroup per row (row = ``wg.y * nwg.x + wg.x``)."""
     return grid(rows, 1)
@@ -331,14 +320,14 @@ def _layer_norm(name: str, residual: bool):
     let base = row * p.n;
     var s = 0.0f;
     if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += {load}; }} }}
-    red[lidx] = s;{_reduce("+")}
+    red[lidx] = s;{tree_reduce("+", ROW_WORKGROUP)}
     let mean = red[0] / f32(p.n);
     workgroupBarrier();
     var q = 0.0f;
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ let d = {load} - mean; q += d * d; }}
     }}
-    red[lidx] = q;{_reduce("+")}
+    red[lidx] = q;{tree_reduce("+", ROW_WORKGROUP)}
     let rstd = 1.0f / sqrt(red[0] / f32(p.n) + p.eps);
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{
@@ -375,7 +364,7 @@ l2_normalize = program(
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += x[base + c] * x[base + c]; }}
     }}
-    red[lidx] = s;{_reduce("+")}
+    red[lidx] = s;{tree_reduce("+", ROW_WORKGROUP)}
     let inv = 1.0f / max(sqrt(red[0]), 1e-12f);
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] * inv; }}

@@ -10,6 +10,9 @@ fit: ``i = (wg.y * nwg.x + wg.x) * 64 + lid.x``.
 from __future__ import annotations
 
 import re
+from functools import partial
+
+import numpy as np
 
 from ..kernel import Kernel
 from .shader import program
@@ -31,7 +34,7 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
     return (-(-groups // y), y, 1)
 
 
-def elementwise(name: str, bindings, expr: str, params=(), cpu=None) -> Kernel:
+def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None) -> Kernel:
     """Build an elementwise kernel ``out = expr`` over ``i < n``: a thin wrapper over
     :func:`~runtime.kernels.shader.program`, the one source generator.
 
@@ -44,6 +47,9 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None) -> Kernel:
         params: ``[(name, dtype), ...]`` besides ``n`` (appended as the last ``u32`` param).
         cpu: the numpy callable (see ``runtime.kernel``), run over the elements the launch
             covers.
+        bind: ``bind(*views, n=..., **params) -> callable()``: the same work as one
+            zero-argument call with views and params bound once (the cpu ``bind`` of
+            ``runtime.kernel``: what a software graph replays); optional.
     Returns: a ``Kernel`` launched over ``grid(n)`` workgroups of ``WORKGROUP`` invocations.
     Raises: ``ValueError`` for a malformed description (from ``Kernel``).
     """
@@ -54,15 +60,22 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None) -> Kernel:
     body = (f"    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;\n"
             f"    if (i < p.n) {{ {store} }}")
     return program(name, bindings, list(params) + [("n", "u32")], (WORKGROUP,), body,
-                   cpu=None if cpu is None else _bounded(cpu))
+                   cpu=None if cpu is None else _bounded(cpu, bind))
 
 
-def _bounded(fn):
+def _bounded(fn, bind=None):
     """Run ``fn`` over the elements the launch covers, as the GPU sources do:
-    ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer)."""
+    ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer).
+    With ``bind``, the callable gets a ``bind`` attribute with the same bound (``runtime.kernel``)."""
     def cpu(*views, count, n, **params):
-        return fn(*views, count=count, n=min(n, count[0] * count[1] * WORKGROUP), **params)
+        m = count[0] * count[1] * WORKGROUP
+        return fn(*views, count=count, n=n if n < m else m, **params)
     cpu.__name__ = cpu.__qualname__ = fn.__name__
+    if bind is not None:
+        def bound(*views, count, n, **params):
+            m = count[0] * count[1] * WORKGROUP
+            return bind(*views, n=n if n < m else m, **params)
+        cpu.bind = bound
     return cpu
 
 
@@ -83,11 +96,11 @@ def _mul(a, b, out, *, n, count):
 
 
 def _add_scalar(x, y, *, alpha, n, count):
-    y[:n] = x[:n] + y.dtype.type(alpha)
+    np.add(x[:n], y.dtype.type(alpha), y[:n])
 
 
 def _mul_scalar(x, y, *, alpha, n, count):
-    y[:n] = x[:n] * y.dtype.type(alpha)
+    np.multiply(x[:n], y.dtype.type(alpha), y[:n])
 
 
 def _accumulate(x, y, *, n, count):
@@ -98,25 +111,63 @@ def _noop(y, *, n, count):
     pass
 
 
+def _nothing():
+    pass
+
+
+# binds: the same work as one call with views and params bound once (numpy ufuncs take the
+# output as their last positional argument)
+def _bind_fill(y, *, value, n):
+    return partial(y[:n].fill, y.dtype.type(value))
+
+
+def _bind_copy(x, y, *, n):
+    return partial(np.copyto, y[:n], x[:n])
+
+
+def _bind_ufunc2(ufunc):
+    def bind(a, b, out, *, n):
+        return partial(ufunc, a[:n], b[:n], out[:n])
+    return bind
+
+
+def _bind_scalar(ufunc):
+    def bind(x, y, *, alpha, n):
+        return partial(ufunc, x[:n], y.dtype.type(alpha), y[:n])
+    return bind
+
+
+def _bind_accumulate(x, y, *, n):
+    return partial(np.add, y[:n], x[:n], y[:n])
+
+
+def _bind_noop(y, *, n):
+    return _nothing
+
+
 R, RW, W = "read", "read_write", "write"
 #: ``y[i] = value``
-fill = elementwise("fill", [("y", "f32", W)], "{value}", [("value", "f32")], _fill)
+fill = elementwise("fill", [("y", "f32", W)], "{value}", [("value", "f32")], _fill, _bind_fill)
 #: ``y[i] = x[i]``
-copy = elementwise("copy", [("x", "f32", R), ("y", "f32", W)], "x[i]", cpu=_copy)
+copy = elementwise("copy", [("x", "f32", R), ("y", "f32", W)], "x[i]", cpu=_copy,
+                  bind=_bind_copy)
 #: ``out[i] = a[i] + b[i]``
-add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] + b[i]", cpu=_add)
+add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] + b[i]", cpu=_add,
+                 bind=_bind_ufunc2(np.add))
 #: ``out[i] = a[i] * b[i]``
-mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] * b[i]", cpu=_mul)
+mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] * b[i]", cpu=_mul,
+                 bind=_bind_ufunc2(np.multiply))
 #: ``y[i] = x[i] + alpha``
 add_scalar = elementwise("add_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] + {alpha}",
-                         [("alpha", "f32")], _add_scalar)
+                         [("alpha", "f32")], _add_scalar, _bind_scalar(np.add))
 #: ``y[i] = x[i] * alpha``
 mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] * {alpha}",
-                         [("alpha", "f32")], _mul_scalar)
+                         [("alpha", "f32")], _mul_scalar, _bind_scalar(np.multiply))
 #: ``y[i] += x[i]``
-accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate)
+accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate,
+                        bind=_bind_accumulate)
 #: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
 #: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
 copy_words = elementwise("copy_words", [("x", "i32", R), ("y", "i32", W)], "x[i]", cpu=_copy)
 #: an empty kernel (one read_write binding, no work): measures pure launch overhead.
-noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop)
+noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop, bind=_bind_noop)

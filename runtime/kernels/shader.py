@@ -124,3 +124,16 @@ extern "C" __global__ void {name}({', '.join(args)}) {{
 }}
 """
     return Kernel(name, bindings, params, (wgx, wgy, wgz), wgsl=wgsl, cuda=cuda, cpu=cpu)
+
+
+def tree_reduce(op: str, size: int) -> str:
+    """Body text that tree-reduces workgroup memory ``red[0 .. size)`` into ``red[0]`` with
+    ``op`` (``"+"`` or ``"max"``), barriers included; ``size`` is a power of two, the workgroup's
+    invocation count (every invocation must reach it: uniform control flow)."""
+    combine = "red[lidx] + red[lidx + st]" if op == "+" else "max(red[lidx], red[lidx + st])"
+    return f"""
+    workgroupBarrier();
+    for (var st = {size // 2}u; st > 0u; st = st / 2u) {{
+        if (lidx < st) {{ red[lidx] = {combine}; }}
+        workgroupBarrier();
+    }}"""

@@ -74,10 +74,13 @@ def ids_batch(seqs, *, cls_id: int, sep_id: int, vocab_size: int, max_length: in
     Each sequence is the model's own token ids for one text, with or without the special
     tokens: a leading ``cls_id`` and a trailing ``sep_id`` are added where missing, and the
     content is truncated on the right to ``max_length - 2`` tokens (keeping ``[SEP]``), as
-    tokenizing the text does. ``[]`` is the empty text (``[CLS] [SEP]``).
+    tokenizing the text does. ``[]`` is the empty text (``[CLS] [SEP]``). Only the first
+    ``max_length`` ids of a sequence are read or checked: cutting there first gives the same
+    rows (a longer sequence keeps ``max_length - 2`` ids after an optional leading ``[CLS]``,
+    and its trailing ``[SEP]``, if any, lies beyond the cut), so the cost is bounded per input.
 
     Args:
-        seqs: a list of lists of ints; cls_id, sep_id: the special tokens' ids;
+        seqs: a list of lists (or 1-D integer arrays) of ints; cls_id, sep_id: the special tokens' ids;
         vocab_size: ids must lie in ``[0, vocab_size)``; max_length: tokens kept per sequence.
     Returns: ``(ids, mask)``, ``int64 [n, L]``, right-padded with 0.
     Raises: ``ValueError`` naming ``input[i]`` for an id outside the vocabulary or a value that
@@ -85,15 +88,16 @@ def ids_batch(seqs, *, cls_id: int, sep_id: int, vocab_size: int, max_length: in
     """
     rows = []
     for i, s in enumerate(seqs):
-        if not isinstance(s, (list, tuple)):
+        if not isinstance(s, (list, tuple, np.ndarray)):
             raise TypeError(f"input[{i}] is {type(s).__name__}; token-id inputs are lists of "
                             "ints")
-        for t in s:
+        s = s[:max_length]          # the model never reads further (see below): O(1) checks
+        for t in (s.tolist() if isinstance(s, np.ndarray) else s):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                 raise ValueError(f"input[{i}] holds {t!r}, not a token id of this model: "
                                  "token ids must come from this model's tokenizer (integers "
                                  f"in [0, {vocab_size}))")
-        body = list(s)
+        body = list(s.tolist() if isinstance(s, np.ndarray) else s)
         if body and body[0] == cls_id:
             body = body[1:]
         if body and body[-1] == sep_id:

@@ -22,7 +22,7 @@ Errors: a transition out of order raises ``GraphStateError`` and leaves the stat
 
 from __future__ import annotations
 
-from ..errors import CaptureRefused, GraphStateError, ServerUnhealthy
+from ..errors import CaptureRefused, GraphStateError, ServerUnhealthy, unhealthy
 from .ops import LaunchRec
 
 NO_CAPTURE, PREPARE, CAPTURE = "no capture", "prepared", "capturing"
@@ -274,19 +274,27 @@ class Capture:
     def end(self, s, gid, retain: bool) -> GraphState:
         """``CAPTURE -> NO_CAPTURE``: the graph of the window, or raise and abort.
 
-        Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
-        late refusals; ``ServerUnhealthy`` (errors queued in the window); the backend's error.
+        Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` when any
+        operation was refused inside the window (at once or late: the window is invalidated,
+        CUDA's ``cudaErrorStreamCaptureInvalidated``), naming the first and the others, and
+        combined with the errors queued in the window (one ``ServerUnhealthy`` that is also a
+        ``CaptureRefused``); ``ServerUnhealthy`` (errors queued in the window); the backend's
+        error. Either way the stream is back to no capture.
         """
         transition(s.state, "end", s.id)
         w = s.window
         if w.scopes:
             w.refusals.append(f"conditional node {w.scopes[-1][0]} was still open (stop_capture "
                               "was called inside a capture_if/capture_while body)")
-        if w.refusals:
+        if w.refusals:                  # CUDA: cudaErrorStreamCaptureInvalidated
             self.abort(s)
-            s.errors = []
-            raise CaptureRefused(f"stop_capture on stream {s.id}: the window was refused, no "
-                                 "graph was made: " + "; ".join(w.refusals))
+            first, rest = w.refusals[0], w.refusals[1:]
+            refused = CaptureRefused(
+                f"stop_capture on stream {s.id}: the window was invalidated, no graph was made; "
+                f"the first refused operation: {first}"
+                + (f"; then: {'; '.join(rest)}" if rest else ""))
+            errs = [refused] + self.marks.take_errors(s)   # a refusal never hides an error
+            raise unhealthy(errs) if len(errs) > 1 else refused
         if s.errors:
             self.abort(s)
             self.marks.drain(s)
@@ -299,7 +307,7 @@ class Capture:
         for slot in g.retained:
             slot.pins += 1
         for st in g.handles:
-            st.graphs.append(g)
+            st.graphs[g] = None
         self._close(s, w, recorded=True)
         return g
 
@@ -373,13 +381,24 @@ class Capture:
     def on_event(self, s, what: str) -> None:
         """``record_event`` / ``wait_event`` / ``read`` / ``sync`` / ``replay`` on ``s``.
 
-        Raises: ``CaptureRefused`` at once when ``s`` is capturing: only the capture stream's
-        own work is recorded, so a graph never silently lacks work the caller ordered into it.
+        Raises: ``CaptureRefused`` at once when ``s`` is capturing, and invalidates the window
+        (``refuse``): only the capture stream's own work is recorded, so a graph never silently
+        lacks work the caller ordered into it, even when the caller catches the error.
         """
         if s.window is not None:
+            self.refuse(s, f"{what} (refused at once)")
             raise CaptureRefused(f"{what} on stream {s.id}: the stream is recording a graph; "
                                  f"{what.split(' ')[0]} after stop_capture() (or from another "
-                                 "stream)")
+                                 "stream). The window is invalidated: stop_capture() raises "
+                                 "CaptureRefused, abort_capture() unwinds it")
+
+    @staticmethod
+    def refuse(s, what: str) -> None:
+        """Invalidate the open window of ``s`` (if any): ``stop_capture`` raises
+        ``CaptureRefused`` naming ``what`` (the first refusal first) and makes no graph (CUDA's
+        rule: any operation refused inside a capture invalidates it)."""
+        if s.window is not None:
+            s.window.refusals.append(what)
 
     def on_destroy(self, s, graph) -> bool:
         """A backend graph of stream ``s`` is destroyed: True when the window holds it until it

@@ -184,6 +184,22 @@ class Checker:
             host[s.id] = s.pos
         self.host_ver += 1
 
+    def on_reclaim(self, sid) -> None:
+        """Stream ``sid`` was reclaimed: its work is done and everything issued later on any
+        stream runs after it (the server orders nothing against it any more). So its accesses
+        count as synchronized: they leave every buffer's history, and its clock and events go
+        (the checker's tables stay bounded by live streams)."""
+        self.clocks.pop(sid, None)
+        self.events.pop(sid, None)
+        self.host.pop(sid, None)
+        for ent in self.clocks.values():
+            ent[0].pop(sid, None)
+        for b in self.bufs.values():
+            if b.w_sid == sid:
+                b.w_sid, b.w_pos, b.w_op, b.w_hid = None, 0, None, None
+            if b.reads:
+                b.reads.pop(sid, None)
+
     # -- accesses -------------------------------------------------------------------------------
     def _conflicts(self, b: _Buf, sid, vc: dict, is_write: bool) -> list:
         out = []

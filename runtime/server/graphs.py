@@ -376,11 +376,11 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     new_ids = {st.id for st in g.handles}
     for hid, st in old_states.items():          # handles it no longer uses
         if hid not in new_ids and g in st.graphs:
-            st.graphs.remove(g)
+            del st.graphs[g]
             merge(st.replayed, {g.stream: g.last_pos})
     for st in g.handles:
         if st.id not in old_states and g not in st.graphs:
-            st.graphs.append(g)
+            st.graphs[g] = None
     alloc_ids = {id(sl) for sl in g.alloc_slots}
     slots = {id(st.slot): st.slot for st in g.handles}
     for sl in g.alloc_slots:
@@ -450,5 +450,5 @@ def instantiate(server, g: GraphState, rebind, gid: int, stream_id=None) -> Grap
     for slot in ng.retained:
         slot.pins += 1
     for st in ng.handles:
-        st.graphs.append(ng)
+        st.graphs[ng] = None
     return ng

@@ -27,9 +27,22 @@ readers check after their completion finished (ordered after the failing work by
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 
-from ..errors import LaunchError, ReplayFailed, ServerError, ServerUnhealthy, unhealthy
+from ..errors import LaunchError, ReplayFailed, ServerError, ServerUnhealthy, detach, unhealthy
+
+
+def _kept(error):
+    """The copy of ``error`` a mark keeps: the same class, message and attributes, without a
+    traceback or chained exceptions (``errors.detach``). A copy, because the original may be
+    raised later (to the caller, or by a replay handler) and raising attaches the raiser's
+    frames, which would keep the caller's handles and streams alive as long as the mark."""
+    try:
+        kept = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception class that cannot be rebuilt from its args
+        kept = error
+    return detach(kept)
 
 
 class Mark:
@@ -47,7 +60,7 @@ class Mark:
             None: nothing can fail later, e.g. a host write).
     """
 
-    __slots__ = ("op", "_error", "parents", "stream", "pos", "since")
+    __slots__ = ("op", "_error", "parents", "stream", "pos", "since", "seen")
 
     #: failures recorded on any mark so far (only grows): a chain none of whose marks existed
     #: before the latest failure cannot have inherited one (``since``), so it is not walked.
@@ -57,8 +70,12 @@ class Mark:
     def __init__(self, op, error=None, parents=(), stream=None, pos=0):
         self.op, self._error = op, None
         self.stream, self.pos = stream, pos
+        self.seen = -1                    # ``Marks.epoch`` of the last prune walk through it
         self.since = Mark.failures        # the failure count when its oldest ancestor was made
-        self.set_parents(parents)
+        if parents:
+            self.set_parents(parents)
+        else:
+            self.parents = ()
         if error is not None:
             self.error = error
 
@@ -78,7 +95,7 @@ class Mark:
     @error.setter
     def error(self, value):
         Mark._count_failure()
-        self._error = value
+        self._error = _kept(value) if value is not None else None
 
     @staticmethod
     def _count_failure() -> None:
@@ -92,7 +109,7 @@ class Mark:
             error = type(error)(f"{error} (in a replay of graph {self.op[1]})")
         Mark._count_failure()
         if self._error is None:
-            self._error = error
+            self._error = _kept(error)      # kept while the mark lives: no caller's frames
         return error
 
     def resolve(self, done=None):
@@ -130,7 +147,10 @@ class Mark:
             if m._error is not None:
                 m.parents = ()
             elif done is not None:
-                m.parents = tuple((h, p) for h, p in m.parents if not p.final(done))
+                if m.stream is not None and done(m):
+                    m.parents = ()        # it ran, so did every ancestor, and none failed
+                else:
+                    m.parents = tuple((h, p) for h, p in m.parents if not p.final(done))
         return self._error
 
     def final(self, done) -> bool:
@@ -192,13 +212,19 @@ class Marks:
         checker: the stream-ordering checker or None (a call that raised still synced).
     """
 
-    __slots__ = ("backend", "streams", "handles", "graphs", "async_errors", "checker")
+    __slots__ = ("backend", "streams", "handles", "graphs", "async_errors", "checker",
+                 "fenced", "epoch")
 
     def __init__(self, backend, streams: dict, handles: dict, graphs: dict):
         self.backend = backend
         self.streams, self.handles, self.graphs = streams, handles, graphs
         self.async_errors: list = []
         self.checker = None
+        #: streams with fences not settled yet (a few: those with recent blocking calls)
+        self.fenced: set = set()
+        #: counts what became known to have run (``settle``): a prune walk is not repeated
+        #: through marks it visited since nothing new was learnt
+        self.epoch = 0
 
     # -- queued errors --------------------------------------------------------------------------
     def on_async_error(self, exc) -> None:
@@ -214,6 +240,19 @@ class Marks:
         failures = self.backend.failures
         if failures:
             self.async_errors.extend(self.backend.take_failures())
+
+    def on_reclaim(self, s) -> None:
+        """Stream ``s`` was reclaimed (its work is done; ``Backend.release_stream`` handed the
+        errors its work left to ``failures``): its queued errors are never dropped, they go to
+        the next blocking call on any stream (``async_errors``); its marks need no stream any
+        more (its work ran: ``done`` is True for them)."""
+        if s.errors:
+            self.async_errors.extend(s.errors)
+            s.errors = []
+        s.done_pos = s.pos
+        s.fences.clear()
+        self.fenced.discard(s)
+        self.epoch += 1
 
     def take_errors(self, s) -> list:
         """The errors queued on ``s`` and the unattributed ones (the backend's included),
@@ -234,16 +273,48 @@ class Marks:
     # -- fences ---------------------------------------------------------------------------------
     def fence(self, s, comp) -> None:
         """Remember that ``comp`` finishes once ``s`` ran up to its current position (a read's
-        copy, a sync, a warm-up fence): marks of that work are then final (``done``). Only a
-        tick is kept (``Completion.tick``), never the completion or its value."""
+        copy, a sync, a warm-up fence): marks of that work are then final (``done``), and so
+        are those of the work of other streams ``s`` waited for before it (``s.synced``: the
+        server's event waits and the user's ``wait_event``), so a host read on a third stream
+        settles the streams it waited for (issue 24 item 2). Only a tick is kept
+        (``Completion.tick``), never the completion or its value. Settles the fences of ``s``
+        that finished since its last blocking call (``settle``)."""
+        fences = s.fences
+        if fences:
+            self.settle(s)
         tick = [False]
         comp.tick = tick
         if comp.done:                     # finished already, or before the tick was attached
             tick[0] = True
-        fences = s.fences
-        fences.append((s.pos, tick))
+        fences.append((s.pos, tick, dict(s.synced) if s.synced else None))
+        self.fenced.add(s)
         if len(fences) > 64:              # nobody waited on them yet: forget the oldest
             fences.popleft()
+
+    def settle(self, s) -> None:
+        """Drop the finished fences of ``s`` (any finished fence covers everything before it
+        on ``s``): advance ``s.done_pos``, and ``done_pos`` of every stream ``s`` had waited
+        for before the fence, to the position it waited for."""
+        fences = s.fences
+        last = None
+        for i, f in enumerate(fences):
+            if f[1][0]:
+                last = i
+        if last is None:
+            return
+        if last == len(fences) - 1:
+            self.fenced.discard(s)
+        self.epoch += 1
+        streams = self.streams
+        for _ in range(last + 1):
+            pos, _, waited = fences.popleft()
+            if s.done_pos < pos:
+                s.done_pos = pos
+            if waited:
+                for sid, p in waited.items():
+                    o = streams.get(sid)
+                    if o is not None and o.done_pos < p:
+                        o.done_pos = p
 
     def fence_then_raise(self, s, errs: list):
         """A blocking call on ``s`` that will raise: a completion of everything enqueued on
@@ -266,15 +337,9 @@ class Marks:
         s = mark.stream
         if mark.pos <= s.done_pos:
             return True
-        fences = s.fences
-        last = None
-        for i, (pos, tick) in enumerate(fences):
-            if tick[0]:
-                last = i
-        if last is not None:
-            s.done_pos = max(s.done_pos, fences[last][0])
-            for _ in range(last + 1):
-                fences.popleft()
+        if self.fenced:                   # a fence of any stream may cover it (``fence``)
+            for f in list(self.fenced):
+                self.settle(f)
         return mark.pos <= s.done_pos
 
     # -- marks ----------------------------------------------------------------------------------
@@ -288,8 +353,11 @@ class Marks:
         for hid, m in reads:
             if m is CLEAN:
                 continue
-            if m._error is None and m.parents and done(m):
-                m.resolve(done)           # ran: settle its chain once (amortised)
+            if m._error is None and m.parents:
+                if done(m):
+                    m.resolve(done)       # ran: settle its chain once (amortised)
+                else:
+                    self._prune(m)
             if m._error is not None:
                 mark.error = LaunchError(f"it read handle {hid}, whose last writer, the "
                                          f"{m.describe()}, failed ({m._error})")
@@ -299,6 +367,26 @@ class Marks:
                 parents.append((hid, m))
         if parents:
             mark.set_parents(parents)
+
+    def _prune(self, mark, budget: int = 16) -> None:
+        """Cut the chain below ``mark`` (not known to have run) at the first ancestors known to
+        have run (``done``): a mark that ran has no unfinished ancestors, so its parents go
+        (``resolve``). Walks at most ``budget`` marks that have not run: the chains stay as long
+        as the work not yet known complete (issue 24 item 2), at a cost bounded per launch."""
+        done, epoch = self.done, self.epoch
+        stack = [mark]
+        while stack and budget:
+            m = stack.pop()
+            if m.seen == epoch:
+                continue                  # walked already since anything new was learnt
+            m.seen = epoch
+            budget -= 1
+            for _, p in m.parents:
+                if p._error is None and p.parents:
+                    if done(p):
+                        p.resolve(done)
+                    else:
+                        stack.append(p)
 
     def error_of(self, mark):
         """The error of ``mark`` (own or inherited), pruning what is final; None when clean."""

@@ -17,6 +17,16 @@ fire-and-forget ``submit`` that finds the queue full waits on its own thread unt
 room (or raises ``ServerClosed`` once the server stops): a flood from one client never grows
 memory without bound. Blocking calls and finalizer posts do not wait for room (each caller has
 at most one blocking call outstanding, and a finalizer may run inside a message).
+
+Releases (a ``Handle``'s free, a graph's destroy, a dropped stream) come from finalizers, which
+may fire by the thousand at once (dropping a list of handles) on any thread, even inside a
+message, and must never block. They are coalesced (:meth:`DeviceQueue.release`): a release
+joins the batch of the release message at the tail of the queue if there is one (a ``deque``
+append: no lock, no wait), else it queues a new batch message. So a burst of 100,000 drops puts
+one message in the queue, not 100,000, and a release never runs before a message queued before
+it (a launch using the handle it frees). A batch message runs at most ``RELEASE_BATCH`` units
+and, if more are left, queues itself again behind the messages that arrived meanwhile: a
+blocking call of another client waits for at most one batch.
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ POLL_S = 0.05
 MAX_MESSAGES = 32
 MAX_BYTES = 256 << 20
 MAX_LOAD = 256
+#: release units (a free is 1, a graph destroy 1 + its handles / 8) run per release message.
+RELEASE_BATCH = 256
 
 
 class Reply:
@@ -99,6 +111,8 @@ class DeviceQueue:
         self.closed = False
         self.closing = False            # a normal shutdown is under way (not a death)
         self.death: BaseException | None = None
+        self._carry: list = []          # batches cut short by RELEASE_BATCH, requeued
+        self._batch_fn = self._run_batch    # one object: release() spots its messages by it
         self.forked_from: int | None = None     # the parent's pid, in a forked child
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -147,11 +161,26 @@ class DeviceQueue:
             raise self.closed_error()
         if self.full():
             self.wait_room()
+        q = self._q
         if nbytes:
             with self._room:
                 self.bytes += nbytes
             fn = _Counted(self, fn, nbytes)
-        self._q.append((fn, args, None))
+        elif not q and self._owner.acquire(False):
+            if not q and not self.closed:   # idle: run it here, with nothing queued to wrap
+                try:
+                    fn(*args)
+                except (SystemExit, KeyboardInterrupt, _Fatal) as e:
+                    self._die(e)
+                except BaseException as e:  # noqa: BLE001 - queued on a stream, as in _drain
+                    self._on_async_error(e)
+                finally:
+                    self._release()
+                return
+            q.append((fn, args, None))
+            self._drain()
+            return
+        q.append((fn, args, None))
         if self._owner.acquire(False):
             self._drain()
         else:
@@ -168,6 +197,88 @@ class DeviceQueue:
         self._q.append((fn, args, None))
         self._wake.set()
 
+    def release(self, fn, *args) -> None:
+        """Queue the release ``fn(*args)`` (a free, a graph destroy, a dropped stream) from a
+        finalizer: never blocks, never runs it here, and adds at most one message to the queue
+        however many releases are pending (module doc). Silently dropped once the server
+        stopped. ``fn`` may return its cost in batch units (default 1)."""
+        if self.closed:
+            return
+        q = self._q
+        try:
+            last = q[-1]
+        except IndexError:
+            last = None
+        if last is not None and last[0] is self._batch_fn:
+            batch = last[1][0]
+            if not batch.started:
+                batch.append((fn, args))
+                if not batch.started:
+                    return
+                # its runner started meanwhile and may have finished: whatever is left (this
+                # release included) moves to a new batch; popleft takes each release once
+                moved = _Batch()
+                while batch:
+                    try:
+                        moved.append(batch.popleft())
+                    except IndexError:
+                        break
+                if not moved:
+                    return
+                q.append((self._batch_fn, (moved,), None))
+                if not self._wake.is_set():
+                    self._wake.set()
+                return
+        batch = _Batch()
+        batch.append((fn, args))
+        q.append((self._batch_fn, (batch,), None))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _run_batch(self, batch: "_Batch") -> None:
+        """The message of one batch of releases: run at most ``RELEASE_BATCH`` units, requeue
+        the rest at the tail (``_carry`` remembers it for :meth:`run_releases`)."""
+        batch.started = True
+        self._run(batch, RELEASE_BATCH)
+        if batch:
+            if not batch.carried:
+                batch.carried = True
+                self._carry.append(batch)
+            self._q.append((self._batch_fn, (batch,), None))
+
+    def _run(self, batch: "_Batch", limit) -> int:
+        done = units = 0
+        while batch and (limit is None or units < limit):
+            try:
+                fn, args = batch.popleft()
+            except IndexError:
+                break
+            try:
+                cost = fn(*args)
+            except Exception as e:  # noqa: BLE001 - every error goes to the next blocking call
+                cost = 1
+                self._on_async_error(e)
+            units += cost if type(cost) is int and cost > 0 else 1
+            done += 1
+        return done
+
+    def run_releases(self) -> int:
+        """Owner only: run now every release a batch message left for later (cut short by
+        ``RELEASE_BATCH``): each was dropped before the message running this, so counts and
+        capture windows see them gone. Releases queued after this message are left alone (a
+        message queued before them may still use what they free). Returns the releases run."""
+        done = 0
+        carry, self._carry = self._carry, []
+        for batch in carry:
+            batch.carried = False
+            done += self._run(batch, None)
+        return done
+
+    @property
+    def pending_releases(self) -> int:
+        """Releases queued and not run yet (a snapshot: owner only, or for tests)."""
+        return sum(len(m[1][0]) for m in list(self._q) if m[0] is self._batch_fn)
+
     def call(self, fn, *args):
         """Blocking: queue ``fn(*args)`` and return its value (or raise its error).
 
@@ -175,12 +286,26 @@ class DeviceQueue:
         """
         if self.closed:
             raise self.closed_error()
-        slot = Reply()
-        self._q.append((fn, args, slot))
-        if self._owner.acquire(False):
+        q = self._q
+        if not q and self._owner.acquire(False):
+            if not q and not self.closed:   # idle: run it here, no slot (the combining path)
+                try:
+                    return fn(*args)
+                except (SystemExit, KeyboardInterrupt, _Fatal) as e:
+                    self._die(e)
+                    raise self.closed_error() from None
+                finally:
+                    self._release()
+            slot = Reply()
+            q.append((fn, args, slot))
             self._drain()
         else:
-            self._wake.set()
+            slot = Reply()
+            q.append((fn, args, slot))
+            if self._owner.acquire(False):
+                self._drain()
+            else:
+                self._wake.set()
         if not slot.done:
             self.wait(slot)
         if slot.error is not None:
@@ -201,6 +326,15 @@ class DeviceQueue:
                 raise self.closed_error()
 
     # -- the owner ------------------------------------------------------------------------
+    def _release(self) -> None:
+        """Release the owner lock after running one message directly (``call``/``submit`` on an
+        idle server), then drain what was queued meanwhile (the module doc's invariant)."""
+        self._owner.release()
+        if self.room_waiters:
+            self.notify_room()
+        if self._q and not self.closed and self._owner.acquire(False):
+            self._drain()
+
     def _drain(self) -> None:
         """Run queued messages in FIFO order; the caller holds the owner lock, released here."""
         q = self._q
@@ -336,6 +470,17 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Batch(collections.deque):
+    """Releases ``(fn, args)`` carried by one message; ``started`` once its runner began (no
+    release joins it after that), ``carried`` while it was cut short and waits in ``_carry``."""
+
+    __slots__ = ("started", "carried")
+
+    def __init__(self):
+        super().__init__()
+        self.started = self.carried = False
 
 
 class _Counted:

@@ -21,26 +21,47 @@ import itertools
 
 from ..backends.base import Completion
 from ..streams import watch_thread_ends
-from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
+from ..errors import (GraphStateError, InvalidHandle, LaunchError, LivenessError, OutOfMemory,
+                      ServerError,
                       UnknownGraph, UnsupportedError)
 from . import capture as cap
 from . import graphs
 from .capture import merge
 from .marks import CLEAN, Mark, Marks
-from .memory import Pool
+from .memory import GraphPool, Pool
 from .queue import DeviceQueue
 
 _graph_ids = itertools.count(1)
+
+
+class _Folded(ServerError):
+    """Errors past ``ComputeServer.MAX_ASYNC_ERRORS`` waiting for a blocking call, folded into
+    one: their count and the latest message (so the list stays bounded, nothing is silent)."""
+
+    def __init__(self, first):
+        super().__init__()
+        self.count, self.last = 0, None
+        self.add(first)
+
+    def add(self, err) -> None:
+        self.count += 1
+        self.last = err
+        self.args = (f"{self.count} errors of reclaimed streams or fire-and-forget messages "
+                     f"(the latest: {type(err).__name__}: {err})",)
+
+    def __reduce__(self):
+        return (ServerError, self.args)       # a plain ServerError with the same message
 
 
 class StreamState:
     """Server-side state of one logical stream."""
 
     __slots__ = ("id", "raw", "pos", "synced", "event", "event_pos", "errors", "state",
-                 "window", "primed", "fences", "done_pos")
+                 "pool", "warm", "warm_bytes", "warm_peak",
+                 "window", "primed", "fences", "done_pos", "graphs")
 
     def __init__(self, sid, raw):
-        self.id, self.raw = sid, raw
+        self.id, self.raw = sid, raw  # id: a plain int, never the client's StreamId
         self.pos = 0                  # operations executed (enqueued to the backend) so far
         self.fences = collections.deque()   # (position, tick) of reads, syncs, fences
         self.done_pos = 0             # every operation up to here is known to have run
@@ -50,6 +71,10 @@ class StreamState:
         self.state = cap.NO_CAPTURE
         self.window: cap.Window | None = None
         self.primed: list = []        # slots freed during warm-up, held until start_capture
+        self.pool = None              # the GraphPool (memory.py) of the capture being prepared
+        self.warm: set = set()        # handles allocated on it since graph_prepare, still live
+        self.warm_bytes = self.warm_peak = 0   # their bytes, and the most at once (estimate)
+        self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
 class HandleState:
@@ -63,7 +88,7 @@ class HandleState:
         self.writes = dict(slot.fences)  # a reused buffer inherits its earlier uses as writes
         self.reads: dict = {}
         self.mark = CLEAN                # the Mark of its last writer (marks.py)
-        self.graphs: list = []           # GraphStates that use it
+        self.graphs: dict = {}           # {GraphState: None} of the graphs that use it
         self.replayed: dict = {}         # {stream: position} of replays of destroyed graphs
 
 
@@ -80,18 +105,27 @@ class ComputeServer:
         max_idle_bytes: bound on the pool's idle bytes (default ``memory.MAX_IDLE``); past it
             the oldest idle buffers go back to the device.
 
-    Streams: the default stream of a thread that ended is reclaimed (server and backend) once
-    its work is done and no graph or capture uses it; stream ids are never reused.
+    Streams: a stream nobody can name any more (its last ``StreamId`` was dropped: a
+    per-request stream, a ``StaticGraph``'s, the default stream of a thread that ended) is
+    reclaimed, server and backend, once its queued work ran and no graph that replays on it
+    lives; a capture left open on it is aborted (its pool reservations go back) and errors
+    queued on it are raised by the next blocking call on any stream. Every table keyed by
+    stream id is pruned of reclaimed ids (``_sweep``), so all of them are bounded by live
+    streams.
     """
 
     def __init__(self, backend, name: str, check: bool = False, max_idle_bytes: int | None = None):
         self.backend = backend
         self.name = name
         self.pool = Pool(backend, max_idle_bytes)
-        self.streams: dict = {}
-        self.ended: set = set()        # default streams of ended threads, not yet reclaimed
+        self.streams: dict = {}        # {int stream id: StreamState}
+        self.ended: set = set()        # ids nobody can name any more, not yet reclaimed
+        self._reaped = 0               # streams reclaimed since the last _sweep
         self.handles: dict = {}
         self.graphs: dict = {}
+        self.graph_pools: dict = {}     # pool id -> memory.GraphPool
+        self.graph_pool_of: dict = {}   # graph id -> its GraphPool (graphs captured into one)
+        self.released_pools: set = set()
         self.marks = marks = Marks(backend, self.streams, self.handles, self.graphs)
         self.capture = cap.Capture(backend, marks, self._release_slot, self._event_at)
         self.programs: dict = {}
@@ -99,11 +133,12 @@ class ComputeServer:
         if check:
             from .checker import Checker
             self.checker = marks.checker = Checker(self)
-        self.queue = DeviceQueue(name, marks.on_async_error, backend.is_alive, backend.load)
+        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load)
         backend.on_room = self.queue.notify_room
         watch_thread_ends(self)
         self.submit = self.queue.submit
         self.post = self.queue.post
+        self.release = self.queue.release
         self.call = self.queue.call
         self.wait = self.queue.wait
 
@@ -113,36 +148,101 @@ class ComputeServer:
         if s is None:
             if self.ended:
                 self._reap_streams()
+            sid = int(sid)                # a table never holds a StreamId (client/stream.py)
             s = self.streams[sid] = StreamState(sid, self.backend.new_stream())
         return s
 
-    def thread_ended(self, sid) -> None:
-        """The thread whose default stream is ``sid`` ended (called on that thread, by
-        ``runtime.streams``): queue its reclamation. Never blocks."""
-        self.post(self.h_stream_ended, sid)
+    def stream_dropped(self, sid: int) -> None:
+        """The last ``StreamId`` naming stream ``sid`` was dropped (called from its finalizer,
+        on any thread, by ``runtime.client.stream``): queue its reclamation. Never blocks."""
+        self.release(self.h_stream_ended, sid)
 
     def h_stream_ended(self, sid) -> None:
-        """Reclaim ``sid`` now if its work is done, else at a later message."""
+        """Reclaim ``sid`` now if nothing uses it, else when its work ran or its last graph
+        went (``_reap_streams``, at the next new stream, graph destroy or ``memory_usage``)."""
         if sid in self.streams:
             self.ended.add(sid)
-            self._reap_streams()
+            self._reap(sid)
 
     def _reap_streams(self) -> None:
-        """Drop every ended thread's stream whose work is done, from the server's table and the
-        backend's (``release_stream``); a stream a graph, window or warm-up still uses stays."""
-        busy = {g.stream for g in self.graphs.values()}
+        """Try to reclaim every stream nobody can name any more (``_reap``)."""
         for sid in list(self.ended):
-            s = self.streams.get(sid)
-            if s is None:
-                self.ended.discard(sid)
-                continue
-            if (sid in busy or s.state != cap.NO_CAPTURE or s.window is not None or s.primed
-                    or not self.backend.release_stream(s.raw)):
-                continue
-            del self.streams[sid]
+            self._reap(sid)
+
+    def _reap(self, sid) -> bool:
+        """Reclaim ``sid`` (nobody can name it: ``ended``) from the server's table and the
+        backend's (``release_stream``) unless a live graph replays on it or its queued work has
+        not run yet (then False: tried again later). A capture or warm-up left open on it is
+        aborted (its window's buffers and primed slots go back to the pool); errors queued on
+        it go to the next blocking call of any stream (``Marks.on_reclaim``; the backend's
+        through ``failures``), bounded (``_bound_async_errors``)."""
+        s = self.streams.get(sid)
+        if s is None:
             self.ended.discard(sid)
-            for other in self.streams.values():
-                other.synced.pop(sid, None)
+            return True
+        if s.graphs:
+            return False
+        if s.state != cap.NO_CAPTURE or s.window is not None or s.primed:
+            self.capture.abort(s)
+        if not self.backend.release_stream(s.raw):
+            return False
+        del self.streams[sid]
+        self.ended.discard(sid)
+        self.marks.on_reclaim(s)      # its queued errors: to the next blocking call (bounded)
+        self.marks.collect()          # (release_stream handed the backend's to failures)
+        self._bound_async_errors()
+        if self.checker is not None:
+            self.checker.on_reclaim(sid)
+        self._reaped += 1
+        if self._reaped > 64 + len(self.handles) + len(self.graphs) + len(self.streams):
+            self._sweep()
+        return True
+
+    def _sweep(self) -> None:
+        """Forget reclaimed stream ids in every table keyed by stream id: handles' accesses,
+        idle pool slots' and graphs' fences, streams' ``synced`` (a reclaimed stream's work
+        ran or was submitted in order: nothing is left to wait for). Amortised: runs once per
+        as many reclaims as there are live entries."""
+        self._reaped = 0
+        live = self.streams
+
+        def prune(d: dict) -> None:
+            for k in [k for k in d if k not in live]:
+                del d[k]
+        for st in self.handles.values():
+            prune(st.writes)
+            prune(st.reads)
+            prune(st.replayed)
+            prune(st.slot.fences)
+        for lst in self.pool._free.values():
+            for slot in lst:
+                prune(slot.fences)
+        for g in self.graphs.values():
+            prune(g.fences)
+        for s in self.streams.values():
+            prune(s.synced)
+
+    #: unattributed errors kept for the next blocking call; past it the rest are summarised.
+    MAX_ASYNC_ERRORS = 64
+
+    def _bound_async_errors(self) -> None:
+        """Keep the errors waiting for the next blocking call of any stream
+        (``Marks.async_errors``: of reclaimed streams, of fire-and-forget messages) bounded:
+        past ``MAX_ASYNC_ERRORS`` the rest are folded into one ``ServerError`` that counts
+        them and keeps the latest message (nothing is dropped silently)."""
+        a = self.marks.async_errors
+        n = self.MAX_ASYNC_ERRORS
+        if len(a) > n:
+            folded = a[n - 1] if isinstance(a[n - 1], _Folded) else _Folded(a[n - 1])
+            for e in a[n:]:
+                folded.add(e)
+            del a[n - 1:]
+            a.append(folded)
+
+    def _on_async_error(self, exc) -> None:
+        # a fire-and-forget message raised past its own error handling: the next blocking call
+        self.marks.on_async_error(exc)
+        self._bound_async_errors()
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -203,12 +303,14 @@ class ComputeServer:
             merge(fences, {g.stream: g.last_pos})
             if st.id in g.required:
                 g.freed.append(st.id)
-        st.graphs = []
+        st.graphs = {}
         slot = st.slot
         if slot.pins:
             slot.orphan = True
             merge(fences, slot.fences)
             slot.fences = fences
+            if slot.graph_pool is not None:     # the next window of its graph pool may take it
+                slot.graph_pool.give(slot)
         else:
             self.pool.give(slot, fences)
             if self.pool.idle_bytes > self.pool.max_idle:
@@ -226,24 +328,35 @@ class ComputeServer:
     def h_empty_cache(self) -> int:
         """Free every idle pool buffer to the device (``torch.cuda.empty_cache``); returns the
         bytes given back (0 while a stream is prepared or capturing)."""
+        self.queue.run_releases()
         return self._trim(0)
 
     def h_alloc(self, sid, hid: int, nbytes: int, data) -> None:
         """``create`` / ``empty``: reserve a pooled buffer for ``hid``; write ``data`` if given.
         On ``OutOfMemory`` the idle pool is given back to the device and the allocation retried
-        once before the error is queued on the stream."""
+        once before the error is queued on the stream. A stream prepared or capturing with a
+        graph pool takes a buffer its graphs share first (``memory.GraphPool.take``)."""
         s = self._stream(sid)
-        try:
+        gp = s.pool if s.state != cap.NO_CAPTURE else None
+        slot = gp.take(nbytes) if gp is not None else None
+        fresh = False
+        if slot is None:
             try:
-                slot, fresh = self.pool.take(nbytes)
-            except OutOfMemory:
-                if not self._trim(0):
-                    raise
-                slot, fresh = self.pool.take(nbytes)
-        except ServerError as e:
-            s.errors.append(e)
-            return
+                try:
+                    slot, fresh = self.pool.take(nbytes)
+                except OutOfMemory:
+                    if not self._trim(0):
+                        raise
+                    slot, fresh = self.pool.take(nbytes)
+            except ServerError as e:
+                s.errors.append(e)
+                return
         st = self.handles[hid] = HandleState(hid, slot, nbytes, sid)
+        if s.state == cap.PREPARE:              # the estimate of what the window will need
+            s.warm.add(hid)
+            s.warm_bytes += slot.nbytes
+            if s.warm_bytes > s.warm_peak:
+                s.warm_peak = s.warm_bytes
         self.capture.on_alloc(s, st, fresh)
         if data is not None:
             self.h_write(sid, hid, data)
@@ -253,6 +366,10 @@ class ComputeServer:
         st = self.handles.pop(hid, None)
         if st is None:
             return
+        ws = self.streams.get(st.stream)
+        if ws is not None and hid in ws.warm:
+            ws.warm.discard(hid)
+            ws.warm_bytes -= st.slot.nbytes
         if not self.capture.on_free(self.streams.get(sid), st):
             self._release_slot(st)
 
@@ -294,14 +411,15 @@ class ComputeServer:
         ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
         ``ServerUnhealthy`` (queued errors of this stream).
         """
-        s = self._stream(sid)
-        self.capture.on_event(s, f"read of handle {hid}")
+        s = self.streams.get(sid) or self._stream(sid)
+        if s.window is not None:            # (the message is built only when it refuses)
+            self.capture.on_event(s, f"read of handle {hid}")
         st = self.handles.get(hid)
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
         errs = self.marks.take_errors(s)
-        if self.marks.error_of(st.mark) is not None or errs:
+        if errs or (st.mark is not CLEAN and self.marks.error_of(st.mark) is not None):
             self._wait_for(s, st.writes)    # as a read that returns: after the buffer's writer
             comp, errs = self.marks.fence_then_raise(s, errs)
             return comp, st.mark, errs
@@ -327,29 +445,30 @@ class ComputeServer:
         propagates, also when it is found after this launch was enqueued: ``Marks.inherit``);
         only a ``write`` binding does not read (docs/contract.md section 4).
         """
-        s = self._stream(sid)
-        states = [self.handles.get(hid) for hid in hids]
+        s = self.streams.get(sid) or self._stream(sid)
+        handles = self.handles
+        states = [handles.get(hid) for hid in hids]
         cst = None
-        if not isinstance(count, tuple):
+        if count.__class__ is not tuple:
             cst = self.handles.get(count)
             if cst is None:
                 states.append(None)
                 hids = list(hids) + [count]
         bindings = kernel.bindings
-        outs = [st for b, st in zip(bindings, states) if st is not None and b.access != "read"]
         w = s.window
         if None in states:
+            outs = [st for b, st in zip(bindings, states)
+                    if st is not None and b.access != "read"]
             hid = hids[states.index(None)]
             err = InvalidHandle(f"launch of {kernel.name}: handle {hid} is unknown or freed on "
                                 f"server {self.name}; keep the Handle alive while it is in use")
             s.errors.append(err)
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            self._launch_failed(s, outs, kernel, err)
             return
-        prog = self._program(s, kernel)
+        prog = self.programs.get(kernel) or self._program(s, kernel)
         if prog is None:
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), s.errors[-1])
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, s.errors[-1])
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
@@ -358,13 +477,19 @@ class ComputeServer:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
-            mark = Mark(("launch", kernel.name, sid), stream=s, pos=s.pos + 1)
+            mark = Mark(("launch", kernel.name, sid), None, (), s, s.pos + 1)
+            reads = None
             for b, st in zip(bindings, states):
                 self._wait_for(s, st.writes)
                 if b.access != "read":
-                    self._wait_for(s, st.reads)
-            self.marks.inherit(mark, [(st.id, st.mark) for b, st in zip(bindings, states)
-                                      if b.access != "write"])
+                    if st.reads:
+                        self._wait_for(s, st.reads)
+                if b.access != "write" and st.mark is not CLEAN:
+                    if reads is None:
+                        reads = []
+                    reads.append((st.id, st.mark))
+            if reads is not None:
+                self.marks.inherit(mark, reads)
             if cst is not None:
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
@@ -375,8 +500,8 @@ class ComputeServer:
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
             s.errors.append(err)
-            if w is None:
-                self.marks.fail(outs, ("launch", kernel.name, sid), err)
+            outs = [st for b, st in zip(bindings, states) if b.access != "read"]
+            self._launch_failed(s, outs, kernel, err)
             return
         s.pos += 1
         pos = s.pos
@@ -390,15 +515,44 @@ class ComputeServer:
         if cst is not None:
             cst.reads[sid] = pos
 
+    def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
+        """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
+        would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
+        if s.window is None:
+            self.marks.fail(outs, ("launch", kernel.name, s.id), err)
+        else:
+            self.capture.refuse(s, f"launch of {kernel.name} ({type(err).__name__}: {err})")
+
     # -- synchronisation ------------------------------------------------------------------------
     def h_sync(self, sid) -> tuple:
         """``(completion of everything enqueued on sid, queued errors)``: the caller waits on
         the completion, then raises the queued errors together with the completion's own
         (``Marks.fence_then_raise``: a sync that raises has waited too)."""
-        s = self._stream(sid)
-        self.capture.on_event(s, "sync")
+        s = self.streams.get(sid) or self._stream(sid)
+        if s.window is not None:
+            self.capture.on_event(s, "sync")
         self.backend.flush(s.raw)
         return self.marks.fence_then_raise(s, self.marks.take_errors(s))
+
+    def sync_idle(self, sid) -> bool:
+        """The fast path of ``sync()`` (issue 26): True when stream ``sid`` is idle with nothing
+        to report, so the sync is done; False sends the caller to ``h_sync``. Runs on the
+        caller's thread holding the owner lock, only when no message is queued (every message
+        the caller queued before ran), so it is ordered like a message. Records that the stream
+        ran up to its position (``done_pos``: its marks are final), as a fence would."""
+        queue = self.queue
+        if queue._q or not queue._owner.acquire(False):
+            return False
+        try:
+            s = self.streams.get(sid)
+            if (s is None or s.window is not None or s.errors or self.marks.async_errors
+                    or self.checker is not None or self.backend.failures
+                    or queue._q or queue.closed or not self.backend.idle(s.raw)):
+                return False
+            s.done_pos = s.pos
+            return True
+        finally:
+            queue._release()
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
@@ -431,14 +585,48 @@ class ComputeServer:
             self.checker.on_event_wait(s, src_id, pos)
 
     # -- capture --------------------------------------------------------------------------------
-    def h_graph_prepare(self, sid) -> None:
-        """``NO_CAPTURE -> PREPARE`` and arm warm-up priming (see ``capture.py``)."""
-        self.capture.prepare(self._stream(sid))
+    def h_graph_prepare(self, sid, pool_id=None) -> None:
+        """``NO_CAPTURE -> PREPARE`` and arm warm-up priming (see ``capture.py``); with
+        ``pool_id`` the window allocates from that graph pool first (``memory.GraphPool``).
+
+        Raises: ``GraphStateError`` (already prepared or capturing; or the pool's graphs live
+        on another stream: graphs of one pool replay in order on one stream). Nothing changes.
+        """
+        self.queue.run_releases()     # frees dropped before it are not primed
+        s = self._stream(sid)
+        gp = None
+        if pool_id is not None:
+            gp = self.graph_pools.get(pool_id)
+            if gp is not None and gp.stream is not None and gp.stream != sid and (
+                    gp.graphs or any(st.pool is gp for st in self.streams.values()
+                                     if st.state != cap.NO_CAPTURE)):
+                raise GraphStateError(
+                    f"graph_prepare(pool={pool_id}) on stream {int(sid)}: the graphs of that pool "
+                    f"capture and replay on stream {int(gp.stream)} (they share buffers, so they "
+                    "must run in order on one stream); capture on that stream or use another "
+                    "pool")
+        self.capture.prepare(s)
+        if pool_id is not None:
+            if gp is None:
+                gp = self.graph_pools[pool_id] = GraphPool(pool_id)
+            gp.stream = sid
+        s.pool = gp
+        s.warm, s.warm_bytes, s.warm_peak = set(), 0, 0
+
+    def h_graph_estimate(self, sid) -> dict:
+        """``ComputeClient.graph_estimate``: what the window of ``sid`` will need, from its
+        warm-up so far: ``{"bytes": the most bytes its allocations held at once since
+        graph_prepare, "pool_free_bytes": what its graph pool can serve (0 without one)}``."""
+        s = self._stream(sid)
+        gp = s.pool
+        return {"bytes": s.warm_peak,
+                "pool_free_bytes": 0 if gp is None else gp.usage()["free_bytes"]}
 
     def h_warmup_fence(self, sid) -> Completion:
         """First half of ``start_capture``: hand the warm-up to the device and return a
         completion of it, which the caller waits for outside the server (failures found at
         submit are queued on the stream). Raises ``GraphStateError`` when ``begin`` would."""
+        self.queue.run_releases()     # frees dropped in the warm-up are primed
         s = self._stream(sid)
         self.capture.check_begin(s)
         try:
@@ -474,10 +662,22 @@ class ComputeServer:
                 it); else a replay after the free of a caller-owned handle raises
                 ``LivenessError``. Either way no buffer it uses changes owner while it lives.
         Raises: ``GraphStateError`` (nothing recording, unchanged); ``CaptureRefused`` naming the
-        late refusals (no graph is made); ``ServerUnhealthy`` (errors queued in the window).
+        window's refusals, first first (at once or late: any refusal invalidates the window; no
+        graph is made), with the errors queued in the window; ``ServerUnhealthy`` (errors
+        queued in the window). See ``Capture.end``.
         """
-        g = self.capture.end(self._stream(sid), next(_graph_ids), retain)
+        self.queue.run_releases()     # frees dropped in the window are refused
+        s = self._stream(sid)
+        g = self.capture.end(s, next(_graph_ids), retain)
         self.graphs[g.id] = g
+        s.graphs += 1                 # the stream is not reclaimed while a graph replays there
+        gp, s.pool = s.pool, None
+        s.warm, s.warm_bytes = set(), 0
+        if gp is not None:                      # its window's buffers join the graph pool
+            gp.graphs.add(g.id)
+            self.graph_pool_of[g.id] = gp
+            for slot in g.alloc_slots:
+                gp.adopt(slot)
         if self.checker is not None:
             self.checker.on_graph(g)
         return g.id, bool(self.backend.hardware_graphs)
@@ -499,9 +699,10 @@ class ComputeServer:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
         s = self.streams[g.stream]
-        mark = Mark(("replay", gid), stream=s, pos=s.pos + 1)
+        mark = Mark(("replay", gid), None, (), s, s.pos + 1)
         try:
-            self.capture.on_event(s, f"replay of graph {gid}")
+            if s.window is not None:
+                self.capture.on_event(s, f"replay of graph {gid}")
             if g.freed:
                 hid = g.freed[0]
                 err = LivenessError(
@@ -516,7 +717,12 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            self.marks.inherit(mark, [(st.id, st.mark) for st in g.sstates])
+            if g.sstates:                   # marks known final and clean are skipped here
+                reads = [(st.id, m) for st in g.sstates if (m := st.mark) is not CLEAN and (
+                    m._error is not None or m.parents or m.stream is None
+                    or m.pos > m.stream.done_pos)]
+                if reads:
+                    self.marks.inherit(mark, reads)
             self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
@@ -539,25 +745,34 @@ class ComputeServer:
         if g is None:
             return
         s = self.streams[g.stream]
+        s.graphs -= 1
         if not self.capture.on_destroy(s, g.graph):
             self.backend.destroy_graph(s.raw, g.graph)
-        for st in g.handles:
-            if g in st.graphs:
-                st.graphs.remove(g)
+        for st in g.handles:              # O(1) each: destroying N graphs is linear in N
+            if st.graphs.pop(g, 0) is None:
                 merge(st.replayed, {g.stream: g.last_pos})
         fence = {g.stream: s.pos}
+        gp = self.graph_pool_of.pop(gid, None)
+        if gp is not None:
+            gp.graphs.discard(gid)
         for slot in g.retained:
             slot.pins -= 1
+            if slot.pins == 0 and slot.graph_pool is not None:
+                slot.graph_pool.drop(slot)      # no graph of its pool retains it any more
             if slot.orphan and slot.pins == 0:
                 f = dict(slot.fences)
                 merge(f, fence)
                 self.pool.give(slot, f)
+        if gp is not None and not gp.graphs and gp.id in self.released_pools:
+            self.released_pools.discard(gp.id)
+            self.graph_pools.pop(gp.id, None)
         if self.pool.idle_bytes > self.pool.max_idle:
             self._trim(self.pool.max_idle)
         if self.checker is not None:
             self.checker.on_graph_destroy(g)
-        if self.ended:
-            self._reap_streams()
+        if not s.graphs and s.id in self.ended:
+            self._reap(s.id)
+        return 1 + len(g.handles) // 8    # its cost in a batch of releases (queue.release)
 
     # -- graphs that change (graphs.py) ---------------------------------------------------------
     def _graph(self, gid: int, what: str):
@@ -586,8 +801,10 @@ class ComputeServer:
         """``Graph.instantiate``: a new graph from the recording of ``gid`` against other
         buffers; returns ``(graph id, stream id, is_hardware)``."""
         g = self._graph(gid, "instantiate")
-        ng = graphs.instantiate(self, g, rebind, next(_graph_ids), sid)
+        ng = graphs.instantiate(self, g, rebind, next(_graph_ids),
+                                None if sid is None else int(sid))
         self.graphs[ng.id] = ng
+        self.streams[ng.stream].graphs += 1
         if self.checker is not None:
             self.checker.on_graph(ng)
         return ng.id, ng.stream, bool(self.backend.hardware_graphs)
@@ -606,12 +823,49 @@ class ComputeServer:
     # -- introspection --------------------------------------------------------------------------
     def h_memory_usage(self) -> dict:
         """Pool bytes reserved from the device, handed to live handles and idle; counts of
-        handles, graphs and streams (reclaims ended threads' streams first)."""
+        handles, graphs and streams (runs every pending release and reclaims unnamed streams
+        first, so the counts are of live objects)."""
+        self.queue.run_releases()
         if self.ended:
             self._reap_streams()
+        self.marks.collect()              # errors waiting for a blocking call: bounded
+        self._bound_async_errors()
+        graph_bytes = sum(sl.nbytes for sl in {id(sl): sl for g in self.graphs.values()
+                                                for sl in g.alloc_slots}.values())
         return {"bytes_reserved": self.pool.bytes_reserved, "bytes_in_use": self.pool.bytes_in_use,
                 "bytes_idle": self.pool.idle_bytes, "handles": len(self.handles),
-                "graphs": len(self.graphs), "streams": len(self.streams)}
+                "graphs": len(self.graphs), "streams": len(self.streams),
+                "graph_bytes": graph_bytes,
+                "graph_pools": {pid: gp.usage() for pid, gp in self.graph_pools.items()}}
+
+    def h_graph_memory(self, gid: int) -> dict:
+        """``Graph.memory_usage()``: ``{"nbytes": what graph gid keeps alive, "own_bytes": its
+        window's buffers no graph pool shares, "pool": the pool id or None, "pool_bytes": the
+        pool's shared bytes, "pool_share": pool_bytes / its graphs}`` (bytes; ``nbytes`` =
+        ``own_bytes + pool_share``). Raises ``UnknownGraph``."""
+        g = self._graph(gid, "memory_usage")
+        gp = self.graph_pool_of.get(gid)
+        own = sum(sl.nbytes for sl in {id(sl): sl for sl in g.alloc_slots}.values()
+                  if sl.graph_pool is None)
+        share = gp.bytes // max(1, len(gp.graphs)) if gp is not None else 0
+        return {"nbytes": own + share, "own_bytes": own, "pool": None if gp is None else gp.id,
+                "pool_bytes": 0 if gp is None else gp.bytes, "pool_share": share}
+
+    def h_graph_pool_usage(self, pool_id: int) -> dict:
+        """``GraphPool.memory_usage()`` (``memory.GraphPool.usage``); an unused pool: zeros."""
+        gp = self.graph_pools.get(pool_id)
+        return (gp or GraphPool(pool_id)).usage()
+
+    def h_graph_pool_release(self, pool_id: int) -> None:
+        """The last reference to a ``runtime.GraphPool`` was dropped: forget it once its graphs
+        are gone (the table stays bounded by live pools)."""
+        gp = self.graph_pools.get(pool_id)
+        if gp is None:
+            return
+        if gp.graphs:
+            self.released_pools.add(pool_id)
+        else:
+            del self.graph_pools[pool_id]
 
     def h_graph_info(self, gid: int) -> dict:
         g = self.graphs.get(gid)

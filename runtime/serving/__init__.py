@@ -1,27 +1,47 @@
 """Multi-client embeddings serving on captured graphs.
 
 - :class:`Batcher` (``batcher.py``): groups texts from concurrent callers into padded
-  ``(batch, seq_len)`` buckets and runs them through the model's captured graphs (or eagerly).
+  ``(batch, seq_len)`` buckets (``runtime.models.buckets``) and runs them through the model's
+  captured graphs (or eagerly).
+- :class:`~runtime.serving.replica.Settings`, :class:`~runtime.serving.replica.Replica` and
+  :func:`~runtime.serving.replica.start_batcher` (``replica.py``): the one wiring path from the
+  ``serve`` settings to a model, a batcher and the app, used by ``serve``, ``serve --ray``, the
+  demo and the corpus embedders.
 - :func:`create_app` (``app.py``): the FastAPI app, OpenAI-compatible ``POST /v1/embeddings``,
-  ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (``metrics.py``, prometheus-client).
+  ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (``metrics.py``, prometheus-client);
+  bodies parsed off the event loop (``parse.py``), token arrays read as ``token_ids.py`` says,
+  OpenTelemetry spans (``tracing.py``).
 - :func:`serve` and :class:`ServerThread` (``http.py``): uvicorn in the foreground or on a
   thread, with header/body read timeouts and graceful shutdown.
 - ``python -m runtime serve`` (``cli.py``) and ``python -m runtime demo`` (``demo.py``).
 
-Importing this package needs numpy and prometheus-client; fastapi/uvicorn are imported when an
-app or server is built.
+Importing this package imports nothing but this file: each name is imported from its module on
+first use (PEP 562 ``__getattr__``), so ``runtime.corpus`` (the ``corpus`` extra: pyarrow, no
+prometheus-client or fastapi) can use the batcher alone.
 """
 
-from .batcher import (BatchFailed, BatcherClosed, Batcher, Embeddings, QueueFull, bucket_up,
-                      choose_bucket)
-from .metrics import ServingMetrics
-from .app import MODEL_ID, create_app
-from .http import ServerThread, serve
-from ..cpu_threads import limit_blas_threads   # a fixed BLAS count; re-exported for callers
+import importlib
 
-__all__ = ["Batcher", "BatchFailed", "BatcherClosed", "Embeddings", "QueueFull", "bucket_up",
-           "choose_bucket", "ServingMetrics", "MODEL_ID", "ServerThread", "create_app", "serve",
-           "load_model", "limit_blas_threads"]
+_WHERE = {
+    "Batcher": "batcher", "BatchFailed": "batcher", "BatcherClosed": "batcher",
+    "Embeddings": "batcher", "QueueFull": "batcher", "bucket_up": "batcher",
+    "choose_bucket": "batcher", "ServingMetrics": "metrics", "MODEL_ID": "app",
+    "create_app": "app", "ServerThread": "http", "serve": "http", "Settings": "replica",
+    "Replica": "replica", "start_batcher": "replica",
+}
+
+__all__ = sorted(_WHERE) + ["load_model", "limit_blas_threads"]
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    elif name == "limit_blas_threads":          # a fixed BLAS count; re-exported for callers
+        from ..cpu_threads import limit_blas_threads as value
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def load_model(backend: str | None = "cpu", *, path=None, max_graphs: int = 8, **options):

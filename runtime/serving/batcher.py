@@ -49,13 +49,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Batcher", "BatchFailed", "BatcherClosed", "QueueFull", "Embeddings",
+from ..models.buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_up, choose_bucket
+
+__all__ = ["Batcher", "BatchFailed", "BatcherClosed", "QueueFull", "Embeddings", "Timings",
+           "BatchTiming",
            "choose_bucket", "bucket_up"]
 
-#: Default sequence-length buckets (tokens), as ``runtime.models.minilm.SEQ_BUCKETS``.
-SEQ_BUCKETS = (16, 32, 64, 128, 256)
-#: Default batch-size buckets (texts), as ``runtime.models.minilm.BATCH_BUCKETS``.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 #: ``Batcher(max_padding="auto")`` for a model on the cpu backend: at most a quarter of a
 #: bucket's rows padding. From MiniLM's forward on 2 cores at 16 tokens, about 13 ms a forward
 #: plus 4.3 ms a row (``benchmarks/minilm_forward.py``: 1x16 16.1 ms, 8x16 47.2, 32x16 151):
@@ -89,6 +88,30 @@ class QueueFull(RuntimeError):
         self.retry_after = float(retry_after)
 
 
+class BatchTiming(NamedTuple):
+    """One batch that held texts of a request (``time.time_ns`` stamps, for tracing).
+
+    Attributes: bucket: ``(batch, seq_len)`` run; rows: real rows of the batch; request_rows:
+        this request's rows in it; path: ``"graph"``/``"eager"``; step: ``"replay"``,
+        ``"capture"`` (a bucket's first graph batch) or ``"forward"`` (eager); start_ns, end_ns.
+    """
+
+    bucket: tuple
+    rows: int
+    request_rows: int
+    path: str
+    step: str
+    start_ns: int
+    end_ns: int
+
+
+class Timings(NamedTuple):
+    """When a request was queued and the batches that ran it (``time.time_ns``)."""
+
+    enqueue_ns: int
+    batches: tuple
+
+
 class Embeddings(NamedTuple):
     """The answer to one :meth:`Batcher.submit`.
 
@@ -96,79 +119,12 @@ class Embeddings(NamedTuple):
         embeddings: ``float32 [n, hidden]``, row ``i`` for text ``i`` (unit L2 norm for MiniLM).
         tokens: ``int64 [n]``, tokens fed to the model per text (special tokens included, after
             truncation).
+        timings: a :class:`Timings` (enqueue and batch stamps), or ``None`` for no texts.
     """
 
     embeddings: np.ndarray
     tokens: np.ndarray
-
-
-def bucket_up(n: int, sizes) -> int:
-    """The smallest size in ``sizes`` (increasing) that is ``>= n``.
-
-    Raises: ``ValueError`` when ``n`` exceeds the largest.
-    """
-    for s in sizes:
-        if n <= s:
-            return int(s)
-    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
-
-
-def choose_bucket(n: int, length: int, batch_buckets, seq_buckets, captured=(),
-                  max_graphs=None, max_tokens=None, max_padding=None) -> tuple:
-    """The ``(batch, seq_len)`` bucket for the next ``n`` texts of at most ``length`` tokens.
-
-    The exact bucket (each size rounded up to its list) when it is already captured or there is
-    room for one more graph (``len(captured) < max_graphs``, or no bound). When the bound is
-    reached, the cache is not churned (a capture costs about two forwards, and would evict a
-    bucket that is likely needed again):
-
-    1. the smallest captured bucket (fewest ``batch * seq_len`` cells) that holds all ``n``;
-    2. else the captured bucket with ``seq_len >= length`` and the most rows: it runs only its
-       first ``batch`` texts (``batch < n``; the caller keeps the rest for the next batch);
-    3. else the exact bucket (the model then evicts its least recently used graph).
-
-    With ``max_padding``, a bucket whose padding rows would exceed that fraction of its rows
-    gives way to the largest batch bucket the texts fill (same ``seq_len``, when it is captured
-    or there is room for it): on a cpu, a padding row costs as much as a real one, so 20 texts
-    run as 16 now and 4 with the next batch's company rather than as 32.
-
-    Args:
-        n: texts waiting (``1 <= n <= max(batch_buckets)``); length: the longest, in tokens.
-        batch_buckets, seq_buckets: increasing sizes; captured: ``(batch, seq_len)`` pairs held.
-        max_graphs: the bound on held graphs, or ``None``.
-        max_tokens: captured buckets with more than ``batch * seq_len`` padded tokens are not
-            reused (the per-batch budget), or ``None``.
-        max_padding: the largest fraction of a bucket's rows that may be padding (``0 <= f <
-            1``), or ``None`` (any).
-    Returns: ``(batch, seq_len)``; ``batch`` may be below ``n`` (case 2, or ``max_padding``).
-    Raises: ``ValueError`` when ``n`` or ``length`` exceeds the largest bucket.
-    """
-    captured = list(captured)
-    bucket = _choose(n, length, batch_buckets, seq_buckets, captured, max_graphs, max_tokens)
-    B, S = bucket
-    if max_padding is None or B <= n or (B - n) / B <= max_padding:
-        return bucket
-    down = max((b for b in batch_buckets if b <= n), default=None)
-    if down is not None and ((down, S) in captured or max_graphs is None or
-                             len(captured) < max_graphs):
-        return (down, S)
-    return bucket
-
-
-def _choose(n, length, batch_buckets, seq_buckets, captured, max_graphs, max_tokens) -> tuple:
-    """:func:`choose_bucket` without the padding bound."""
-    exact = (bucket_up(n, batch_buckets), bucket_up(max(length, 1), seq_buckets))
-    if exact in captured or max_graphs is None or len(captured) < max_graphs:
-        return exact
-    if max_tokens is not None:
-        captured = [b for b in captured if b[0] * b[1] <= max_tokens]
-    fits = [b for b in captured if b[0] >= n and b[1] >= length]
-    if fits:
-        return min(fits, key=lambda b: (b[0] * b[1], b))
-    part = [b for b in captured if b[1] >= length]
-    if part:
-        return max(part, key=lambda b: (b[0], -b[1]))
-    return exact
+    timings: Timings | None = None
 
 
 class _Request:
@@ -182,6 +138,8 @@ class _Request:
         self.lock = threading.Lock()
         self.pending: dict = {}                  # seq bucket -> deque of _Item, lowest row first
         self.n_pending = 0
+        self.enqueue_ns = 0
+        self.batches: list = []                  # BatchTiming of each batch with its rows
 
     def add(self, item: "_Item", front: bool = False) -> None:
         q = self.pending.setdefault(item.seq, deque())
@@ -205,7 +163,8 @@ class _Request:
             self.left -= k
             finished = self.left == 0
         if finished:
-            self._settle(lambda f: f.set_result(Embeddings(self.out, self.tokens)))
+            timings = Timings(self.enqueue_ns, tuple(self.batches))
+            self._settle(lambda f: f.set_result(Embeddings(self.out, self.tokens, timings)))
 
     def fail(self, exc: BaseException) -> None:
         self._settle(lambda f: f.set_exception(exc))
@@ -242,6 +201,9 @@ class Batcher:
             period arrives (milliseconds; ``0`` runs at once). Texts that arrive while a batch
             runs never wait for this.
         max_queue: most texts waiting; :meth:`submit` beyond it raises :class:`QueueFull`.
+        max_input_chars: most characters per text (:meth:`submit` raises ``ValueError``
+            naming ``input[i]`` beyond it); ``None``: any length (the tokenizer reads only a
+            bounded prefix of a long text anyway).
         batch_buckets, seq_buckets: the bucket sizes (texts, tokens), increasing; default the
             model's (``BATCH_BUCKETS``/``SEQ_BUCKETS``).
         metrics: a :class:`runtime.serving.metrics.ServingMetrics` to record into, or ``None``.
@@ -269,7 +231,8 @@ class Batcher:
 
     def __init__(self, model, *, graph: bool = True, max_batch: int = 32,
                  max_batch_tokens: int | None = None, max_wait_ms: float = 2.0,
-                 max_queue: int = 4096, batch_buckets=None, seq_buckets=None, metrics=None,
+                 max_queue: int = 4096, max_input_chars: int | None = None,
+                 batch_buckets=None, seq_buckets=None, metrics=None,
                  max_padding="auto", exact_shapes: bool = False, start: bool = True):
         self.model = model
         self.graph = bool(graph)
@@ -303,6 +266,10 @@ class Batcher:
                              f"{self.batch_buckets[0]}")
         self.max_wait = max(0.0, float(max_wait_ms)) / 1000.0
         self.max_queue = int(max_queue)
+        if self.max_queue < 1 or (max_input_chars is not None and int(max_input_chars) < 1):
+            raise ValueError(f"max_queue and max_input_chars must be >= 1, got {max_queue}, "
+                             f"{max_input_chars}")
+        self.max_input_chars = None if max_input_chars is None else int(max_input_chars)
         self.metrics = metrics
         self.hidden = int(model.hidden)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -332,15 +299,26 @@ class Batcher:
             others' batches are unaffected) or :class:`BatcherClosed`. An empty list resolves at
             once to ``[0, hidden]``. ``future.cancel()`` drops the texts not yet batched.
             Tokenising runs on the calling thread; nothing else blocks.
-        Raises: ``TypeError`` (not strings); ``ValueError`` naming ``input[i]``, the first text
-            the tokenizer refuses (e.g. a lone UTF-16 surrogate); :class:`QueueFull`;
-            :class:`BatcherClosed`.
+        Raises: ``TypeError`` (not strings); ``ValueError`` naming ``input[i]``: the first text
+            over ``max_input_chars``, or the first the tokenizer refuses (e.g. a lone UTF-16
+            surrogate); :class:`QueueFull`; :class:`BatcherClosed`. (The one place texts are
+            checked: the HTTP app, the Ray replicas and the corpus embedders all submit here.)
         """
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a string or a list of strings")
         self._check_open()
+        for i, t in enumerate(texts):
+            if self.max_input_chars is not None and len(t) > self.max_input_chars:
+                raise ValueError(f"'input[{i}]' has {len(t)} characters; at most "
+                                 f"{self.max_input_chars} (the model reads only its first "
+                                 f"{self.max_seq_length} tokens)")
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"'input[{i}]' is not valid Unicode: it holds a lone UTF-16 "
+                                 "surrogate") from None
         if not texts:
             return self._enqueue(np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64))
         try:
@@ -402,6 +380,7 @@ class Batcher:
             self._queued += n
             self._queued_requests += 1
         now = time.perf_counter()
+        req.enqueue_ns = time.time_ns()
         for i in range(n):
             L = int(lengths[i])
             req.add(_Item(ids[i, :L].astype(np.int32), req, i, now,
@@ -423,7 +402,9 @@ class Batcher:
 
         Args:
             buckets: ``(batch, seq_len)`` pairs; default every pair of the bucket lists, as many
-                as ``model.max_graphs`` allows (small ones first).
+                as ``model.max_graphs`` allows (the smallest ones), captured largest first (the
+                model's graph pool then serves the others from its buffers); a given list runs
+                in its order.
             progress: show a ``tqdm`` progress bar on stderr (if tqdm is installed).
         Returns: the buckets run, in order.
         Raises: ``ValueError`` (more buckets than ``model.max_graphs`` on the graph path, or a
@@ -435,6 +416,8 @@ class Batcher:
                              key=lambda p: (p[0] * p[1], p))
             if limit is not None:
                 buckets = buckets[:limit]
+            if self.graph:              # largest first: the model's graph pool then serves
+                buckets.sort(key=lambda p: (-p[0] * p[1], p))  # the others (issue 26)
         buckets = [(int(b), int(s)) for b, s in buckets]
         for b, s in buckets:
             if b not in self.batch_buckets or s not in self.seq_buckets:
@@ -685,6 +668,7 @@ class Batcher:
             ids[r, :len(it.ids)] = it.ids
             mask[r, :len(it.ids)] = 1
         t0 = time.perf_counter()
+        t0_ns = time.time_ns()
         if m is not None:
             for it in batch:
                 m.queue_wait.observe(t0 - it.t_enqueue)
@@ -702,6 +686,7 @@ class Batcher:
                 it.req.fail(err)
             return
         dt = time.perf_counter() - t0
+        t1_ns = time.time_ns()
         per = dt / n
         self._s_per_text = per if self._s_per_text is None else 0.8 * self._s_per_text + 0.2 * per
         self.batches_run += 1
@@ -709,6 +694,8 @@ class Batcher:
             m.batches.labels(path=self.path).inc()
             m.batch_size.labels(path=self.path).observe(n)
             m.padding.labels(path=self.path).observe(0 if self.exact_shapes else B - n)
+            m.padded_tokens.labels(path=self.path).observe(
+                n * L if self.exact_shapes else B * S)
             if not self.graph:
                 m.eager.observe(dt)
             elif bucket in captured:
@@ -721,5 +708,7 @@ class Batcher:
         done: dict = {}
         for it in batch:
             done[id(it.req)] = (it.req, done.get(id(it.req), (None, 0))[1] + 1)
+        step = ("forward" if not self.graph else "replay" if bucket in captured else "capture")
         for req, k in done.values():
+            req.batches.append(BatchTiming(bucket, n, k, self.path, step, t0_ns, t1_ns))
             req.done_rows(k)

@@ -8,12 +8,17 @@ Usage::
                             [--max-queue 4096] [--max-inputs 2048] [--max-input-chars 100000]
                             [--max-body-bytes 16777216] [--header-timeout 10]
                             [--body-timeout 30] [--grace 10] [--api-key KEY]
+                            [--seq-buckets 16,32,...] [--batch-buckets 1,2,4,...]
+                            [--token-ids refuse|wordpiece|openai] [--otlp-endpoint URL]
                             [--ray [--replicas N] [--address ray://...] [--min-replicas m]
                                    [--max-replicas M] [--target-ongoing-requests t]]
 
 then ``curl -s localhost:8000/v1/embeddings -d '{"input": ["a text", "another"]}'``.
 Every limit is a flag (``--help`` lists the defaults). ``RUNTIME_API_KEY`` is read when
-``--api-key`` is not given.
+``--api-key`` is not given. ``serve`` and ``serve --ray`` take the same flags, translated once
+(:func:`settings_from_args`) into one :class:`runtime.serving.replica.Settings` that both build
+their replica from; ``--header-timeout`` alone is refused with ``--ray`` (Serve's proxy reads
+the headers).
 """
 
 from __future__ import annotations
@@ -23,112 +28,146 @@ import ipaddress
 import os
 import sys
 
-from .app import BODY_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS, MAX_INPUTS
-from .http import GRACE, HEADER_TIMEOUT
+from .. import flags
+from .limits import (BODY_TIMEOUT, GRACE, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS,
+                     MAX_INPUTS)
+from .replica import Settings
+from .token_ids import MODES
 
-
-def parse_buckets(spec: str) -> list:
-    """``"1x16,8x32"`` -> ``[(1, 16), (8, 32)]`` (batch x seq_len).
-
-    Raises: ``argparse.ArgumentTypeError`` on a malformed item.
-    """
-    out = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        try:
-            b, s = part.lower().split("x")
-            out.append((int(b), int(s)))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bucket {part!r} is not BATCHxSEQ, e.g. 8x32")
-    return out
-
-
-def parse_sizes(spec: str) -> tuple:
-    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``: positive sizes, strictly increasing.
-
-    Raises: ``argparse.ArgumentTypeError`` otherwise.
-    """
-    try:
-        sizes = tuple(int(p) for p in spec.split(","))
-    except ValueError:
-        sizes = ()
-    if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
-        raise argparse.ArgumentTypeError(f"{spec!r} is not increasing positive sizes, e.g. "
-                                         "1,2,4,8,16,32")
-    return sizes
+#: ``parse_buckets`` and ``parse_sizes`` are the flag validators of :mod:`runtime.flags`.
+parse_buckets, parse_sizes = flags.buckets, flags.sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``serve`` argument parser."""
+    """The ``serve`` argument parser (every value checked by its ``type=``,
+    :mod:`runtime.flags`; :func:`parse_args` adds the checks across flags)."""
+    positive_int, positive_float = flags.positive(int), flags.positive(float)
     p = argparse.ArgumentParser(prog="python -m runtime serve",
                                 description="Serve all-MiniLM-L6-v2 embeddings over HTTP "
                                 "(OpenAI-compatible POST /v1/embeddings, /health, /metrics).")
     p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
                    help="device backend (default: cpu, the embedded default; auto = best)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
-    p.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
+    p.add_argument("--port", type=flags.port, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--eager", action="store_true",
                    help="launch kernels one by one instead of replaying bucket graphs")
-    p.add_argument("--max-graphs", type=_positive(int), default=8, help="most bucket graphs held (LRU)")
-    p.add_argument("--warmup", type=parse_buckets, default=None, metavar="BxS,...",
-                   help="capture these buckets at start-up (progress bar), e.g. 1x16,8x32")
-    p.add_argument("--batch-buckets", type=parse_sizes, default=None, metavar="B,B,...",
+    p.add_argument("--max-graphs", type=positive_int, default=8,
+                   help="most bucket graphs held (LRU)")
+    p.add_argument("--warmup", type=flags.buckets, default=None, metavar="BxS,...",
+                   help="capture these buckets at start-up (progress bar), e.g. 1x16,8x32; each "
+                   "a pair of the batch and sequence buckets")
+    p.add_argument("--batch-buckets", type=flags.sizes, default=None, metavar="B,B,...",
                    help="batch sizes (texts) a batch is padded up to, increasing (default "
                    "1,2,4,8,16,32); denser sizes pad less and hold more graphs (on 2 cores, "
                    "1,2,3,4,6,8,12,16,24,32 served short texts 10-15%% faster at 8 clients)")
-    p.add_argument("--max-batch", type=_positive(int), default=32,
+    p.add_argument("--seq-buckets", type=flags.seq_sizes, default=None, metavar="N,N,...",
+                   help="sequence-length buckets in tokens, increasing, the last >= 256 "
+                   "(default 16,32,64,128,256)")
+    p.add_argument("--max-batch", type=positive_int, default=32,
                    help="most texts per batch (default 32)")
-    p.add_argument("--max-batch-tokens", type=_positive(int), default=None,
+    p.add_argument("--max-batch-tokens", type=flags.at_least(flags.MODEL_TOKENS, "one text of "
+                                                             "256 tokens"), default=None,
                    help="most padded tokens per batch, rows x seq bucket (default max-batch x "
                    "256 = 8192)")
-    p.add_argument("--max-wait-ms", type=float, default=2.0,
+    p.add_argument("--max-wait-ms", type=flags.non_negative(float), default=2.0,
                    help="how long an idle batcher waits for more texts (ms, default 2)")
-    p.add_argument("--max-queue", type=_positive(int), default=4096,
+    p.add_argument("--max-queue", type=positive_int, default=4096,
                    help="most texts waiting; beyond it 503 with Retry-After (default 4096)")
-    p.add_argument("--max-inputs", type=_positive(int), default=MAX_INPUTS,
+    p.add_argument("--max-inputs", type=positive_int, default=MAX_INPUTS,
                    help=f"most inputs per request (400 beyond; default {MAX_INPUTS})")
-    p.add_argument("--max-input-chars", type=_positive(int), default=MAX_INPUT_CHARS,
+    p.add_argument("--max-input-chars", type=positive_int, default=MAX_INPUT_CHARS,
                    help=f"most characters per text (400 beyond; default {MAX_INPUT_CHARS})")
-    p.add_argument("--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES,
                    help=f"request body limit in bytes (413 beyond; default {MAX_BODY_BYTES})")
-    p.add_argument("--header-timeout", type=_positive(float), default=HEADER_TIMEOUT,
+    p.add_argument("--header-timeout", type=positive_float, default=HEADER_TIMEOUT,
                    help=f"seconds to send request headers (408 after; default "
-                   f"{HEADER_TIMEOUT:g})")
-    p.add_argument("--body-timeout", type=_positive(float), default=BODY_TIMEOUT,
+                   f"{HEADER_TIMEOUT:g}; not with --ray: Serve's proxy reads the headers)")
+    p.add_argument("--body-timeout", type=positive_float, default=BODY_TIMEOUT,
                    help=f"seconds to send the body (408 after; default {BODY_TIMEOUT:g})")
-    p.add_argument("--grace", type=float, default=GRACE,
+    p.add_argument("--grace", type=flags.non_negative(float), default=GRACE,
                    help=f"seconds to finish queued work on SIGTERM before answering 503 and "
-                   f"exiting (default {GRACE:g})")
+                   f"exiting (default {GRACE:g}; with --ray, per replica on shutdown)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(default: $RUNTIME_API_KEY; none: open)")
+    p.add_argument("--token-ids", default=MODES[0], choices=MODES,
+                   help="token-array inputs: refuse them (default; the server embeds text), "
+                   "read them as this model's WordPiece ids (wordpiece), or as OpenAI "
+                   "cl100k_base ids decoded to text (openai: needs tiktoken and its file in "
+                   "TIKTOKEN_CACHE_DIR)")
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry spans per request to this OTLP/HTTP traces URL, "
+                   "e.g. http://127.0.0.1:4318/v1/traces (default: no tracing)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
-    p.add_argument("--log-level", default="info", help="uvicorn log level")
-    # -- Ray Serve (issue 18): these flags are read by runtime/serving/ray_serve.py only --------
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level (uvicorn's; with --ray, the replicas' Serve logs)")
+    # -- Ray Serve: the same settings, per replica; these flags only with --ray -----------------
     g = p.add_argument_group("Ray Serve", "with --ray: replicas of this server on a Ray cluster")
     g.add_argument("--ray", action="store_true",
                    help="deploy on Ray Serve (one model + batcher per replica)")
-    g.add_argument("--replicas", type=int, default=1, help="replicas (initial, when autoscaling)")
+    g.add_argument("--replicas", type=positive_int, default=1,
+                   help="replicas (initial, when autoscaling)")
     g.add_argument("--address", default=None,
                    help="Ray cluster to join (ray://head:10001, head:6379, auto); default: start "
                         "a local one on 127.0.0.1")
-    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling lower bound")
-    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound")
-    g.add_argument("--target-ongoing-requests", type=float, default=None,
+    g.add_argument("--min-replicas", type=flags.non_negative(int), default=None,
+                   help="autoscaling lower bound")
+    g.add_argument("--max-replicas", type=positive_int, default=None,
+                   help="autoscaling upper bound")
+    g.add_argument("--target-ongoing-requests", type=positive_float, default=None,
                    help="autoscaling target of ongoing requests per replica")
-    g.add_argument("--replica-cpus", type=float, default=1.0,
+    g.add_argument("--replica-cpus", type=flags.non_negative(float), default=1.0,
                    help="Ray CPUs per replica (--backend cuda asks one GPU each)")
     return p
 
 
-def _positive(kind):
-    """argparse type: a number of ``kind`` above 0."""
-    def parse(text: str):
-        v = kind(text)
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-        return v
-    parse.__name__ = kind.__name__
-    return parse
+RAY_ONLY = ("replicas", "address", "min_replicas", "max_replicas", "target_ongoing_requests",
+            "replica_cpus")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse ``serve`` arguments; a bad value or combination gets argparse's answer (usage,
+    one ``error:`` line, exit 2) before anything starts."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    flags.check_warmup(p, args.warmup, args.batch_buckets, args.seq_buckets)
+    smallest = (args.batch_buckets or (1,))[0]
+    if args.max_batch_tokens is not None and args.max_batch_tokens < smallest * \
+            flags.MODEL_TOKENS:
+        p.error(f"argument --max-batch-tokens: {args.max_batch_tokens} cannot hold "
+                f"{smallest} text(s) of {flags.MODEL_TOKENS} tokens (the smallest batch bucket)")
+    if not args.ray:
+        given = [k for k in RAY_ONLY if getattr(args, k) != p.get_default(k)]
+        if given:
+            p.error(f"argument --{given[0].replace('_', '-')}: only with --ray")
+    else:
+        if args.header_timeout != HEADER_TIMEOUT:
+            p.error("argument --header-timeout: not with --ray (Serve's HTTP proxy reads the "
+                    "request headers; the body timeout and every other limit apply per replica)")
+        lo, hi = args.min_replicas, args.max_replicas
+        if (lo is not None and lo > args.replicas) or (hi is not None and hi < args.replicas):
+            p.error(f"argument --replicas: need --min-replicas <= --replicas ({args.replicas}) "
+                    "<= --max-replicas")
+    return args
+
+
+def settings_from_args(args) -> Settings:
+    """The :class:`Settings` of parsed ``serve`` arguments (the API key: ``--api-key`` or
+    ``RUNTIME_API_KEY``): one translation for ``serve`` and ``serve --ray``."""
+    return Settings(
+        backend=None if args.backend == "auto" else args.backend, model_dir=args.model_dir,
+        max_graphs=args.max_graphs, graph=not args.eager,
+        warmup=tuple(args.warmup) if args.warmup else None, batch_buckets=args.batch_buckets,
+        seq_buckets=args.seq_buckets, max_batch=args.max_batch,
+        max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue, max_input_chars=args.max_input_chars,
+        max_inputs=args.max_inputs, max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+        api_key=args.api_key or os.environ.get("RUNTIME_API_KEY") or None,
+        token_ids=args.token_ids, otlp_endpoint=args.otlp_endpoint, host=args.host,
+        port=args.port, header_timeout=args.header_timeout, grace=args.grace,
+        log_level=args.log_level)
 
 
 def exposure_warning(host: str, api_key) -> str | None:
@@ -146,50 +185,80 @@ def exposure_warning(host: str, api_key) -> str | None:
             "use the model (set --api-key or RUNTIME_API_KEY)")
 
 
-def _port(text: str) -> int:
-    """argparse type: a TCP port 0-65535."""
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {port}")
-    return port
+def main_ray(args, settings=None) -> int:
+    """``python -m runtime serve --ray``: deploy on Ray and serve until interrupted.
+
+    Starts a loopback-only local cluster, or joins ``--address``; deploys ``--replicas``
+    replicas (autoscaling with ``--min-replicas``/``--max-replicas``/
+    ``--target-ongoing-requests``) of the server built from ``settings`` (every ``serve`` flag)
+    behind Serve's proxy on ``--host``:``--port``. On Ctrl-C or SIGTERM the application is
+    deleted (each replica drains for ``--grace``) and a local cluster stopped.
+
+    Args: args: the parsed ``serve`` arguments (:func:`runtime.serving.cli.parse_args`);
+        settings: their :class:`~runtime.serving.replica.Settings` (default: translated here).
+    Returns: the exit status (0).
+    Raises: ``ValueError`` (bad counts); Ray's errors (cluster unreachable).
+    """
+    import signal
+    import time
+
+    import ray
+    from ray import serve
+
+    from ..cluster import init_ray
+    from .ray_serve import APP_NAME, build_app_from_args, deploy
+
+    settings = settings or settings_from_args(args)
+    app = build_app_from_args(args, settings)
+    warning = exposure_warning(settings.host, settings.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    if settings.token_ids == "openai":               # fail here, not in every replica
+        from .token_ids import load_openai_encoding
+        load_openai_encoding()
+    init_ray(args.address)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # `kill` stops it like Ctrl-C
+    try:
+        url = deploy(app, host=settings.host, port=settings.port)
+        print(f"serving all-MiniLM-L6-v2 on Ray Serve ({args.replicas} replica(s), "
+              f"{args.backend}, token ids: {settings.token_ids}) at {url}; Ctrl-C stops",
+              file=sys.stderr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)
+        if args.address is None:
+            serve.shutdown()
+            ray.shutdown()
+    return 0
 
 
 def main(argv=None) -> int:
     """Run the server until interrupted. Returns the exit code (2 when the model is missing)."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.ray:                         # Ray Serve (issue 18)
-        from .ray_serve import main_ray
-        return main_ray(args)
-    from . import Batcher, ServingMetrics, create_app, load_model, serve
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    settings = settings_from_args(args)
+    if args.ray:                         # Ray Serve: the same settings, per replica
+        return main_ray(args, settings)
+    from .http import serve
+    from .replica import Replica
 
-    backend = None if args.backend == "auto" else args.backend
     try:
-        model = load_model(backend, path=args.model_dir, max_graphs=args.max_graphs)
+        replica = Replica(settings, progress=True)
     except (FileNotFoundError, ImportError) as e:
         print(f"cannot load the model: {e}", file=sys.stderr)
         return 2
-    metrics = ServingMetrics()
-    try:
-        batcher = Batcher(model, graph=not args.eager, max_batch=args.max_batch,
-                          max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-                          max_queue=args.max_queue, metrics=metrics,
-                          batch_buckets=args.batch_buckets)
-    except ValueError as e:
-        print(f"bad limits: {e}", file=sys.stderr)
-        return 2
-    if args.warmup:
-        batcher.warmup(args.warmup)
-    api_key = args.api_key or os.environ.get("RUNTIME_API_KEY") or None
-    app = create_app(batcher, metrics=metrics, max_inputs=args.max_inputs,
-                     max_input_chars=args.max_input_chars, max_body_bytes=args.max_body_bytes,
-                     body_timeout=args.body_timeout, api_key=api_key)
-    warning = exposure_warning(args.host, api_key)
+    warning = exposure_warning(settings.host, settings.api_key)
     if warning:
         print(warning, file=sys.stderr)
-    serve(app, host=args.host, port=args.port, grace=args.grace,
-          header_timeout=args.header_timeout, log_level=args.log_level,
-          banner=f"serving all-MiniLM-L6-v2 on {model.client.backend} "
-                 f"({'eager' if args.eager else 'graph'} path)")
+    try:
+        serve(replica.app, host=settings.host, port=settings.port, grace=settings.grace,
+              header_timeout=settings.header_timeout, log_level=settings.log_level,
+              banner=f"serving all-MiniLM-L6-v2 on {settings.backend or 'the best backend'} "
+                     f"({replica.batcher.path} path, token ids: {settings.token_ids})")
+    finally:
+        replica.tracing.shutdown()
     return 0
 
 

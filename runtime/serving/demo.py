@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from .. import flags
+
 #: Demo texts: two paraphrase pairs, unrelated topics, an empty string, a one-word text, a
 #: non-English one and one far longer than the model's 256 tokens (truncated as the model does).
 SENTENCES = [
@@ -100,14 +102,16 @@ def run_paths(model, plan: list, warm_plan: list, rounds: int, quiet: bool) -> l
     """Serve ``model`` twice on loopback (graph path and eager path, one server each), send
     ``warm_plan`` to each untimed, then ``plan`` in ``rounds`` slices, the paths taking turns
     (order alternating) so load drift hits both alike. Returns one result dict per path."""
-    from . import Batcher, MODEL_ID, ServerThread, ServingMetrics, create_app
+    from . import MODEL_ID, ServerThread, ServingMetrics, create_app
+    from .replica import start_batcher
 
     paths = []
     try:
         for graph in (True, False):
             metrics = ServingMetrics()
-            b = Batcher(model, graph=graph, max_batch=BATCH_BUCKETS[-1], metrics=metrics,
-                        batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS)
+            b = start_batcher(model=model, graph=graph, max_batch=BATCH_BUCKETS[-1],
+                              metrics=metrics, batch_buckets=BATCH_BUCKETS,
+                              seq_buckets=SEQ_BUCKETS)
             paths.append({"graph": graph, "batcher": b, "metrics": metrics, "lat": [],
                           "answers": [], "wall": 0.0})
             if graph:
@@ -248,9 +252,12 @@ def print_anchor(graph_result: dict, plan: list, python: str | None = None) -> N
 def main(argv=None) -> int:
     """Run the demo. Returns 0 when every check passes, 1 when one fails, 2 without a model."""
     p = argparse.ArgumentParser(prog="python -m runtime demo", description=__doc__.split("\n")[0])
-    p.add_argument("--backend", default="cpu", help="cpu (default), wgpu, cuda or auto")
-    p.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients")
-    p.add_argument("--requests", type=int, default=24, help="timed requests per client")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
+                   help="cpu (default), wgpu, cuda or auto")
+    p.add_argument("--clients", type=flags.positive(int), default=8,
+                   help="concurrent HTTP clients")
+    p.add_argument("--requests", type=flags.positive(int), default=24,
+                   help="timed requests per client")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--st-python", help="interpreter with sentence-transformers for the "
                    "comparison line (default: $RUNTIME_ST_PYTHON, or this one if it has it)")

@@ -21,10 +21,8 @@ import sys
 import threading
 import time
 
-#: Seconds a connection may take to send a request's headers.
-HEADER_TIMEOUT = 10.0
-#: Seconds of grace on shutdown for queued work and requests in flight.
-GRACE = 10.0
+from .limits import GRACE, HEADER_TIMEOUT  # header timeout, shutdown grace (s)
+
 #: Seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``).
 KEEP_ALIVE = 5.0
 _TIMEOUT_BODY = json.dumps({"error": {"message": "the request headers did not arrive in time",

@@ -18,6 +18,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    10.0, 30.0, 60.0)
 #: Batch-size buckets in rows.
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Token-count buckets (padded tokens per batch, tokens per request).
+TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 65536, 262144)
 #: Prefix of every metric name.
 PREFIX = "runtime_serving_"
 
@@ -37,6 +39,10 @@ class ServingMetrics:
         captures: counter ``graph_captures_total``.
         batch_size: histogram ``batch_size{path}`` (real rows per batch, padding excluded).
         padding: histogram ``batch_padding_rows{path}`` (rows added to reach the bucket).
+        padded_tokens: histogram ``batch_padded_tokens{path}`` (rows x sequence length run per
+            batch, padding included: the work the device did).
+        request_tokens: histogram ``request_tokens`` (tokens fed to the model per HTTP
+            embeddings request, after truncation).
         queue_wait: histogram ``queue_wait_seconds`` (enqueue to start of its batch, per text).
         replay: histogram ``replay_seconds`` (write inputs + replay + read, per graph batch).
         capture: histogram ``capture_seconds`` (first batch of a bucket: warm-up + capture).
@@ -69,6 +75,12 @@ class ServingMetrics:
                                     buckets=SIZE_BUCKETS, registry=r)
         self.padding = Histogram(p + "batch_padding_rows", "Padding rows per batch.", ("path",),
                                  buckets=(0,) + SIZE_BUCKETS, registry=r)
+        self.padded_tokens = Histogram(p + "batch_padded_tokens",
+                                       "Padded tokens per batch (bucket rows x sequence bucket).",
+                                       ("path",), buckets=TOKEN_BUCKETS, registry=r)
+        self.request_tokens = Histogram(p + "request_tokens",
+                                        "Tokens fed to the model per embeddings request.",
+                                        buckets=TOKEN_BUCKETS, registry=r)
         self.queue_wait = Histogram(p + "queue_wait_seconds",
                                     "Time a text waited in the queue before its batch ran.",
                                     buckets=LATENCY_BUCKETS, registry=r)

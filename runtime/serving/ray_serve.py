@@ -1,10 +1,10 @@
 """The embeddings server as a Ray Serve deployment: one MiniLM and one batcher per replica.
 
-Each replica is a Ray actor that loads all-MiniLM-L6-v2 once on its device (its own device
-server and captured bucket graphs, :func:`runtime.serving.replica.start_batcher`) and serves the
-app of the single-process server (:func:`runtime.serving.create_app`) through Serve's ASGI
-ingress: ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``,
-answered by whichever replica Serve's router picked (the metrics are that replica's; Serve's own
+Each replica is a Ray actor that builds the single-process server's
+:class:`runtime.serving.replica.Replica` from the same settings (every ``serve`` flag): it loads
+all-MiniLM-L6-v2 once on its device (its own device server and captured bucket graphs) and
+serves the app (:func:`runtime.serving.create_app`) through Serve's ASGI ingress:
+``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, answered by whichever replica Serve's router picked (the metrics are that replica's; Serve's own
 request metrics cover the deployment). Every answer carries the replica's id in the
 ``x-runtime-replica`` header.
 
@@ -13,15 +13,11 @@ Replicas map to devices through ``ray_actor_options``: one GPU each with ``backe
 CPUs otherwise. Serve restarts a replica whose actor dies or whose :meth:`check_health` raises
 (its batcher stopped).
 
-``python -m runtime serve --ray`` runs :func:`main_ray`; :func:`build_app` and :func:`deploy`
-are the library entry points.
+``python -m runtime serve --ray`` (:func:`runtime.serving.cli.main_ray`) deploys it;
+:func:`build_app` and :func:`deploy` are the library entry points.
 """
 
 from __future__ import annotations
-
-import signal
-import sys
-import time
 
 from ray import serve
 
@@ -31,35 +27,32 @@ REPLICA_HEADER = "x-runtime-replica"
 APP_NAME = "runtime-embeddings"
 
 
-@serve.deployment(name="embeddings", max_ongoing_requests=64)
-@serve.ingress()
-class EmbeddingsReplica:
-    """A Serve replica: MiniLM on this actor's device, a batcher, and the embeddings app.
+class ReplicaServer:
+    """What each Serve replica runs (:data:`EmbeddingsReplica` is this class as a Serve
+    deployment with ASGI ingress): MiniLM on this actor's device, a batcher, and the embeddings app, all
+    built by :class:`runtime.serving.replica.Replica` from the same
+    :class:`~runtime.serving.replica.Settings` as ``python -m runtime serve`` in one process.
 
     Args:
-        settings: keyword arguments of :func:`runtime.serving.replica.start_batcher`
-            (``backend``, ``model_dir``, ``max_graphs``, ``graph``, ``max_batch``,
-            ``max_wait_ms``, ``warmup``, ...), or ``None`` for its defaults (cpu).
-        app_options: keyword arguments of :func:`runtime.serving.create_app` (request limits,
-            ``api_key``), or ``None`` for its defaults.
-    Raises: what ``start_batcher`` raises (Serve then reports the deployment unhealthy).
+        settings: a :class:`~runtime.serving.replica.Settings`, or a dict of its fields, or
+            ``None`` for its defaults (cpu).
+    Raises: what ``Replica`` raises (Serve then reports the deployment unhealthy).
     """
 
-    def __init__(self, settings: dict | None = None, app_options: dict | None = None):
-        from .metrics import ServingMetrics
-        from .replica import start_batcher
+    def __init__(self, settings=None):
+        from .replica import Replica, Settings
 
-        self.app_options = dict(app_options or {})
-        self.metrics = ServingMetrics()
-        self.batcher = start_batcher(metrics=self.metrics, **dict(settings or {}))
+        if not isinstance(settings, Settings):
+            settings = Settings(**dict(settings or {}))
+        self.settings = settings
+        self.core = Replica(settings)
+        self.batcher = self.core.batcher
         self.replica = serve.get_replica_context().replica_tag
 
     def __serve_build_asgi_app__(self):
         """The ASGI app this replica serves (Serve calls it after ``__init__``): the
         single-process server's app over this replica's batcher, plus the replica header."""
-        from . import create_app
-
-        app = create_app(self.batcher, metrics=self.metrics, **self.app_options)
+        app = self.core.app
         replica = self.replica
 
         @app.middleware("http")
@@ -77,15 +70,26 @@ class EmbeddingsReplica:
             raise RuntimeError(f"replica {self.replica}: the batcher's worker stopped")
 
     def __del__(self):
-        batcher = getattr(self, "batcher", None)
-        if batcher is not None:
-            batcher.close()
+        """Serve's shutdown hook: queued texts run for the ``grace`` setting, the rest get 503
+        (as SIGTERM does to the single-process server); spans are flushed."""
+        core = getattr(self, "core", None)
+        if core is not None:
+            try:
+                core.close(grace=self.settings.grace)
+            except Exception:  # noqa: BLE001 - at interpreter exit modules are gone already
+                pass
+
+
+#: The Serve deployment: :class:`ReplicaServer` behind Serve's ASGI ingress.
+EmbeddingsReplica = serve.deployment(name="embeddings", max_ongoing_requests=64)(
+    serve.ingress()(ReplicaServer))
 
 
 def deployment_options(backend: str | None = "cpu", *, replicas: int = 1,
                        min_replicas: int | None = None, max_replicas: int | None = None,
                        target_ongoing_requests: float | None = None, num_cpus: float = 1.0,
-                       num_gpus: float | None = None, max_ongoing_requests: int = 64) -> dict:
+                       num_gpus: float | None = None, max_ongoing_requests: int = 64,
+                       grace: float | None = None, log_level: str | None = None) -> dict:
     """Serve deployment options (``Deployment.options`` keywords) for the replicas.
 
     Args:
@@ -97,8 +101,12 @@ def deployment_options(backend: str | None = "cpu", *, replicas: int = 1,
         num_gpus: GPUs per replica; default 1 with ``backend="cuda"``, else 0.
         max_ongoing_requests: requests Serve sends one replica at a time (its batcher batches
             them; more wait in Serve's router).
+        grace: the replicas' shutdown grace (s): Serve's ``graceful_shutdown_timeout_s`` is
+            ``grace + 5`` (the replica drains its batcher for ``grace`` in ``__del__``).
+        log_level: ``serve`` ``--log-level`` (uvicorn's names) for the replicas' Serve logs.
     Returns: ``{"ray_actor_options", "max_ongoing_requests", "num_replicas" or
-        "autoscaling_config"}``.
+        "autoscaling_config"}``, plus ``graceful_shutdown_timeout_s`` and ``logging_config``
+        when given.
     Raises: ``ValueError`` (a count below 1, ``min > replicas > max``, non-positive target).
     """
     if num_gpus is None:
@@ -109,6 +117,11 @@ def deployment_options(backend: str | None = "cpu", *, replicas: int = 1,
                          f"{num_gpus}")
     opts = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
             "max_ongoing_requests": max_ongoing_requests}
+    if grace is not None:
+        opts["graceful_shutdown_timeout_s"] = float(grace) + 5.0
+    if log_level is not None:
+        opts["logging_config"] = {"log_level": {"trace": "DEBUG", "critical": "CRITICAL"}.get(
+            log_level, log_level.upper())}
     if min_replicas is None and max_replicas is None and target_ongoing_requests is None:
         opts["num_replicas"] = replicas
         return opts
@@ -127,21 +140,27 @@ def deployment_options(backend: str | None = "cpu", *, replicas: int = 1,
     return opts
 
 
-def build_app(settings: dict | None = None, app_options: dict | None = None, **options):
+def build_app(settings=None, **options):
     """The embeddings deployment, bound and ready for ``serve.run`` (or :func:`deploy`).
 
     Args:
-        settings: the replicas' :func:`~runtime.serving.replica.start_batcher` arguments.
-        app_options: the replicas' :func:`runtime.serving.create_app` arguments.
+        settings: the replicas' :class:`~runtime.serving.replica.Settings` (or a dict of its
+            fields); its ``grace`` and ``log_level`` also set the deployment's shutdown timeout
+            and logging.
         options: :func:`deployment_options` keywords (``replicas``, autoscaling bounds,
             ``num_cpus``, ``num_gpus``, ``max_ongoing_requests``); the backend is
-            ``settings["backend"]``.
+            ``settings.backend``.
     Returns: a ``ray.serve.Application``.
     Raises: ``ValueError`` (from :func:`deployment_options`).
     """
-    settings = dict(settings or {})
-    opts = deployment_options(settings.get("backend", "cpu"), **options)
-    return EmbeddingsReplica.options(**opts).bind(settings, dict(app_options or {}))
+    from .replica import Settings
+
+    if not isinstance(settings, Settings):
+        settings = Settings(**dict(settings or {}))
+    options.setdefault("grace", settings.grace)
+    options.setdefault("log_level", settings.log_level)
+    opts = deployment_options(settings.backend, **options)
+    return EmbeddingsReplica.options(**opts).bind(settings)
 
 
 def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
@@ -161,57 +180,11 @@ def deploy(app, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NA
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
-def app_options_from_args(args) -> dict:
-    """``create_app`` keyword arguments from ``python -m runtime serve`` arguments (the request
-    limits and the API key, ``--api-key`` or ``RUNTIME_API_KEY``)."""
-    import os
-
-    return {"max_inputs": args.max_inputs, "max_input_chars": args.max_input_chars,
-            "max_body_bytes": args.max_body_bytes, "body_timeout": args.body_timeout,
-            "api_key": args.api_key or os.environ.get("RUNTIME_API_KEY") or None}
-
-
-def settings_from_args(args) -> dict:
-    """``start_batcher`` keyword arguments from ``python -m runtime serve`` arguments."""
-    return {"backend": None if args.backend == "auto" else args.backend,
-            "model_dir": args.model_dir, "max_graphs": args.max_graphs, "graph": not args.eager,
-            "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
-            "warmup": args.warmup, "batch_buckets": args.batch_buckets}
-
-
-def main_ray(args) -> int:
-    """``python -m runtime serve --ray``: deploy on Ray and serve until interrupted.
-
-    Starts a loopback-only local cluster, or joins ``--address``; deploys ``--replicas``
-    replicas (autoscaling with ``--min-replicas``/``--max-replicas``/
-    ``--target-ongoing-requests``) behind Serve's proxy on ``--host``:``--port``. On Ctrl-C or
-    SIGTERM the application is deleted (and a local cluster stopped).
-
-    Args: args: the parsed ``serve`` arguments (:func:`runtime.serving.cli.build_parser`).
-    Returns: the exit status (0).
-    Raises: ``ValueError`` (bad counts); Ray's errors (cluster unreachable).
-    """
-    import ray
-
-    from ..cluster import init_ray
-
-    app = build_app(settings_from_args(args), app_options_from_args(args), replicas=args.replicas,
-                    min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                    target_ongoing_requests=args.target_ongoing_requests,
-                    num_cpus=args.replica_cpus)
-    init_ray(args.address)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)   # `kill` stops it like Ctrl-C
-    try:
-        url = deploy(app, host=args.host, port=args.port)
-        print(f"serving all-MiniLM-L6-v2 on Ray Serve ({args.replicas} replica(s), "
-              f"{args.backend}) at {url}; Ctrl-C stops", file=sys.stderr)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        serve.delete(APP_NAME)
-        if args.address is None:
-            serve.shutdown()
-            ray.shutdown()
-    return 0
+def build_app_from_args(args, settings):
+    """:func:`build_app` for parsed ``serve --ray`` arguments: the replicas get ``settings``
+    (:func:`runtime.serving.cli.settings_from_args` of the same arguments: what ``serve``
+    without ``--ray`` runs), the deployment the Ray flags."""
+    return build_app(settings, replicas=args.replicas, min_replicas=args.min_replicas,
+                     max_replicas=args.max_replicas,
+                     target_ongoing_requests=args.target_ongoing_requests,
+                     num_cpus=args.replica_cpus)

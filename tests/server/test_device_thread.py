@@ -6,7 +6,8 @@
    ``ServerClosed`` that says why; 4. ended threads' streams are reclaimed; 5. ``empty_cache``,
    the idle bound and the retry on ``OutOfMemory`` give memory back.
 
-Waits are on events and counters, each bounded (``_until``); nothing sleeps to assert.
+Waits are on events and counters, each bounded (``_until``); nothing sleeps to assert. The
+private reaches (``c._server``, ``qt._run``, ``q._q``) are the server and queue under test.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def test_wgpu_read_waits_off_the_server_while_others_enqueue():
     y = c.empty(16, np.float32)
     c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 16})
     z = other.create(np.full(4, 3, np.float32))
-    with _MapGate(c._server.backend) as gate:
+    with _MapGate(c._server.backend) as gate:     # private: hold the device thread in a map
         out = {}
         t = _reader(c, y, out)
         assert gate.reached.wait(LIMIT_S)        # the read is waiting for its map
@@ -200,7 +201,7 @@ def test_shutdown_wakes_a_blocked_wgpu_reader_with_server_closed():
     _wgpu_or_skip()
     c = runtime.client("wgpu", max_idle_bytes=(1 << 30) + 2)    # a private server to stop
     x = c.create(np.ones(16, np.float32))
-    with _MapGate(c._server.backend) as gate:
+    with _MapGate(c._server.backend) as gate:     # private: hold the device thread in a map
         out = {}
         t = _reader(c, x, out)
         assert gate.reached.wait(LIMIT_S)
@@ -239,7 +240,7 @@ def test_shutdown_message_on_cpu_says_shut_down_not_died():
 # -- 4. reclaimed streams ---------------------------------------------------------------------
 def test_short_lived_threads_leave_the_stream_table_at_its_baseline(backend):
     c = runtime.client(backend)
-    srv = c._server
+    srv = c._server                               # private: the stream table is tested
     x = c.create(np.ones(4, np.float32))
     base = c.memory_usage()["streams"]
     be_streams = getattr(srv.backend, "streams", None)
@@ -270,7 +271,7 @@ def test_short_lived_threads_leave_the_stream_table_at_its_baseline(backend):
 # -- 5. memory given back ---------------------------------------------------------------------
 def test_empty_cache_returns_reserved_bytes_to_the_baseline(backend):
     c = runtime.client(backend)
-    be = c._server.backend
+    be = c._server.backend                        # private: the backend's live allocations
     c.empty_cache()
     base = c.memory_usage()["bytes_reserved"]
     freed = []
@@ -304,7 +305,7 @@ def test_the_pool_keeps_at_most_max_idle_bytes(backend):
 
 def test_out_of_memory_trims_the_pool_and_retries_once():
     c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 4)       # a private server
-    srv = c._server
+    srv = c._server                               # private: inject OutOfMemory into alloc
     be = srv.backend
     alloc = be.alloc
     cap = {"bytes": 3 << 20}

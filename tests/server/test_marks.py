@@ -62,7 +62,7 @@ def test_a_stream_of_dependent_launches_keeps_short_chains_once_synced():
         c.launch(K.add_scalar, K.grid(64), [y, x], {"alpha": 1.0, "n": 64})
     np.testing.assert_array_equal(c.read(x), np.full(64, 600, np.float32))
     c.launch(K.add_scalar, K.grid(64), [x, y], {"alpha": 1.0, "n": 64})
-    mark = c._server.handles[y.id].mark
+    mark = c._server.handles[y.id].mark           # private: the server's mark is what is tested
     assert mark.parents == ()                      # x's writer is known to have run
     c.shutdown()
 

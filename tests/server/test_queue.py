@@ -127,7 +127,7 @@ def test_many_threads_many_streams_same_server(backend):
 def test_servers_start_lazily_and_shutdown_stops_them():
     c = runtime.client("cpu", scheduler="thread", seed=12345)
     assert c.read(c.create(np.ones(1, np.float32)))[0] == 1
-    srv = c._server
+    srv = c._server                               # private: the server object outlives the call
     runtime.shutdown()
     assert srv.closed
     with pytest.raises(ServerClosed):

@@ -3,7 +3,8 @@
 The contracts every backend shares live in ``tests/contracts/``; this file covers what only the
 wgpu backend has: adapter reporting, batching over the one queue, the write_buffer ordering
 pitfall, cached pipelines/uniforms/bind groups, indirect dispatch and one-submit replay.
-Skipped only when wgpu-py or a WebGPU adapter is absent.
+Skipped only when wgpu-py or a WebGPU adapter is absent. It reaches into the backend's private
+tables (``be._groups``, ``client._server.backend``): they are what it tests.
 """
 
 from __future__ import annotations

@@ -1,0 +1,378 @@
+"""Nothing grows with work done (issue 24, items 1 and 3).
+
+1. Streams nobody can name any more are reclaimed: per-request streams, ``StaticGraph``s, a
+   stream dropped in any capture state (its window aborted, its reservations returned), its
+   queued errors handed to the next blocking call; the cpu scheduler looks only at streams
+   with work, never at every stream ever used.
+3. Finalizer bursts stay inside the queue bound: one message stands for many frees/destroys,
+   another client's blocking call waits for at most one batch of them, and destroying N graphs
+   that share buffers is linear in N.
+
+Counts and bounds are asserted, never times; waits are bounded (``_until``). The private
+reaches (``c._server``: stream table, queue, backend) are the server's tables under test.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+from runtime.backends.cpu import ThreadScheduler
+from runtime.errors import LaunchError
+from runtime.server import capture as cap
+from runtime.server.queue import RELEASE_BATCH
+from helpers import captured_add_one
+
+LIMIT_S = 20.0
+ONES = np.ones(4, np.float32)
+
+
+def _until(pred, what: str, limit_s: float = LIMIT_S) -> None:
+    deadline = time.monotonic() + limit_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
+        time.sleep(0.002)
+
+
+def _streams(c) -> int:
+    return c.memory_usage()["streams"]
+
+
+def _backend_streams(c):
+    s = getattr(c._server.backend, "streams", None)
+    return None if s is None else len(s)
+
+
+@pytest.fixture(params=[False, True], ids=["", "check"])
+def own(backend, request):
+    """A client of a server of its own (its tables hold this test's objects only), with and
+    without the stream-ordering checker."""
+    c = runtime.client(backend, check=request.param, max_idle_bytes=(1 << 30) - 7)
+    yield c
+    c.shutdown()
+
+
+# -- item 1: streams ------------------------------------------------------------------------------
+def test_per_request_streams_are_reclaimed_once_their_stream_id_is_dropped(own):
+    c = own
+    w = c.create(np.full(4, 3, np.float32))          # a long-lived buffer every request reads
+    c.sync()
+    base, be_base = _streams(c), _backend_streams(c)
+    for k in range(300):
+        r = c.with_stream(runtime.StreamId.new())
+        x = r.create(np.full(4, k, np.float32))
+        y = r.empty(4, np.float32)
+        r.launch(K.add, 1, [x, w, y], {"n": 4})
+        np.testing.assert_array_equal(r.read(y), np.full(4, k + 3, np.float32))
+        del r, x, y
+    _until(lambda: _streams(c) <= base, "the dropped streams to be reclaimed")
+    if be_base is not None:
+        assert _backend_streams(c) <= be_base
+    srv = c._server
+    st = srv.handles[w.id]            # its read history: live streams and one sweep's worth
+    assert len(st.reads) <= 64 + 2 * (len(srv.handles) + len(srv.graphs) + len(srv.streams))
+    np.testing.assert_array_equal(c.read(w), np.full(4, 3, np.float32))
+
+
+def test_static_graphs_made_and_released_leave_no_streams(backend):
+    c = runtime.client(backend)
+    c.sync()
+    use = c.memory_usage()
+
+    def body(x, y):
+        x.client.launch(K.add_scalar, 1, [x.handle, y.handle], {"alpha": 1.0, "n": 4})
+    for k in range(100):
+        g = runtime.StaticGraph(c, inputs={"x": ((4,), "f32")}, outputs={"y": ((4,), "f32")},
+                                body=body)
+        out = g(x=np.full(4, k, np.float32))
+        np.testing.assert_array_equal(out["y"], np.full(4, k + 1, np.float32))
+        if k % 2:
+            g.release()                              # released, or just dropped
+        del g, out
+    gc.collect()
+    _until(lambda: _streams(c) <= use["streams"], "the graphs' streams to be reclaimed")
+    after = c.memory_usage()
+    assert after["graphs"] == use["graphs"] and after["handles"] == use["handles"]
+
+
+@pytest.mark.parametrize("state", ["prepared", "capturing"])
+def test_a_stream_dropped_in_a_capture_state_is_aborted_and_returns_its_buffers(backend, state):
+    c = runtime.client(backend)
+    c.sync()
+    before = c.memory_usage()
+    r = c.with_stream(runtime.StreamId.new())
+    x = r.create(ONES)
+    y = r.empty(4, np.float32)
+    r.graph_prepare()
+    tmp = r.empty(4, np.float32)                     # freed in the warm-up: primed, held back
+    r.launch(K.add_scalar, 1, [x, tmp], {"alpha": 1.0, "n": 4})
+    r.launch(K.add_scalar, 1, [tmp, y], {"alpha": 1.0, "n": 4})
+    del tmp
+    if state == "capturing":
+        r.start_capture()
+        inner = r.empty(4, np.float32)               # allocated in the window
+        r.launch(K.add_scalar, 1, [x, inner], {"alpha": 1.0, "n": 4})
+        del inner
+    sid = int(r.stream)
+    srv = c._server
+    assert srv.call(lambda: srv.streams[sid].state) == state
+    del r, x, y
+    gc.collect()
+    _until(lambda: _streams(c) <= before["streams"], "the abandoned capture stream to go")
+    after = c.memory_usage()
+    assert after["handles"] == before["handles"]
+    assert after["bytes_in_use"] == before["bytes_in_use"]      # every reservation came back
+    assert not srv.capture.windows.get(sid)
+    assert c.memory_usage()["graphs"] == before["graphs"]
+    x = c.create(ONES)                               # the server goes on
+    np.testing.assert_array_equal(c.read(x), ONES)
+
+
+def test_errors_queued_on_a_dropped_stream_are_raised_by_the_next_blocking_call(backend):
+    if backend == "cuda":
+        pytest.skip("an out-of-bounds store is undefined behaviour on cuda, not an error")
+    from helpers import PAST_END
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    c.sync()
+    base = _streams(c)
+    r = c.with_stream(runtime.StreamId.new())
+    small = r.empty(4, np.float32)
+    r.launch(PAST_END, 1, [small])                   # fails at execution; nobody syncs r
+    del r, small
+    gc.collect()
+    _until(lambda: _streams(c) <= base, "the failed request's stream to be reclaimed")
+    with pytest.raises(LaunchError, match="past_end"):
+        c.sync()                                     # handed over, not dropped
+    c.sync()                                         # raised once
+
+
+def test_the_cpu_scheduler_looks_only_at_streams_with_work():
+    c = runtime.client("cpu", scheduler=ThreadScheduler())     # a server of its own
+    try:
+        be = c._server.backend
+        idle = [c.with_stream(runtime.StreamId.new()) for _ in range(400)]
+        hs = [r.create(ONES) for r in idle]          # 400 live streams, each used once
+        for r, h in zip(idle, hs):
+            np.testing.assert_array_equal(r.read(h), ONES)
+        looked = [0]
+        base = type(be.streams)
+
+        class Counting(base):
+            def __getitem__(self, k):
+                looked[0] += 1
+                return base.__getitem__(self, k)
+
+            def __iter__(self):
+                looked[0] += len(self)
+                return base.__iter__(self)
+
+            def values(self):
+                looked[0] += len(self)
+                return base.values(self)
+
+            def get(self, k, default=None):
+                looked[0] += 1
+                return base.get(self, k, default)
+        be.streams = Counting(be.streams)
+        x = c.create(ONES)
+        y = c.empty(4, np.float32)
+        for _ in range(200):
+            c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+        c.sync()
+        np.testing.assert_array_equal(c.read(y), ONES + 1)
+        assert looked[0] < 50, f"{looked[0]} stream lookups for 200 launches"
+    finally:
+        c.shutdown()
+
+
+# -- item 3: finalizer bursts ----------------------------------------------------------------------
+def _record_queue_length(monkeypatch, srv) -> list:
+    """Wrap every way a finalizer queues a message; returns ``[max queue length seen]``."""
+    seen = [0]
+    q = srv.queue
+    for name in ("post", "release"):
+        fn = getattr(srv, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*args, _fn=fn):
+            _fn(*args)
+            seen[0] = max(seen[0], len(q._q))
+        monkeypatch.setattr(srv, name, wrapped)
+    return seen
+
+
+def test_a_burst_of_handle_drops_stays_within_the_queue_bound(backend, monkeypatch):
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    before = c.memory_usage()["handles"]
+    hs = [c.empty(16) for _ in range(20000)]
+    c.sync()
+    seen = _record_queue_length(monkeypatch, c._server)
+    del hs                                           # 20,000 finalizers at once
+    assert seen[0] <= c._server.queue.max_messages, seen
+    assert c.memory_usage()["handles"] == before     # every free ran
+
+
+def test_another_clients_read_waits_for_at_most_one_batch_of_graph_destroys(backend,
+                                                                            monkeypatch):
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    graphs = [captured_add_one(c)[2] for _ in range(2000)]
+    other = c.with_stream(runtime.StreamId.new())
+    z = other.create(ONES)
+    other.sync()
+    destroyed = [0]
+    destroy = srv.h_graph_destroy
+
+    def counting(gid):
+        destroyed[0] += 1
+        return destroy(gid)
+    monkeypatch.setattr(srv, "h_graph_destroy", counting)
+    at_read = []
+    read = srv.h_read
+
+    def reading(*args):
+        at_read.append(destroyed[0])
+        return read(*args)
+    monkeypatch.setattr(srv, "h_read", reading)
+    seen = _record_queue_length(monkeypatch, srv)
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold():                                      # keep the device thread busy meanwhile
+        holding.set()
+        gate.wait(LIMIT_S)
+    srv.queue.post(hold)
+    assert holding.wait(LIMIT_S)
+    del graphs                                       # 2,000 graph drops at once
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("z", other.read(z)))
+    t.start()
+    _until(lambda: len(srv.queue._q) >= 2, "the read to be queued")
+    gate.set()
+    t.join(LIMIT_S)
+    np.testing.assert_array_equal(out["z"], ONES)
+    assert seen[0] <= srv.queue.max_messages, seen
+    assert at_read and at_read[0] <= RELEASE_BATCH, at_read
+    _until(lambda: c.memory_usage()["graphs"] == 0 or destroyed[0] >= 2000, "the destroys")
+    assert destroyed[0] == 2000
+
+
+def test_destroying_graphs_that_share_buffers_is_linear(backend, monkeypatch):
+    compared = [0]
+
+    class Counted(cap.GraphState):
+        __slots__ = ()
+        __hash__ = object.__hash__
+
+        def __eq__(self, other):
+            compared[0] += 1
+            return self is other
+    monkeypatch.setattr(cap, "GraphState", Counted)
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    x, y, g = captured_add_one(c)
+    graphs = [g]
+    for _ in range(299):                             # 300 graphs over the same two buffers
+        c.graph_prepare()
+        c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+        c.start_capture()
+        c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+        graphs.append(c.stop_capture())
+    base = c.memory_usage()["graphs"]
+    while graphs:
+        graphs.pop().release()                       # newest first: the worst order for a list
+    assert c.memory_usage()["graphs"] == base - 300
+    assert compared[0] <= 300, f"{compared[0]} comparisons destroying 300 graphs"
+    x2 = c.create(ONES)
+    np.testing.assert_array_equal(c.read(x2), ONES)
+
+
+def test_a_free_never_runs_before_a_message_queued_before_the_drop(backend):
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    a = c.create(ONES)
+    b = c.create(np.full(4, 5, np.float32))
+    y = c.empty(4, np.float32)
+    c.sync()
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        gate.wait(LIMIT_S)
+    srv.queue.post(hold)
+    assert holding.wait(LIMIT_S)
+    try:
+        del a                                        # a release message is now queued...
+        c.launch(K.add_scalar, 1, [b, y], {"alpha": 1.0, "n": 4})   # ...then a launch using b
+        del b                                        # b's free must not join the first batch
+    finally:
+        gate.set()
+    np.testing.assert_array_equal(c.read(y), np.full(4, 6, np.float32))
+
+
+def test_errors_of_many_dropped_failing_streams_stay_bounded_and_are_all_reported(own):
+    from helpers import PAST_END
+    c = own
+    if c.backend == "cuda":
+        pytest.skip("an out-of-bounds store is undefined behaviour on cuda, not an error")
+    c.set_stream(runtime.StreamId.new())
+    c.sync()
+    srv = c._server
+    for _ in range(150):
+        r = c.with_stream(runtime.StreamId.new())
+        small = r.empty(4, np.float32)
+        r.launch(PAST_END, 1, [small])               # fails; nobody syncs r
+        del r, small
+    gc.collect()
+    _until(lambda: _streams(c) <= 1, "the failed requests' streams to be reclaimed")
+    _until(lambda: srv.backend.load()[0] == 0, "the backend to run what was submitted")
+    c.memory_usage()                                 # (errors found since are folded here)
+    waiting = srv.call(lambda: len(srv.marks.async_errors) + len(srv.backend.failures))
+    assert waiting <= srv.MAX_ASYNC_ERRORS
+    with pytest.raises(LaunchError) as ei:
+        c.sync()
+    text = str(ei.value)
+    assert "past_end" in text and "errors of reclaimed streams" in text
+    c.sync()
+
+
+def test_a_failed_kernel_keeps_no_caller_alive_through_its_error(backend):
+    """A failure mark keeps its error; the error must not keep the frames of the call that ran
+    the kernel (the cpu scheduler runs kernels on the waiting caller's thread), or the caller's
+    handles and streams would live as long as the mark."""
+    import weakref
+    from helpers import PAST_END
+    from runtime.errors import ServerError
+    if backend == "cuda":
+        pytest.skip("an out-of-bounds store is undefined behaviour on cuda, not an error")
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    c.sync()
+    before = c.memory_usage()
+    alive = []
+
+    def failing_request():
+        r = c.with_stream(runtime.StreamId.new())
+        small = r.empty(4, np.float32)
+        alive.append(weakref.ref(small))
+        r.launch(PAST_END, 1, [small])
+        with pytest.raises(ServerError, match="past_end"):
+            r.sync()
+    for _ in range(20):
+        failing_request()
+    np.testing.assert_array_equal(c.read(c.create(ONES)), ONES)   # (wgpu: its queue thread
+    gc.collect()                                 # lets go of the last fence it ran)
+    assert not [w for w in alive if w() is not None]
+    _until(lambda: _streams(c) <= before["streams"], "the failed requests' streams to go")
+    assert c.memory_usage()["handles"] == before["handles"]

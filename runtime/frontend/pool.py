@@ -73,7 +73,7 @@ class GraphPool:
         srv = self._server
         try:
             if srv is not None and not srv.closed:
-                srv.post(srv.h_graph_pool_release, self.id)
+                srv.release(srv.h_graph_pool_release, self.id)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

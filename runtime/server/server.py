@@ -828,6 +828,8 @@ class ComputeServer:
         self.queue.run_releases()
         if self.ended:
             self._reap_streams()
+        self.marks.collect()              # errors waiting for a blocking call: bounded
+        self._bound_async_errors()
         graph_bytes = sum(sl.nbytes for sl in {id(sl): sl for g in self.graphs.values()
                                                 for sl in g.alloc_slots}.values())
         return {"bytes_reserved": self.pool.bytes_reserved, "bytes_in_use": self.pool.bytes_in_use,

@@ -27,8 +27,8 @@ Four tools, usable alone or together (README "Testing your stream ordering"):
 
 from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (Clone, Create, Empty, Free, KernelSpec, Launch, Prepare, Program, Read,
-                      RecordEvent, Release, Replay, StartCapture, StopCapture, Sync, WaitEvent,
-                      Write, copy32)
+                      RecordEvent, Release, Replay, StartCapture, StopCapture, Sync, Thread,
+                      WaitEvent, Write, copy32)
 from ..server import backend_unavailable
 from .run import ProgramMismatch, ProgramRun, Step, run_program
 from .search import ScheduleFailure, explore, pct_runs
@@ -38,4 +38,5 @@ __all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", 
            "ProgramRun", "ProgramMismatch", "Step",
            "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
            "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
-           "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone"]
+           "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
+           "Thread"]

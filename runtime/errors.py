@@ -136,6 +136,22 @@ def unhealthy(errors) -> ServerUnhealthy:
     return err
 
 
+def detach(error):
+    """Drop the tracebacks of ``error`` and the exceptions it chains (``__cause__``,
+    ``__context__``), and return it. For errors the runtime keeps (a failure mark, a stream's
+    queued errors): a traceback holds its frames, and through them every frame below (a client
+    call that ran the kernel on its own thread), so a kept error would keep that caller's
+    handles and streams alive for as long as the mark lives. The message (kernel, cause type and
+    text) is kept."""
+    seen = set()
+    e = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
+
+
 def error_list(error) -> list:
     """The errors in ``error``: ``[]`` for None, ``.errors`` of a ``ServerUnhealthy``, else
     ``[error]`` (so drained errors can be combined into one ``unhealthy``)."""

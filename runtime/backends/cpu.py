@@ -28,7 +28,8 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
+from ..errors import (LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, detach,
+                      unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
@@ -299,14 +300,14 @@ class CpuBackend(Backend):
             try:
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
         elif kind == _RUN:
             RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
             finally:
                 RULE.exit()

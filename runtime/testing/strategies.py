@@ -27,10 +27,11 @@ from ..kernel import DTYPES
 from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
-          "end", "scratch", "replay", "release", "refuse", "clone", "handover", "thread")
+          "end", "scratch", "replay", "release", "refuse", "clone", "handover", "cond",
+          "update", "thread")
 #: how many times a kind is listed among the choices: graphs are worth replaying often; racy
 #: programs (contract=False) write, free and replay more, so more races reach the device
-_WEIGHT = {"capture": 2, "end": 5, "replay": 4}
+_WEIGHT = {"capture": 2, "end": 5, "replay": 4, "update": 3}
 _WEIGHT_RACY = {"capture": 2, "end": 5, "replay": 5, "write": 3, "launch": 2, "free": 2}
 
 
@@ -75,6 +76,7 @@ class Builder:
         self.host: dict = {}             # what host syncs established
         self.acc: dict = {}              # buf -> [(stream, pos, writes, by replay, clock)]
         self.recent: list = []           # the buffers written last (reads favour them)
+        self.flags: dict = {}            # (stream, "if" | "loop") -> 1-element i32 buffer
 
     # -- drawing helpers --------------------------------------------------------------------
     def pick(self, seq):
@@ -206,8 +208,10 @@ class Builder:
               "end": self.windows, "scratch": self.windows and live,
               "replay": self.graphs, "release": self.graphs, "clone": self.graphs,
               "handover": self.cfg["capture"] and live and len(idle) > 1,
-              "thread": live,
-              "refuse": self.windows and self.cfg["refusals"]}
+              "refuse": self.windows and self.cfg["refusals"],
+              "cond": self.cfg["capture"] and live,
+              "update": self.cfg["capture"] and self.graphs and live,
+              "thread": live}
         return {k for k in _KINDS if ok[k]}
 
     def create(self, k=None, dtype=None) -> int:
@@ -436,6 +440,7 @@ class Builder:
                 self.windows[info.stream].refused = True   # invalidates the window
             return
         from hypothesis import strategies as st
+        self._set_flags(info.stream)
         for _ in range(self.draw(st.integers(1, 2))):
             if self._access(info.stream, info.uses, True):
                 self.ops.append(P.Replay(info.stream, g))
@@ -517,10 +522,98 @@ class Builder:
                 self.ops.append(P.Write(w.client, b, self.live[b], self.values(self.live[b])))
                 w.refused = True
 
+    # -- graphs that change (issue 27) ------------------------------------------------------
+    def _flag(self, k, role: str):
+        """The 1-element i32 condition (``role="if"``) or loop counter (``"loop"``) of client
+        ``k``'s stream, made now when the stream is idle; None when there is none. A flag is
+        only ever used on its own stream (no cross-stream ordering to keep)."""
+        s = self.stream(k)
+        b = self.flags.get((s, role))
+        if b is None and s not in self.windows:
+            b = self.nbuf
+            self.nbuf += 1
+            self.ops.append(P.CreateFlag(k, b, self.pick([0, 1]) if role == "if" else 0))
+            self._access(s, {b: True}, False)
+            self.flags[(s, role)] = b
+        return b
+
+    def _set_flags(self, s) -> None:
+        """Maybe write new values to stream ``s``'s ``if`` condition (not while it records)."""
+        b = self.flags.get((s, "if"))
+        if b is not None and s not in self.windows and self.flag():
+            if self._access(s, {b: True}, False):
+                self.ops.append(P.Write(s, b, "i32", (self.pick([0, 1, 2]),)))
+
+    def _body(self, k, most: int) -> tuple:
+        from hypothesis import strategies as st
+        ops = [self._launch_op(k, self.pick(range(self.cfg["user_kernels"])))
+               for _ in range(self.draw(st.integers(0, most)))]
+        return tuple(op for op in ops if op is not None)
+
+    def cond(self):
+        """``capture_if`` over a flag, or ``capture_while`` over a counter the op sets to at
+        most ``max_iterations`` (so the loop always ends), with 0-2 of your launches per body:
+        eager on an idle stream, recorded as a conditional node inside a window."""
+        k = self.pick(range(self.cfg["clients"]))
+        s = self.stream(k)
+        loop = self.flag()
+        b = self._flag(k, "loop" if loop else "if")
+        if b is None:
+            return
+        if not loop:
+            self._set_flags(s)
+            op = P.CaptureIf(k, b, self._body(k, 2), self._body(k, 1))
+            uses = {b: False}
+        else:
+            m = self.pick([1, 2, 3])
+            init = P.Launch(k, self.cfg["set_counter"], (b,), (("value", self.pick(range(m + 1))),))
+            body = (P.Launch(k, self.cfg["count_down"], (b,), ()),) + self._body(k, 2)
+            op = P.CaptureWhile(k, b, (init,), body, m)
+            uses = {b: True}
+        for launch in op.launches():
+            spec = self.cfg["kernels"][launch.kernel]
+            for buf, bind in zip(launch.bufs, spec.kernel.bindings):
+                uses[buf] = uses.get(buf, False) or bind.access != "read"
+        w = self.windows.get(s)
+        if w is not None:
+            if not self._maybe(s, uses, False):
+                return
+            for buf, wr in uses.items():
+                w.uses[buf] = w.uses.get(buf, False) or wr
+        elif not self._access(s, uses, False):
+            return
+        self.ops.append(op)
+
+    def update(self):
+        """``g.update(rebind={old: new})`` of a made graph whose stream is not recording:
+        ``old`` one of its buffers, ``new`` a live buffer of the same dtype it does not use."""
+        g = self.pick(sorted(self.graphs))
+        info = self.graphs[g]
+        if info.stream in self.windows or info.required is None:
+            return
+        flags = set(self.flags.values())
+        olds = [b for b in sorted(info.uses) if b in self.live and b not in flags]
+        if not olds:
+            return
+        old = self.pick(olds)
+        news = [b for b, d in sorted(self.live.items())
+                if d == self.live[old] and b not in info.uses]
+        if news:
+            new = self.pick(news)
+        elif len(self.live) < self.cfg["buffers"] and self.idle_clients():
+            new = self.create(dtype=self.live[old])
+        else:
+            return
+        self.ops.append(P.Update(info.stream, g, old, new))
+        info.uses[new] = info.uses.pop(old)        # shared by its clones, like the graph
+        info.required.discard(old)
+        info.required.add(new)
+
     def program(self) -> P.Program:
         for s in sorted(self.windows):
             self._end(s)
-        final = [P.Sync(s) for s in range(self.S)] + [P.Read(0, b) for b in sorted(self.live)]
+        final = [P.Sync(s) for s in range(self.S)] + [P.Read(0, b) for b in sorted(
+            list(self.live) + list(self.flags.values()))]
         return P.Program(tuple(self.ops), tuple(final), self.cfg["kernels"], self.cfg["size"],
                          self.S, self.cfg["clients"], self.cfg["contract"])
 
@@ -541,7 +634,10 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             ``k % streams`` (default: one per stream).
         capture: include capture windows (``graph_prepare``, warm-up, ``start_capture``,
             recorded launches, window allocations, ``stop_capture``), replays, clones and
-            releases.
+            releases; ``capture_if``/``capture_while`` (eager, and recorded as conditional
+            nodes inside a window) over per-stream 1-element i32 flags and loop counters
+            (``CreateFlag``; the builtins ``set_counter``/``count_down`` bound each loop by its
+            ``max_iterations``); ``Graph.update(rebind=...)`` of a made graph.
         size: elements per buffer.
         steps: the most calls drawn (ordering calls the builder inserts come on top).
         values: ``{dtype: strategy of one element}``; default small integers (exact in f32).
@@ -611,7 +707,9 @@ def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: b
     ints = st.integers(-8, 8)
     vals = {"f32": ints.map(float), "i32": ints, "u32": st.integers(0, 16)}
     vals.update(values or {})
-    return {"kernels": tuple(specs + [P.KernelSpec(P.copy32)]), "user_kernels": len(specs),
-           "copy32": len(specs), "buffers": buffers, "streams": min(streams, clients),
-           "clients": clients, "capture": capture, "size": size, "values": vals,
-           "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}
+    return {"kernels": tuple(specs + [P.KernelSpec(P.copy32), P.KernelSpec(P.set_counter),
+                                      P.KernelSpec(P.count_down)]),
+            "user_kernels": len(specs), "copy32": len(specs), "set_counter": len(specs) + 1,
+            "count_down": len(specs) + 2, "buffers": buffers, "streams": min(streams, clients),
+            "clients": clients, "capture": capture, "size": size, "values": vals,
+            "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}

@@ -8,7 +8,8 @@
    another client's blocking call waits for at most one batch of them, and destroying N graphs
    that share buffers is linear in N.
 
-Counts and bounds are asserted, never times; waits are bounded (``_until``).
+Counts and bounds are asserted, never times; waits are bounded (``_until``). The private
+reaches (``c._server``: stream table, queue, backend) are the server's tables under test.
 """
 
 from __future__ import annotations
@@ -335,6 +336,8 @@ def test_errors_of_many_dropped_failing_streams_stay_bounded_and_are_all_reporte
         del r, small
     gc.collect()
     _until(lambda: _streams(c) <= 1, "the failed requests' streams to be reclaimed")
+    _until(lambda: srv.backend.load()[0] == 0, "the backend to run what was submitted")
+    c.memory_usage()                                 # (errors found since are folded here)
     waiting = srv.call(lambda: len(srv.marks.async_errors) + len(srv.backend.failures))
     assert waiting <= srv.MAX_ASYNC_ERRORS
     with pytest.raises(LaunchError) as ei:
@@ -342,3 +345,34 @@ def test_errors_of_many_dropped_failing_streams_stay_bounded_and_are_all_reporte
     text = str(ei.value)
     assert "past_end" in text and "errors of reclaimed streams" in text
     c.sync()
+
+
+def test_a_failed_kernel_keeps_no_caller_alive_through_its_error(backend):
+    """A failure mark keeps its error; the error must not keep the frames of the call that ran
+    the kernel (the cpu scheduler runs kernels on the waiting caller's thread), or the caller's
+    handles and streams would live as long as the mark."""
+    import weakref
+    from helpers import PAST_END
+    from runtime.errors import ServerError
+    if backend == "cuda":
+        pytest.skip("an out-of-bounds store is undefined behaviour on cuda, not an error")
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    c.sync()
+    before = c.memory_usage()
+    alive = []
+
+    def failing_request():
+        r = c.with_stream(runtime.StreamId.new())
+        small = r.empty(4, np.float32)
+        alive.append(weakref.ref(small))
+        r.launch(PAST_END, 1, [small])
+        with pytest.raises(ServerError, match="past_end"):
+            r.sync()
+    for _ in range(20):
+        failing_request()
+    np.testing.assert_array_equal(c.read(c.create(ONES)), ONES)   # (wgpu: its queue thread
+    gc.collect()                                 # lets go of the last fence it ran)
+    assert not [w for w in alive if w() is not None]
+    _until(lambda: _streams(c) <= before["streams"], "the failed requests' streams to go")
+    assert c.memory_usage()["handles"] == before["handles"]

@@ -261,6 +261,10 @@ def main(argv=None) -> int:
                          f"section past its share runs fewer repetitions and "
                          f"the report says so (default: {DEFAULT_BUDGET_S:g}; --quick: none; "
                          f"0: none)")
+    ap.add_argument("--trace-slowest", action="store_true",
+                    help="trace the run (runtime.trace) and save each section's slowest sample "
+                         "as trace-<backend>-<section>.json next to bench.json (the numbers "
+                         "are then those of the traced runtime: look, do not compare)")
     ap.add_argument("--compare", metavar="REF",
                     help="only the core rows against another git commit or checkout, in "
                          "alternating processes (see runtime.bench.refcompare; its own options: "
@@ -294,6 +298,10 @@ def main(argv=None) -> int:
     interrupted = None
     on_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if on_main else None
+    if args.trace_slowest:
+        from .. import tracing
+        from .timing import SLOWEST
+        tracing.start()
 
     def save():
         result["wall_s"] = round(time.time() - t0, 1)
@@ -312,6 +320,8 @@ def main(argv=None) -> int:
                 bar.set_postfix_str(f"{b} {sec.name}")
                 kwargs = {"budget": budget} if sec.takes_budget() else {}
                 units_before = bar.n if hasattr(bar, "n") else 0
+                if args.trace_slowest:
+                    SLOWEST.reset()
                 try:
                     res[sec.name] = sec.measure(b, args.quick, bar.update, **kwargs)
                 except KeyboardInterrupt as e:              # Ctrl-C or SIGTERM
@@ -325,6 +335,12 @@ def main(argv=None) -> int:
                     "budget_s": None if budget.seconds is None else round(budget.seconds, 1),
                     "wall_s": round(spent, 1), "cuts": budget.cuts,
                     "budgeted": sec.takes_budget()}
+                if args.trace_slowest:
+                    written = SLOWEST.write(out_dir / f"trace-{b}-{sec.name}.json")
+                    if written is not None:
+                        result["timing"][b][sec.name]["trace"] = {
+                            "file": written.name, "sample": SLOWEST.what,
+                            "ms": round(SLOWEST.dur / 1e3, 3)}
                 if hasattr(bar, "n"):                    # a cut section ran fewer units
                     bar.update(max(0, units_before + sec.units(args.quick) - bar.n))
                 if interrupted:
@@ -340,6 +356,8 @@ def main(argv=None) -> int:
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, old_term)
+        if args.trace_slowest:
+            tracing.stop()
     result["wall_s"] = round(time.time() - t0, 1)
     runtime.shutdown()
 

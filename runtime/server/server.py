@@ -21,9 +21,9 @@ import itertools
 
 from ..backends.base import Completion
 from ..streams import watch_thread_ends
-from ..errors import (GraphStateError, InvalidHandle, LaunchError, LivenessError, OutOfMemory,
-                      ServerError,
-                      UnknownGraph, UnsupportedError)
+from ..errors import (MAX_QUEUED_ERRORS, GraphStateError, InvalidHandle, LaunchError,
+                      LivenessError, OutOfMemory, ServerError, UnknownGraph, UnsupportedError,
+                      fold_errors)
 from . import capture as cap
 from . import graphs
 from .capture import merge
@@ -32,25 +32,6 @@ from .memory import GraphPool, Pool
 from .queue import DeviceQueue
 
 _graph_ids = itertools.count(1)
-
-
-class _Folded(ServerError):
-    """Errors past ``ComputeServer.MAX_ASYNC_ERRORS`` waiting for a blocking call, folded into
-    one: their count and the latest message (so the list stays bounded, nothing is silent)."""
-
-    def __init__(self, first):
-        super().__init__()
-        self.count, self.last = 0, None
-        self.add(first)
-
-    def add(self, err) -> None:
-        self.count += 1
-        self.last = err
-        self.args = (f"{self.count} errors of reclaimed streams or fire-and-forget messages "
-                     f"(the latest: {type(err).__name__}: {err})",)
-
-    def __reduce__(self):
-        return (ServerError, self.args)       # a plain ServerError with the same message
 
 
 class StreamState:
@@ -222,22 +203,18 @@ class ComputeServer:
         for s in self.streams.values():
             prune(s.synced)
 
-    #: unattributed errors kept for the next blocking call; past it the rest are summarised.
-    MAX_ASYNC_ERRORS = 64
+    #: compiled programs kept (``programs``, by ``Kernel``); past it the oldest is dropped.
+    MAX_PROGRAMS = 1024
+
+    #: unattributed errors kept for the next blocking call; past it the rest are folded.
+    MAX_ASYNC_ERRORS = MAX_QUEUED_ERRORS
 
     def _bound_async_errors(self) -> None:
         """Keep the errors waiting for the next blocking call of any stream
         (``Marks.async_errors``: of reclaimed streams, of fire-and-forget messages) bounded:
-        past ``MAX_ASYNC_ERRORS`` the rest are folded into one ``ServerError`` that counts
-        them and keeps the latest message (nothing is dropped silently)."""
-        a = self.marks.async_errors
-        n = self.MAX_ASYNC_ERRORS
-        if len(a) > n:
-            folded = a[n - 1] if isinstance(a[n - 1], _Folded) else _Folded(a[n - 1])
-            for e in a[n:]:
-                folded.add(e)
-            del a[n - 1:]
-            a.append(folded)
+        past ``MAX_ASYNC_ERRORS`` the rest are folded into one ``FoldedErrors`` that counts
+        them and keeps the latest (nothing is dropped silently)."""
+        fold_errors(self.marks.async_errors, self.MAX_ASYNC_ERRORS)
 
     def _on_async_error(self, exc) -> None:
         # a fire-and-forget message raised past its own error handling: the next blocking call
@@ -289,6 +266,8 @@ class ComputeServer:
                 s.errors.append(LaunchError(f"kernel {kernel.name} failed to compile on "
                                             f"{self.backend.name}: {e}"))
                 return None
+            if len(self.programs) >= self.MAX_PROGRAMS:  # kernels made per request: bounded
+                del self.programs[next(iter(self.programs))]   # (the oldest; recompiled if used)
             self.programs[kernel] = prog
         return prog
 
@@ -518,6 +497,7 @@ class ComputeServer:
     def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
         """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
         would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
+        fold_errors(s.errors)             # a stream that never blocks: bounded
         if s.window is None:
             self.marks.fail(outs, ("launch", kernel.name, s.id), err)
         else:

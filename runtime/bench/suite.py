@@ -125,14 +125,20 @@ class Section:
 SECTIONS: list[Section] = [
     Section("device_thread", device_thread.measure, device_thread.units, device_thread.markdown,
             device_thread.plot, device_thread.targets, weight=1.0,
-            takes="~"),
+            takes="cpu ~5 s, wgpu 30-45 s (40 rounds x 1-8 threads)"),
     Section("replay", replay.measure, replay.units, replay.markdown, replay.plot,
-            replay.targets, weight=1.5, takes="~"),
+            replay.targets, weight=1.5,
+            takes="cpu 30-70 s, wgpu 1-5 min (lavapipe: the 1 Mi-float and L=10000 rows)"),
     Section("minilm", minilm.measure, minilm.units, minilm.markdown, minilm.plot,
-            weight={"cpu": 1.0, "*": 3.0}, takes="~"),
+            weight={"cpu": 1.0, "*": 3.0},
+            takes="cpu 40 s-4 min, wgpu 3-25 min unbudgeted (a 32x128 forward is ~12 s on "
+                  "lavapipe; warm-up and capture take ~4 a row); past its budget rows are "
+                  "left out and say so"),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
-            stalls.suite_targets, weight=1.0, takes="~"),
-    Section("decode", decode.measure, decode.units, decode.markdown, takes="~"),
+            stalls.suite_targets, weight=1.0,
+            takes="~40 s a backend within the budget (the growth phase is 60 s without)"),
+    Section("decode", decode.measure, decode.units, decode.markdown, weight=0.5,
+            takes="cpu 1-5 s, wgpu ~10 s"),
     Section("soak", soak.measure, soak.units, soak.markdown, None, soak.suite_targets,
             takes="only when named: 10 min per backend with --budget-s 0, else its share "
                   "of the budget; --quick ~5 s", default=False),
@@ -213,10 +219,15 @@ def _on_sigterm(signum, frame):
 
 
 def _help_epilog() -> str:
-    lines = [f"a full run ends in about {DEFAULT_BUDGET_S / 60 + 2:.0f} minutes on 2 cores with "
-             f"the default --budget-s {DEFAULT_BUDGET_S:g} (the sections' fixed costs, "
-             "compiles and captures, come on top); sections, in order, and how long each takes:"]
-    lines += [f"  {s.name:14s} {s.takes}" for s in SECTIONS]
+    import textwrap
+    head = (f"The sections share --budget-s (default {DEFAULT_BUDGET_S:g} s, aimed at a full "
+            "cpu,wgpu run of about 10 minutes on 2 quiet cores); their fixed costs (compiles, "
+            "captures, warm-ups) come on top and grow on a loaded machine. Sections, in order, "
+            "and how long each took here (2 cores, loaded):")
+    lines = textwrap.wrap(head, 78)
+    for s in SECTIONS:
+        lines += textwrap.wrap(s.takes, 78, initial_indent=f"  {s.name:14s} ",
+                               subsequent_indent=" " * 17)
     return "\n".join(lines)
 
 

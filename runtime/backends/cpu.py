@@ -28,7 +28,8 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
+from ..errors import (LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, detach,
+                      fold_errors, unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
@@ -299,15 +300,17 @@ class CpuBackend(Backend):
             try:
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+                fold_errors(s.errors)       # a stream that never blocks: bounded
         elif kind == _RUN:
             RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+                fold_errors(s.errors)       # a stream that never blocks: bounded
             finally:
                 RULE.exit()
         elif kind == _SIGNAL:
@@ -402,6 +405,8 @@ class CpuBackend(Backend):
             key = (nbytes, b.dtype)
             v = buf.views.get(key)
             if v is None:
+                if len(buf.views) >= 16:        # a pooled buffer reused at many sizes: bounded
+                    buf.views.clear()
                 dt = DTYPES[b.dtype]
                 v = buf.views[key] = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
             views.append(v)

@@ -45,7 +45,9 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
     are both reached, or ``max_reps``. Host ids in, embeddings out, as a server calls it. A
     ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the configurations by
     their size; one whose share is spent stops after fewer repetitions (at least one of each
-    path after the warm-up), and the cut is recorded.
+    path after the warm-up), and the cut is recorded. Once the whole budget is spent, the
+    remaining configurations are not measured: their rows say so (``"skipped"``), as do the
+    cuts (the first row always runs).
 
     Returns: ``{"rows": [{"batch", "seq", "reps", "eager", "replay"[, "sentence_transformers"]}],
     "sentence_transformers": "measured" or why not}`` (summaries in ms), or ``{"skipped": why}``
@@ -71,6 +73,15 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
     parts = (budget or unbounded()).split([b * s + 64 for b, s in plan])
     for batch, seq in plan:
         part = next(parts)
+        if out["rows"] and part.seconds is not None and part.seconds <= 0:
+            # the warm-up and capture alone take several forwards (on lavapipe, 32x128 is
+            # ~12 s each): a spent budget skips the row, said in the row and the cuts
+            why = "the section's --budget-s share was spent (--budget-s 0 runs every row)"
+            part.cut(f"MiniLM batch {batch} seq {seq}: not measured ({why})")
+            out["rows"].append({"batch": batch, "seq": seq, "reps": 0, "skipped": why})
+            if tick:
+                tick(max_reps)
+            continue
         ids = rng.integers(1000, 29000, (batch, seq))
         ids[:, 0], ids[:, -1] = 101, 102                 # [CLS] ... [SEP]
         mask = np.ones((batch, seq), np.int64)
@@ -119,6 +130,10 @@ def _minilm_md(b: str, mm: dict) -> list:
     head += " sentence-transformers ms |" if st else ""
     lines = [head, "|---:|---:|---:|---:|---:|" + ("---:|" if st else "")]
     for r in mm["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['batch']} | {r['seq']} | not measured: {r['skipped']} | | |"
+                         + (" |" if st else ""))
+            continue
         cells = [str(r["batch"]), str(r["seq"]), cell(r["eager"]), cell(r["replay"]),
                  f"{r['eager']['p50'] / r['replay']['p50']:.2f}x"]
         if st:
@@ -143,7 +158,8 @@ def plot(result: dict, folder: Path) -> list:
 
     Raises: ``ImportError`` without matplotlib.
     """
-    have = [(b, mm["rows"]) for b, mm in backends_with(result, "minilm", "rows")]
+    have = [(b, [r for r in mm["rows"] if "skipped" not in r])
+            for b, mm in backends_with(result, "minilm", "rows")]
     if not have:
         return []
     plt = pyplot()

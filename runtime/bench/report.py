@@ -127,7 +127,8 @@ def budget_lines(result: dict) -> list:
     total = result.get("budget_s")
     lines = ["## Run time and budget", "",
              f"Budget: {f'{total:g} s for the run' if total else 'none'} (`--budget-s`); a "
-             "section past its share runs fewer repetitions, never fewer rows.", "",
+             "section past its share runs fewer repetitions; only MiniLM leaves rows out, once its "
+             "whole share is spent (the row says so).", "",
              "| backend | section | budget s | took s | cut by the budget |",
              "|---|---|---:|---:|---|"]
     for b, secs in timing.items():

@@ -22,13 +22,20 @@ Per backend (default: every backend that answers here; cuda only with a GPU), th
    ``--quick``);
 5. ``decode`` (:mod:`runtime.bench.decode`): greedy decoding tokens/s, eager vs one replay per
    token vs one replay per sequence (``capture_while``, the loop on the device).
+6. ``soak`` (:mod:`runtime.bench.soak`), only when named (``--sections soak``): ten minutes
+   (``--quick``: a few seconds) of mixed work from 8 threads (per-request streams, threads
+   that start and end, graphs captured and released, injected kernel failures, handle and
+   graph drop bursts); RSS, the server's tables, the queue's maximum length and a 16-byte
+   read's p99 at the start and the end (``--budget-s 0`` for the full ten minutes).
 
 A run never loses what it measured: ``bench.json`` and ``bench.md`` are written after every
 section (plots at the end), each section's table is printed as it finishes, and a run cut by
 Ctrl-C or SIGTERM writes what it has (``"interrupted"`` in the JSON). ``--budget-s S`` bounds the
 run (default :data:`DEFAULT_BUDGET_S`, about 10 minutes for the full cpu,wgpu run on 2 cores):
 each section gets a share of the seconds left by its ``weight`` (:mod:`runtime.bench.budget`)
-and runs fewer repetitions once its share is spent, never fewer rows; ``result["timing"]`` and
+and runs fewer repetitions once its share is spent (only MiniLM, whose warm-up alone takes
+seconds a row on lavapipe, leaves its remaining rows out once its whole share is spent, each
+such row saying so); ``result["timing"]`` and
 the report's "Run time and budget" table say how long each section took and what a budget cut.
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
@@ -52,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import decode, device_thread, minilm, replay, report, stalls
+from . import decode, device_thread, minilm, replay, report, soak, stalls
 from .budget import Budget
 from .results import machine, write_json
 
@@ -84,9 +91,11 @@ class Section:
             other sections' (a number, or ``{backend: number}`` with ``"*"`` for the rest).
             ``measure`` gets its share as ``budget=`` (a :class:`runtime.bench.budget.Budget`)
             when it has that keyword: it should run fewer repetitions once the budget is spent,
-            never fewer rows, and record each cut (``budget.stop``/``budget.cut``). A section
+            and record each cut (``budget.stop``/``budget.cut``); a row left out says so. A section
             without the keyword runs in full; the report says so.
         takes: how long the section takes, for ``--help`` (e.g. ``"cpu ~40 s, wgpu ~60 s"``).
+        default: run when ``--sections`` does not name any (False: only when named, e.g. the
+            ten-minute ``soak``).
     """
 
     name: str
@@ -97,6 +106,7 @@ class Section:
     targets: Callable[[dict], list] | None = None
     weight: float | dict = 1.0
     takes: str = ""
+    default: bool = True
 
     def weight_on(self, backend: str) -> float:
         """This section's budget weight on ``backend``."""
@@ -123,6 +133,9 @@ SECTIONS: list[Section] = [
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
             stalls.suite_targets, weight=1.0, takes="~"),
     Section("decode", decode.measure, decode.units, decode.markdown, takes="~"),
+    Section("soak", soak.measure, soak.units, soak.markdown, None, soak.suite_targets,
+            takes="only when named: 10 min per backend with --budget-s 0, else its share "
+                  "of the budget; --quick ~5 s", default=False),
 ]
 
 
@@ -174,7 +187,8 @@ def _backends(arg: str | None) -> tuple[list, dict]:
 
 
 def select(only: str | None = None, skip: str | None = None) -> list[Section]:
-    """The sections to run: ``only`` (comma list; default all) minus ``skip`` (comma list).
+    """The sections to run: ``only`` (comma list; default: every section with ``default``)
+    minus ``skip`` (comma list).
 
     Raises: ``ValueError`` for a name that is not a section of :data:`SECTIONS`.
     """
@@ -186,7 +200,7 @@ def select(only: str | None = None, skip: str | None = None) -> list[Section]:
         if bad:
             raise ValueError(f"unknown section(s) {bad}; the suite has {names}")
         return got
-    keep, drop = parse(only) or names, parse(skip)
+    keep, drop = parse(only) or [s.name for s in SECTIONS if s.default], parse(skip)
     return [s for s in SECTIONS if s.name in keep and s.name not in drop]
 
 
@@ -244,7 +258,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     ap.add_argument("--budget-s", type=float, default=None, metavar="S",
                     help=f"seconds for the whole run, shared among the sections by weight; a "
-                         f"section past its share runs fewer repetitions (never fewer rows) and "
+                         f"section past its share runs fewer repetitions and "
                          f"the report says so (default: {DEFAULT_BUDGET_S:g}; --quick: none; "
                          f"0: none)")
     ap.add_argument("--compare", metavar="REF",

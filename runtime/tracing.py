@@ -33,7 +33,7 @@ originals back. No code path checks a flag while tracing is off.
 
 :func:`validate` checks a trace against the trace-event format's rules (every ``B`` has its
 ``E`` on the same lane, slices nest per lane, each flow id has one start and one end, after
-it); the tests and ``python -m runtime.tracing check FILE`` use it.
+it); the tests and ``python -m runtime trace check FILE`` use it.
 """
 
 from __future__ import annotations
@@ -771,10 +771,10 @@ def validate(doc) -> list:
 
 
 def main(argv=None) -> int:
-    """``python -m runtime.tracing check FILE...``: validate trace files; exit 1 on problems."""
+    """``python -m runtime trace check FILE...``: validate trace files; exit 1 on problems."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2 or argv[0] != "check":
-        print("usage: python -m runtime.tracing check FILE...", file=sys.stderr)
+        print("usage: python -m runtime trace check FILE...", file=sys.stderr)
         return 2
     bad = 0
     for f in argv[1:]:

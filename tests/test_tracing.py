@@ -177,6 +177,28 @@ def test_RUNTIME_TRACE_traces_a_whole_process(tmp_path):
     doc = json.loads(out.read_text())
     assert tracing.validate(doc) == []
     assert {"launch", "read"} <= {e["name"] for e in doc["traceEvents"] if e["ph"] == "B"}
-    check = subprocess.run([sys.executable, "-m", "runtime.tracing", "check", str(out)],
+    check = subprocess.run([sys.executable, "-m", "runtime", "trace", "check", str(out)],
                            env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and "0 problem(s)" in check.stdout
+
+
+def test_bench_attaches_a_trace_of_each_sections_slowest_sample(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-m", "runtime", "bench", "--backend", "cpu", "--quick",
+                        "--sections", "decode", "--trace-slowest", "--no-plots", "--out",
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    t = json.loads((tmp_path / "bench.json").read_text())["timing"]["cpu"]["decode"]["trace"]
+    doc = json.loads((tmp_path / t["file"]).read_text())
+    assert tracing.validate(doc) == [], tracing.validate(doc)[:5]
+    assert t["ms"] > 0 and t["sample"].startswith("decode"), t
+    starts = [e["ts"] for e in doc["traceEvents"] if e["ph"] in "XB"]
+    assert starts and max(starts) - min(starts) <= t["ms"] * 1e3 + 1, t   # that sample only
+
+
+def test_serve_trace_is_refused_with_ray():
+    from runtime.serving.cli import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--ray", "--trace", "x.json"])
+    assert parse_args(["--trace", "x.json"]).trace == "x.json"

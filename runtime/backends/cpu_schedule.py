@@ -37,6 +37,9 @@ RUN, WAIT, SIGNAL = 0, 1, 2
 #: a ``RUN`` item that uses no library thread pool (a copy, numpy ufunc calls): it runs
 #: outside the thread rule's count (``runtime.kernels.threads``); schedulers treat it as ``RUN``.
 CALL = 3
+#: a ``CALL`` item touching at most ``runtime.backends.cpu.TINY_BYTES``: the server's owner may
+#: run a few of them itself, in order, when a read or sync flushes the stream (``CpuBackend.flush``).
+TINY = 4
 #: items a ``ThreadScheduler`` leaves queued without waking a worker (``push(defer=True)``):
 #: past this backlog it wakes one.
 DEFER_MAX = 16

@@ -33,9 +33,9 @@ section (plots at the end), each section's table is printed as it finishes, and 
 Ctrl-C or SIGTERM writes what it has (``"interrupted"`` in the JSON). ``--budget-s S`` bounds the
 run (default :data:`DEFAULT_BUDGET_S`, about 10 minutes for the full cpu,wgpu run on 2 cores):
 each section gets a share of the seconds left by its ``weight`` (:mod:`runtime.bench.budget`)
-and runs fewer repetitions once its share is spent (only MiniLM, whose warm-up alone takes
-seconds a row on lavapipe, leaves its remaining rows out once its whole share is spent, each
-such row saying so); ``result["timing"]`` and
+and runs fewer repetitions once its share is spent (MiniLM and replay's end-to-end rows,
+whose warm-ups alone take seconds a row on lavapipe, leave their remaining rows out once the
+whole share is spent, and say which); ``result["timing"]`` and
 the report's "Run time and budget" table say how long each section took and what a budget cut.
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
@@ -125,14 +125,20 @@ class Section:
 SECTIONS: list[Section] = [
     Section("device_thread", device_thread.measure, device_thread.units, device_thread.markdown,
             device_thread.plot, device_thread.targets, weight=1.0,
-            takes="~"),
+            takes="cpu ~5 s, wgpu 30-45 s (40 rounds x 1-8 threads)"),
     Section("replay", replay.measure, replay.units, replay.markdown, replay.plot,
-            replay.targets, weight=1.5, takes="~"),
+            replay.targets, weight=1.5,
+            takes="cpu 30-70 s, wgpu 1-5 min (lavapipe: the 1 Mi-float and L=10000 rows)"),
     Section("minilm", minilm.measure, minilm.units, minilm.markdown, minilm.plot,
-            weight={"cpu": 1.0, "*": 3.0}, takes="~"),
+            weight={"cpu": 1.0, "*": 3.0},
+            takes="cpu 40 s-4 min, wgpu 3-25 min unbudgeted (a 32x128 forward is ~12 s on "
+                  "lavapipe; warm-up and capture take ~4 a row); past its budget rows are "
+                  "left out and say so"),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
-            stalls.suite_targets, weight=1.0, takes="~"),
-    Section("decode", decode.measure, decode.units, decode.markdown, takes="~"),
+            stalls.suite_targets, weight=1.0,
+            takes="~40 s a backend within the budget (the growth phase is 60 s without)"),
+    Section("decode", decode.measure, decode.units, decode.markdown, weight=0.5,
+            takes="cpu 1-5 s, wgpu ~10 s"),
     Section("soak", soak.measure, soak.units, soak.markdown, None, soak.suite_targets,
             takes="only when named: 10 min per backend with --budget-s 0, else its share "
                   "of the budget; --quick ~5 s", default=False),
@@ -213,10 +219,15 @@ def _on_sigterm(signum, frame):
 
 
 def _help_epilog() -> str:
-    lines = [f"a full run ends in about {DEFAULT_BUDGET_S / 60 + 2:.0f} minutes on 2 cores with "
-             f"the default --budget-s {DEFAULT_BUDGET_S:g} (the sections' fixed costs, "
-             "compiles and captures, come on top); sections, in order, and how long each takes:"]
-    lines += [f"  {s.name:14s} {s.takes}" for s in SECTIONS]
+    import textwrap
+    head = (f"The sections share --budget-s (default {DEFAULT_BUDGET_S:g} s, aimed at a full "
+            "cpu,wgpu run of about 10 minutes on 2 quiet cores); their fixed costs (compiles, "
+            "captures, warm-ups) come on top and grow on a loaded machine. Sections, in order, "
+            "and how long each took here (2 cores, loaded):")
+    lines = textwrap.wrap(head, 78)
+    for s in SECTIONS:
+        lines += textwrap.wrap(s.takes, 78, initial_indent=f"  {s.name:14s} ",
+                               subsequent_indent=" " * 17)
     return "\n".join(lines)
 
 
@@ -261,6 +272,10 @@ def main(argv=None) -> int:
                          f"section past its share runs fewer repetitions and "
                          f"the report says so (default: {DEFAULT_BUDGET_S:g}; --quick: none; "
                          f"0: none)")
+    ap.add_argument("--trace-slowest", action="store_true",
+                    help="trace the run (runtime.trace) and save each section's slowest sample "
+                         "as trace-<backend>-<section>.json next to bench.json (the numbers "
+                         "are then those of the traced runtime: look, do not compare)")
     ap.add_argument("--compare", metavar="REF",
                     help="only the core rows against another git commit or checkout, in "
                          "alternating processes (see runtime.bench.refcompare; its own options: "
@@ -294,6 +309,10 @@ def main(argv=None) -> int:
     interrupted = None
     on_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if on_main else None
+    if args.trace_slowest:
+        from .. import tracing
+        from .timing import SLOWEST
+        tracing.start()
 
     def save():
         result["wall_s"] = round(time.time() - t0, 1)
@@ -312,6 +331,8 @@ def main(argv=None) -> int:
                 bar.set_postfix_str(f"{b} {sec.name}")
                 kwargs = {"budget": budget} if sec.takes_budget() else {}
                 units_before = bar.n if hasattr(bar, "n") else 0
+                if args.trace_slowest:
+                    SLOWEST.reset()
                 try:
                     res[sec.name] = sec.measure(b, args.quick, bar.update, **kwargs)
                 except KeyboardInterrupt as e:              # Ctrl-C or SIGTERM
@@ -325,6 +346,12 @@ def main(argv=None) -> int:
                     "budget_s": None if budget.seconds is None else round(budget.seconds, 1),
                     "wall_s": round(spent, 1), "cuts": budget.cuts,
                     "budgeted": sec.takes_budget()}
+                if args.trace_slowest:
+                    written = SLOWEST.write(out_dir / f"trace-{b}-{sec.name}.json")
+                    if written is not None:
+                        result["timing"][b][sec.name]["trace"] = {
+                            "file": written.name, "sample": SLOWEST.what,
+                            "ms": round(SLOWEST.dur / 1e3, 3)}
                 if hasattr(bar, "n"):                    # a cut section ran fewer units
                     bar.update(max(0, units_before + sec.units(args.quick) - bar.n))
                 if interrupted:
@@ -340,6 +367,8 @@ def main(argv=None) -> int:
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, old_term)
+        if args.trace_slowest:
+            tracing.stop()
     result["wall_s"] = round(time.time() - t0, 1)
     runtime.shutdown()
 

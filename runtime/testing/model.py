@@ -365,6 +365,19 @@ class Model:
         self._error(s, status)
         return self._expect_ok(error, f"replay of g{op.graph}")
 
+    def _thread(self, op, value, error):
+        """A thread's writes and launches on its own stream (never capturing), in order; its
+        stream's errors (none: the builder gives it non-failing launches) go with it."""
+        for sub in op.ops:
+            if isinstance(sub, P.Write):
+                b = self.bufs[sub.buf]
+                b.value, b.failed = np.array(sub.values, DTYPES[sub.dtype]), False
+            else:
+                status = self._apply(sub)
+                if status not in ("ok", "failed", "unknown"):
+                    raise _Misdeclared(status)
+        return self._expect_ok(error, f"thread {op.thread}")
+
     def _release(self, op, value, error):
         del self.graphs[op.graph]
         return self._expect_ok(error, f"release of g{op.graph}")

@@ -8,6 +8,8 @@ numbered in the order the program makes them. Buffers are 1-D with ``program.siz
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -211,6 +213,58 @@ Clone = _simple_op("Clone", "client graph clone", "g{clone} = g{graph}.clone()",
                    "destroyed when its last clone is released).")
 
 
+class Thread(NamedTuple):
+    """A thread that issues ``ops`` (``Write`` / ``Launch``; their ``client`` is ignored) on its
+    own default stream and ends, issued from ``client``'s thread, which joins it. ``sync``: the
+    thread syncs its stream before it ends, and the caller then waits (bounded) until the
+    server reclaimed that stream; else its work may still be pending when it ends (reclaimed
+    later, or not, as the schedule goes). Issue 23 item 4: a reclaimed stream's work counts as
+    synchronized for the checker."""
+    client: int
+    thread: int
+    ops: tuple
+    sync: bool
+
+    def _run(self, c, objs):
+        failed = []
+
+        def body():
+            t = c.with_stream(None)               # this thread's own stream
+            try:
+                for op in self.ops:
+                    op._run(t, objs)
+                if self.sync:
+                    t.sync()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                failed.append(e)
+        before = c.memory_usage()["streams"]
+        th = threading.Thread(target=body, name=f"runtime-testing-t{self.thread}")
+        th.start()
+        th.join()
+        if failed:
+            raise failed[0]
+        if self.sync:                             # idle: reclaimed at the server's next look
+            deadline = time.monotonic() + 5.0
+            while c.memory_usage()["streams"] > before and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    def _code(self, kernels):
+        body = [(op._code(kernels) if isinstance(op, Launch) else op._code())
+                .replace(f"c{op.client}.", "t.", 1) for op in self.ops]
+        lines = [f"def thread{self.thread}():  # a thread on its own stream that ends",
+                 "    t = c.with_stream(None)"] + [f"    {ln}" for ln in body]
+        if self.sync:
+            lines.append("    t.sync()")
+        lines.append(f"th = threading.Thread(target=thread{self.thread}); th.start(); th.join()")
+        if self.sync:
+            lines.append("c.memory_usage()  # its stream is reclaimed")
+        return "\n".join(lines)
+
+    def launches(self) -> tuple:
+        """Its ``Launch`` ops."""
+        return tuple(op for op in self.ops if isinstance(op, Launch))
+
+
 class CreateFlag(NamedTuple):
     """``b = c.create(np.array([value], np.int32))``: a 1-element condition or loop counter."""
     client: int
@@ -284,7 +338,7 @@ def flat_launches(items) -> list:
     """The ``Launch`` ops of ``items``, conditional ops expanded (their bodies, once)."""
     out = []
     for op in items:
-        out.extend(op.launches() if isinstance(op, (CaptureIf, CaptureWhile)) else [op])
+        out.extend(op.launches() if isinstance(op, (CaptureIf, CaptureWhile, Thread)) else [op])
     return out
 
 
@@ -326,7 +380,8 @@ class Program:
 
     def line(self, op) -> str:
         """One op as a line of Python."""
-        return op._code(self.kernels) if isinstance(op, (Launch, CaptureIf, CaptureWhile)) \
+        return op._code(self.kernels) if isinstance(op, (Launch, CaptureIf, CaptureWhile,
+                                                         Thread)) \
             else op._code()
 
     def to_python(self, backend="cpu", seed=0, check=False, notes=None) -> str:
@@ -342,6 +397,8 @@ class Program:
         notes = notes or {}
         kernels = [s.kernel for s in self.kernels]
         lines = ["import numpy as np", "import runtime"]
+        if any(isinstance(op, Thread) for op in self.ops):
+            lines.insert(0, "import threading")
         if any(getattr(library, k.name, None) is k for k in kernels):
             lines.append("from runtime import kernels as K")
         used = {_kernel_expr(kernels[op.kernel]) for op in flat_launches(self.ops)
@@ -380,4 +437,4 @@ class Program:
 OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, Sync, RecordEvent,
                                      WaitEvent, Prepare, StartCapture, StopCapture, Replay,
                                      Release, Clone, CreateFlag, CaptureIf, CaptureWhile,
-                                     Update)}
+                                     Update, Thread)}

@@ -28,7 +28,7 @@ from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
           "end", "scratch", "replay", "release", "refuse", "clone", "handover", "cond",
-          "update")
+          "update", "thread")
 #: how many times a kind is listed among the choices: graphs are worth replaying often; racy
 #: programs (contract=False) write, free and replay more, so more races reach the device
 _WEIGHT = {"capture": 2, "end": 5, "replay": 4, "update": 3}
@@ -70,7 +70,7 @@ class Builder:
         self.windows: dict = {}          # stream -> _Window
         self.graphs: dict = {}           # graph -> _Graph (made, not released)
         self.events: dict = {}           # event -> clock snapshot at its record
-        self.nbuf = self.ngraph = self.nevent = 0
+        self.nbuf = self.ngraph = self.nevent = self.nthread = 0
         self.pos = [0] * self.S          # positions: calls executed on each stream
         self.clock = [{} for _ in range(self.S)]
         self.host: dict = {}             # what host syncs established
@@ -119,8 +119,9 @@ class Builder:
         """Order ``streams`` before stream ``s``'s next call (a sync or an event wait, drawn;
         ``sync_only``: a host sync, for a call whose stream may or may not be capturing)."""
         for t in sorted(streams):
-            if t in self.windows:
-                return False             # a recording stream takes no sync and records no event
+            if t in self.windows or t >= self.S:
+                return False             # a recording stream takes no sync and records no
+                                         # event; an ended thread's stream has no client
         for t in sorted(streams):
             if sync_only or self.flag():
                 self._sync(t)
@@ -209,7 +210,8 @@ class Builder:
               "handover": self.cfg["capture"] and live and len(idle) > 1,
               "refuse": self.windows and self.cfg["refusals"],
               "cond": self.cfg["capture"] and live,
-              "update": self.cfg["capture"] and self.graphs and live}
+              "update": self.cfg["capture"] and self.graphs and live,
+              "thread": live}
         return {k for k in _KINDS if ok[k]}
 
     def create(self, k=None, dtype=None) -> int:
@@ -317,6 +319,10 @@ class Builder:
         launches = [self._launch_op(k, self.pick(range(self.cfg["user_kernels"])))
                     for _ in range(self.draw(st.integers(1, 3)))]
         launches = [op for op in launches if op is not None]
+        if launches and self.flag():     # stateful: the graph feeds an output back to an input
+            back = self._feed_back(k, launches)
+            if back is not None:
+                launches.append(back)
         self.ops.append(P.Prepare(k))
         if self.flag():
             for op in launches:
@@ -325,6 +331,73 @@ class Builder:
         self.windows[self.stream(k)] = _Window(k)
         for op in launches:
             self._issue(op)
+
+    def _feed_back(self, k, launches):
+        """``copy32(out -> state)``: a buffer the launches write copied back into one they read
+        before writing it (a decode step feeding its own state, an accumulator): the graph
+        then reads and writes its state, and a failure marks it for every later replay until
+        the state is written from the host (docs/contract.md section 4). None if none fits."""
+        written, sources = set(), []
+        for op in launches:
+            binds = list(zip(op.bufs, self.cfg["kernels"][op.kernel].kernel.bindings))
+            sources += [b for b, bind in binds if bind.access != "write" and b not in written]
+            written.update(b for b, bind in binds if bind.access != "read")
+        pairs = [(o, i) for o in sorted(written) for i in sorted(set(sources))
+                 if o != i and self.live[o] == self.live[i]]
+        if not pairs:
+            return None
+        out, state = self.pick(pairs)
+        return P.Launch(k, self.cfg["copy32"], (out, state), (("n", self.cfg["size"]),))
+
+    def thread(self):
+        """A thread that writes and copies on its own stream and ends (with a sync, then its
+        stream is reclaimed, or with work pending); the program's streams use those buffers
+        afterwards (issue 23 item 4). It touches no buffer an open window or a live graph uses
+        and orders the replays that used its buffers before it with host syncs."""
+        from hypothesis import strategies as st
+        busy = set()
+        for w in self.windows.values():
+            busy |= set(w.uses)
+        for info in self.graphs.values():
+            busy |= set(info.uses)
+        free = [b for b in sorted(self.live) if b not in busy]
+        if not free:
+            return
+        k = self.pick(range(self.cfg["clients"]))
+        t = self.S + self.nthread         # a stream id no client has
+        subs, uses = [], {}
+        for _ in range(self.draw(st.integers(1, 2))):
+            b = self.pick(free)
+            srcs = [s for s in free if s != b and self.live[s] == self.live[b]]
+            if srcs and self.flag():
+                src = self.pick(srcs)
+                subs.append(P.Launch(k, self.cfg["copy32"], (src, b), (("n", self.cfg["size"]),)))
+                uses[src] = uses.get(src, False)
+            else:
+                subs.append(P.Write(k, b, self.live[b], self.values(self.live[b])))
+            uses[b] = True
+        vc = dict(self.host)              # the thread starts after what the host knows
+        need = set()
+        for b, w in uses.items():
+            need |= {s for s, p, pw, rep, _ in self.acc.get(b, ())
+                     if (pw or w) and rep and vc.get(s, 0) < p}
+        if need and not self._order(0, need, sync_only=True):
+            return
+        vc = dict(self.host)
+        for b, w in uses.items():         # the waits the server inserts before its calls
+            for s, p, pw, _, snap in self.acc.get(b, ()):
+                if (pw or w) and snap is not None:
+                    self._join(vc, snap)
+                    self._join(vc, {s: p})
+        sync = self.flag()
+        self.nthread += 1
+        self.ops.append(P.Thread(k, self.nthread - 1, tuple(subs), sync))
+        for b, w in uses.items():
+            self.acc.setdefault(b, []).append((t, len(subs), w, False, dict(vc)))
+        if sync:
+            self._join(self.host, vc)
+            self._join(self.host, {t: len(subs)})
+        self._wrote(uses)
 
     def end(self):
         s = self.pick(sorted(self.windows))

@@ -184,7 +184,10 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
 
     A ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the enqueue rows and
     the end-to-end rows by their rough cost; each row runs fewer repetitions once its share is
-    spent (``reps`` in the row says how many ran).
+    spent (``reps`` in the row says how many ran). Once the whole budget is spent, the
+    remaining end-to-end rows (the largest: a pass of 1000 1 Mi-float launches is ~2 s on an
+    idle lavapipe, ~25 s on a loaded one, and a row needs ~12 passes at least) are not run:
+    ``skipped_rows`` lists them with why, as do the budget's cuts and the report.
     """
     client = runtime.client(backend)
     lengths = QUICK_LENGTHS if quick else LENGTHS
@@ -196,7 +199,17 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
            "enqueue": measure_enqueue(client, lengths, enqueue_reps(quick), tick, next(parts)),
            "e2e": []}
     for size, elems, length, reps in plan:
-        row = measure_pass(client, backend, elems, length, reps, tick, next(parts))
+        part = next(parts)
+        if out["e2e"] and budget is not None and budget.seconds is not None and \
+                budget.left() <= 0:
+            why = "the section's --budget-s share was spent (--budget-s 0 runs every row)"
+            budget.cut(f"end to end elems={elems} L={length}: not measured ({why})")
+            out.setdefault("skipped_rows", []).append({"size": size, "length": length,
+                                                       "why": why})
+            if tick:
+                tick(reps)
+            continue
+        row = measure_pass(client, backend, elems, length, reps, tick, part)
         out["e2e"].append(dict(row, size=size))
     return out
 
@@ -297,6 +310,10 @@ def markdown(result: dict, img) -> list:
         rows = res.get("replay", {}).get("e2e")
         lines += ["", f"### {b}", ""]
         lines += _e2e_md(rows) if rows else [f"error: {res.get('replay', {}).get('error')}"]
+        skipped = res.get("replay", {}).get("skipped_rows")
+        if skipped:
+            lines += ["", "Not measured: " + ", ".join(
+                f"{r['size']} L={r['length']}" for r in skipped) + f" ({skipped[0]['why']})."]
     return lines + img("e2e.png", "end to end per pass")
 
 def plot(result: dict, folder: Path) -> list:

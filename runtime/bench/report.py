@@ -127,8 +127,8 @@ def budget_lines(result: dict) -> list:
     total = result.get("budget_s")
     lines = ["## Run time and budget", "",
              f"Budget: {f'{total:g} s for the run' if total else 'none'} (`--budget-s`); a "
-             "section past its share runs fewer repetitions; only MiniLM leaves rows out, once its "
-             "whole share is spent (the row says so).", "",
+             "section past its share runs fewer repetitions; MiniLM and replay's end-to-end "
+             "rows are left out once the whole share is spent (the section says which).", "",
              "| backend | section | budget s | took s | cut by the budget |",
              "|---|---|---:|---:|---|"]
     for b, secs in timing.items():

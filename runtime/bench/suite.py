@@ -33,9 +33,9 @@ section (plots at the end), each section's table is printed as it finishes, and 
 Ctrl-C or SIGTERM writes what it has (``"interrupted"`` in the JSON). ``--budget-s S`` bounds the
 run (default :data:`DEFAULT_BUDGET_S`, about 10 minutes for the full cpu,wgpu run on 2 cores):
 each section gets a share of the seconds left by its ``weight`` (:mod:`runtime.bench.budget`)
-and runs fewer repetitions once its share is spent (only MiniLM, whose warm-up alone takes
-seconds a row on lavapipe, leaves its remaining rows out once its whole share is spent, each
-such row saying so); ``result["timing"]`` and
+and runs fewer repetitions once its share is spent (MiniLM and replay's end-to-end rows,
+whose warm-ups alone take seconds a row on lavapipe, leave their remaining rows out once the
+whole share is spent, and say which); ``result["timing"]`` and
 the report's "Run time and budget" table say how long each section took and what a budget cut.
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``

@@ -68,7 +68,8 @@ def _threads() -> dict:
     if "numba" in sys.modules:
         out["numba"] = sys.modules["numba"].get_num_threads()
     rule = sys.modules.get("runtime.cpu_threads")
-    if rule is not None and hasattr(rule.RULE, "cpu"):   # the share of the CPU it got
+    if rule is not None and hasattr(rule.RULE, "cpu") and os.path.dirname(rule.__file__) == \
+            os.path.dirname(getattr(sys.modules.get("runtime"), "__file__", "")):  # its share
         out["cpu share"] = round(rule.RULE.cpu.share, 2)
         out["busy host"] = rule.RULE.cpu.busy
     loops = sys.modules.get("runtime.kernels.cpu_loops")
@@ -120,9 +121,11 @@ def _worker_product(job: dict) -> dict:
                                job["budget_s"])
     try:               # numba's count is per thread: report what one executing stream gets
         from runtime.kernels.cpu_loops import set_threads
-        try:
+        # the timed checkout's own rule (an editable install would hand an older checkout
+        # the newer checkout's runtime.cpu_threads, a second rule its kernels never use)
+        if os.path.exists(os.path.join(os.path.dirname(runtime.__file__), "cpu_threads.py")):
             from runtime.cpu_threads import RULE
-        except ImportError:                        # a checkout before the leaf module
+        else:                                      # a checkout before the leaf module
             from runtime.kernels.threads import RULE
         RULE.enter()
         set_threads(RULE.threads())

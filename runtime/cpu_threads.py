@@ -397,10 +397,11 @@ class _Job:
     """One :meth:`FanOutPool.run`: its pieces, handed out one at a time to whichever thread
     asks next (the caller and pool threads), and the first error."""
 
-    __slots__ = ("fn", "pieces", "next", "left", "error", "cv")
+    __slots__ = ("fn", "pieces", "next", "left", "error", "cv", "seats")
 
-    def __init__(self, fn, pieces, cv):
+    def __init__(self, fn, pieces, cv, seats):
         self.fn, self.pieces = fn, pieces
+        self.seats = seats                  # pool threads that may still join
         self.next = 0                       # the next piece to hand out
         self.left = len(pieces)             # pieces not finished (or skipped after an error)
         self.error = None
@@ -444,9 +445,8 @@ class FanOutPool:
 
     def __init__(self):
         self._cv = threading.Condition(threading.Lock())
-        self._jobs: list = []               # jobs with pieces left to hand out
+        self._jobs: list = []               # jobs with pieces left to hand out and seats free
         self._threads: list = []
-        self._idle = 0
 
     def run(self, fn, pieces, threads: int) -> None:
         """``fn(piece)`` for every piece, on at most ``threads`` threads (this one and
@@ -462,7 +462,7 @@ class FanOutPool:
                 fn(p)
             return
         cv = self._cv
-        job = _Job(fn, pieces, cv)
+        job = _Job(fn, pieces, cv, helpers)
         with RULE.fan_out():
             with cv:
                 while len(self._threads) < helpers:
@@ -488,13 +488,12 @@ class FanOutPool:
         while True:
             with cv:
                 while not self._jobs:
-                    self._idle += 1
                     cv.wait()
-                    self._idle -= 1
                 job = self._jobs[0]
-                if job.next >= len(job.pieces):          # handed out: let its caller finish
-                    self._jobs.pop(0)
+                if job.next >= len(job.pieces) or job.seats <= 0:   # handed out, or enough
+                    self._jobs.pop(0)                               # threads on it already
                     continue
+                job.seats -= 1
             job.work()
 
 

@@ -248,3 +248,16 @@ def _rule_with_fake_blas(monkeypatch):
     rule._blas = [lib]
     rule.cpu = ct.CpuShare(read=lambda: None)
     return rule, lib
+
+
+def test_fan_out_uses_no_more_threads_than_asked_when_the_pool_is_larger():
+    pool, lock, seen = ct.FanOutPool(), threading.Lock(), set()
+    pool.run(lambda p: time.sleep(0.001), range(40), 4)         # the pool grows to 3 threads
+
+    def fn(p):
+        time.sleep(0.002)
+        with lock:
+            seen.add(threading.get_ident())
+
+    pool.run(fn, range(40), 2)
+    assert len(pool._threads) == 3 and 1 <= len(seen) <= 2

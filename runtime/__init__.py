@@ -20,19 +20,25 @@ from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError
 from .kernel import Binding, Kernel, Param
 from .frontend import ComputeClient, Graph, Handle
 from .frontend.client import client
+from .frontend.pool import GraphPool
 from .streams import Event, StreamId
 from .server import available_backends, shutdown
 from . import kernels
 from .tensor import Tensor
 from .captured import CapturedGraph, capture
 from .static_graph import StaticGraph
+from .tracing import trace, from_env as _trace_from_env
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "StreamId", "Event",
+    "client", "shutdown", "available_backends", "ComputeClient", "Handle", "Graph", "GraphPool", "StreamId",
+    "Event",
     "Kernel", "Binding", "Param", "kernels", "Tensor", "capture", "CapturedGraph", "StaticGraph",
+    "trace",
     "ServerError", "GraphStateError", "CaptureRefused", "UnknownGraph", "ReplayFailed",
     "LaunchError", "InvalidHandle", "OutOfMemory", "ServerUnhealthy", "ServerClosed",
     "ServerForked", "LivenessError", "StreamRaceError", "UnsupportedError", "LoopLimitExceeded",
 ]
+
+_trace_from_env()          # RUNTIME_TRACE=FILE traces the whole process

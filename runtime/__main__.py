@@ -1,7 +1,8 @@
 """Command line: ``python -m runtime <command>``.
 
 Commands: ``demo`` (the embeddings server demo), ``serve``, ``embed``, ``embed-corpus``,
-``bench``, ``capture-demo``. Each is imported only when asked for.
+``bench``, ``capture-demo``, ``trace`` (``trace check FILE...``: validate trace files). Each is
+imported only when asked for.
 
 A command that fails prints one line, ``python -m runtime <command>: <Error>: <message>``, on
 stderr and exits non-zero (2 for bad input: a runtime error, ``ValueError``, a missing file; 1
@@ -23,6 +24,7 @@ COMMANDS = {
     "embed-corpus": ("runtime.corpus.cli", "main", "embed a JSONL/CSV/Parquet file into Parquet"),
     "bench": ("runtime.bench.suite", "main", "run the latency benchmarks"),
     "capture-demo": ("runtime.bench.capture_demo", "main", "capture a launch chain and replay it"),
+    "trace": ("runtime.tracing", "main", "check Chrome trace files: trace check FILE..."),
 }
 
 

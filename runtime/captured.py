@@ -197,7 +197,8 @@ class CapturedGraph:
         return f"CapturedGraph(stream={int(self.stream)}, {how})"
 
 
-def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> CapturedGraph:
+def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1,
+            pool=None) -> CapturedGraph:
     """Record ``fn()`` once and return a graph whose ``replay()`` re-runs it (seed 000).
 
     The recipe (module docstring): pin the stream, ``graph_prepare()``, run ``fn()`` ``warmup``
@@ -219,6 +220,12 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
             ``graph_prepare``, and taking the client of the first Tensor in its output (so ``fn``
             runs ``warmup + 1`` times before recording).
         warmup: warm-up runs before recording (``>= 0``).
+        pool: a ``runtime.GraphPool`` (docs/contract.md section 4c): the window allocates from
+            the buffers the pool's graphs share, so graphs of one pool (captured on one stream)
+            cost about what the largest costs alone. The outputs are then kept in buffers of
+            their own, allocated before the window (``fn`` runs once more first, to learn their
+            shapes; the recording ends with a copy into them), so a replay of another graph of
+            the pool never overwrites them.
     Returns:
         a :class:`CapturedGraph`; ``is_hardware``, ``recorded`` and ``fallback_reason`` say
         which path it took.
@@ -251,7 +258,13 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
         raise TypeError(f"client must be a ComputeClient, got {type(client).__name__}")
     pinned = client.with_stream(client.stream)
     c = pinned
-    c.graph_prepare()
+    owned = None
+    if pool is not None:              # outputs in buffers of their own, made outside the window
+        out = fn()
+        _check_output(out, pinned)
+        owned = _owned_like(out, pinned)
+        del out
+    c.graph_prepare(pool=pool)
     try:
         for _ in range(int(warmup)):
             out = fn()
@@ -268,6 +281,8 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
                              "fn is re-run on every replay")
     try:
         out = fn()
+        if owned is not None:
+            out = _copy_into(out, owned, pinned)
     except CaptureRefused as e:
         c.abort_capture()
         return CapturedGraph(fn, fn(), pinned, None,
@@ -290,6 +305,49 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1) -> Capt
                              "fn is re-run on every replay")
     _check_output(out, pinned)
     return CapturedGraph(fn, out, pinned, graph, None)
+
+
+def _owned_like(out, client):
+    """Buffers shaped like the Tensors and Handles in ``out`` (same nesting), allocated now."""
+    if isinstance(out, Tensor):
+        return Tensor(client, client.empty(max(4, out.size * 4)), out.shape, out.dtype)
+    if isinstance(out, Handle):
+        return client.empty(out.shape, out.dtype)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_owned_like(v, client) for v in out)
+    if isinstance(out, dict):
+        return {k: _owned_like(v, client) for k, v in out.items()}
+    return out
+
+
+def _copy_into(out, owned, client):
+    """Launch a copy of each Tensor/Handle of ``out`` into its twin in ``owned``; returns
+    ``owned`` (its nesting), the graph's output."""
+    from .kernels import copy_words, grid
+
+    def one(src, dst):
+        if isinstance(src, Tensor):
+            if src.shape != dst.shape:
+                raise ValueError(f"capture(pool=...): fn's output changed shape between runs "
+                                 f"({dst.shape} -> {src.shape})")
+            words = src.size
+            src, dst_h = src.handle, dst.handle
+        elif isinstance(src, Handle):
+            dst_h = dst
+            if src.nbytes % 4 or dst_h.nbytes != src.nbytes:
+                raise ValueError(f"capture(pool=...): output handle {src.id} changed size or is "
+                                 "not a whole number of 4-byte words between runs of fn")
+            words = src.nbytes // 4
+        elif isinstance(src, (tuple, list)):
+            return type(src)(one(a, b) for a, b in zip(src, dst))
+        elif isinstance(src, dict):
+            return {k: one(v, dst[k]) for k, v in src.items()}
+        else:
+            return src
+        if words:
+            client.launch(copy_words, grid(words), [src, dst_h], {"n": words})
+        return dst
+    return one(out, owned)
 
 
 def _check_output(out, client: ComputeClient) -> None:

@@ -48,7 +48,7 @@ class LaunchError(ServerError):
 
 class LoopLimitExceeded(LaunchError):
     """A ``capture_while`` loop whose condition was still true after ``max_iterations`` runs of
-    its body (eagerly, or in a replay on cpu): the loop stopped there, and a replay's write set
+    its body (eagerly, or in a replay): the loop stopped there, and a replay's write set
     is marked with this error (``ReplayFailed`` on read), never silently truncated."""
 
 
@@ -134,6 +134,71 @@ def unhealthy(errors) -> ServerUnhealthy:
     if isinstance(err, ReplayFailed):
         err.cause = next((getattr(e, "cause", None) for e in errors if isinstance(e, ReplayFailed)), None)
     return err
+
+
+#: errors a list of queued errors keeps (a stream's, the unattributed ones) before the rest
+#: are folded into one :class:`FoldedErrors` (see :func:`fold_errors`).
+MAX_QUEUED_ERRORS = 64
+
+
+class FoldedErrors(ServerError):
+    """Errors queued past ``MAX_QUEUED_ERRORS`` (on a stream that never blocks, or waiting for
+    any blocking call), folded into one: ``count`` of them and the ``last`` one, so the queue
+    stays bounded and none is dropped silently. Raised with the others by the next blocking
+    call. Made by :func:`fold_errors` (``FoldedErrors.of(first)``)."""
+
+    count = 0
+    last = None
+
+    @classmethod
+    def of(cls, first) -> "FoldedErrors":
+        """A fold holding ``first``."""
+        folded = cls()
+        folded.add(first)
+        return folded
+
+    def add(self, err) -> None:
+        """Count ``err`` in (a ``FoldedErrors`` adds its count)."""
+        if isinstance(err, FoldedErrors):
+            self.count += err.count
+            err = err.last
+        else:
+            self.count += 1
+        self.last = err
+        self.args = (f"{self.count} more queued errors (the latest: {type(err).__name__}: "
+                     f"{err})",)
+
+    def __reduce__(self):
+        return (ServerError, self.args)       # a plain ServerError with the same message
+
+
+def fold_errors(errors: list, limit: int = MAX_QUEUED_ERRORS) -> None:
+    """Keep the list of queued ``errors`` at most ``limit`` long, in place: the errors past
+    ``limit - 1`` are folded into one :class:`FoldedErrors` (the first ones stay as they are).
+    Call it after appending; cheap below the limit."""
+    if len(errors) > limit:
+        tail = errors[limit - 1]
+        folded = tail if isinstance(tail, FoldedErrors) else FoldedErrors.of(tail)
+        for e in errors[limit:]:
+            folded.add(e)
+        del errors[limit - 1:]
+        errors.append(folded)
+
+
+def detach(error):
+    """Drop the tracebacks of ``error`` and the exceptions it chains (``__cause__``,
+    ``__context__``), and return it. For errors the runtime keeps (a failure mark, a stream's
+    queued errors): a traceback holds its frames, and through them every frame below (a client
+    call that ran the kernel on its own thread), so a kept error would keep that caller's
+    handles and streams alive for as long as the mark lives. The message (kernel, cause type and
+    text) is kept."""
+    seen = set()
+    e = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
 
 
 def error_list(error) -> list:

@@ -39,6 +39,10 @@ class Arena:
 
     Args:
         client: the ``ComputeClient`` whose ``empty`` makes new buffers.
+        best_fit: hand out the smallest free buffer at least as large as asked (a tensor may
+            live in a larger buffer), not only one of the same size: one arena then serves
+            work of several shapes, e.g. the bucket graphs of a model sharing a
+            ``runtime.GraphPool`` (capture the largest first and the others fit in its buffers).
 
     ``with arena:`` makes it the current arena of this thread: tensor ops then take their output
     buffers from its free lists (same ``nbytes``), or allocate and remember new ones. A tensor
@@ -47,8 +51,9 @@ class Arena:
     Buffers stay allocated until :meth:`release`.
     """
 
-    def __init__(self, client):
+    def __init__(self, client, best_fit: bool = False):
         self.client = client
+        self.best_fit = bool(best_fit)
         self._free: dict[tuple, list] = {}
         self._all: list[Handle] = []
 
@@ -68,6 +73,12 @@ class Arena:
         free = self._free.get(key)
         if free:
             return free.pop()
+        if self.best_fit:
+            need = key[0] * np.dtype(dtype).itemsize
+            fits = [(h.nbytes, k) for k, lst in self._free.items() if lst
+                    for h in lst[-1:] if h.nbytes >= need]
+            if fits:
+                return self._free[min(fits)[1]].pop()
         h = self.client.empty(shape, dtype)
         self._all.append(h)
         return h

@@ -114,6 +114,32 @@ def test_quick_bench_has_stalls_rows_on_cpu(quick_run):
     assert st["rss_flood"]["iterations"] > 0 and st["rss_flood"]["series"]
 
 
+def test_quick_soak_runs_mixed_work_and_every_table_returns_to_its_baseline(tmp_path):
+    """``--quick --sections soak`` (issue 24 item 6): the section runs only when named, on cpu
+    and wgpu; every kind of work ran, no request saw a wrong value or a missing error, and the
+    server's tables (streams, handles, graphs, live marks) are back at their baseline at the
+    end (counts, not times: RSS and the read's p99 are reported, not asserted)."""
+    avail = runtime.available_backends()
+    backends = [b for b in ("cpu", "wgpu") if avail.get(b) is None]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime", "bench", "--quick", "--sections", "soak", "--no-plots",
+         "--backend", ",".join(backends), "--out", "results"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "results" / "bench.json").read_text())
+    assert data["sections"] == ["soak"]
+    for b in backends:
+        r = data["backends"][b]["soak"]
+        assert not r["unexpected"] and r["stuck_workers"] == 0, r["unexpected"]
+        assert all(r["ops"].get(k, 0) > 0 for k in ("request", "graph", "failure")), r["ops"]
+        for k in ("streams", "handles", "graphs", "marks"):
+            assert r["end"][k] <= r["base"][k], (b, k, r["base"], r["end"])
+        assert r["series"] and r["queue_max"] > 0
+        assert r["read_start"]["n"] > 0 and r["read_end"]["n"] > 0
+
+
 def test_serving_benchmark_isolated_rounds_write_rows_and_a_summary(tmp_path):
     """``benchmarks/serving.py --isolate --rounds 2`` on the eager path with a few requests:
     every (round, clients) row is there, each from its own child process, every request
@@ -133,6 +159,7 @@ def test_serving_benchmark_isolated_rounds_write_rows_and_a_summary(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "serving_cpu.json").read_text())
     assert data["meta"]["isolated"] and data["meta"]["rounds"] == 2
+    assert data["meta"]["contention"] == {"busy_processes": 0}     # --contention N says so
     rows = data["rows"]
     assert sorted((r["round"], r["clients"]) for r in rows) == [(0, 1), (0, 3), (1, 1), (1, 3)]
     assert all(r["path"] == "eager" and r["requests"] == 6 and r["failures"] == 0 for r in rows)

@@ -160,3 +160,27 @@ def test_captured_path_passes_the_stream_checker_and_a_seeded_interleaving(model
         for _ in range(2):
             assert np.abs(m.embed(texts, graph=True) - want).max() < 1e-4
         m.release()
+
+
+def test_bucket_graphs_share_one_pool_and_match_the_fixture(model_dir, ref):
+    """Issue 26 item 2: the buckets of one model share their temporaries (one best-fit arena,
+    one GraphPool), so three buckets captured largest first hold about what the largest holds
+    alone, and every bucket still gives the fixture's embeddings."""
+    m = MiniLM.load(runtime.client("cpu"), model_dir, max_graphs=4)
+    texts = sentences(ref)[:2]
+    ids, mask = m.tokenize(texts)
+    want = ref["embeddings"][:2]
+    try:
+        m.run_bucket(4, 32, ids, mask)
+        alone = m.graph_memory()
+        for batch, seq in ((2, 32), (4, 16) if ids.shape[1] <= 16 else (2, 32)):
+            m.run_bucket(batch, seq, ids, mask)
+        m.run_bucket(3, 32, ids, mask)
+        assert len(m.buckets) >= 2
+        assert m.graph_memory() <= 1.1 * alone
+        assert m.graph_pool.memory_usage()["graphs"] == len(m.buckets)
+        for batch, seq in m.buckets:                   # replay each, in any order
+            got = m.run_bucket(batch, seq, ids, mask)
+            assert np.abs(got - want).max() < 1e-4
+    finally:
+        m.release()

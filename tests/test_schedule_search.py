@@ -142,7 +142,7 @@ def test_correct(runtime_client):
 
 @pytest.mark.interleavings(3, depth=3, check=False)
 def test_pct_depth(runtime_client, runtime_variant):
-    sched = runtime_client._server.backend.scheduler
+    sched = runtime_client._server.backend.scheduler       # private: the scheduler the plugin chose
     assert type(sched).__name__ == "PCTScheduler" and sched.depth == 3
     assert runtime_variant.strategy == "pct"
 '''

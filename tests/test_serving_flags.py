@@ -166,7 +166,8 @@ FLAGS = {
 ONE_PATH = {"--header-timeout": "serve only: Serve's proxy reads the request headers",
             "--ray": "the switch itself", "--replicas": "--ray only", "--address": "--ray only",
             "--min-replicas": "--ray only", "--max-replicas": "--ray only",
-            "--target-ongoing-requests": "--ray only", "--replica-cpus": "--ray only"}
+            "--target-ongoing-requests": "--ray only", "--replica-cpus": "--ray only",
+            "--trace": "serve only: traces this process (tests/test_tracing.py)"}
 
 
 def test_every_serve_flag_is_covered():

@@ -137,7 +137,7 @@ def test_generated_programs_use_every_call_and_pass():
     one()
     assert {"Create", "Launch", "Read", "Write", "Free", "Sync", "RecordEvent", "WaitEvent",
             "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
-            "Empty"} <= seen, seen
+            "Empty", "CreateFlag", "CaptureIf", "CaptureWhile", "Update"} <= seen, seen
 
 
 def test_shrinking_reduces_a_planted_missing_dependency_to_a_few_calls(monkeypatch):
@@ -193,13 +193,13 @@ def test_calls_meant_for_a_window_that_did_not_open_are_ordered_like_eager_calls
     for _ in range(3):                            # b0, b1, b2 on stream 0
         b.script += [0, "f32"]
         b.create()
-    b.script += [1, 1, copy, 0, 1, False]         # g0 on stream 1: copy(b0 -> b1), no warm-up
+    b.script += [1, 1, copy, 0, 1, False, False]  # g0 on stream 1: copy(b0 -> b1), no warm-up
     b.capture()
     b.script += [1]
     b.end()
     b.script += [0, 1, True]                      # replay g0 once, after a sync of stream 0
     b.replay()
-    b.script += [0, 1, fails, 0, 2, True]         # stream 0: a warm-up that fails
+    b.script += [0, 1, fails, 0, 2, False, True]  # stream 0: a warm-up that fails
     b.capture()
     b.script += [0, copy, 0, 1]                   # meant for the window: copy(b0 -> b1)
     b.launch()                                    # ...runs eagerly, over g0's pending write
@@ -209,7 +209,7 @@ def test_calls_meant_for_a_window_that_did_not_open_are_ordered_like_eager_calls
     b.replay()
     b.script += [1]
     b.sync()
-    b.script += [1, 1, fails, 0, 2, True]         # stream 1: a warm-up that fails
+    b.script += [1, 1, fails, 0, 2, False, True]  # stream 1: a warm-up that fails
     b.capture()
     b.script += [0, copy, 1, 0]                   # stream 0 copies b1 -> b0 (g0 reads b0)
     b.launch()
@@ -236,12 +236,12 @@ def test_a_graph_whose_input_was_freed_is_not_replayed_even_inside_a_window():
     for _ in range(3):
         b.script += [0, "f32"]
         b.create()
-    b.script += [1, 1, copy, 0, 1, False, 1]      # g0 on stream 1: copy(b0 -> b1)
+    b.script += [1, 1, copy, 0, 1, False, False, 1]  # g0 on stream 1: copy(b0 -> b1)
     b.capture()
     b.end()
     b.script += [0, 0]                            # free b0 (from client 0)
     b.free()
-    b.script += [1, 1, fails, 1, 2, True]         # stream 1: a warm-up that fails
+    b.script += [1, 1, fails, 1, 2, False, True]  # stream 1: a warm-up that fails
     b.capture()
     b.script += [0]
     b.replay()                                    # g0 is not replayed

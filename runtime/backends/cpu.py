@@ -28,13 +28,15 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, unhealthy
+from ..errors import (LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, detach,
+                      fold_errors, unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
                            TraceScheduler, decode_trace, encode_trace)
-from .cpu_schedule import CALL as _CALL, RUN as _RUN, SIGNAL as _SIGNAL, WAIT as _WAIT
+from .cpu_schedule import CALL as _CALL, RUN as _RUN, SIGNAL as _SIGNAL, TINY as _TINY, \
+    WAIT as _WAIT
 
 
 class CpuEvent:
@@ -81,7 +83,7 @@ class CpuGraph:
     and output bound at capture), else the callable with its arguments bound; zero-count
     launches are dropped (they run nothing). Whoever changes ``launches`` calls :meth:`rebind`."""
 
-    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain")
+    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain", "tiny")
 
     def __init__(self, launches):
         self.launches = launches
@@ -90,17 +92,19 @@ class CpuGraph:
     def rebind(self) -> None:
         """Resolve ``launches`` into ``calls`` and ``names`` again (none with nodes)."""
         self.nodes = any(type(x) is not tuple for x in self.launches)
-        calls, names, largest, plain = [], [], 0, not self.nodes
+        calls, names, largest, plain, touched = [], [], 0, not self.nodes, 0
         for launch in () if self.nodes else self.launches:
             call = _bind(*launch)
             if call is not None:
                 calls.append(call)
                 names.append(launch[4])
-                largest = max(largest, sum(v.nbytes for v in launch[1]))
+                one = sum(v.nbytes for v in launch[1])
+                largest, touched = max(largest, one), touched + one
                 plain = plain and hasattr(launch[0], "bind") and launch[3].__class__ is tuple
         self.calls, self.names = tuple(calls), tuple(names)
         self.small = not self.nodes and largest <= DEFER_BYTES  # tiny kernels: a waiter runs it
         self.plain = plain                      # numpy ufunc calls only: no library pool
+        self.tiny = plain and touched <= TINY_BYTES     # a flush may run it on the owner
 
 
 class CpuRecording:
@@ -161,6 +165,11 @@ def _run_nodes(items, mark) -> None:
 #: numpy keeps the GIL on small arrays, so a worker could not run it beside the caller anyway,
 #: and the hand-off (a wake-up, the GIL passed over and back) costs more than the work.
 DEFER_BYTES = 1 << 20
+#: work touching at most this many bytes in all (a launch, a copy, a whole ufunc-only replay)
+#: is ``TINY``: a read or sync on its stream runs up to :data:`INLINE_ITEMS` of them itself,
+#: in order, instead of handing them to the waiting caller's helper (``CpuBackend.flush``).
+TINY_BYTES = 64 << 10
+INLINE_ITEMS = 8
 
 
 def _counts(count) -> tuple:
@@ -295,19 +304,21 @@ class CpuBackend(Backend):
             self.on_room()
 
     def _execute(self, s: CpuStream, kind, payload) -> None:
-        if kind == _CALL:                   # no library pool: outside the thread rule
+        if kind == _TINY or kind == _CALL:  # no library pool: outside the thread rule
             try:
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+                fold_errors(s.errors)       # a stream that never blocks: bounded
         elif kind == _RUN:
             RULE.enter()                    # the thread rule counts the items executing now
             try:
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(e if isinstance(e, LaunchError) else LaunchError(
+                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+                fold_errors(s.errors)       # a stream that never blocks: bounded
             finally:
                 RULE.exit()
         elif kind == _SIGNAL:
@@ -355,6 +366,31 @@ class CpuBackend(Backend):
         if not event.done:
             self._enqueue(stream, _WAIT, event)
 
+    def flush(self, stream):
+        """Run ``stream``'s queued work now, on the calling thread (the server's owner, in a
+        read's or sync's handler), when it is all ``TINY`` (at most :data:`INLINE_ITEMS` items
+        of at most :data:`TINY_BYTES` each: tens of µs) and no worker holds the stream: the
+        read's copy then happens at once, with no completion to wait for (issue 26). Errors
+        it raises are reported as from a worker (``stream.errors``, the launches' marks).
+        Anything else stays queued for the helper or a worker."""
+        q = stream.q
+        if not q or not self._threaded:
+            return
+        cv = self.scheduler.cv
+        with cv:
+            if stream.busy or len(q) > INLINE_ITEMS or any(k != _TINY for k, _ in q):
+                return
+            stream.busy = True
+        try:
+            while q:
+                kind, payload = q.popleft()
+                self.execute(stream, kind, payload)
+        finally:
+            with cv:
+                stream.busy = False
+                if q and self.scheduler.waiting:
+                    cv.notify()
+
     def idle(self, stream):
         return not stream.q and not stream.busy and not stream.errors and not self.closed
 
@@ -378,11 +414,14 @@ class CpuBackend(Backend):
         with self._bytes_lock:
             self._bytes += n
         small = n <= DEFER_BYTES
-        self._enqueue(stream, _CALL if small else _RUN, write, small)
+        self._enqueue(stream, _TINY if n <= TINY_BYTES else _CALL if small else _RUN, write,
+                      small)
 
     def copy_out(self, stream, buf, nbytes):
-        comp = Completion()
         src = buf.data
+        if not stream.q and not stream.busy and not stream.errors and self._threaded:
+            return Completion.ready(src[:nbytes].copy())    # idle stream: copy now, in order
+        comp = Completion()
 
         def read():
             comp.value = src[:nbytes].copy()
@@ -402,6 +441,8 @@ class CpuBackend(Backend):
             key = (nbytes, b.dtype)
             v = buf.views.get(key)
             if v is None:
+                if len(buf.views) >= 16:        # a pooled buffer reused at many sizes: bounded
+                    buf.views.clear()
                 dt = DTYPES[b.dtype]
                 v = buf.views[key] = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
             views.append(v)
@@ -417,8 +458,10 @@ class CpuBackend(Backend):
 
     def launch(self, stream, program, count, args, params, mark=None):
         fn, views, kwargs, count, name = self._resolve(program, count, args, params)
-        small = sum(v.nbytes for v in views) <= DEFER_BYTES
-        self._enqueue(stream, _CALL if small and hasattr(fn, "bind") else _RUN,
+        touched = sum(v.nbytes for v in views)
+        small, plain = touched <= DEFER_BYTES, hasattr(fn, "bind")
+        self._enqueue(stream, (_TINY if touched <= TINY_BYTES else _CALL) if small and plain
+                      else _RUN,
                       lambda: _run_launch(fn, views, kwargs, count, name, mark), small)
 
     # -- graphs -------------------------------------------------------------------------------
@@ -450,7 +493,8 @@ class CpuBackend(Backend):
                 if mark is not None:
                     err = mark.fail(err)
                 raise err from e
-        self._enqueue(stream, _CALL if graph.plain else _RUN, replay, graph.small)
+        self._enqueue(stream, (_TINY if graph.tiny else _CALL) if graph.plain else _RUN, replay,
+                      graph.small)
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list

@@ -53,7 +53,8 @@ import threading
 
 import numpy as np
 
-from ..errors import (InvalidHandle, LaunchError, OutOfMemory, ServerClosed, UnsupportedError,
+from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
+                      UnsupportedError,
                       error_list, unhealthy)
 from .base import Backend, Completion, written_buffers
 
@@ -78,7 +79,7 @@ _LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size",
            "max-compute-workgroups-per-dimension", "max-bind-groups")
 _CACHE_MAX = 4096   # uniform buffers and bind groups kept before a cache is cleared
 _STAGING_KEEP = 4   # idle staging buffers kept per size class
-_SUBMIT, _WRITE, _MAP, _UNMAP, _DESTROY = range(5)
+_SUBMIT, _WRITE, _MAP, _UNMAP, _DESTROY, _CHECK = range(6)
 _CLOSED_MSG = "the wgpu server was shut down before this work completed"
 
 
@@ -338,6 +339,31 @@ class QueueThread:
                 obj.destroy()
         elif kind == _DESTROY:
             obj.destroy()
+        elif kind == _CHECK:
+            self._check_loops(*obj)
+
+    def _check_loops(self, graph, mark, stream) -> None:
+        """After a replay of ``graph`` (submitted just before): map its loop status (one u32
+        per ``capture_while`` node, copied by the replay) and fail ``mark`` with
+        ``LoopLimitExceeded`` when a loop's condition still held after ``max_iterations``
+        (reported on ``stream``'s next completion). Waits on this thread for that replay."""
+        status = graph.status
+        promise = status.map_async(wgpu.MapMode.READ, 0, status.size)
+        while not promise._thread_event.wait(0.05):
+            if self.closed:
+                return
+        promise.sync_wait()
+        over = np.frombuffer(status.read_mapped(0, status.size), np.uint32).copy()
+        status.unmap()
+        self.inflight = 0
+        for (_, node), v in zip(graph.checks, over):
+            if v:
+                err = LoopLimitExceeded(
+                    f"capture_while node {node.index}: its condition was still non-zero after "
+                    f"max_iterations={node.max_iterations} iterations in a graph replay on "
+                    "wgpu; the unrolled loop stopped there")
+                stream.errors.append(mark.fail(err) if mark is not None else err)
+                return
 
     def _fence(self) -> None:
         """Wait (on this thread) until every submission so far has finished."""
@@ -390,7 +416,7 @@ class WgpuGraph:
     the server retains the runtime handles (CubeCL ``cubecl-wgpu/src/compute/graph.rs``).
     """
 
-    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count")
+    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count", "checks", "status")
 
     def __init__(self, stream):
         self.stream, self.tasks = stream, []
@@ -398,6 +424,8 @@ class WgpuGraph:
         self.stack = [self.tasks]
         self.nodes: list = []
         self.count = 0
+        self.checks: list = []     # (flags buffer, node) of every capture_while node
+        self.status = None         # MAP_READ buffer: one u32 per check, copied by each replay
 
     def __len__(self):
         return len(self.tasks)
@@ -430,7 +458,8 @@ class WgpuCond:
 
 
 #: The gate of a conditional node (see :class:`WgpuCond`): mode 0 = if, 1 = first while
-#: iteration, 2 = a later one; ``pidx``: the parent's flag; ``n``: dispatches it gates.
+#: iteration, 2 = a later one, 3 = after the last unrolled iteration (``flags[2]``: the loop
+#: would go on: ``LoopLimitExceeded``); ``pidx``: the parent's flag; ``n``: dispatches it gates.
 GATE_WGSL = """
 @group(0) @binding(0) var<storage, read> cond: array<u32>;
 @group(0) @binding(1) var<storage, read> parent: array<u32>;
@@ -448,8 +477,10 @@ fn main() {
         flags[1] = select(0u, 1u, on && !c);
     } else if (p.mode == 1u) {
         flags[0] = select(0u, 1u, on && c);
-    } else {
+    } else if (p.mode == 2u) {
         flags[0] = select(0u, 1u, on && c && flags[0] != 0u);
+    } else {
+        flags[2] = select(0u, 1u, on && c && flags[0] != 0u);
     }
     for (var i = 0u; i < p.n; i = i + 1u) {
         let f = flags[counts[4u * i + 3u]] != 0u;
@@ -886,6 +917,7 @@ class WgpuBackend(Backend):
         recording.stack = []
         if recording.count:
             recording.tasks = self._flatten(recording.tree)
+            self._set_checks(recording)
         return recording
 
     # -- conditional nodes (WgpuCond) ------------------------------------------------------
@@ -901,8 +933,8 @@ class WgpuBackend(Backend):
                             [Param("mode", "u32"), Param("pidx", "u32"), Param("n", "u32")],
                             (1, 1, 1), wgsl=GATE_WGSL)
             prog = self._gate = self.compile(kernel)
-            self._one = self._new_buffer(8, _STORAGE)       # the top level's flags: on
-            self.qt.push((_WRITE, self._one, np.ones(2, np.uint32).view(np.uint8)))
+            self._one = self._new_buffer(16, _STORAGE)      # the top level's flags: on
+            self.qt.push((_WRITE, self._one, np.ones(4, np.uint32).view(np.uint8)))
         return prog
 
     def begin_cond(self, recording: WgpuGraph, kind: str, cond, max_iterations) -> None:
@@ -916,7 +948,7 @@ class WgpuBackend(Backend):
         else:
             parent = (self._one, 0)
         node = WgpuCond(kind, cond, max_iterations, recording.count, parent,
-                        self._new_buffer(8, _STORAGE))
+                        self._new_buffer(16, _STORAGE))
         recording.count += 1
         recording.stack[-1].append(node)
         recording.stack.append(node.then)
@@ -944,12 +976,12 @@ class WgpuBackend(Backend):
         abuf = self._new_buffer(12 * max(n, 1), _STORAGE)
         gate = self._gate
         pbuf, pidx = node.parent
-        bufs = [node.cond, (pbuf, 8), (node.flags, 8), (cbuf, counts.nbytes),
+        bufs = [node.cond, (pbuf, 16), (node.flags, 16), (cbuf, counts.nbytes),
                 (abuf, 12 * max(n, 1))]
 
         def gate_task(mode):
-            return (gate.pipeline, self._bind_group(gate, bufs, (mode, pidx, n)), (1, 1, 1),
-                    None, gate.kernel, (node.flags, abuf))
+            return (gate.pipeline, self._bind_group(gate, bufs, (mode, pidx, 0 if mode == 3 else n)),
+                    (1, 1, 1), None, gate.kernel, (node.flags, abuf))
         slot = {}
         for k, (t, _) in enumerate(direct):
             slot[id(t)] = (t[0], t[1], 12 * k, abuf, t[4], t[5])
@@ -967,6 +999,26 @@ class WgpuBackend(Backend):
             for j in range(node.max_iterations):
                 node.flat.append(gate_task(1 if j == 0 else 2))
                 node.flat.extend(body)
+            if node.max_iterations == 0:
+                node.flat.append(gate_task(1))        # flags[0] = the condition, for mode 3
+            node.flat.append(gate_task(3))
+
+    def _set_checks(self, graph: WgpuGraph) -> None:
+        """``graph.checks``: the loop nodes whose overflow a replay reads back."""
+        checks = []
+
+        def walk(items):
+            for t in items:
+                if not isinstance(t, tuple):
+                    if t.kind == "while":
+                        checks.append((t.flags, t))
+                    walk(t.then)
+                    walk(t.other)
+        walk(graph.tree)
+        graph.checks = checks
+        if checks and (graph.status is None or graph.status.size < 4 * len(checks)):
+            graph.status = self._new_buffer(4 * len(checks), wgpu.BufferUsage.MAP_READ
+                                            | wgpu.BufferUsage.COPY_DST)
 
     @staticmethod
     def _flatten(tree) -> list:
@@ -1013,6 +1065,8 @@ class WgpuBackend(Backend):
             self._finish(node)
         graph.tree = tree
         graph.tasks = self._flatten(tree) if graph.count else tree
+        if graph.count:
+            self._set_checks(graph)
         return graph
 
     def abort_graph(self, recording: WgpuGraph) -> None:
@@ -1046,7 +1100,16 @@ class WgpuBackend(Backend):
         stream.pipeline = last
         stream.tasks += len(graph.tasks)
         stream.log.append((graph, graph.tasks, mark))
+        checks = graph.checks
+        if checks:                   # capture_while nodes: read back whether a loop ran out
+            cpass.end()
+            enc = stream.encoder
+            for i, (flags, _) in enumerate(checks):
+                enc.copy_buffer_to_buffer(flags, 8, graph.status, 4 * i, 4)
+            stream.cpass, stream.pipeline = enc.begin_compute_pass(), None
         self._submit(stream)
+        if checks:
+            self.qt.push((_CHECK, (graph, mark, stream), 0))
 
     def destroy_graph(self, stream, graph: WgpuGraph) -> None:
         """Submit ``stream``'s pending work, then drop the graph's references: submitted command

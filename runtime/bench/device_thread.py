@@ -31,6 +31,7 @@ from runtime.server import backend_class
 
 from .budget import unbounded
 from .timing import clock, summarize
+from .report import backends_with, cell, errbars, num, pyplot, save_png
 
 THREADS = (1, 2, 4, 8)
 N = 64                                        # floats in the noop's one binding
@@ -169,3 +170,70 @@ def measure(backend: str, quick: bool = False, tick=None, threads=THREADS,
 def units(quick: bool, threads=THREADS) -> int:
     """Progress-bar units ``measure`` reports (one per round per thread count)."""
     return (8 if quick else 40) * len(threads)
+
+
+# -- report: targets, markdown, plot (the Section hooks of runtime/bench/suite.py) ----------------
+#: the blocking-call target: ``client.sync()`` on an idle stream, cpu, one client thread (µs p50).
+GOAL_SYNC_US = 5.0
+PATH_NAMES = {"sync": "runtime `sync()`", "sync_floor": "backend `synchronize` (floor)",
+              "launch": "runtime `launch(noop)`", "launch_floor": "backend `launch` (floor)",
+              "call": "numpy `noop` call"}
+
+
+def targets(result: dict) -> list:
+    """The blocking-call target (cpu, one client thread): ``[{"backend", "target", "value",
+    "met"}]``."""
+    out = []
+    for b, res in result["backends"].items():
+        dt = res.get("device_thread", {}).get("threads", {})
+        if b == "cpu" and "1" in dt:
+            v = dt["1"]["sync"]["p50"]
+            out.append({"backend": b, "target": f"blocking `sync()` < {GOAL_SYNC_US:g} µs p50",
+                        "value": f"{num(v)} µs", "met": v < GOAL_SYNC_US})
+    return out
+
+def _device_thread_md(b: str, dt: dict) -> list:
+    threads = list(dt["threads"])
+    head = "| path | " + " | ".join(f"{n} thread{'s' if n != '1' else ''}" for n in threads) + " |"
+    lines = [head, "|---|" + "---|" * len(threads)]
+    for p in dt["threads"][threads[0]]:
+        cells = [cell(dt["threads"][n][p], p99=True) for n in threads]
+        lines.append(f"| {PATH_NAMES.get(p, p)} | " + " | ".join(cells) + " |")
+    return lines
+
+def markdown(result: dict, img) -> list:
+    """Markdown of the device-thread section (``img(name, alt)`` gives a plot's lines)."""
+    lines = ["## Device-thread cost (µs per call)", "",
+             "Each client thread has its own stream; the floor rows call the backend's verbs on "
+             "a private backend instance per thread (no queue, no server)."]
+    for b, res in result["backends"].items():
+        dt = res.get("device_thread", {})
+        lines += ["", f"### {b}", ""]
+        lines += _device_thread_md(b, dt) if "threads" in dt else [f"error: {dt.get('error')}"]
+    return lines + img("device_thread.png", "device-thread cost")
+
+def plot(result: dict, folder: Path) -> list:
+    """``device_thread.png`` (µs per call vs client threads) into ``folder``; the paths written.
+
+    Raises: ``ImportError`` without matplotlib.
+    """
+    have = backends_with(result, "device_thread", "threads")
+    if not have:
+        return []
+    plt = pyplot()
+    import matplotlib.ticker
+    fig, axes = plt.subplots(1, len(have), figsize=(5 * len(have), 3.6), squeeze=False)
+    for ax, (b, dt) in zip(axes[0], have):
+        ns = list(dt["threads"])
+        for p in dt["threads"][ns[0]]:
+            ss = [dt["threads"][n][p] for n in ns]
+            ax.errorbar([int(n) for n in ns], [s["p50"] for s in ss], yerr=errbars(ss),
+                        marker="o", capsize=2, label=p, ls="--" if "floor" in p else "-")
+        if b == "cpu":
+            ax.axhline(GOAL_SYNC_US, color="r", lw=0.7, ls=":", label="sync goal")
+        ax.set(xscale="log", yscale="log", title=b, xlabel="client threads",
+               ylabel="µs per call (p50, p10–p90)")
+        ax.set_xticks([int(n) for n in ns], ns)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend(fontsize=7)
+    return [save_png(plt, fig, folder, "device_thread.png")]

@@ -13,6 +13,7 @@ import numpy as np
 
 from .budget import unbounded
 from .timing import clock, summarize
+from .report import backends_with, cell, pyplot, save_png
 
 MINILM_FULL = [(b, s) for b in (1, 8, 32) for s in (16, 128)]
 MINILM_QUICK = [(1, 16)]
@@ -44,7 +45,9 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
     are both reached, or ``max_reps``. Host ids in, embeddings out, as a server calls it. A
     ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the configurations by
     their size; one whose share is spent stops after fewer repetitions (at least one of each
-    path after the warm-up), and the cut is recorded.
+    path after the warm-up), and the cut is recorded. Once the whole budget is spent, the
+    remaining configurations are not measured: their rows say so (``"skipped"``), as do the
+    cuts (the first row always runs).
 
     Returns: ``{"rows": [{"batch", "seq", "reps", "eager", "replay"[, "sentence_transformers"]}],
     "sentence_transformers": "measured" or why not}`` (summaries in ms), or ``{"skipped": why}``
@@ -70,6 +73,15 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
     parts = (budget or unbounded()).split([b * s + 64 for b, s in plan])
     for batch, seq in plan:
         part = next(parts)
+        if out["rows"] and part.seconds is not None and part.seconds <= 0:
+            # the warm-up and capture alone take several forwards (on lavapipe, 32x128 is
+            # ~12 s each): a spent budget skips the row, said in the row and the cuts
+            why = "the section's --budget-s share was spent (--budget-s 0 runs every row)"
+            part.cut(f"MiniLM batch {batch} seq {seq}: not measured ({why})")
+            out["rows"].append({"batch": batch, "seq": seq, "reps": 0, "skipped": why})
+            if tick:
+                tick(max_reps)
+            continue
         ids = rng.integers(1000, 29000, (batch, seq))
         ids[:, 0], ids[:, -1] = 101, 102                 # [CLS] ... [SEP]
         mask = np.ones((batch, seq), np.int64)
@@ -107,3 +119,62 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
 def units(quick: bool) -> int:
     """Progress-bar units :func:`measure` reports (one per repetition, at most)."""
     return len(MINILM_QUICK if quick else MINILM_FULL) * (3 if quick else 20)
+
+
+# -- report: targets, markdown, plot (the Section hooks of runtime/bench/suite.py) ----------------
+def _minilm_md(b: str, mm: dict) -> list:
+    if "skipped" in mm or "error" in mm:
+        return [f"MiniLM on {b}: not measured ({mm.get('skipped') or mm.get('error')})."]
+    st = any("sentence_transformers" in r for r in mm["rows"])
+    head = "| batch | seq | eager ms | replay ms | eager/replay |"
+    head += " sentence-transformers ms |" if st else ""
+    lines = [head, "|---:|---:|---:|---:|---:|" + ("---:|" if st else "")]
+    for r in mm["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['batch']} | {r['seq']} | not measured: {r['skipped']} | | |"
+                         + (" |" if st else ""))
+            continue
+        cells = [str(r["batch"]), str(r["seq"]), cell(r["eager"]), cell(r["replay"]),
+                 f"{r['eager']['p50'] / r['replay']['p50']:.2f}x"]
+        if st:
+            cells.append(cell(r["sentence_transformers"]) if "sentence_transformers" in r else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    if not st:
+        lines.append(f"\nsentence-transformers: {mm.get('sentence_transformers')}.")
+    return lines
+
+def markdown(result: dict, img) -> list:
+    """Markdown of the MiniLM forward section (empty when no backend has it)."""
+    if not any("minilm" in r for r in result["backends"].values()):
+        return []
+    lines = ["## MiniLM forward (ms; host ids in, embeddings out)", ""]
+    for b, res in result["backends"].items():
+        if "minilm" in res:
+            lines += [f"### {b}", ""] + _minilm_md(b, res["minilm"]) + [""]
+    return lines + img("minilm.png", "MiniLM forward")
+
+def plot(result: dict, folder: Path) -> list:
+    """``minilm.png`` (ms per forward, per path and bucket) into ``folder``; the paths written.
+
+    Raises: ``ImportError`` without matplotlib.
+    """
+    have = [(b, [r for r in mm["rows"] if "skipped" not in r])
+            for b, mm in backends_with(result, "minilm", "rows")]
+    if not have:
+        return []
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    labels, x = [], 0
+    for b, rows in have:
+        for r in rows:
+            for k, (path, color) in enumerate((("eager", "C0"), ("replay", "C1"),
+                                               ("sentence_transformers", "C2"))):
+                if path in r:
+                    ax.bar(x + 0.27 * (k - 1), r[path]["p50"], 0.27, color=color,
+                           label=path if x == 0 else None)
+            labels.append(f"{b}\n{r['batch']}x{r['seq']}")
+            x += 1
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set(yscale="log", ylabel="ms per forward (p50)", title="MiniLM forward")
+    ax.legend(fontsize=7)
+    return [save_png(plt, fig, folder, "minilm.png")]

@@ -30,6 +30,7 @@ import runtime.kernels as K
 from .budget import unbounded
 from .floors import KERNEL, floor_class
 from .timing import clock, interleaved, summarize
+from .report import backends_with, cell, errbars, mark, num, pyplot, save_png
 
 LENGTHS = (1, 10, 100, 1000, 10000)
 QUICK_LENGTHS = (1, 10, 100, 1000)
@@ -183,7 +184,10 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
 
     A ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the enqueue rows and
     the end-to-end rows by their rough cost; each row runs fewer repetitions once its share is
-    spent (``reps`` in the row says how many ran).
+    spent (``reps`` in the row says how many ran). Once the whole budget is spent, the
+    remaining end-to-end rows (the largest: a pass of 1000 1 Mi-float launches is ~2 s on an
+    idle lavapipe, ~25 s on a loaded one, and a row needs ~12 passes at least) are not run:
+    ``skipped_rows`` lists them with why, as do the budget's cuts and the report.
     """
     client = runtime.client(backend)
     lengths = QUICK_LENGTHS if quick else LENGTHS
@@ -195,6 +199,165 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
            "enqueue": measure_enqueue(client, lengths, enqueue_reps(quick), tick, next(parts)),
            "e2e": []}
     for size, elems, length, reps in plan:
-        row = measure_pass(client, backend, elems, length, reps, tick, next(parts))
+        part = next(parts)
+        if out["e2e"] and budget is not None and budget.seconds is not None and \
+                budget.left() <= 0:
+            why = "the section's --budget-s share was spent (--budget-s 0 runs every row)"
+            budget.cut(f"end to end elems={elems} L={length}: not measured ({why})")
+            out.setdefault("skipped_rows", []).append({"size": size, "length": length,
+                                                       "why": why})
+            if tick:
+                tick(reps)
+            continue
+        row = measure_pass(client, backend, elems, length, reps, tick, part)
         out["e2e"].append(dict(row, size=size))
     return out
+
+
+# -- report: targets, markdown, plot (the Section hooks of runtime/bench/suite.py) ----------------
+#: targets (goals, not tests): ``Graph.replay()`` enqueue < 10 µs p50 at every graph length on
+#: cpu and cuda; replay end to end within 1.2x of the raw backend (cuda: of the faster of raw
+#: launches and a raw cupy graph) per row; large-kernel rows: replay / eager within 5% of 1.0x.
+GOAL_ENQUEUE_US, GOAL_FLOOR_X, GOAL_CONTROL = 10.0, 1.2, 0.05
+
+
+def _floor_e2e(row: dict) -> dict:
+    """The floor a replay is held to: the faster raw path (raw launches or a raw cupy graph)."""
+    floors = [row[k]["e2e"] for k in ("floor", "floor_graph") if k in row]
+    return min(floors, key=lambda s: s["p50"])
+
+def targets(result: dict) -> list:
+    """The replay targets (enqueue, floor, large-kernel control) per backend."""
+    out = []
+    for b, res in result["backends"].items():
+        enq = res.get("replay", {}).get("enqueue", {})
+        if b in ("cpu", "cuda") and enq:
+            worst = max(enq.items(), key=lambda kv: kv[1]["p50"])
+            out.append({"backend": b,
+                        "target": f"replay enqueue < {GOAL_ENQUEUE_US:g} µs p50, every length",
+                        "value": f"worst {num(worst[1]['p50'])} µs (L={worst[0]})",
+                        "met": worst[1]["p50"] < GOAL_ENQUEUE_US})
+        rows = res.get("replay", {}).get("e2e", [])
+        if rows:
+            ratios = [(r, r["replay"]["e2e"]["p50"] / _floor_e2e(r)["p50"]) for r in rows]
+            ok = [x for _, x in ratios if x <= GOAL_FLOOR_X]
+            worst = max(ratios, key=lambda t: t[1])
+            out.append({"backend": b, "target": f"replay within {GOAL_FLOOR_X:g}x of the floor",
+                        "value": f"{len(ok)}/{len(ratios)} rows; worst {worst[1]:.2f}x "
+                                 f"({worst[0]['size']} L={worst[0]['length']})",
+                        "met": len(ok) == len(ratios)})
+            ctl = [r["replay"]["e2e"]["p50"] / r["eager"]["e2e"]["p50"]
+                   for r in rows if r["size"] == "large"]
+            if ctl:
+                ok = [x for x in ctl if abs(x - 1) <= GOAL_CONTROL]
+                out.append({"backend": b, "target": "large-kernel replay/eager within 5% of 1.0x",
+                            "value": f"{len(ok)}/{len(ctl)} rows; "
+                                     f"{min(ctl):.2f}x–{max(ctl):.2f}x",
+                            "met": len(ok) == len(ctl)})
+    return out
+
+def _enqueue_md(enq: dict) -> list:
+    lines = ["| graph length | replay() p50 | p10 | p90 | p99 | vs L=1 | capture (stop_capture) |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    base = next(iter(enq.values()))["p50"]
+    for L, s in enq.items():
+        lines.append(f"| {L} | {num(s['p50'])} | {num(s['p10'])} | {num(s['p90'])} | "
+                     f"{num(s['p99'])} | {s['p50'] / base:.1f}x | {num(s['capture_ms'])} ms |")
+    return lines
+
+def _e2e_md(rows: list) -> list:
+    cuda = any("floor_graph" in r for r in rows)
+    head = "| kernels | L | eager | replay | raw backend |"
+    head += " raw graph |" if cuda else ""
+    head += " replay/eager | replay/floor | eager enqueue share | replay enqueue |"
+    lines = [head, "|---|---:|" + "---:|" * (8 if cuda else 7)]
+    for r in rows:
+        e, rp, fl = r["eager"]["e2e"], r["replay"]["e2e"], _floor_e2e(r)
+        cells = [r["size"], str(r["length"]), cell(e), cell(rp), cell(r["floor"]["e2e"])]
+        if cuda:
+            cells.append(cell(r["floor_graph"]["e2e"]) if "floor_graph" in r else "")
+        x_eager, x_floor = rp["p50"] / e["p50"], rp["p50"] / fl["p50"]
+        ctl = f" ({mark(abs(x_eager - 1) <= GOAL_CONTROL)})" if r["size"] == "large" else ""
+        cells += [f"{x_eager:.2f}x{ctl}", f"{x_floor:.2f}x ({mark(x_floor <= GOAL_FLOOR_X)})",
+                  f"{100 * r['eager']['enqueue']['p50'] / e['p50']:.0f}%",
+                  num(r["replay"]["enqueue"]["p50"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+def markdown(result: dict, img) -> list:
+    """Markdown of the replay section: the enqueue table and the end-to-end table."""
+    lines = ["## `Graph.replay()` enqueue (µs, the blocking call itself)", "",
+             "Graphs of L tiny `add_scalar` launches; the stream is idle at each call."]
+    for b, res in result["backends"].items():
+        enq = res.get("replay", {}).get("enqueue")
+        lines += ["", f"### {b}", ""]
+        lines += _enqueue_md(enq) if enq else [f"error: {res.get('replay', {}).get('error')}"]
+        if enq and b == "wgpu":
+            (l0, s0), (l1, s1) = list(enq.items())[0], list(enq.items())[-1]
+            per = (s1["p50"] - s0["p50"]) / (int(l1) - int(l0) or 1)
+            lines += ["", "On wgpu a replay re-encodes every dispatch into one command buffer: "
+                      f"the call grows {s1['p50'] / s0['p50']:.0f}x from L={l0} to L={l1} "
+                      f"({num(per)} µs per recorded launch)."]
+    lines += img("replay_enqueue.png", "replay enqueue vs graph length")
+    lines += ["", "## End to end per pass (µs: issue + blocking read of the result)", "",
+              "A pass is L dependent `add_scalar` launches ping-ponging between two buffers; "
+              "`tiny` = 64 floats, `large` = 1 Mi floats (the device-bound control). "
+              "Raw backend = numpy calls (cpu), hand-written wgpu-py with prebuilt pipelines "
+              "and bind groups in one submit (wgpu, `runtime/bench/floors.py`), raw cupy "
+              "launches and a raw cupy graph (cuda). Enqueue share = eager issue time / eager "
+              "end to end: whether launch overhead is worth attacking at that size."]
+    for b, res in result["backends"].items():
+        rows = res.get("replay", {}).get("e2e")
+        lines += ["", f"### {b}", ""]
+        lines += _e2e_md(rows) if rows else [f"error: {res.get('replay', {}).get('error')}"]
+        skipped = res.get("replay", {}).get("skipped_rows")
+        if skipped:
+            lines += ["", "Not measured: " + ", ".join(
+                f"{r['size']} L={r['length']}" for r in skipped) + f" ({skipped[0]['why']})."]
+    return lines + img("e2e.png", "end to end per pass")
+
+def plot(result: dict, folder: Path) -> list:
+    """``replay_enqueue.png`` and ``e2e.png`` into ``folder``; the paths written.
+
+    Raises: ``ImportError`` without matplotlib.
+    """
+    have = backends_with(result, "replay", "enqueue")
+    if not have:
+        return []
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for b, rp in have:
+        Ls = [int(L) for L in rp["enqueue"]]
+        ss = list(rp["enqueue"].values())
+        axes[0].errorbar(Ls, [s["p50"] for s in ss], yerr=errbars(ss), marker="o", capsize=2,
+                         label=b)
+    axes[0].axhline(GOAL_ENQUEUE_US, color="r", lw=0.7, ls=":", label="goal (cpu, cuda)")
+    axes[0].set(xscale="log", yscale="log", xlabel="graph length (launches)",
+                ylabel="replay() µs (p50, p10–p90)", title="replay enqueue")
+    axes[0].legend(fontsize=7)
+    for b, rp in have:
+        for size, ls in (("tiny", "-"), ("large", "--")):
+            rows = [r for r in rp["e2e"] if r["size"] == size]
+            if rows:
+                axes[1].plot([r["length"] for r in rows],
+                             [r["replay"]["e2e"]["p50"] / _floor_e2e(r)["p50"] for r in rows],
+                             marker="o", ls=ls, label=f"{b} {size}")
+    axes[1].axhline(GOAL_FLOOR_X, color="r", lw=0.7, ls=":", label="goal 1.2x")
+    axes[1].axhline(1.0, color="k", lw=0.5)
+    axes[1].set(xscale="log", yscale="log", xlabel="graph length (launches)",
+                ylabel="replay / raw backend, end to end", title="replay vs floor")
+    axes[1].legend(fontsize=7)
+    written = [save_png(plt, fig, folder, "replay_enqueue.png")]
+
+    fig, axes = plt.subplots(1, len(have), figsize=(5 * len(have), 3.6), squeeze=False)
+    for ax, (b, rp) in zip(axes[0], have):
+        for size, ls in (("tiny", "-"), ("large", "--")):
+            rows = [r for r in rp["e2e"] if r["size"] == size]
+            for k, path in enumerate(("eager", "replay", "floor", "floor_graph")):
+                if rows and path in rows[0]:
+                    ax.plot([r["length"] for r in rows], [r[path]["e2e"]["p50"] for r in rows],
+                            marker="o", ls=ls, color=f"C{k}", label=f"{size} {path}")
+        ax.set(xscale="log", yscale="log", title=b, xlabel="graph length (launches)",
+               ylabel="µs per pass (p50)")
+        ax.legend(fontsize=7)
+    return written + [save_png(plt, fig, folder, "e2e.png")]

@@ -22,13 +22,20 @@ Per backend (default: every backend that answers here; cuda only with a GPU), th
    ``--quick``);
 5. ``decode`` (:mod:`runtime.bench.decode`): greedy decoding tokens/s, eager vs one replay per
    token vs one replay per sequence (``capture_while``, the loop on the device).
+6. ``soak`` (:mod:`runtime.bench.soak`), only when named (``--sections soak``): ten minutes
+   (``--quick``: a few seconds) of mixed work from 8 threads (per-request streams, threads
+   that start and end, graphs captured and released, injected kernel failures, handle and
+   graph drop bursts); RSS, the server's tables, the queue's maximum length and a 16-byte
+   read's p99 at the start and the end (``--budget-s 0`` for the full ten minutes).
 
 A run never loses what it measured: ``bench.json`` and ``bench.md`` are written after every
 section (plots at the end), each section's table is printed as it finishes, and a run cut by
 Ctrl-C or SIGTERM writes what it has (``"interrupted"`` in the JSON). ``--budget-s S`` bounds the
 run (default :data:`DEFAULT_BUDGET_S`, about 10 minutes for the full cpu,wgpu run on 2 cores):
 each section gets a share of the seconds left by its ``weight`` (:mod:`runtime.bench.budget`)
-and runs fewer repetitions once its share is spent, never fewer rows; ``result["timing"]`` and
+and runs fewer repetitions once its share is spent (MiniLM and replay's end-to-end rows,
+whose warm-ups alone take seconds a row on lavapipe, leave their remaining rows out once the
+whole share is spent, and say which); ``result["timing"]`` and
 the report's "Run time and budget" table say how long each section took and what a budget cut.
 
 Rows are medians with p10/p90 (p99 for latencies) over interleaved repetitions. ``--quick``
@@ -52,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import decode, device_thread, minilm, replay, report, stalls
+from . import decode, device_thread, minilm, replay, report, soak, stalls
 from .budget import Budget
 from .results import machine, write_json
 
@@ -84,9 +91,11 @@ class Section:
             other sections' (a number, or ``{backend: number}`` with ``"*"`` for the rest).
             ``measure`` gets its share as ``budget=`` (a :class:`runtime.bench.budget.Budget`)
             when it has that keyword: it should run fewer repetitions once the budget is spent,
-            never fewer rows, and record each cut (``budget.stop``/``budget.cut``). A section
+            and record each cut (``budget.stop``/``budget.cut``); a row left out says so. A section
             without the keyword runs in full; the report says so.
         takes: how long the section takes, for ``--help`` (e.g. ``"cpu ~40 s, wgpu ~60 s"``).
+        default: run when ``--sections`` does not name any (False: only when named, e.g. the
+            ten-minute ``soak``).
     """
 
     name: str
@@ -97,6 +106,7 @@ class Section:
     targets: Callable[[dict], list] | None = None
     weight: float | dict = 1.0
     takes: str = ""
+    default: bool = True
 
     def weight_on(self, backend: str) -> float:
         """This section's budget weight on ``backend``."""
@@ -113,17 +123,25 @@ class Section:
 
 #: the suite, in run and report order. Add a section here (see ``runtime.bench``'s docstring).
 SECTIONS: list[Section] = [
-    Section("device_thread", device_thread.measure, device_thread.units,
-            report.device_thread_section, report.plot_device_thread,
-            report.device_thread_targets, weight=1.0,
-            takes="~"),
-    Section("replay", replay.measure, replay.units, report.replay_section, report.plot_replay,
-            report.replay_targets, weight=1.5, takes="~"),
-    Section("minilm", minilm.measure, minilm.units, report.minilm_section, report.plot_minilm,
-            weight={"cpu": 1.0, "*": 3.0}, takes="~"),
+    Section("device_thread", device_thread.measure, device_thread.units, device_thread.markdown,
+            device_thread.plot, device_thread.targets, weight=1.0,
+            takes="cpu ~5 s, wgpu 30-45 s (40 rounds x 1-8 threads)"),
+    Section("replay", replay.measure, replay.units, replay.markdown, replay.plot,
+            replay.targets, weight=1.5,
+            takes="cpu 30-70 s, wgpu 1-5 min (lavapipe: the 1 Mi-float and L=10000 rows)"),
+    Section("minilm", minilm.measure, minilm.units, minilm.markdown, minilm.plot,
+            weight={"cpu": 1.0, "*": 3.0},
+            takes="cpu 40 s-4 min, wgpu 3-25 min unbudgeted (a 32x128 forward is ~12 s on "
+                  "lavapipe; warm-up and capture take ~4 a row); past its budget rows are "
+                  "left out and say so"),
     Section("stalls", stalls.measure, stalls.units, stalls.markdown, stalls.plot,
-            stalls.suite_targets, weight=1.0, takes="~"),
-    Section("decode", decode.measure, decode.units, decode.markdown, takes="~"),
+            stalls.suite_targets, weight=1.0,
+            takes="~40 s a backend within the budget (the growth phase is 60 s without)"),
+    Section("decode", decode.measure, decode.units, decode.markdown, weight=0.5,
+            takes="cpu 1-5 s, wgpu ~10 s"),
+    Section("soak", soak.measure, soak.units, soak.markdown, None, soak.suite_targets,
+            takes="only when named: 10 min per backend with --budget-s 0, else its share "
+                  "of the budget; --quick ~5 s", default=False),
 ]
 
 
@@ -175,7 +193,8 @@ def _backends(arg: str | None) -> tuple[list, dict]:
 
 
 def select(only: str | None = None, skip: str | None = None) -> list[Section]:
-    """The sections to run: ``only`` (comma list; default all) minus ``skip`` (comma list).
+    """The sections to run: ``only`` (comma list; default: every section with ``default``)
+    minus ``skip`` (comma list).
 
     Raises: ``ValueError`` for a name that is not a section of :data:`SECTIONS`.
     """
@@ -187,7 +206,7 @@ def select(only: str | None = None, skip: str | None = None) -> list[Section]:
         if bad:
             raise ValueError(f"unknown section(s) {bad}; the suite has {names}")
         return got
-    keep, drop = parse(only) or names, parse(skip)
+    keep, drop = parse(only) or [s.name for s in SECTIONS if s.default], parse(skip)
     return [s for s in SECTIONS if s.name in keep and s.name not in drop]
 
 
@@ -200,10 +219,15 @@ def _on_sigterm(signum, frame):
 
 
 def _help_epilog() -> str:
-    lines = [f"a full run ends in about {DEFAULT_BUDGET_S / 60 + 2:.0f} minutes on 2 cores with "
-             f"the default --budget-s {DEFAULT_BUDGET_S:g} (the sections' fixed costs, "
-             "compiles and captures, come on top); sections, in order, and how long each takes:"]
-    lines += [f"  {s.name:14s} {s.takes}" for s in SECTIONS]
+    import textwrap
+    head = (f"The sections share --budget-s (default {DEFAULT_BUDGET_S:g} s, aimed at a full "
+            "cpu,wgpu run of about 10 minutes on 2 quiet cores); their fixed costs (compiles, "
+            "captures, warm-ups) come on top and grow on a loaded machine. Sections, in order, "
+            "and how long each took here (2 cores, loaded):")
+    lines = textwrap.wrap(head, 78)
+    for s in SECTIONS:
+        lines += textwrap.wrap(s.takes, 78, initial_indent=f"  {s.name:14s} ",
+                               subsequent_indent=" " * 17)
     return "\n".join(lines)
 
 
@@ -245,9 +269,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")
     ap.add_argument("--budget-s", type=float, default=None, metavar="S",
                     help=f"seconds for the whole run, shared among the sections by weight; a "
-                         f"section past its share runs fewer repetitions (never fewer rows) and "
+                         f"section past its share runs fewer repetitions and "
                          f"the report says so (default: {DEFAULT_BUDGET_S:g}; --quick: none; "
                          f"0: none)")
+    ap.add_argument("--trace-slowest", action="store_true",
+                    help="trace the run (runtime.trace) and save each section's slowest sample "
+                         "as trace-<backend>-<section>.json next to bench.json (the numbers "
+                         "are then those of the traced runtime: look, do not compare)")
     ap.add_argument("--compare", metavar="REF",
                     help="only the core rows against another git commit or checkout, in "
                          "alternating processes (see runtime.bench.refcompare; its own options: "
@@ -281,6 +309,10 @@ def main(argv=None) -> int:
     interrupted = None
     on_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _on_sigterm) if on_main else None
+    if args.trace_slowest:
+        from .. import tracing
+        from .timing import SLOWEST
+        tracing.start()
 
     def save():
         result["wall_s"] = round(time.time() - t0, 1)
@@ -299,6 +331,8 @@ def main(argv=None) -> int:
                 bar.set_postfix_str(f"{b} {sec.name}")
                 kwargs = {"budget": budget} if sec.takes_budget() else {}
                 units_before = bar.n if hasattr(bar, "n") else 0
+                if args.trace_slowest:
+                    SLOWEST.reset()
                 try:
                     res[sec.name] = sec.measure(b, args.quick, bar.update, **kwargs)
                 except KeyboardInterrupt as e:              # Ctrl-C or SIGTERM
@@ -312,6 +346,12 @@ def main(argv=None) -> int:
                     "budget_s": None if budget.seconds is None else round(budget.seconds, 1),
                     "wall_s": round(spent, 1), "cuts": budget.cuts,
                     "budgeted": sec.takes_budget()}
+                if args.trace_slowest:
+                    written = SLOWEST.write(out_dir / f"trace-{b}-{sec.name}.json")
+                    if written is not None:
+                        result["timing"][b][sec.name]["trace"] = {
+                            "file": written.name, "sample": SLOWEST.what,
+                            "ms": round(SLOWEST.dur / 1e3, 3)}
                 if hasattr(bar, "n"):                    # a cut section ran fewer units
                     bar.update(max(0, units_before + sec.units(args.quick) - bar.n))
                 if interrupted:
@@ -327,6 +367,8 @@ def main(argv=None) -> int:
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, old_term)
+        if args.trace_slowest:
+            tracing.stop()
     result["wall_s"] = round(time.time() - t0, 1)
     runtime.shutdown()
 

@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from .. import tracing as _tracing
+
 #: the clock of every sample (seconds, monotonic, sub-microsecond resolution).
 clock = time.perf_counter
 
@@ -62,7 +64,13 @@ def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = N
         for name in names[k:] + names[:k]:
             if r % every.get(name, 1):
                 continue
-            v = paths[name]()
+            tracer = _tracing.active()
+            if tracer is None:
+                v = paths[name]()
+            else:                             # --trace-slowest: keep the slowest sample's events
+                t0 = tracer.now()
+                v = paths[name]()
+                SLOWEST.offer(tracer, t0, tracer.now(), f"{what or 'sample'}: {name}")
             if settle is not None:
                 settle()
             if isinstance(v, dict):
@@ -77,6 +85,45 @@ def interleaved(paths: dict[str, Callable], reps: int, tick: Callable | None = N
         if tick is not None:
             tick()
     return out
+
+
+class Slowest:
+    """The trace events of the slowest sample since :meth:`reset` (``bench --trace-slowest``).
+
+    While tracing is on (``runtime.tracing``), :func:`interleaved` offers every sample's time
+    window; a new slowest one has the ring's events inside its window copied out (the ring
+    moves on). :meth:`write` saves them as a trace file of their own.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the slowest sample (the suite calls it before each section)."""
+        self.dur, self.what, self.raw, self.names = 0.0, None, [], {}
+
+    def offer(self, tracer, t0: float, t1: float, what: str) -> None:
+        """A sample that ran from ``t0`` to ``t1`` (µs of ``tracer``'s clock)."""
+        if t1 - t0 <= self.dur:
+            return
+        self.dur, self.what = t1 - t0, what
+        self.raw = [e for e in list(tracer.ring) if t0 <= e[4] <= t1]
+        self.names = dict(tracer.names)
+
+    def write(self, path):
+        """Write the slowest sample's events as Chrome trace-event JSON; returns the path, or
+        None when no sample was offered."""
+        if self.what is None:
+            return None
+        t = _tracing.Tracer(max(1, len(self.raw)))
+        t.ring.extend(self.raw)
+        t.emitted = len(self.raw)
+        t.names = dict(self.names)
+        return t.write(path)
+
+
+#: the slowest traced sample of the section running now (``bench --trace-slowest``).
+SLOWEST = Slowest()
 
 
 def compare(paths: dict[str, Callable[[], object]], reps: int = 30, *, warmup: int = 1,

@@ -17,6 +17,7 @@ from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from .graph import Graph, _Owner
 from .handle import Handle
+from .pool import GraphPool
 from ..streams import Event, StreamId, current_key
 
 
@@ -241,8 +242,8 @@ class ComputeClient:
             raise mark.stale(hid, errors + error_list(comp.error))
         if errors:                          # queued errors: comp is a fence of the stream
             raise unhealthy(errors + error_list(comp.error))
-        raw = comp.result()
-        return raw.view(handle.dtype).reshape(handle.shape)
+        raw = comp.result().view(handle.dtype)
+        return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
 
     # -- kernels ------------------------------------------------------------------------------
     def launch(self, kernel: Kernel, count, handles, params=None) -> None:
@@ -372,7 +373,7 @@ class ComputeClient:
         srv.call(srv.h_wait_event, self._sid, token)
 
     # -- capture ------------------------------------------------------------------------------
-    def graph_prepare(self) -> None:
+    def graph_prepare(self, pool=None) -> None:
         """Open a capture on this stream: ``no capture -> prepared``.
 
         Then run the work once (the warm-up: executes normally, reads allowed), call
@@ -382,10 +383,29 @@ class ComputeClient:
         The warm-up is optional; this transition is required (CubeCL's state machine).
         For the whole recipe in one call see ``runtime.capture(fn)``.
 
-        Raises: ``GraphStateError`` (already prepared or recording; state unchanged).
+        Args:
+            pool: a ``runtime.GraphPool``: the window allocates from the buffers the pool's
+                graphs share first, and the graph's own window buffers join the pool
+                (docs/contract.md section 4c). All graphs of a pool capture on one stream.
+        Raises: ``GraphStateError`` (already prepared or recording; or ``pool``'s graphs live
+            on another stream; state unchanged); ``TypeError`` (``pool`` is not a GraphPool);
+            ``ValueError`` (``pool`` belongs to another server).
         """
         srv = self._server
-        srv.call(srv.h_graph_prepare, self._sid)
+        if pool is None:
+            srv.call(srv.h_graph_prepare, self._sid)
+            return
+        if not isinstance(pool, GraphPool):
+            raise TypeError(f"graph_prepare(pool=...) takes a runtime.GraphPool, got {pool!r}")
+        srv.call(srv.h_graph_prepare, self._sid, pool._bind(srv))
+
+    def graph_estimate(self) -> dict:
+        """What the capture window prepared on this stream will need, from its warm-up so far:
+        ``{"bytes": the most bytes the allocations made since graph_prepare() held at once,
+        "pool_free_bytes": what its GraphPool can serve of them (0 without a pool)}``. Call it
+        after the warm-up, before ``start_capture()``. Blocks (one round trip)."""
+        srv = self._server
+        return srv.call(srv.h_graph_estimate, self._sid)
 
     def start_capture(self) -> None:
         """Start recording this stream's launches: ``prepared -> capturing``.
@@ -499,8 +519,8 @@ class ComputeClient:
         Raises: ``TypeError``/``ValueError`` (bad arguments; wgpu capture without
             ``max_iterations``); ``LoopLimitExceeded`` eagerly when ``cond`` is still non-zero
             after ``max_iterations`` iterations; ``UnsupportedError`` at capture on a backend
-            without loop nodes. In a replay an exceeded limit (cpu) marks the graph's write set
-            with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
+            without loop nodes. In a replay an exceeded limit (cpu, wgpu) marks the graph's
+            write set with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
         See also: CUDA conditional WHILE nodes, Warp ``capture_while``.
         """
         hid = self._cond_handle(cond, "capture_while")

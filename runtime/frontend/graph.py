@@ -114,6 +114,20 @@ class Graph:
         srv = self._owner.server
         return srv.call(srv.h_graph_info, self.id)
 
+    def memory_usage(self) -> dict:
+        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share"}``: the bytes this graph
+        keeps alive (``nbytes`` = its window's buffers no pool shares + its share of its
+        ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id or None.
+        Blocks. Raises ``UnknownGraph``."""
+        srv = self._srv("memory_usage")
+        return srv.call(srv.h_graph_memory, self.id)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this graph keeps alive: its own window allocations and its share of a pool
+        (``memory_usage()["nbytes"]``). Blocks. Raises ``UnknownGraph``."""
+        return self.memory_usage()["nbytes"]
+
     # -- graphs that change (docs/contract.md section 4b) ----------------------------------------
     def _srv(self, what: str):
         if self._released:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..captured import capture
+from ..frontend.pool import GraphPool
 from ..streams import StreamId
 from ..tensor import Arena, Tensor, embedding
 from .buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_up
@@ -77,8 +78,9 @@ class _Layer:
 
 
 class _Bucket:
-    """A captured forward for one ``(batch, seq)``: pinned inputs, arena, the
-    ``runtime.CapturedGraph`` and its output."""
+    """A captured forward for one ``(batch, seq)``: pinned inputs, the
+    ``runtime.CapturedGraph`` and its output (in buffers of its own). Its temporaries live in
+    the model's arena, shared with the other buckets through the model's ``GraphPool``."""
 
     def __init__(self, model: "MiniLM", batch: int, seq: int):
         c = model.client
@@ -86,7 +88,6 @@ class _Bucket:
         self.ids = Tensor.empty(c, (batch, seq), "i32")
         self.types = Tensor.empty(c, (batch, seq), "i32")
         self.mask = Tensor.empty(c, (batch, seq), "f32")
-        self.arena = Arena(c)
         self.graph = None
         self.out = None
 
@@ -94,7 +95,6 @@ class _Bucket:
         if self.graph is not None:
             self.graph.release()
         self.out = self.graph = None
-        self.arena.release()
         for t in (self.ids, self.types, self.mask):
             t.handle.release()
 
@@ -129,6 +129,11 @@ class MiniLM:
         self.ln_b = up(weights["embeddings.LayerNorm.bias"])
         self.blocks = [_Layer(up, weights, i) for i in range(self.layers)]
         self._buckets: OrderedDict = OrderedDict()
+        # one pool per model (issue 26 item 2): every bucket graph captures on this model's
+        # stream, its temporaries in one best-fit arena and its window buffers in one
+        # GraphPool, so the set costs about what its largest bucket costs alone
+        self.arena = Arena(self.client, best_fit=True)
+        self.graph_pool = GraphPool()
         self._lock = threading.RLock()
         self.graph_captures = 0
 
@@ -317,10 +322,10 @@ class MiniLM:
         bk.mask.write(np.ones((batch, seq_len), np.float32))
 
         def forward():
-            with bk.arena:               # the warm-up fills the arena; the recorded run reuses it
+            with self.arena:             # the warm-up fills the arena; the recorded run reuses it
                 return self._encode(bk.ids, bk.types, bk.mask)
         try:
-            bk.graph = capture(forward, client=self.client)
+            bk.graph = capture(forward, client=self.client, pool=self.graph_pool)
         except BaseException:
             bk.release()
             raise
@@ -369,6 +374,16 @@ class MiniLM:
         with self._lock:
             while self._buckets:
                 self._buckets.popitem(last=False)[1].release()
+            self.arena.release()
+
+    def graph_memory(self) -> int:
+        """Bytes the captured buckets keep alive beyond the weights: the shared arena of
+        temporaries, the graph pool's shared buffers, and each bucket's inputs and output
+        (``/metrics`` ``runtime_serving_graph_bytes``). One round trip to the server."""
+        with self._lock:
+            own = sum(t.handle.nbytes for bk in self._buckets.values()
+                      for t in (bk.ids, bk.types, bk.mask, bk.out) if t is not None)
+            return self.arena.nbytes + self.graph_pool.nbytes + own
 
     @property
     def buckets(self) -> list:

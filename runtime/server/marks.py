@@ -27,9 +27,22 @@ readers check after their completion finished (ordered after the failing work by
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 
-from ..errors import LaunchError, ReplayFailed, ServerError, ServerUnhealthy, unhealthy
+from ..errors import LaunchError, ReplayFailed, ServerError, ServerUnhealthy, detach, unhealthy
+
+
+def _kept(error):
+    """The copy of ``error`` a mark keeps: the same class, message and attributes, without a
+    traceback or chained exceptions (``errors.detach``). A copy, because the original may be
+    raised later (to the caller, or by a replay handler) and raising attaches the raiser's
+    frames, which would keep the caller's handles and streams alive as long as the mark."""
+    try:
+        kept = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception class that cannot be rebuilt from its args
+        kept = error
+    return detach(kept)
 
 
 class Mark:
@@ -82,7 +95,7 @@ class Mark:
     @error.setter
     def error(self, value):
         Mark._count_failure()
-        self._error = value
+        self._error = _kept(value) if value is not None else None
 
     @staticmethod
     def _count_failure() -> None:
@@ -96,7 +109,7 @@ class Mark:
             error = type(error)(f"{error} (in a replay of graph {self.op[1]})")
         Mark._count_failure()
         if self._error is None:
-            self._error = error
+            self._error = _kept(error)      # kept while the mark lives: no caller's frames
         return error
 
     def resolve(self, done=None):

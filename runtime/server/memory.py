@@ -24,16 +24,18 @@ def size_class(nbytes: int) -> int:
 
 class PooledBuffer:
     """One pooled device buffer: ``buf`` (backend object), ``nbytes`` (its size class), the
-    ``fences`` it carries while free, ``pins`` (graphs retaining it) and ``orphan`` (its handle
-    was freed while pinned: it goes back to the pool when the last pin drops)."""
+    ``fences`` it carries while free, ``pins`` (graphs retaining it), ``orphan`` (its handle
+    was freed while pinned: it goes back to the pool when the last pin drops) and ``graph_pool``
+    (the :class:`GraphPool` whose graphs share it, or None)."""
 
-    __slots__ = ("buf", "nbytes", "fences", "pins", "orphan")
+    __slots__ = ("buf", "nbytes", "fences", "pins", "orphan", "graph_pool")
 
     def __init__(self, buf, nbytes: int):
         self.buf, self.nbytes = buf, nbytes
         self.fences: dict = {}
         self.pins = 0
         self.orphan = False
+        self.graph_pool = None
 
 
 class Pool:
@@ -96,3 +98,86 @@ class Pool:
                 break
         self.bytes_reserved -= freed
         return freed
+
+
+class GraphPool:
+    """The server side of a ``runtime.GraphPool``: window allocations shared by the graphs
+    captured into it (issue 26 item 2; PyTorch's ``graph_pool_handle``, vLLM's shared pool).
+
+    A graph keeps the buffers its capture window allocated (its temporaries) for as long as it
+    lives. Graphs of one pool replay in order on one stream (``stream``: the stream of the
+    first capture; a capture into the pool from another stream is refused), and a replay
+    rewrites its temporaries before it reads them, so the temporaries of one graph can serve
+    as the temporaries of the next: a buffer a graph of the pool retains whose handle was
+    freed (an orphan) waits in ``free`` and is handed to the next window of the pool that
+    allocates (best fit: the smallest free buffer at least as large), instead of a new one.
+    Buffers whose handles are alive (a graph's outputs, its inputs) are never shared.
+
+    Attributes:
+        id: the pool id (``runtime.GraphPool.id``).
+        stream: the stream id its graphs capture and replay on (None until the first capture).
+        graphs: ids of its live graphs.
+        slots: ``{id(slot): slot}``: buffers the pool's graphs share (retained by one of them).
+        free: orphans of those, ready for the next window (``{size class: [slot]}``).
+        bytes: bytes of ``slots``; ``high_water``: the most ``bytes`` ever reached.
+    """
+
+    __slots__ = ("id", "stream", "graphs", "slots", "free", "bytes", "high_water", "shared")
+
+    def __init__(self, pid: int):
+        self.id, self.stream = pid, None
+        self.graphs: set = set()
+        self.slots: dict = {}
+        self.free: dict = {}
+        self.bytes = self.high_water = 0
+        self.shared = 0                 # bytes handed out again from ``free`` (reuse so far)
+
+    def adopt(self, slot: PooledBuffer) -> None:
+        """Make ``slot`` (retained by a graph of this pool) one of its shared buffers."""
+        if slot.graph_pool is None:
+            slot.graph_pool = self
+            self.slots[id(slot)] = slot
+            self.bytes += slot.nbytes
+            self.high_water = max(self.high_water, self.bytes)
+        if slot.orphan:
+            self.give(slot)
+
+    def give(self, slot: PooledBuffer) -> None:
+        """``slot``'s handle was freed while graphs of the pool retain it: free for reuse."""
+        lst = self.free.setdefault(slot.nbytes, [])
+        if not any(x is slot for x in lst):
+            lst.append(slot)
+
+    def take(self, nbytes: int):
+        """The smallest free buffer of at least ``size_class(nbytes)`` bytes (no longer an
+        orphan: a handle holds it now), or None."""
+        cls = size_class(nbytes)
+        fits = [c for c in self.free if c >= cls and self.free[c]]
+        if not fits:
+            return None
+        c = min(fits)
+        slot = self.free[c].pop()
+        if not self.free[c]:
+            del self.free[c]
+        slot.orphan = False
+        self.shared += slot.nbytes
+        return slot
+
+    def drop(self, slot: PooledBuffer) -> None:
+        """No graph of the pool retains ``slot`` any more: it leaves the pool."""
+        if self.slots.pop(id(slot), None) is not None:
+            self.bytes -= slot.nbytes
+        lst = self.free.get(slot.nbytes)
+        if lst:
+            lst[:] = [x for x in lst if x is not slot]
+            if not lst:
+                del self.free[slot.nbytes]
+        slot.graph_pool = None
+
+    def usage(self) -> dict:
+        """``{"id", "stream", "graphs", "bytes", "free_bytes", "high_water", "shared_bytes"}``
+        (bytes; ``shared_bytes``: allocations served from the pool instead of new buffers)."""
+        return {"id": self.id, "stream": None if self.stream is None else int(self.stream),
+                "graphs": len(self.graphs), "bytes": self.bytes,
+                "free_bytes": sum(sl.nbytes for lst in self.free.values() for sl in lst),
+                "high_water": self.high_water, "shared_bytes": self.shared}

@@ -21,41 +21,24 @@ import itertools
 
 from ..backends.base import Completion
 from ..streams import watch_thread_ends
-from ..errors import (InvalidHandle, LaunchError, LivenessError, OutOfMemory, ServerError,
-                      UnknownGraph, UnsupportedError)
+from ..errors import (MAX_QUEUED_ERRORS, GraphStateError, InvalidHandle, LaunchError,
+                      LivenessError, OutOfMemory, ServerError, UnknownGraph, UnsupportedError,
+                      fold_errors)
 from . import capture as cap
 from . import graphs
 from .capture import merge
 from .marks import CLEAN, Mark, Marks
-from .memory import Pool
+from .memory import GraphPool, Pool
 from .queue import DeviceQueue
 
 _graph_ids = itertools.count(1)
-
-
-class _Folded(ServerError):
-    """Errors past ``ComputeServer.MAX_ASYNC_ERRORS`` waiting for a blocking call, folded into
-    one: their count and the latest message (so the list stays bounded, nothing is silent)."""
-
-    def __init__(self, first):
-        super().__init__()
-        self.count, self.last = 0, None
-        self.add(first)
-
-    def add(self, err) -> None:
-        self.count += 1
-        self.last = err
-        self.args = (f"{self.count} errors of reclaimed streams or fire-and-forget messages "
-                     f"(the latest: {type(err).__name__}: {err})",)
-
-    def __reduce__(self):
-        return (ServerError, self.args)       # a plain ServerError with the same message
 
 
 class StreamState:
     """Server-side state of one logical stream."""
 
     __slots__ = ("id", "raw", "pos", "synced", "event", "event_pos", "errors", "state",
+                 "pool", "warm", "warm_bytes", "warm_peak",
                  "window", "primed", "fences", "done_pos", "graphs")
 
     def __init__(self, sid, raw):
@@ -69,6 +52,9 @@ class StreamState:
         self.state = cap.NO_CAPTURE
         self.window: cap.Window | None = None
         self.primed: list = []        # slots freed during warm-up, held until start_capture
+        self.pool = None              # the GraphPool (memory.py) of the capture being prepared
+        self.warm: set = set()        # handles allocated on it since graph_prepare, still live
+        self.warm_bytes = self.warm_peak = 0   # their bytes, and the most at once (estimate)
         self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
@@ -118,6 +104,9 @@ class ComputeServer:
         self._reaped = 0               # streams reclaimed since the last _sweep
         self.handles: dict = {}
         self.graphs: dict = {}
+        self.graph_pools: dict = {}     # pool id -> memory.GraphPool
+        self.graph_pool_of: dict = {}   # graph id -> its GraphPool (graphs captured into one)
+        self.released_pools: set = set()
         self.marks = marks = Marks(backend, self.streams, self.handles, self.graphs)
         self.capture = cap.Capture(backend, marks, self._release_slot, self._event_at)
         self.programs: dict = {}
@@ -214,22 +203,18 @@ class ComputeServer:
         for s in self.streams.values():
             prune(s.synced)
 
-    #: unattributed errors kept for the next blocking call; past it the rest are summarised.
-    MAX_ASYNC_ERRORS = 64
+    #: compiled programs kept (``programs``, by ``Kernel``); past it the oldest is dropped.
+    MAX_PROGRAMS = 1024
+
+    #: unattributed errors kept for the next blocking call; past it the rest are folded.
+    MAX_ASYNC_ERRORS = MAX_QUEUED_ERRORS
 
     def _bound_async_errors(self) -> None:
         """Keep the errors waiting for the next blocking call of any stream
         (``Marks.async_errors``: of reclaimed streams, of fire-and-forget messages) bounded:
-        past ``MAX_ASYNC_ERRORS`` the rest are folded into one ``ServerError`` that counts
-        them and keeps the latest message (nothing is dropped silently)."""
-        a = self.marks.async_errors
-        n = self.MAX_ASYNC_ERRORS
-        if len(a) > n:
-            folded = a[n - 1] if isinstance(a[n - 1], _Folded) else _Folded(a[n - 1])
-            for e in a[n:]:
-                folded.add(e)
-            del a[n - 1:]
-            a.append(folded)
+        past ``MAX_ASYNC_ERRORS`` the rest are folded into one ``FoldedErrors`` that counts
+        them and keeps the latest (nothing is dropped silently)."""
+        fold_errors(self.marks.async_errors, self.MAX_ASYNC_ERRORS)
 
     def _on_async_error(self, exc) -> None:
         # a fire-and-forget message raised past its own error handling: the next blocking call
@@ -281,6 +266,8 @@ class ComputeServer:
                 s.errors.append(LaunchError(f"kernel {kernel.name} failed to compile on "
                                             f"{self.backend.name}: {e}"))
                 return None
+            if len(self.programs) >= self.MAX_PROGRAMS:  # kernels made per request: bounded
+                del self.programs[next(iter(self.programs))]   # (the oldest; recompiled if used)
             self.programs[kernel] = prog
         return prog
 
@@ -301,6 +288,8 @@ class ComputeServer:
             slot.orphan = True
             merge(fences, slot.fences)
             slot.fences = fences
+            if slot.graph_pool is not None:     # the next window of its graph pool may take it
+                slot.graph_pool.give(slot)
         else:
             self.pool.give(slot, fences)
             if self.pool.idle_bytes > self.pool.max_idle:
@@ -324,19 +313,29 @@ class ComputeServer:
     def h_alloc(self, sid, hid: int, nbytes: int, data) -> None:
         """``create`` / ``empty``: reserve a pooled buffer for ``hid``; write ``data`` if given.
         On ``OutOfMemory`` the idle pool is given back to the device and the allocation retried
-        once before the error is queued on the stream."""
+        once before the error is queued on the stream. A stream prepared or capturing with a
+        graph pool takes a buffer its graphs share first (``memory.GraphPool.take``)."""
         s = self._stream(sid)
-        try:
+        gp = s.pool if s.state != cap.NO_CAPTURE else None
+        slot = gp.take(nbytes) if gp is not None else None
+        fresh = False
+        if slot is None:
             try:
-                slot, fresh = self.pool.take(nbytes)
-            except OutOfMemory:
-                if not self._trim(0):
-                    raise
-                slot, fresh = self.pool.take(nbytes)
-        except ServerError as e:
-            s.errors.append(e)
-            return
+                try:
+                    slot, fresh = self.pool.take(nbytes)
+                except OutOfMemory:
+                    if not self._trim(0):
+                        raise
+                    slot, fresh = self.pool.take(nbytes)
+            except ServerError as e:
+                s.errors.append(e)
+                return
         st = self.handles[hid] = HandleState(hid, slot, nbytes, sid)
+        if s.state == cap.PREPARE:              # the estimate of what the window will need
+            s.warm.add(hid)
+            s.warm_bytes += slot.nbytes
+            if s.warm_bytes > s.warm_peak:
+                s.warm_peak = s.warm_bytes
         self.capture.on_alloc(s, st, fresh)
         if data is not None:
             self.h_write(sid, hid, data)
@@ -346,6 +345,10 @@ class ComputeServer:
         st = self.handles.pop(hid, None)
         if st is None:
             return
+        ws = self.streams.get(st.stream)
+        if ws is not None and hid in ws.warm:
+            ws.warm.discard(hid)
+            ws.warm_bytes -= st.slot.nbytes
         if not self.capture.on_free(self.streams.get(sid), st):
             self._release_slot(st)
 
@@ -494,6 +497,7 @@ class ComputeServer:
     def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
         """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
         would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
+        fold_errors(s.errors)             # a stream that never blocks: bounded
         if s.window is None:
             self.marks.fail(outs, ("launch", kernel.name, s.id), err)
         else:
@@ -561,10 +565,42 @@ class ComputeServer:
             self.checker.on_event_wait(s, src_id, pos)
 
     # -- capture --------------------------------------------------------------------------------
-    def h_graph_prepare(self, sid) -> None:
-        """``NO_CAPTURE -> PREPARE`` and arm warm-up priming (see ``capture.py``)."""
+    def h_graph_prepare(self, sid, pool_id=None) -> None:
+        """``NO_CAPTURE -> PREPARE`` and arm warm-up priming (see ``capture.py``); with
+        ``pool_id`` the window allocates from that graph pool first (``memory.GraphPool``).
+
+        Raises: ``GraphStateError`` (already prepared or capturing; or the pool's graphs live
+        on another stream: graphs of one pool replay in order on one stream). Nothing changes.
+        """
         self.queue.run_releases()     # frees dropped before it are not primed
-        self.capture.prepare(self._stream(sid))
+        s = self._stream(sid)
+        gp = None
+        if pool_id is not None:
+            gp = self.graph_pools.get(pool_id)
+            if gp is not None and gp.stream is not None and gp.stream != sid and (
+                    gp.graphs or any(st.pool is gp for st in self.streams.values()
+                                     if st.state != cap.NO_CAPTURE)):
+                raise GraphStateError(
+                    f"graph_prepare(pool={pool_id}) on stream {int(sid)}: the graphs of that pool "
+                    f"capture and replay on stream {int(gp.stream)} (they share buffers, so they "
+                    "must run in order on one stream); capture on that stream or use another "
+                    "pool")
+        self.capture.prepare(s)
+        if pool_id is not None:
+            if gp is None:
+                gp = self.graph_pools[pool_id] = GraphPool(pool_id)
+            gp.stream = sid
+        s.pool = gp
+        s.warm, s.warm_bytes, s.warm_peak = set(), 0, 0
+
+    def h_graph_estimate(self, sid) -> dict:
+        """``ComputeClient.graph_estimate``: what the window of ``sid`` will need, from its
+        warm-up so far: ``{"bytes": the most bytes its allocations held at once since
+        graph_prepare, "pool_free_bytes": what its graph pool can serve (0 without one)}``."""
+        s = self._stream(sid)
+        gp = s.pool
+        return {"bytes": s.warm_peak,
+                "pool_free_bytes": 0 if gp is None else gp.usage()["free_bytes"]}
 
     def h_warmup_fence(self, sid) -> Completion:
         """First half of ``start_capture``: hand the warm-up to the device and return a
@@ -615,6 +651,13 @@ class ComputeServer:
         g = self.capture.end(s, next(_graph_ids), retain)
         self.graphs[g.id] = g
         s.graphs += 1                 # the stream is not reclaimed while a graph replays there
+        gp, s.pool = s.pool, None
+        s.warm, s.warm_bytes = set(), 0
+        if gp is not None:                      # its window's buffers join the graph pool
+            gp.graphs.add(g.id)
+            self.graph_pool_of[g.id] = gp
+            for slot in g.alloc_slots:
+                gp.adopt(slot)
         if self.checker is not None:
             self.checker.on_graph(g)
         return g.id, bool(self.backend.hardware_graphs)
@@ -654,9 +697,12 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            if g.sstates:
-                self.marks.inherit(mark, [(st.id, st.mark) for st in g.sstates
-                                          if st.mark is not CLEAN])
+            if g.sstates:                   # marks known final and clean are skipped here
+                reads = [(st.id, m) for st in g.sstates if (m := st.mark) is not CLEAN and (
+                    m._error is not None or m.parents or m.stream is None
+                    or m.pos > m.stream.done_pos)]
+                if reads:
+                    self.marks.inherit(mark, reads)
             self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
@@ -686,12 +732,20 @@ class ComputeServer:
             if st.graphs.pop(g, 0) is None:
                 merge(st.replayed, {g.stream: g.last_pos})
         fence = {g.stream: s.pos}
+        gp = self.graph_pool_of.pop(gid, None)
+        if gp is not None:
+            gp.graphs.discard(gid)
         for slot in g.retained:
             slot.pins -= 1
+            if slot.pins == 0 and slot.graph_pool is not None:
+                slot.graph_pool.drop(slot)      # no graph of its pool retains it any more
             if slot.orphan and slot.pins == 0:
                 f = dict(slot.fences)
                 merge(f, fence)
                 self.pool.give(slot, f)
+        if gp is not None and not gp.graphs and gp.id in self.released_pools:
+            self.released_pools.discard(gp.id)
+            self.graph_pools.pop(gp.id, None)
         if self.pool.idle_bytes > self.pool.max_idle:
             self._trim(self.pool.max_idle)
         if self.checker is not None:
@@ -754,9 +808,44 @@ class ComputeServer:
         self.queue.run_releases()
         if self.ended:
             self._reap_streams()
+        self.marks.collect()              # errors waiting for a blocking call: bounded
+        self._bound_async_errors()
+        graph_bytes = sum(sl.nbytes for sl in {id(sl): sl for g in self.graphs.values()
+                                                for sl in g.alloc_slots}.values())
         return {"bytes_reserved": self.pool.bytes_reserved, "bytes_in_use": self.pool.bytes_in_use,
                 "bytes_idle": self.pool.idle_bytes, "handles": len(self.handles),
-                "graphs": len(self.graphs), "streams": len(self.streams)}
+                "graphs": len(self.graphs), "streams": len(self.streams),
+                "graph_bytes": graph_bytes,
+                "graph_pools": {pid: gp.usage() for pid, gp in self.graph_pools.items()}}
+
+    def h_graph_memory(self, gid: int) -> dict:
+        """``Graph.memory_usage()``: ``{"nbytes": what graph gid keeps alive, "own_bytes": its
+        window's buffers no graph pool shares, "pool": the pool id or None, "pool_bytes": the
+        pool's shared bytes, "pool_share": pool_bytes / its graphs}`` (bytes; ``nbytes`` =
+        ``own_bytes + pool_share``). Raises ``UnknownGraph``."""
+        g = self._graph(gid, "memory_usage")
+        gp = self.graph_pool_of.get(gid)
+        own = sum(sl.nbytes for sl in {id(sl): sl for sl in g.alloc_slots}.values()
+                  if sl.graph_pool is None)
+        share = gp.bytes // max(1, len(gp.graphs)) if gp is not None else 0
+        return {"nbytes": own + share, "own_bytes": own, "pool": None if gp is None else gp.id,
+                "pool_bytes": 0 if gp is None else gp.bytes, "pool_share": share}
+
+    def h_graph_pool_usage(self, pool_id: int) -> dict:
+        """``GraphPool.memory_usage()`` (``memory.GraphPool.usage``); an unused pool: zeros."""
+        gp = self.graph_pools.get(pool_id)
+        return (gp or GraphPool(pool_id)).usage()
+
+    def h_graph_pool_release(self, pool_id: int) -> None:
+        """The last reference to a ``runtime.GraphPool`` was dropped: forget it once its graphs
+        are gone (the table stays bounded by live pools)."""
+        gp = self.graph_pools.get(pool_id)
+        if gp is None:
+            return
+        if gp.graphs:
+            self.released_pools.add(pool_id)
+        else:
+            del self.graph_pools[pool_id]
 
     def h_graph_info(self, gid: int) -> dict:
         g = self.graphs.get(gid)

@@ -188,6 +188,9 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     model = batcher.model
     m.watch("graphs", "Bucket graphs currently held.",
             lambda: len(list(getattr(model, "buckets", ()))))
+    if hasattr(model, "graph_memory"):      # issue 26 item 3 (runtime.models.minilm)
+        m.watch("graph_bytes", "Bytes the bucket graphs keep alive beyond the weights "
+                "(shared temporaries, inputs, outputs).", model.graph_memory)
     app = FastAPI(title="runtime embeddings", version="0.1.0")
     app.state.batcher, app.state.metrics, app.state.tracing = batcher, m, tracer
     hidden = int(batcher.hidden)

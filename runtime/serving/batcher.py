@@ -402,7 +402,9 @@ class Batcher:
 
         Args:
             buckets: ``(batch, seq_len)`` pairs; default every pair of the bucket lists, as many
-                as ``model.max_graphs`` allows (small ones first).
+                as ``model.max_graphs`` allows (the smallest ones), captured largest first (the
+                model's graph pool then serves the others from its buffers); a given list runs
+                in its order.
             progress: show a ``tqdm`` progress bar on stderr (if tqdm is installed).
         Returns: the buckets run, in order.
         Raises: ``ValueError`` (more buckets than ``model.max_graphs`` on the graph path, or a
@@ -414,6 +416,8 @@ class Batcher:
                              key=lambda p: (p[0] * p[1], p))
             if limit is not None:
                 buckets = buckets[:limit]
+            if self.graph:              # largest first: the model's graph pool then serves
+                buckets.sort(key=lambda p: (-p[0] * p[1], p))  # the others (issue 26)
         buckets = [(int(b), int(s)) for b, s in buckets]
         for b, s in buckets:
             if b not in self.batch_buckets or s not in self.seq_buckets:

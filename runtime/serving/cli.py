@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export OpenTelemetry spans per request to this OTLP/HTTP traces URL, "
                    "e.g. http://127.0.0.1:4318/v1/traces (default: no tracing)")
     p.add_argument("--model-dir", default=None, help="model directory (default: the wheel's)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="trace the server (runtime.trace): Chrome trace-event JSON of the last "
+                        "events (RUNTIME_TRACE_EVENTS, default 200000) written to FILE on exit; "
+                        "open it in ui.perfetto.dev")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level (uvicorn's; with --ray, the replicas' Serve logs)")
@@ -137,6 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             flags.MODEL_TOKENS:
         p.error(f"argument --max-batch-tokens: {args.max_batch_tokens} cannot hold "
                 f"{smallest} text(s) of {flags.MODEL_TOKENS} tokens (the smallest batch bucket)")
+    if args.ray and args.trace:
+        p.error("argument --trace: not with --ray (trace one replica: RUNTIME_TRACE=FILE in "
+                "its environment)")
     if not args.ray:
         given = [k for k in RAY_ONLY if getattr(args, k) != p.get_default(k)]
         if given:
@@ -241,6 +248,16 @@ def main(argv=None) -> int:
     settings = settings_from_args(args)
     if args.ray:                         # Ray Serve: the same settings, per replica
         return main_ray(args, settings)
+    if args.trace:
+        from ..tracing import trace
+        with trace(args.trace, int(os.environ.get("RUNTIME_TRACE_EVENTS", 200_000))):
+            status = _serve(settings)
+        print(f"trace written to {args.trace}", file=sys.stderr)
+        return status
+    return _serve(settings)
+
+
+def _serve(settings) -> int:
     from .http import serve
     from .replica import Replica
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CaptureRefused, GraphStateError, LaunchError, ReplayFailed, ServerError
+from ..errors import (CaptureRefused, GraphStateError, LaunchError, LoopLimitExceeded,
+                      ReplayFailed, ServerError)
 from ..kernel import DTYPES, normalize_count
 from ..server import capture as cap
 from . import program as P
@@ -84,7 +85,7 @@ class Model:
 
     def skip(self, op):
         """Why ``op`` cannot be issued (it names a graph or event that was never made), or None."""
-        if isinstance(op, (P.Replay, P.Release, P.Clone)) and op.graph not in self.graphs:
+        if isinstance(op, (P.Replay, P.Release, P.Clone, P.Update)) and op.graph not in self.graphs:
             return f"g{op.graph} was not made"
         if isinstance(op, P.WaitEvent) and op.event not in self.events:
             return f"e{op.event} was not recorded"
@@ -312,14 +313,38 @@ class Model:
                                       + "; ".join(w.refused))
         if self.hardware and w.allocs and isinstance(error, CaptureRefused):
             return None                  # a cold pool: the driver graph refuses the allocation
-        writes, sources = set(), set()   # sources: read before the graph writes them
-        for launch in w.launches:
-            spec = self.p.kernels[launch.kernel]
-            binds = list(zip(launch.bufs, spec.kernel.bindings))
-            sources.update(b for b, bind in binds if bind.access != "write" and b not in writes)
-            writes.update(b for b, bind in binds if bind.access != "read")
-        self.graphs[op.graph] = (s, tuple(w.launches), writes, sources)
+        self.graphs[op.graph] = (s,) + self._sets(tuple(w.launches))
         return self._expect_ok(error, "stop_capture")
+
+    def _sets(self, items) -> tuple:
+        """``(items, write set, sources)`` of a recording: sources are read before the graph
+        writes them (``runtime.server.capture.sources``); a condition reads; a write inside a
+        conditional node may not run, so it does not hide a later read."""
+        writes, sources, written = set(), set(), set()
+
+        def walk(items, top):
+            for it in items:
+                if isinstance(it, P.CaptureIf):
+                    if it.cond not in written:
+                        sources.add(it.cond)
+                    walk(it.then, False)
+                    walk(it.other, False)
+                elif isinstance(it, P.CaptureWhile):
+                    walk(it.init, top)
+                    if it.counter not in written:
+                        sources.add(it.counter)
+                    walk(it.body, False)
+                else:
+                    spec = self.p.kernels[it.kernel]
+                    binds = list(zip(it.bufs, spec.kernel.bindings))
+                    sources.update(b for b, bind in binds
+                                   if bind.access != "write" and b not in written)
+                    out = {b for b, bind in binds if bind.access != "read"}
+                    writes.update(out)
+                    if top:
+                        written.update(out)
+        walk(items, True)
+        return items, writes, sources
 
     def _replay(self, op, value, error):
         s, launches, writes, sources = self.graphs[op.graph]
@@ -332,17 +357,26 @@ class Model:
                 self.bufs[b].value, self.bufs[b].failed = None, True
             self._error(s, "unknown")      # its launches ran on stale data: they may fail
             return self._expect_ok(error, f"replay of g{op.graph}")
-        status = "ok"
-        for launch in launches:
-            status = self._apply(launch, propagate=False)
-            if status != "ok":
-                break
+        status = self._run_items(launches)
         if status != "ok":
             for b in writes:
                 self.bufs[b].value = None
                 self.bufs[b].failed = status == "failed"
         self._error(s, status)
         return self._expect_ok(error, f"replay of g{op.graph}")
+
+    def _thread(self, op, value, error):
+        """A thread's writes and launches on its own stream (never capturing), in order; its
+        stream's errors (none: the builder gives it non-failing launches) go with it."""
+        for sub in op.ops:
+            if isinstance(sub, P.Write):
+                b = self.bufs[sub.buf]
+                b.value, b.failed = np.array(sub.values, DTYPES[sub.dtype]), False
+            else:
+                status = self._apply(sub)
+                if status not in ("ok", "failed", "unknown"):
+                    raise _Misdeclared(status)
+        return self._expect_ok(error, f"thread {op.thread}")
 
     def _release(self, op, value, error):
         del self.graphs[op.graph]
@@ -351,3 +385,134 @@ class Model:
     def _clone(self, op, value, error):
         self.graphs[op.clone] = self.graphs[op.graph]
         return self._expect_ok(error, f"clone of g{op.graph}")
+
+    # -- graphs that change (issue 27) --------------------------------------------------------
+    def _run_items(self, items) -> str:
+        """A replay's launches in order, conditional nodes evaluated on the model's values:
+        ``"ok"``, or the first other status (the rest does not run)."""
+        for item in items:
+            if isinstance(item, P.CaptureIf):
+                cond = self.bufs[item.cond].value
+                if cond is None:
+                    return "unknown"
+                status = self._run_items(item.then if cond[0] != 0 else item.other)
+            elif isinstance(item, P.CaptureWhile):
+                status = self._run_items(item.init)
+                done = 0
+                while status == "ok":
+                    cnt = self.bufs[item.counter].value
+                    if cnt is None or done > item.max_iterations:
+                        return "unknown"
+                    if cnt[0] == 0:
+                        break
+                    status = self._run_items(item.body)
+                    done += 1
+            else:
+                status = self._apply(item, propagate=False)
+            if status != "ok":
+                return status
+        return "ok"
+
+    def _unknown(self, s: int, launches) -> None:
+        """``launches`` may or may not have run: what they write is unknown."""
+        for launch in launches:
+            spec = self.p.kernels[launch.kernel]
+            for b, bind in zip(launch.bufs, spec.kernel.bindings):
+                if bind.access != "read":
+                    self.bufs[b].value, self.bufs[b].failed = None, False
+        if launches:
+            self._error(s, "unknown")
+
+    def _createflag(self, op, value, error):
+        self.live.add(op.buf)
+        self.bufs[op.buf] = _Buf(np.array([op.value], np.int32), np.dtype(np.int32))
+        return self._expect_ok(error, "create")
+
+    def _cond_read(self, s: int, buf: int, error, what: str):
+        """The host read of a condition by an eager ``capture_if``/``capture_while``:
+        ``(value or None, done, mismatch)``; ``done``: the call raised here (or may have: an
+        unknown condition), so nothing after it is checked."""
+        drained, bad = self._drain(s, error, what)
+        if bad is not None:
+            return None, True, bad
+        if drained and error is not None:
+            return None, True, None
+        b = self.bufs[buf]
+        if b.failed:
+            return None, True, self._expect_raise(error, ReplayFailed, what + " (its condition's "
+                                                  "last writer failed)")
+        if b.value is None:
+            return None, True, None
+        return int(b.value[0]), False, None
+
+    def _record_node(self, op, s) -> None:
+        w = self.windows[s]
+        w.launches.append(op)
+        for launch in op.launches():
+            w.uses.update(launch.bufs)
+        w.uses.add(op.cond if isinstance(op, P.CaptureIf) else op.counter)
+
+    def _captureif(self, op, value, error):
+        s = self.stream(op)
+        what = f"capture_if on c{op.client}"
+        if s in self.windows:
+            self._record_node(op, s)
+            return self._expect_ok(error, what)
+        cond, done, bad = self._cond_read(s, op.cond, error, what)
+        if done:
+            if bad is None and cond is None and error is None:
+                self._unknown(s, op.launches())
+            return bad
+        for launch in (op.then if cond != 0 else op.other):
+            self._error(s, self._apply(launch))
+        return self._expect_ok(error, what)
+
+    def _capturewhile(self, op, value, error):
+        s = self.stream(op)
+        what = f"capture_while on c{op.client}"
+        if s in self.windows:
+            self._record_node(op, s)
+            return self._expect_ok(error, what)
+        self._error(s, self._apply(op.init[0]))
+        for k in range(op.max_iterations + 1):
+            certain = self.pending[s] == CERTAIN
+            cnt, done, bad = self._cond_read(s, op.counter, error, what)
+            if done:
+                if bad is None and not (certain and error is not None):
+                    # unknown condition, or an error that may have been raised by a later
+                    # read: later iterations may have run
+                    self._unknown(s, op.launches())
+                return bad
+            if cnt == 0:
+                break
+            if k == op.max_iterations:
+                return self._expect_raise(error, LoopLimitExceeded, what)
+            for launch in op.body:
+                self._error(s, self._apply(launch))
+        return self._expect_ok(error, what)
+
+    def _update(self, op, value, error):
+        s, items, writes, sources = self.graphs[op.graph]
+        what = f"update of g{op.graph}"
+        if s in self.windows:
+            return self._expect_raise(error, CaptureRefused, what + " (its stream is capturing)")
+        used = {b for la in P.flat_launches(items) for b in la.bufs} | sources
+        if op.old not in used:
+            return self._expect_raise(error, ValueError, what + f" (b{op.old} is not used)")
+
+        def rb(b):
+            return op.new if b == op.old else b
+
+        def rename(item):
+            if isinstance(item, P.Launch):
+                return item._replace(bufs=tuple(rb(b) for b in item.bufs))
+            if isinstance(item, P.CaptureIf):
+                return item._replace(cond=rb(item.cond), then=tuple(map(rename, item.then)),
+                                     other=tuple(map(rename, item.other)))
+            return item._replace(counter=rb(item.counter), init=tuple(map(rename, item.init)),
+                                 body=tuple(map(rename, item.body)))
+        new = (s,) + self._sets(tuple(rename(i) for i in items))
+        for g, info in list(self.graphs.items()):   # clones share the backend graph
+            if info[1] is items:
+                self.graphs[g] = new
+        return self._expect_ok(error, what)

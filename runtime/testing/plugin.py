@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import shlex
 import warnings
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,6 +43,18 @@ from ..frontend.client import client as make_client
 from ..streams import StreamId
 from ..server import backend_unavailable
 from . import search
+
+#: the cpu scheduler each ``runtime_client`` fixture made (the failure report reads its trace).
+_schedulers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _scheduler_of(client):
+    """The scheduler the fixture made for ``client``, or None (another backend, no client)."""
+    try:
+        return _schedulers.get(client)
+    except TypeError:                           # None: the test takes no runtime_client
+        return None
+
 
 #: seeds per test when neither ``--runtime-seeds`` nor the marker says.
 DEFAULT_SEEDS = 10
@@ -206,8 +219,9 @@ def runtime_client(runtime_variant):
     if v.backend == "cpu":
         sched = v.scheduler()
         c = make_client("cpu", scheduler=sched, check=v.check)
+        _schedulers[c] = sched                    # for the failure report
         if isinstance(sched, search.Recording):
-            sched.attach_server(c._server)
+            sched.attach_server(c._server)        # the kit's own wiring: the recorder reads the server
     else:
         c = make_client(v.backend, check=v.check)
     c.set_stream(StreamId.new())
@@ -248,9 +262,8 @@ def describe_failure(item, v: Variant, error=None) -> str:
     if isinstance(error, search.ScheduleFailure):
         trace = error.trace
     else:
-        client = item.funcargs.get("runtime_client")
-        sched = getattr(getattr(client, "_server", None), "backend", None)
-        trace = getattr(getattr(sched, "scheduler", None), "trace", None)
+        sched = _scheduler_of(item.funcargs.get("runtime_client"))
+        trace = getattr(sched, "trace", None)
     if trace is not None:
         path = _trace_path(config, item, v)
         path.write_text(trace + "\n")
@@ -298,9 +311,7 @@ def pytest_pyfunc_call(pyfuncitem):
     try:
         pyfuncitem.obj(**funcargs)
     except Exception as e:
-        client = funcargs.get("runtime_client")
-        sched = getattr(getattr(getattr(client, "_server", None), "backend", None),
-                        "scheduler", None)
+        sched = _scheduler_of(funcargs.get("runtime_client"))
         if not isinstance(sched, search.Recording) or isinstance(
                 e, (StreamRaceError, LivenessError)):
             raise                 # the checker's error names the unordered accesses itself

@@ -8,6 +8,8 @@ numbered in the order the program makes them. Buffers are 1-D with ``program.siz
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,12 +17,31 @@ import numpy as np
 
 from ..kernel import DTYPES, Kernel, normalize_count
 from .. import kernels as library
+from ..kernels.shader import program as _shader_program
 
 
 #: ``y[i] = x[i]`` over ``n`` 4-byte elements of any dtype, bitwise (the library's
 #: ``copy_words``): fills a buffer allocated inside a capture window, so the graph writes it
 #: before anything reads it.
 copy32 = library.copy_words
+
+
+def _set_counter(c, *, value, count):
+    c[0] = value
+
+
+def _count_down(c, *, count):
+    c[0] -= 1
+
+
+#: ``c[0] = value`` on a 1-element i32 loop counter (``CaptureWhile`` starts its loop with it).
+set_counter = _shader_program("set_counter", [("c", "i32", "read_write")],
+                                     [("value", "i32")], (1, 1, 1), "c[0] = p.value;",
+                                     cpu=_set_counter)
+#: ``c[0] -= 1`` on a 1-element i32 loop counter (the first launch of a ``CaptureWhile`` body).
+count_down = _shader_program("count_down", [("c", "i32", "read_write")], [], (1, 1, 1),
+                                    "c[0] = c[0] - 1;", cpu=_count_down)
+_BUILTINS = {"copy32": copy32, "set_counter": set_counter, "count_down": count_down}
 
 
 class KernelSpec(NamedTuple):
@@ -59,8 +80,9 @@ class KernelSpec(NamedTuple):
 
 
 def _kernel_expr(kernel: Kernel) -> str:
-    if kernel is copy32:
-        return "copy32"
+    for name, k in _BUILTINS.items():
+        if kernel is k:
+            return name
     if getattr(library, kernel.name, None) is kernel:
         return f"K.{kernel.name}"
     return kernel.name
@@ -191,6 +213,143 @@ Clone = _simple_op("Clone", "client graph clone", "g{clone} = g{graph}.clone()",
                    "destroyed when its last clone is released).")
 
 
+class Thread(NamedTuple):
+    """A thread that issues ``ops`` (``Write`` / ``Launch``; their ``client`` is ignored) on its
+    own default stream and ends, issued from ``client``'s thread, which joins it. ``sync``: the
+    thread syncs its stream before it ends, and the caller then waits (bounded) until the
+    server reclaimed that stream; else its work may still be pending when it ends (reclaimed
+    later, or not, as the schedule goes). Issue 23 item 4: a reclaimed stream's work counts as
+    synchronized for the checker."""
+    client: int
+    thread: int
+    ops: tuple
+    sync: bool
+
+    def _run(self, c, objs):
+        failed = []
+
+        def body():
+            t = c.with_stream(None)               # this thread's own stream
+            try:
+                for op in self.ops:
+                    op._run(t, objs)
+                if self.sync:
+                    t.sync()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                failed.append(e)
+        before = c.memory_usage()["streams"]
+        th = threading.Thread(target=body, name=f"runtime-testing-t{self.thread}")
+        th.start()
+        th.join()
+        if failed:
+            raise failed[0]
+        if self.sync:                             # idle: reclaimed at the server's next look
+            deadline = time.monotonic() + 5.0
+            while c.memory_usage()["streams"] > before and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    def _code(self, kernels):
+        body = [(op._code(kernels) if isinstance(op, Launch) else op._code())
+                .replace(f"c{op.client}.", "t.", 1) for op in self.ops]
+        lines = [f"def thread{self.thread}():  # a thread on its own stream that ends",
+                 "    t = c.with_stream(None)"] + [f"    {ln}" for ln in body]
+        if self.sync:
+            lines.append("    t.sync()")
+        lines.append(f"th = threading.Thread(target=thread{self.thread}); th.start(); th.join()")
+        if self.sync:
+            lines.append("c.memory_usage()  # its stream is reclaimed")
+        return "\n".join(lines)
+
+    def launches(self) -> tuple:
+        """Its ``Launch`` ops."""
+        return tuple(op for op in self.ops if isinstance(op, Launch))
+
+
+class CreateFlag(NamedTuple):
+    """``b = c.create(np.array([value], np.int32))``: a 1-element condition or loop counter."""
+    client: int
+    buf: int
+    value: int
+
+    def _run(self, c, objs):
+        objs.bufs[self.buf] = c.create(np.array([self.value], np.int32))
+
+    def _code(self):
+        return f"b{self.buf} = c{self.client}.create(np.array([{self.value}], np.int32))"
+
+
+def _body(c, objs, launches):
+    for op in launches:
+        op._run(c, objs)
+
+
+def _lambda(launches, kernels) -> str:
+    if not launches:
+        return "lambda: None"
+    return "lambda: (" + ", ".join(op._code(kernels) for op in launches) + ",)"
+
+
+class CaptureIf(NamedTuple):
+    """``c.capture_if(b, lambda: (launches...), lambda: (launches...))``: ``cond`` is a flag
+    (``CreateFlag``); ``then``/``other`` are ``Launch`` ops of the same client."""
+    client: int
+    cond: int
+    then: tuple
+    other: tuple
+
+    def _run(self, c, objs):
+        c.capture_if(objs.bufs[self.cond], lambda: _body(c, objs, self.then),
+                     (lambda: _body(c, objs, self.other)) if self.other else None)
+
+    def _code(self, kernels):
+        other = f", {_lambda(self.other, kernels)}" if self.other else ""
+        return f"c{self.client}.capture_if(b{self.cond}, {_lambda(self.then, kernels)}{other})"
+
+    def launches(self) -> tuple:
+        """Every ``Launch`` of both branches (then, else)."""
+        return self.then + self.other
+
+
+class CaptureWhile(NamedTuple):
+    """``c.launch(set_counter, ...); c.capture_while(b, lambda: (count_down, launches...),
+    max_iterations=m)``: ``init`` sets the counter to at most ``max_iterations``, the body's
+    first launch counts it down, so the loop runs ``init``'s value times."""
+    client: int
+    counter: int
+    init: tuple
+    body: tuple
+    max_iterations: int
+
+    def _run(self, c, objs):
+        self.init[0]._run(c, objs)
+        c.capture_while(objs.bufs[self.counter], lambda: _body(c, objs, self.body),
+                        max_iterations=self.max_iterations)
+
+    def _code(self, kernels):
+        return (f"{self.init[0]._code(kernels)}; c{self.client}.capture_while(b{self.counter}, "
+                f"{_lambda(self.body, kernels)}, max_iterations={self.max_iterations})")
+
+    def launches(self) -> tuple:
+        """Every ``Launch`` of the op: the counter's ``set_counter``, then the body."""
+        return self.init + self.body
+
+
+def flat_launches(items) -> list:
+    """The ``Launch`` ops of ``items``, conditional ops expanded (their bodies, once)."""
+    out = []
+    for op in items:
+        out.extend(op.launches() if isinstance(op, (CaptureIf, CaptureWhile, Thread)) else [op])
+    return out
+
+
+Update = _simple_op("Update", "client graph old new",
+                    "g{graph}.update(rebind={{b{old}: b{new}}})",
+                    lambda op, c, objs: objs.graphs[op.graph].update(
+                        rebind={objs.bufs[op.old]: objs.bufs[op.new]}),
+                    "``g.update(rebind={old: new})``: the graph uses ``new`` instead of ``old`` "
+                    "for the replays enqueued after it.")
+
+
 @dataclass(frozen=True, repr=False)
 class Program:
     """A generated program: ``ops`` then ``final`` (a sync of every stream and a read of every
@@ -221,7 +380,9 @@ class Program:
 
     def line(self, op) -> str:
         """One op as a line of Python."""
-        return op._code(self.kernels) if isinstance(op, Launch) else op._code()
+        return op._code(self.kernels) if isinstance(op, (Launch, CaptureIf, CaptureWhile,
+                                                         Thread)) \
+            else op._code()
 
     def to_python(self, backend="cpu", seed=0, check=False, notes=None) -> str:
         """The program as Python calls on a fresh server.
@@ -236,11 +397,17 @@ class Program:
         notes = notes or {}
         kernels = [s.kernel for s in self.kernels]
         lines = ["import numpy as np", "import runtime"]
+        if any(isinstance(op, Thread) for op in self.ops):
+            lines.insert(0, "import threading")
         if any(getattr(library, k.name, None) is k for k in kernels):
             lines.append("from runtime import kernels as K")
-        if any(isinstance(op, Launch) and kernels[op.kernel] is copy32 for op in self.ops):
-            lines.append("from runtime.testing import copy32")
-        own = sorted({k.name for k in kernels if _kernel_expr(k) == k.name and k is not copy32})
+        used = {_kernel_expr(kernels[op.kernel]) for op in flat_launches(self.ops)
+                if isinstance(op, Launch)}
+        builtins = [name for name in _BUILTINS if name in used]
+        if builtins:
+            lines.append(f"from runtime.testing import {', '.join(builtins)}")
+        own = sorted({k.name for k in kernels if _kernel_expr(k) == k.name
+                      and k not in _BUILTINS.values()})
         if own:
             lines.append(f"# your kernels, in scope as: {', '.join(own)}")
         opts = [repr(backend)]
@@ -269,4 +436,5 @@ class Program:
 #: every op type, by name
 OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, Sync, RecordEvent,
                                      WaitEvent, Prepare, StartCapture, StopCapture, Replay,
-                                     Release, Clone)}
+                                     Release, Clone, CreateFlag, CaptureIf, CaptureWhile,
+                                     Update, Thread)}

@@ -27,10 +27,11 @@ from ..kernel import DTYPES
 from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
-          "end", "scratch", "replay", "release", "refuse", "clone", "handover")
+          "end", "scratch", "replay", "release", "refuse", "clone", "handover", "cond",
+          "update", "thread")
 #: how many times a kind is listed among the choices: graphs are worth replaying often; racy
 #: programs (contract=False) write, free and replay more, so more races reach the device
-_WEIGHT = {"capture": 2, "end": 5, "replay": 4}
+_WEIGHT = {"capture": 2, "end": 5, "replay": 4, "update": 3}
 _WEIGHT_RACY = {"capture": 2, "end": 5, "replay": 5, "write": 3, "launch": 2, "free": 2}
 
 
@@ -69,12 +70,13 @@ class Builder:
         self.windows: dict = {}          # stream -> _Window
         self.graphs: dict = {}           # graph -> _Graph (made, not released)
         self.events: dict = {}           # event -> clock snapshot at its record
-        self.nbuf = self.ngraph = self.nevent = 0
+        self.nbuf = self.ngraph = self.nevent = self.nthread = 0
         self.pos = [0] * self.S          # positions: calls executed on each stream
         self.clock = [{} for _ in range(self.S)]
         self.host: dict = {}             # what host syncs established
         self.acc: dict = {}              # buf -> [(stream, pos, writes, by replay, clock)]
         self.recent: list = []           # the buffers written last (reads favour them)
+        self.flags: dict = {}            # (stream, "if" | "loop") -> 1-element i32 buffer
 
     # -- drawing helpers --------------------------------------------------------------------
     def pick(self, seq):
@@ -117,8 +119,9 @@ class Builder:
         """Order ``streams`` before stream ``s``'s next call (a sync or an event wait, drawn;
         ``sync_only``: a host sync, for a call whose stream may or may not be capturing)."""
         for t in sorted(streams):
-            if t in self.windows:
-                return False             # a recording stream takes no sync and records no event
+            if t in self.windows or t >= self.S:
+                return False             # a recording stream takes no sync and records no
+                                         # event; an ended thread's stream has no client
         for t in sorted(streams):
             if sync_only or self.flag():
                 self._sync(t)
@@ -205,7 +208,10 @@ class Builder:
               "end": self.windows, "scratch": self.windows and live,
               "replay": self.graphs, "release": self.graphs, "clone": self.graphs,
               "handover": self.cfg["capture"] and live and len(idle) > 1,
-              "refuse": self.windows and self.cfg["refusals"]}
+              "refuse": self.windows and self.cfg["refusals"],
+              "cond": self.cfg["capture"] and live,
+              "update": self.cfg["capture"] and self.graphs and live,
+              "thread": live}
         return {k for k in _KINDS if ok[k]}
 
     def create(self, k=None, dtype=None) -> int:
@@ -313,6 +319,10 @@ class Builder:
         launches = [self._launch_op(k, self.pick(range(self.cfg["user_kernels"])))
                     for _ in range(self.draw(st.integers(1, 3)))]
         launches = [op for op in launches if op is not None]
+        if launches and self.flag():     # stateful: the graph feeds an output back to an input
+            back = self._feed_back(k, launches)
+            if back is not None:
+                launches.append(back)
         self.ops.append(P.Prepare(k))
         if self.flag():
             for op in launches:
@@ -321,6 +331,73 @@ class Builder:
         self.windows[self.stream(k)] = _Window(k)
         for op in launches:
             self._issue(op)
+
+    def _feed_back(self, k, launches):
+        """``copy32(out -> state)``: a buffer the launches write copied back into one they read
+        before writing it (a decode step feeding its own state, an accumulator): the graph
+        then reads and writes its state, and a failure marks it for every later replay until
+        the state is written from the host (docs/contract.md section 4). None if none fits."""
+        written, sources = set(), []
+        for op in launches:
+            binds = list(zip(op.bufs, self.cfg["kernels"][op.kernel].kernel.bindings))
+            sources += [b for b, bind in binds if bind.access != "write" and b not in written]
+            written.update(b for b, bind in binds if bind.access != "read")
+        pairs = [(o, i) for o in sorted(written) for i in sorted(set(sources))
+                 if o != i and self.live[o] == self.live[i]]
+        if not pairs:
+            return None
+        out, state = self.pick(pairs)
+        return P.Launch(k, self.cfg["copy32"], (out, state), (("n", self.cfg["size"]),))
+
+    def thread(self):
+        """A thread that writes and copies on its own stream and ends (with a sync, then its
+        stream is reclaimed, or with work pending); the program's streams use those buffers
+        afterwards (issue 23 item 4). It touches no buffer an open window or a live graph uses
+        and orders the replays that used its buffers before it with host syncs."""
+        from hypothesis import strategies as st
+        busy = set()
+        for w in self.windows.values():
+            busy |= set(w.uses)
+        for info in self.graphs.values():
+            busy |= set(info.uses)
+        free = [b for b in sorted(self.live) if b not in busy]
+        if not free:
+            return
+        k = self.pick(range(self.cfg["clients"]))
+        t = self.S + self.nthread         # a stream id no client has
+        subs, uses = [], {}
+        for _ in range(self.draw(st.integers(1, 2))):
+            b = self.pick(free)
+            srcs = [s for s in free if s != b and self.live[s] == self.live[b]]
+            if srcs and self.flag():
+                src = self.pick(srcs)
+                subs.append(P.Launch(k, self.cfg["copy32"], (src, b), (("n", self.cfg["size"]),)))
+                uses[src] = uses.get(src, False)
+            else:
+                subs.append(P.Write(k, b, self.live[b], self.values(self.live[b])))
+            uses[b] = True
+        vc = dict(self.host)              # the thread starts after what the host knows
+        need = set()
+        for b, w in uses.items():
+            need |= {s for s, p, pw, rep, _ in self.acc.get(b, ())
+                     if (pw or w) and rep and vc.get(s, 0) < p}
+        if need and not self._order(0, need, sync_only=True):
+            return
+        vc = dict(self.host)
+        for b, w in uses.items():         # the waits the server inserts before its calls
+            for s, p, pw, _, snap in self.acc.get(b, ()):
+                if (pw or w) and snap is not None:
+                    self._join(vc, snap)
+                    self._join(vc, {s: p})
+        sync = self.flag()
+        self.nthread += 1
+        self.ops.append(P.Thread(k, self.nthread - 1, tuple(subs), sync))
+        for b, w in uses.items():
+            self.acc.setdefault(b, []).append((t, len(subs), w, False, dict(vc)))
+        if sync:
+            self._join(self.host, vc)
+            self._join(self.host, {t: len(subs)})
+        self._wrote(uses)
 
     def end(self):
         s = self.pick(sorted(self.windows))
@@ -363,6 +440,7 @@ class Builder:
                 self.windows[info.stream].refused = True   # invalidates the window
             return
         from hypothesis import strategies as st
+        self._set_flags(info.stream)
         for _ in range(self.draw(st.integers(1, 2))):
             if self._access(info.stream, info.uses, True):
                 self.ops.append(P.Replay(info.stream, g))
@@ -444,10 +522,98 @@ class Builder:
                 self.ops.append(P.Write(w.client, b, self.live[b], self.values(self.live[b])))
                 w.refused = True
 
+    # -- graphs that change (issue 27) ------------------------------------------------------
+    def _flag(self, k, role: str):
+        """The 1-element i32 condition (``role="if"``) or loop counter (``"loop"``) of client
+        ``k``'s stream, made now when the stream is idle; None when there is none. A flag is
+        only ever used on its own stream (no cross-stream ordering to keep)."""
+        s = self.stream(k)
+        b = self.flags.get((s, role))
+        if b is None and s not in self.windows:
+            b = self.nbuf
+            self.nbuf += 1
+            self.ops.append(P.CreateFlag(k, b, self.pick([0, 1]) if role == "if" else 0))
+            self._access(s, {b: True}, False)
+            self.flags[(s, role)] = b
+        return b
+
+    def _set_flags(self, s) -> None:
+        """Maybe write new values to stream ``s``'s ``if`` condition (not while it records)."""
+        b = self.flags.get((s, "if"))
+        if b is not None and s not in self.windows and self.flag():
+            if self._access(s, {b: True}, False):
+                self.ops.append(P.Write(s, b, "i32", (self.pick([0, 1, 2]),)))
+
+    def _body(self, k, most: int) -> tuple:
+        from hypothesis import strategies as st
+        ops = [self._launch_op(k, self.pick(range(self.cfg["user_kernels"])))
+               for _ in range(self.draw(st.integers(0, most)))]
+        return tuple(op for op in ops if op is not None)
+
+    def cond(self):
+        """``capture_if`` over a flag, or ``capture_while`` over a counter the op sets to at
+        most ``max_iterations`` (so the loop always ends), with 0-2 of your launches per body:
+        eager on an idle stream, recorded as a conditional node inside a window."""
+        k = self.pick(range(self.cfg["clients"]))
+        s = self.stream(k)
+        loop = self.flag()
+        b = self._flag(k, "loop" if loop else "if")
+        if b is None:
+            return
+        if not loop:
+            self._set_flags(s)
+            op = P.CaptureIf(k, b, self._body(k, 2), self._body(k, 1))
+            uses = {b: False}
+        else:
+            m = self.pick([1, 2, 3])
+            init = P.Launch(k, self.cfg["set_counter"], (b,), (("value", self.pick(range(m + 1))),))
+            body = (P.Launch(k, self.cfg["count_down"], (b,), ()),) + self._body(k, 2)
+            op = P.CaptureWhile(k, b, (init,), body, m)
+            uses = {b: True}
+        for launch in op.launches():
+            spec = self.cfg["kernels"][launch.kernel]
+            for buf, bind in zip(launch.bufs, spec.kernel.bindings):
+                uses[buf] = uses.get(buf, False) or bind.access != "read"
+        w = self.windows.get(s)
+        if w is not None:
+            if not self._maybe(s, uses, False):
+                return
+            for buf, wr in uses.items():
+                w.uses[buf] = w.uses.get(buf, False) or wr
+        elif not self._access(s, uses, False):
+            return
+        self.ops.append(op)
+
+    def update(self):
+        """``g.update(rebind={old: new})`` of a made graph whose stream is not recording:
+        ``old`` one of its buffers, ``new`` a live buffer of the same dtype it does not use."""
+        g = self.pick(sorted(self.graphs))
+        info = self.graphs[g]
+        if info.stream in self.windows or info.required is None:
+            return
+        flags = set(self.flags.values())
+        olds = [b for b in sorted(info.uses) if b in self.live and b not in flags]
+        if not olds:
+            return
+        old = self.pick(olds)
+        news = [b for b, d in sorted(self.live.items())
+                if d == self.live[old] and b not in info.uses]
+        if news:
+            new = self.pick(news)
+        elif len(self.live) < self.cfg["buffers"] and self.idle_clients():
+            new = self.create(dtype=self.live[old])
+        else:
+            return
+        self.ops.append(P.Update(info.stream, g, old, new))
+        info.uses[new] = info.uses.pop(old)        # shared by its clones, like the graph
+        info.required.discard(old)
+        info.required.add(new)
+
     def program(self) -> P.Program:
         for s in sorted(self.windows):
             self._end(s)
-        final = [P.Sync(s) for s in range(self.S)] + [P.Read(0, b) for b in sorted(self.live)]
+        final = [P.Sync(s) for s in range(self.S)] + [P.Read(0, b) for b in sorted(
+            list(self.live) + list(self.flags.values()))]
         return P.Program(tuple(self.ops), tuple(final), self.cfg["kernels"], self.cfg["size"],
                          self.S, self.cfg["clients"], self.cfg["contract"])
 
@@ -468,7 +634,10 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             ``k % streams`` (default: one per stream).
         capture: include capture windows (``graph_prepare``, warm-up, ``start_capture``,
             recorded launches, window allocations, ``stop_capture``), replays, clones and
-            releases.
+            releases; ``capture_if``/``capture_while`` (eager, and recorded as conditional
+            nodes inside a window) over per-stream 1-element i32 flags and loop counters
+            (``CreateFlag``; the builtins ``set_counter``/``count_down`` bound each loop by its
+            ``max_iterations``); ``Graph.update(rebind=...)`` of a made graph.
         size: elements per buffer.
         steps: the most calls drawn (ordering calls the builder inserts come on top).
         values: ``{dtype: strategy of one element}``; default small integers (exact in f32).
@@ -538,7 +707,9 @@ def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: b
     ints = st.integers(-8, 8)
     vals = {"f32": ints.map(float), "i32": ints, "u32": st.integers(0, 16)}
     vals.update(values or {})
-    return {"kernels": tuple(specs + [P.KernelSpec(P.copy32)]), "user_kernels": len(specs),
-           "copy32": len(specs), "buffers": buffers, "streams": min(streams, clients),
-           "clients": clients, "capture": capture, "size": size, "values": vals,
-           "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}
+    return {"kernels": tuple(specs + [P.KernelSpec(P.copy32), P.KernelSpec(P.set_counter),
+                                      P.KernelSpec(P.count_down)]),
+            "user_kernels": len(specs), "copy32": len(specs), "set_counter": len(specs) + 1,
+            "count_down": len(specs) + 2, "buffers": buffers, "streams": min(streams, clients),
+            "clients": clients, "capture": capture, "size": size, "values": vals,
+            "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}

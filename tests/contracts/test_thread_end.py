@@ -72,7 +72,7 @@ def test_a_write_by_an_ended_threads_reclaimed_stream_counts_as_synchronized(che
     np.testing.assert_array_equal(c.read(x), np.full(N, 3.0, np.float32))   # no race
     c.write(x2, np.zeros(N, np.float32))                                     # no race
     np.testing.assert_array_equal(c.read(x2), np.zeros(N, np.float32))
-    assert not c._server.checker.violations
+    assert c.checker_violations() == []
 
 
 def test_buffers_freed_by_an_ended_thread_are_reused_without_a_false_race(checked):
@@ -91,7 +91,7 @@ def test_buffers_freed_by_an_ended_thread_are_reused_without_a_false_race(checke
         c.launch(K.add_scalar, K.grid(N), [y, y2 := c.empty(N, np.float32)], {"alpha": 0.0, "n": N})
         np.testing.assert_array_equal(c.read(y2), np.full(N, 7.0, np.float32))
     np.testing.assert_array_equal(c.read(x), np.full(N, 3.0, np.float32))
-    assert not c._server.checker.violations
+    assert c.checker_violations() == []
 
 
 def test_the_errors_an_ended_threads_stream_left_are_raised_not_dropped(checked):

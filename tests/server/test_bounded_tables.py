@@ -8,7 +8,8 @@
    another client's blocking call waits for at most one batch of them, and destroying N graphs
    that share buffers is linear in N.
 
-Counts and bounds are asserted, never times; waits are bounded (``_until``).
+Counts and bounds are asserted, never times; waits are bounded (``_until``). The private
+reaches (``c._server``: stream table, queue, backend) are the server's tables under test.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def test_per_request_streams_are_reclaimed_once_their_stream_id_is_dropped(own):
 
 def test_static_graphs_made_and_released_leave_no_streams(backend):
     c = runtime.client(backend)
+    gc.collect()                 # graphs earlier tests dropped: destroyed before the count
     c.sync()
     use = c.memory_usage()
 
@@ -335,10 +337,98 @@ def test_errors_of_many_dropped_failing_streams_stay_bounded_and_are_all_reporte
         del r, small
     gc.collect()
     _until(lambda: _streams(c) <= 1, "the failed requests' streams to be reclaimed")
+    _until(lambda: srv.backend.load()[0] == 0, "the backend to run what was submitted")
+    c.memory_usage()                                 # (errors found since are folded here)
     waiting = srv.call(lambda: len(srv.marks.async_errors) + len(srv.backend.failures))
     assert waiting <= srv.MAX_ASYNC_ERRORS
     with pytest.raises(LaunchError) as ei:
         c.sync()
     text = str(ei.value)
-    assert "past_end" in text and "errors of reclaimed streams" in text
+    assert "past_end" in text and "more queued errors" in text
     c.sync()
+
+
+def test_a_failed_kernel_keeps_no_caller_alive_through_its_error(backend):
+    """A failure mark keeps its error; the error must not keep the frames of the call that ran
+    the kernel (the cpu scheduler runs kernels on the waiting caller's thread), or the caller's
+    handles and streams would live as long as the mark."""
+    import weakref
+    from helpers import PAST_END
+    from runtime.errors import ServerError
+    if backend == "cuda":
+        pytest.skip("an out-of-bounds store is undefined behaviour on cuda, not an error")
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    c.sync()
+    before = c.memory_usage()
+    alive = []
+
+    def failing_request():
+        r = c.with_stream(runtime.StreamId.new())
+        small = r.empty(4, np.float32)
+        alive.append(weakref.ref(small))
+        r.launch(PAST_END, 1, [small])
+        with pytest.raises(ServerError, match="past_end"):
+            r.sync()
+    for _ in range(20):
+        failing_request()
+    np.testing.assert_array_equal(c.read(c.create(ONES)), ONES)   # (wgpu: its queue thread
+    gc.collect()                                 # lets go of the last fence it ran)
+    assert not [w for w in alive if w() is not None]
+    _until(lambda: _streams(c) <= before["streams"], "the failed requests' streams to go")
+    assert c.memory_usage()["handles"] == before["handles"]
+
+
+def test_a_stream_that_never_blocks_keeps_a_bounded_error_queue():
+    """Failing fire-and-forget work on a stream nobody syncs: its queued errors (server and cpu
+    stream) stay bounded by folding, and the next blocking call still reports them all."""
+    from helpers import PAST_END
+    from runtime.errors import MAX_QUEUED_ERRORS, ServerError
+    from contracts.test_launch_failures import ONLY_CUDA
+    c = runtime.client("cpu")
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    small = c.empty(4, np.float32)
+    c.sync()
+    for _ in range(150):
+        c.launch(PAST_END, 1, [small])               # fails at execution (cpu stream errors)
+        c.launch(ONLY_CUDA, 1, [small])              # refused at enqueue (server stream errors)
+    sid = int(c.stream)
+    _until(lambda: srv.backend.load()[0] == 0, "the launches to run")
+    sizes = srv.call(lambda: (len(srv.streams[sid].errors), len(srv.streams[sid].raw.errors)))
+    assert max(sizes) <= MAX_QUEUED_ERRORS, sizes
+    with pytest.raises(ServerError) as ei:
+        c.sync()
+    text = str(ei.value)
+    assert "past_end" in text and "only_cuda" in text and "more queued errors" in text
+    c.sync()
+
+
+def test_kernels_made_per_request_keep_a_bounded_program_table():
+    from runtime.kernel import Kernel
+
+    def plus_one(y, *, count):
+        y += 1
+    c = runtime.client("cpu")
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    y = c.create(np.zeros(4, np.float32))
+    n = srv.MAX_PROGRAMS + 100
+    for k in range(n):                               # a fresh Kernel object per "request"
+        c.launch(Kernel(f"plus_one_{k}", [("y", "f32", "read_write")], cpu=plus_one), 1, [y])
+    np.testing.assert_array_equal(c.read(y), np.full(4, n, np.float32))
+    assert srv.call(lambda: len(srv.programs)) <= srv.MAX_PROGRAMS
+
+
+def test_batches_cut_short_are_forgotten_once_they_ran(backend):
+    """A burst past ``RELEASE_BATCH`` runs in several messages; the queue remembers the batch
+    only while part of it waits (found by the soak: every burst left one behind)."""
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    for _ in range(5):
+        hs = [c.empty(16) for _ in range(3 * RELEASE_BATCH)]
+        c.sync()
+        del hs
+    _until(lambda: srv.call(lambda: srv.queue.pending_releases) == 0, "the releases to run")
+    assert srv.call(lambda: len(srv.queue._carry)) == 0

@@ -2,7 +2,8 @@
 work is known to have run through any fence: a read or sync on its own stream, or on another
 stream that waited for it (the server's automatic event waits, the user's ``wait_event``), a
 host read on a third stream included. The marks alive are bounded by the work not yet known
-to have completed, not by the work done. Counts are asserted, never times."""
+to have completed, not by the work done. Counts are asserted, never times. The private reaches
+(``c._server``) are the server's marks under test."""
 
 from __future__ import annotations
 

@@ -1,0 +1,176 @@
+"""Graph pools (docs/contract.md section 4c; issue 26 items 2 and 3): graphs captured into one
+``runtime.GraphPool`` share their window allocations, replay in order on one stream, keep
+giving the numpy reference's results, and report their memory.
+
+Each graph computes ``out = (x + a) * b`` through a temporary allocated and dropped inside
+its window (the shape that a pool shares); sizes differ per graph.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+
+
+def _graph(c, x, out, n, a, b, pool=None):
+    """Capture ``out = (x + a) * b`` over ``n`` floats with a window temporary."""
+    def body():
+        t = c.empty(n, np.float32)
+        c.launch(K.add_scalar, K.grid(n), [x, t], {"alpha": a, "n": n})
+        c.launch(K.mul_scalar, K.grid(n), [t, out], {"alpha": b, "n": n})
+        del t
+    c.graph_prepare(pool=pool)
+    body()
+    c.start_capture()
+    body()
+    return c.stop_capture()
+
+
+def _setup(c, sizes):
+    xs = {n: c.create(np.arange(n, dtype=np.float32)) for n in sizes}
+    outs = {n: c.empty(n, np.float32) for n in sizes}
+    return xs, outs
+
+
+SIZES = (4096, 1024, 256, 2048)
+
+
+def _private():
+    return runtime.client("cpu", max_idle_bytes=(1 << 30) + 26)   # a server of its own
+
+
+def test_pool_graphs_share_temporaries_and_give_equal_results():
+    c = _private()
+    c = c.with_stream(runtime.StreamId.new())
+    xs, outs = _setup(c, SIZES)
+    pool = runtime.GraphPool()
+    graphs = {}
+    for k, n in enumerate(sorted(SIZES, reverse=True)):        # the largest first
+        graphs[n] = _graph(c, xs[n], outs[n], n, float(k + 1), 2.0, pool)
+    gc.collect()
+    c.sync()
+    usage = pool.memory_usage()
+    assert usage["graphs"] == len(SIZES)
+    # one temporary of the largest size class serves every window
+    assert usage["bytes"] == 4096 * 4 and usage["high_water"] == 4096 * 4
+    assert usage["shared_bytes"] > 0
+    for rnd in range(3):
+        for n in (256, 4096, 1024, 2048, 256):                  # any order, one stream
+            graphs[n].replay()
+            k = sorted(SIZES, reverse=True).index(n)
+            np.testing.assert_array_equal(c.read(outs[n]), (np.arange(n, dtype=np.float32)
+                                                            + (k + 1)) * 2)
+    # per graph: its share of the pool
+    shares = [graphs[n].memory_usage() for n in SIZES]
+    assert all(m["pool"] == pool.id and m["own_bytes"] == 0 for m in shares)
+    assert sum(m["nbytes"] for m in shares) <= usage["bytes"]
+    assert graphs[256].nbytes == shares[SIZES.index(256)]["nbytes"]
+
+
+def test_without_a_pool_each_graph_keeps_its_own_temporaries():
+    c = _private().with_stream(runtime.StreamId.new())
+    xs, outs = _setup(c, SIZES)
+    graphs = [_graph(c, xs[n], outs[n], n, 1.0, 2.0) for n in SIZES]
+    gc.collect()
+    mem = [g.memory_usage() for g in graphs]
+    assert [m["own_bytes"] for m in mem] == [n * 4 for n in SIZES]
+    assert all(m["pool"] is None for m in mem)
+    assert c.memory_usage()["graph_bytes"] == sum(n * 4 for n in SIZES)
+
+
+def _two_streams_one_pool():
+    """Clients on two streams of a private server, and a pool with one graph on the first."""
+    c = _private()
+    a = c.with_stream(runtime.StreamId.new())
+    b = c.with_stream(runtime.StreamId.new())
+    xs, outs = _setup(a, (256,))
+    pool = runtime.GraphPool()
+    return a, b, xs, outs, pool, _graph(a, xs[256], outs[256], 256, 1.0, 1.0, pool)
+
+
+def test_a_pool_is_refused_on_a_second_stream_and_nothing_changes():
+    a, b, xs, outs, pool, g = _two_streams_one_pool()
+    with pytest.raises(runtime.GraphStateError, match="pool"):
+        b.graph_prepare(pool=pool)
+    b.graph_prepare()                            # the refusal left the stream as it was
+    b.abort_capture()
+    assert pool.memory_usage()["stream"] == int(a.stream)
+    g.replay()
+    np.testing.assert_array_equal(a.read(outs[256]), np.arange(256, dtype=np.float32) + 1)
+    with pytest.raises(TypeError):
+        a.graph_prepare(pool="not a pool")
+
+
+def test_a_pool_of_released_graphs_may_move_to_another_stream():
+    a, b, xs, outs, pool, g = _two_streams_one_pool()
+    g.release()
+    a.sync()
+    assert pool.memory_usage()["graphs"] == 0 and pool.memory_usage()["bytes"] == 0
+    g2 = _graph(b, xs[256], outs[256], 256, 3.0, 1.0, pool)
+    g2.replay()
+    np.testing.assert_array_equal(b.read(outs[256]), np.arange(256, dtype=np.float32) + 3)
+
+
+def test_checker_sees_a_pool_buffer_shared_by_two_graphs():
+    """Graph B's output lives in graph A's temporary (the pool handed it over); reading it
+    from another stream after a replay of A, with nothing ordering the two, is a race on that
+    buffer, though the read names another handle than A ever used."""
+    c = runtime.client("cpu", check=True, max_idle_bytes=(1 << 30) + 27)   # its own server
+    s = c.with_stream(runtime.StreamId.new())
+    other = c.with_stream(runtime.StreamId.new())
+    n = 256
+    x = s.create(np.ones(n, np.float32))
+    y = s.empty(n, np.float32)
+    pool = runtime.GraphPool()
+    ga = _graph(s, x, y, n, 1.0, 1.0, pool)           # its temporary goes to the pool
+    gc.collect()
+    s.graph_prepare(pool=pool)
+    s.start_capture()
+    out = s.empty(n, np.float32)                       # takes A's temporary
+    s.launch(K.add_scalar, K.grid(n), [x, out], {"alpha": 5.0, "n": n})
+    gb = s.stop_capture()
+    srv = c._server
+    assert srv.handles[out.id].slot.graph_pool is not None
+    gb.replay()
+    np.testing.assert_array_equal(s.read(out), np.full(n, 6, np.float32))
+    np.testing.assert_array_equal(other.read(out), np.full(n, 6, np.float32))  # ordered: fine
+    ga.replay()                                        # overwrites B's output: documented
+    with pytest.raises(runtime.StreamRaceError):
+        other.read(out)
+    s.sync()
+    assert len(srv.checker.violations) == 1
+    c.shutdown()
+
+
+def test_capture_with_a_pool_keeps_outputs_out_of_the_pool():
+    c = _private().with_stream(runtime.StreamId.new())
+    pool = runtime.GraphPool()
+    xs = {n: runtime.Tensor.from_numpy(c, np.arange(n, dtype=np.float32)) for n in (512, 128)}
+    gs = {n: runtime.capture(lambda n=n: xs[n].add(xs[n]).add(xs[n]), client=c, pool=pool)
+          for n in (512, 128)}
+    for _ in range(2):
+        got = {n: gs[n].replay().numpy() for n in (128, 512)}
+        for n in (128, 512):                           # each output survives the other replay
+            np.testing.assert_allclose(gs[n].output.numpy(), np.arange(n) * 3.0)
+            np.testing.assert_allclose(got[n], np.arange(n) * 3.0)
+
+
+def test_graph_estimate_reports_the_warmup_peak():
+    c = _private().with_stream(runtime.StreamId.new())
+    x = c.create(np.ones(1000, np.float32))
+    c.graph_prepare()
+    t1 = c.empty(1000, np.float32)
+    t2 = c.empty(3000, np.float32)
+    c.launch(K.add_scalar, K.grid(1000), [x, t1], {"alpha": 1.0, "n": 1000})
+    del t1, t2
+    t3 = c.empty(500, np.float32)
+    est = c.graph_estimate()
+    assert est["bytes"] >= 4000 + 12000 and est["bytes"] < 4000 + 12000 + 4096
+    assert est["pool_free_bytes"] == 0
+    del t3
+    c.abort_capture()

@@ -1,0 +1,204 @@
+"""The timeline (issue 28 item 1): ``runtime.trace`` writes Chrome trace-event JSON that
+validates against the format (every B has its E, slices nest per lane, flow ids paired), a
+replay of L launches shows L child slices on cpu and wgpu, a cross-stream wait shows its arrow,
+a replay() call's arrow reaches its execution, failures are instant events, the ring bounds
+memory, and switching tracing off puts the original methods back (nothing checked when off).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+from runtime import tracing
+from runtime.backends.cpu import CpuBackend
+from runtime.server.queue import DeviceQueue
+
+from helpers import PAST_END
+
+ROOT = Path(__file__).resolve().parents[1]
+L = 7
+
+
+def _backends():
+    avail = runtime.available_backends()
+    return [b for b in ("cpu", "wgpu") if avail.get(b) is None]
+
+
+def _lane_names(doc) -> dict:
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "thread_name"}
+
+
+def _replay_program(c):
+    x = c.create(np.ones(64, np.float32))
+    y = c.empty(64, np.float32)
+    c.graph_prepare()
+    for _ in range(L):
+        c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 64})
+    c.start_capture()
+    for _ in range(L):
+        c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 64})
+    g = c.stop_capture()
+    g.replay()
+    out = c.read(y)
+    g.release()
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_a_replay_of_L_launches_shows_L_child_slices_and_the_trace_validates(backend, tmp_path):
+    c = runtime.client(backend).with_stream(runtime.StreamId.new())
+    path = tmp_path / "run.json"
+    with runtime.trace(path):
+        out = _replay_program(c)
+    np.testing.assert_array_equal(out, np.full(64, 2, np.float32))
+    doc = json.loads(path.read_text())
+    assert tracing.validate(doc) == []
+    evs = doc["traceEvents"]
+    names = _lane_names(doc)
+    replays = [e for e in evs if e["ph"] == "X" and e["name"].startswith("replay")
+               and "stream" in names[(e["pid"], e["tid"])]]
+    assert len(replays) == 1, replays
+    r = replays[0]
+    inside = [e for e in evs if e["ph"] == "X" and (e["pid"], e["tid"]) == (r["pid"], r["tid"])
+              and e is not r and r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"]
+              + 1e-3]
+    assert len(inside) == L and all(e["name"].startswith("add_scalar") for e in inside), inside
+    # lanes: the client thread, the device thread, the stream
+    assert any(n == "device thread (handlers)" for n in names.values())
+    client_calls = {e["name"] for e in evs if e["ph"] == "B" and e["pid"] == 1}
+    assert {"launch", "replay", "read", "stop_capture"} <= client_calls
+    # the replay() call's arrow: client -> handler -> the replay's execution on the stream
+    starts = {e["id"]: e for e in evs if e["ph"] == "s" and e["pid"] == 1}
+    ends = {e["id"]: e for e in evs if e["ph"] == "f"}
+    hit = [fid for fid, e in ends.items() if fid in starts
+           and (e["pid"], e["tid"]) == (r["pid"], r["tid"]) and abs(e["ts"] - r["ts"]) < 1e-2]
+    assert len(hit) == 1, (r, ends)
+    steps = [e for e in evs if e["ph"] == "t" and e["id"] == hit[0]]
+    assert len(steps) == 1 and names[(steps[0]["pid"], steps[0]["tid"])].startswith("device")
+
+
+def test_a_cross_stream_wait_shows_its_arrow_from_the_record_to_the_wait():
+    c = runtime.client("cpu", scheduler="interleave", seed=0)   # all work deferred: waits queue
+    try:
+        a, b = (c.with_stream(runtime.StreamId.new()) for _ in range(2))
+        with runtime.trace() as T:
+            x = a.create(np.ones(16, np.float32))
+            a.launch(K.add_scalar, 1, [x, x2 := a.empty(16, np.float32)],
+                     {"alpha": 1.0, "n": 16})
+            y = b.empty(16, np.float32)
+            b.launch(K.add_scalar, 1, [x2, y], {"alpha": 1.0, "n": 16})  # waits for a's write
+            got = b.read(y)
+        np.testing.assert_array_equal(got, np.full(16, 3, np.float32))
+        doc = {"traceEvents": T.events()}
+        assert tracing.validate(doc) == []
+        names = _lane_names(doc)
+        evs = doc["traceEvents"]
+        flows = {}
+        for e in evs:
+            if e["ph"] in "sf" and e["name"] == "event":
+                flows.setdefault(e["id"], {})[e["ph"]] = e
+        assert len(flows) == 1, flows
+        (f,) = flows.values()
+        src, dst = (names[(f[k]["pid"], f[k]["tid"])] for k in "sf")
+        assert src.startswith("cpu stream") and dst.startswith("cpu stream") and src != dst
+        assert f["s"]["ts"] <= f["f"]["ts"]
+    finally:
+        c.shutdown()
+
+
+def test_failures_are_instant_events_and_the_ring_keeps_the_last_events():
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    y = c.create(np.zeros(4, np.float32))
+    with runtime.trace(capacity=60) as T:
+        for _ in range(100):
+            c.launch(K.add_scalar, 1, [y, y2 := c.empty(4, np.float32)], {"alpha": 1.0, "n": 4})
+            y2.release()
+        c.launch(PAST_END, 1, [y], {})
+        with pytest.raises(runtime.ServerError):
+            c.sync()
+    assert T.emitted > 300 and len(T.ring) == 60
+    evs = T.events()
+    assert tracing.validate(evs) == []
+    fails = [e for e in evs if e["ph"] == "i" and e["name"].startswith("failure")]
+    assert any("past_end" in e["args"]["error"] and e["tid"] >= 1000 for e in fails), fails
+
+
+def test_switching_off_puts_the_original_methods_back():
+    srv = runtime.client("cpu")._server
+    plain = (DeviceQueue.submit, DeviceQueue.call, DeviceQueue.wait, CpuBackend._enqueue,
+             CpuBackend.launch_graph)
+    with runtime.trace():
+        assert DeviceQueue.submit is not plain[0] and srv.submit.__func__ is DeviceQueue.submit
+        with pytest.raises(RuntimeError):
+            with runtime.trace():
+                pass
+    assert (DeviceQueue.submit, DeviceQueue.call, DeviceQueue.wait, CpuBackend._enqueue,
+            CpuBackend.launch_graph) == plain
+    assert srv.submit.__func__ is plain[0] and srv.call.__func__ is plain[1]
+    assert tracing.active() is None
+
+
+def test_the_validator_finds_what_breaks_the_format():
+    ok = [{"ph": "B", "name": "a", "pid": 1, "tid": 1, "ts": 0},
+          {"ph": "X", "name": "b", "pid": 1, "tid": 1, "ts": 1, "dur": 2},
+          {"ph": "E", "name": "a", "pid": 1, "tid": 1, "ts": 5},
+          {"ph": "s", "name": "f", "id": 1, "pid": 1, "tid": 1, "ts": 1},
+          {"ph": "f", "name": "f", "id": 1, "pid": 2, "tid": 1, "ts": 4, "bp": "e"}]
+    assert tracing.validate(ok) == []
+    assert any("B without E" in p for p in tracing.validate(ok[:2]))
+    overlap = ok[:2] + [dict(ok[1], ts=2, dur=5)] + ok[2:]
+    assert any("overlaps" in p for p in tracing.validate(overlap))
+    assert any("1 start(s) and 0 end(s)" in p for p in tracing.validate(ok[:4]))
+    assert any("before it starts" in p for p in tracing.validate(ok[:3] + [
+        dict(ok[3], ts=9), ok[4]]))
+
+
+def test_RUNTIME_TRACE_traces_a_whole_process(tmp_path):
+    out = tmp_path / "proc.json"
+    code = ("import numpy as np, runtime; from runtime import kernels as K\n"
+            "c = runtime.client('cpu'); x = c.create(np.ones(4, np.float32))\n"
+            "c.launch(K.add_scalar, 1, [x, x2 := c.empty(4, np.float32)], "
+            "{'alpha': 1.0, 'n': 4}); print(c.read(x2)[0])\n")
+    env = dict(os.environ, RUNTIME_TRACE=str(out), PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert tracing.validate(doc) == []
+    assert {"launch", "read"} <= {e["name"] for e in doc["traceEvents"] if e["ph"] == "B"}
+    check = subprocess.run([sys.executable, "-m", "runtime", "trace", "check", str(out)],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and "0 problem(s)" in check.stdout
+
+
+def test_bench_attaches_a_trace_of_each_sections_slowest_sample(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-m", "runtime", "bench", "--backend", "cpu", "--quick",
+                        "--sections", "decode", "--trace-slowest", "--no-plots", "--out",
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    t = json.loads((tmp_path / "bench.json").read_text())["timing"]["cpu"]["decode"]["trace"]
+    doc = json.loads((tmp_path / t["file"]).read_text())
+    assert tracing.validate(doc) == [], tracing.validate(doc)[:5]
+    assert t["ms"] > 0 and t["sample"].startswith("decode"), t
+    starts = [e["ts"] for e in doc["traceEvents"] if e["ph"] in "XB"]
+    assert starts and max(starts) - min(starts) <= t["ms"] * 1e3 + 1, t   # that sample only
+
+
+def test_serve_trace_is_refused_with_ray():
+    from runtime.serving.cli import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--ray", "--trace", "x.json"])
+    assert parse_args(["--trace", "x.json"]).trace == "x.json"

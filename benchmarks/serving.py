@@ -49,8 +49,10 @@ Usage::
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
                                  [--paths graph,eager,sentence-transformers] [--rounds 1]
                                  [--isolate] [--batch-buckets 1,2,3,4,6,8,12,16,24,32]
+                                 [--contention 0]
 
-``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
+``--contention N`` runs N busy-loop processes beside every path for the whole run (a busy
+host; ``"contention"`` in the JSON's meta). ``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
 min-max and the median per-round ratio to sentence-transformers; ``--isolate`` runs each
 (round, path) in a fresh process of its own instead of all paths in this one.
 
@@ -562,7 +564,7 @@ def print_tables(closed: list, mixed: list, largest: list, health: list = ()) ->
 
 
 def main(argv=None) -> int:
-    global BATCH_BUCKETS, WARMUP, MAX_PADDING
+    """Parse the flags and run the sections (module doc); 0 on success."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="cpu")
     p.add_argument("--sections", default="closed,mixed,largest",
@@ -612,7 +614,27 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="64 requests, 8 per mixed client")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--contention", type=int, default=0, metavar="N",
+                   help="run N busy-loop processes beside every path for the whole run")
     args = p.parse_args(argv)
+    with _busy_processes(args.contention):
+        return _main(args)
+
+
+def _busy_processes(n: int):
+    """This checkout's busy loops (runtime/bench/contention.py, a leaf file loaded by path, so
+    that it works when PYTHONPATH points at an older checkout's runtime)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_contention", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime", "bench",
+        "contention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.busy_processes(n)
+
+
+def _main(args) -> int:
+    global BATCH_BUCKETS, WARMUP, MAX_PADDING
     BATCH_BUCKETS = tuple(int(b) for b in args.batch_buckets.split(","))
     WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS]
     MAX_PADDING = {"auto": "auto", "none": None}.get(args.max_padding.lower(), None)
@@ -680,7 +702,7 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "sentence_transformers": st_note or "included", "paths": args.paths,
             "rounds": args.rounds, "isolated": bool(args.isolate),
-            "max_padding": args.max_padding}
+            "max_padding": args.max_padding, "contention": {"busy_processes": args.contention}}
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": closed, "summary": summarize_closed(closed),

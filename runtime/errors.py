@@ -48,7 +48,7 @@ class LaunchError(ServerError):
 
 class LoopLimitExceeded(LaunchError):
     """A ``capture_while`` loop whose condition was still true after ``max_iterations`` runs of
-    its body (eagerly, or in a replay on cpu): the loop stopped there, and a replay's write set
+    its body (eagerly, or in a replay): the loop stopped there, and a replay's write set
     is marked with this error (``ReplayFailed`` on read), never silently truncated."""
 
 

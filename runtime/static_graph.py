@@ -277,7 +277,9 @@ class StaticGraph:
 
         For graphs that feed themselves through their state (a decode step writing its next
         token and position on the device): inputs keep what the last call or :meth:`write`
-        put there. Returns once the replays are enqueued; :meth:`read` waits for them.
+        put there. Returns once the replays are enqueued; :meth:`read` waits for them. To run
+        a whole loop, with its end test on the device, in one replay, record the step inside
+        ``ComputeClient.capture_while`` (``runtime.models.decoder.Decoder.loop_graph``).
 
         Raises: ``ValueError`` (``steps < 0``); ``Graph.replay``'s errors.
         Streams: on :attr:`stream`.

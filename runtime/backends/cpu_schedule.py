@@ -44,7 +44,7 @@ TINY = 4
 #: past this backlog it wakes one.
 DEFER_MAX = 16
 #: seconds deferred work waits at most for a caller before the polling worker runs it.
-DEFER_S = 0.005
+DEFER_S = 0.02
 #: a stream's ``sched`` state in the thread scheduler: in no list, in ``ready``, on an event's
 #: ``waiters``.
 IDLE, READY, BLOCKED = 0, 1, 2
@@ -105,8 +105,9 @@ class ThreadScheduler(Scheduler):
     unannounced, when a waiting caller cannot make progress itself (its stream waits on
     another stream's event), and by :meth:`kick`. Nobody has to wait for deferred work to
     run: worker 0 polls every :data:`DEFER_S` while deferred pushes keep coming (one wake-up
-    when they start again after a pause), so a fire-and-forget launch runs within a few
-    milliseconds on its own (a stream is asynchronous to the caller, design.md section 3).
+    when they start again after a pause), so a fire-and-forget launch runs within tens
+    of milliseconds on its own (a stream is asynchronous to the caller, design.md section
+    3), and the poll, which takes the GIL from the caller, stays rare.
 
     Args:
         workers: worker threads (default 4).

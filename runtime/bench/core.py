@@ -4,12 +4,13 @@ Run by :mod:`runtime.bench.compare` as a script, with ``PYTHONPATH`` pointing at
 under test, so it must import nothing of the runtime but its public API (``runtime.client``,
 ``runtime.kernels``), which every compared commit has. It prints one JSON line:
 ``{"runtime": <path of the package measured>, "rows": {row: {"p50", "p10", "p90", "n"}}}``
-(µs, medians over repetitions in which the rows take turns, order rotated each repetition).
+(µs, medians over repetitions in which the rows take turns, order rotated each repetition,
+with an untimed ``sync()`` after every sample, so no row pays for work another left queued).
 
 Rows (64 float32 per buffer; ``add_scalar`` ``y = x + 1`` ping-ponging ``a -> b -> a ...``):
 
 - ``sync``: ``client.sync()`` on an idle stream (an untimed sync first);
-- ``launch``: one fire-and-forget ``client.launch`` (an untimed sync after every 16);
+- ``launch``: one fire-and-forget ``client.launch`` on an idle stream;
 - ``replay``: ``Graph.replay()`` of a 1-launch graph on an idle stream (the enqueue);
 - ``replay_read``: that replay plus ``client.read`` of its output, 64 floats;
 - ``launch_read``: one launch plus the read of its output;
@@ -83,16 +84,10 @@ def measure(reps: int, quick: bool = False) -> dict:
         sync()
         return pc() - t
 
-    burst = [0]
-
     def t_launch():
         t = pc()
         launch(kern, count, [a, b], params)
-        dt = pc() - t
-        burst[0] += 1
-        if burst[0] % 16 == 0:
-            sync()
-        return dt
+        return pc() - t
 
     def t_launch_read():
         t = pc()
@@ -154,7 +149,7 @@ def measure(reps: int, quick: bool = False) -> dict:
             if r % EVERY.get(name, 1):
                 continue
             samples[name].append(paths[name]() * 1e6)
-        sync()
+            sync()                            # untimed: no row pays for work another left
     sync()
     runtime.shutdown()
     return samples

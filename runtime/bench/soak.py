@@ -117,7 +117,7 @@ class _Work:
         self.counts = {k: 0 for k in MIX}
         self.unexpected: list = []
         self.lock = threading.Lock()
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.ops = list(MIX)
         self.weights = [MIX[k] for k in self.ops]
 
@@ -197,7 +197,7 @@ class _Work:
         del gs
 
     def worker(self, i: int) -> None:
-        rng = random.Random(1000 + i)
+        rng = random.Random(self.seed * 1000 + i)
         k = 0
         while not self.stop.is_set():
             op = rng.choices(self.ops, self.weights)[0]

@@ -519,8 +519,8 @@ class ComputeClient:
         Raises: ``TypeError``/``ValueError`` (bad arguments; wgpu capture without
             ``max_iterations``); ``LoopLimitExceeded`` eagerly when ``cond`` is still non-zero
             after ``max_iterations`` iterations; ``UnsupportedError`` at capture on a backend
-            without loop nodes. In a replay an exceeded limit (cpu) marks the graph's write set
-            with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
+            without loop nodes. In a replay an exceeded limit (cpu, wgpu) marks the graph's
+            write set with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
         See also: CUDA conditional WHILE nodes, Warp ``capture_while``.
         """
         hid = self._cond_handle(cond, "capture_while")

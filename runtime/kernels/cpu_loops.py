@@ -95,9 +95,14 @@ _Q1, _Q2, _Q3, _Q4, _Q5 = (0.497029898709792, 0.11382656058070079, 0.01545350307
 
 @njit(**_INLINE)
 def erf(x):
-    """erf of a float64 scalar (|error| < 1.6e-8; see the module docstring)."""
-    z = 4.0 if x > 4.0 else x
-    z = -4.0 if z < -4.0 else z
+    """erf of a float64 scalar (|error| < 1.6e-8; see the module docstring). Past |x| = 4 it
+    is +-1 (|1 - erf(4)| = 1.5e-8), so gelu of -inf is NaN and of -1e30 is -0, as the WGSL and
+    CUDA sources and torch give (a clamp to erf(+-4) made them -inf and -7.7e21); NaN stays."""
+    if x > 4.0:
+        return 1.0
+    if x < -4.0:
+        return -1.0
+    z = x
     u = z * z
     p = (((((_P6 * u + _P5) * u + _P4) * u + _P3) * u + _P2) * u + _P1) * u + _P0
     q = ((((_Q5 * u + _Q4) * u + _Q3) * u + _Q2) * u + _Q1) * u + 1.0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .pointwise import WORKGROUP, grid
-from .shader import program, tree_reduce
+from .shader import NAN_HELPERS, program, tree_reduce
 
 R, RW, W = "read", "read_write", "write"
 #: invocations per workgroup of :data:`causal_attend` and :data:`argmax`.
@@ -151,8 +151,9 @@ def _argmax_cpu(x, out, *, n, count):
     out[0] = int(np.argmax(x[:n]))
 
 
-#: ``out[0] = argmax_i x[i]`` over ``i < n`` (``i32``; ties go to the lowest index, as
-#: ``np.argmax``; keep NaNs out). One workgroup: launch over ``(1, 1, 1)``.
+#: ``out[0] = argmax_i x[i]`` over ``i < n`` (``i32``), with ``np.argmax``'s rules on every
+#: backend: the first NaN wins, else the first maximum (ties go to the lowest index). One
+#: workgroup: launch over ``(1, 1, 1)``.
 argmax = program(
     "argmax", [("x", "f32", R), ("out", "i32", W)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
     f"""
@@ -160,7 +161,7 @@ argmax = program(
     var bi = 0xffffffffu;
     for (var i = lidx; i < p.n; i += {DECODE_WORKGROUP}u) {{
         let v = x[i];
-        if (v > bv || bi == 0xffffffffu) {{ bv = v; bi = i; }}
+        if (bi == 0xffffffffu || above(v, bv)) {{ bv = v; bi = i; }}
     }}
     vals[lidx] = bv;
     idxs[lidx] = bi;
@@ -169,8 +170,9 @@ argmax = program(
         if (lidx < st) {{
             let ov = vals[lidx + st];
             let oi = idxs[lidx + st];
-            if (oi != 0xffffffffu && (ov > vals[lidx] || (ov == vals[lidx] && oi < idxs[lidx])
-                                      || idxs[lidx] == 0xffffffffu)) {{
+            let tie = (is_nan(ov) && is_nan(vals[lidx])) || ov == vals[lidx];
+            if (oi != 0xffffffffu && (idxs[lidx] == 0xffffffffu || above(ov, vals[lidx])
+                                      || (tie && oi < idxs[lidx]))) {{
                 vals[lidx] = ov;
                 idxs[lidx] = oi;
             }}
@@ -178,7 +180,12 @@ argmax = program(
         workgroupBarrier();
     }}
     if (lidx == 0u) {{ out[0] = i32(idxs[0]); }}""",
-    shared=[("vals", "f32", DECODE_WORKGROUP), ("idxs", "u32", DECODE_WORKGROUP)], cpu=_argmax_cpu)
+    shared=[("vals", "f32", DECODE_WORKGROUP), ("idxs", "u32", DECODE_WORKGROUP)],
+    helpers=NAN_HELPERS + """
+fn above(a: f32, b: f32) -> bool {
+    return (is_nan(a) && !is_nan(b)) || (!is_nan(a) && !is_nan(b) && a > b);
+}
+""", cpu=_argmax_cpu)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from .pointwise import WORKGROUP, elementwise, grid
-from .shader import program, tree_reduce
+from .shader import NAN_HELPERS, program, tree_reduce
 from ..cpu_threads import FAN_OUT, RULE
 
 R, RW, W = "read", "read_write", "write"
@@ -313,25 +313,36 @@ def _layer_norm_cpu(residual: bool):
 
 
 def _layer_norm(name: str, residual: bool):
+    # The row is scaled by its largest magnitude first (sc), so the variance of values up to
+    # float32's limit does not overflow f32 (the cpu source sums in float64): with 1e30 inputs
+    # an unscaled ``d * d`` is inf, rstd 0, and the row would silently collapse to ``beta``.
     load = "(x[base + c] + res[base + c])" if residual else "x[base + c]"
     body = f"""
     let row = wg.y * nwg.x + wg.x;
     let valid = row < p.rows;
     let base = row * p.n;
+    var m = 0.0f;
+    if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ m = max(m, abs({load})); }} }}
+    red[lidx] = m;{tree_reduce("max", ROW_WORKGROUP)}
+    let sc = select(1.0f, red[0], red[0] > 0.0f && red[0] < 3.0e38f);
+    workgroupBarrier();
     var s = 0.0f;
-    if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += {load}; }} }}
+    if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += {load} / sc; }} }}
     red[lidx] = s;{tree_reduce("+", ROW_WORKGROUP)}
     let mean = red[0] / f32(p.n);
     workgroupBarrier();
     var q = 0.0f;
     if (valid) {{
-        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ let d = {load} - mean; q += d * d; }}
+        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{
+            let d = {load} / sc - mean;
+            q += d * d;
+        }}
     }}
     red[lidx] = q;{tree_reduce("+", ROW_WORKGROUP)}
-    let rstd = 1.0f / sqrt(red[0] / f32(p.n) + p.eps);
+    let rstd = 1.0f / sqrt(red[0] / f32(p.n) + p.eps / sc / sc);
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{
-            out[base + c] = ({load} - mean) * rstd * gamma[c] + beta[c];
+            out[base + c] = ({load} / sc - mean) * rstd * gamma[c] + beta[c];
         }}
     }}"""
     binds = [("x", "f32", R)] + ([("res", "f32", R)] if residual else [])
@@ -353,23 +364,33 @@ def _l2_cpu(x, out, *, rows, n, count):
 
 
 #: ``out[r] = x[r] / max(||x[r]||_2, 1e-12)`` per row of ``[rows, n]`` (torch ``F.normalize``);
-#: launch over :func:`rows_count`.
+#: launch over :func:`rows_count`. The row is scaled by its largest magnitude first, so values
+#: up to float32's limit do not overflow the sum of squares (the cpu source sums in float64),
+#: and a NaN norm stays NaN (``nmax``: WGSL's ``max`` may drop it).
 l2_normalize = program(
     "l2_normalize", [("x", "f32", R), ("out", "f32", W)], [("rows", "u32"), ("n", "u32")],
     (ROW_WORKGROUP, 1, 1), f"""
     let row = wg.y * nwg.x + wg.x;
     let valid = row < p.rows;
     let base = row * p.n;
+    var m = 0.0f;
+    if (valid) {{ for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ m = max(m, abs(x[base + c])); }} }}
+    red[lidx] = m;{tree_reduce("max", ROW_WORKGROUP)}
+    let sc = select(1.0f, red[0], red[0] > 0.0f && red[0] < 3.0e38f);
+    workgroupBarrier();
     var s = 0.0f;
     if (valid) {{
-        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ s += x[base + c] * x[base + c]; }}
+        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{
+            let v = x[base + c] / sc;
+            s += v * v;
+        }}
     }}
     red[lidx] = s;{tree_reduce("+", ROW_WORKGROUP)}
-    let inv = 1.0f / max(sqrt(red[0]), 1e-12f);
+    let inv = 1.0f / nmax(sqrt(red[0]), 1e-12f / sc);
     if (valid) {{
-        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] * inv; }}
+        for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] / sc * inv; }}
     }}""",
-    shared=[("red", "f32", ROW_WORKGROUP)], cpu=_l2_cpu)
+    shared=[("red", "f32", ROW_WORKGROUP)], helpers=NAN_HELPERS, cpu=_l2_cpu)
 
 # ---------------------------------------------------------------------------------------------
 # Masked mean pooling

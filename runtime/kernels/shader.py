@@ -36,6 +36,7 @@ __device__ __forceinline__ f32 inverseSqrt(f32 x) { return rsqrtf(x); }
 
 # WGSL declaration forms -> C++ (order matters: the typed forms first).
 _TO_CUDA = [
+    (re.compile(r"\bbitcast<u32>\("), "__float_as_uint("),
     (re.compile(r"\bvar\s+(\w+)\s*:\s*array<\s*(\w+)\s*,\s*([^>]+?)\s*>\s*;"), r"\2 \1[\3];"),
     (re.compile(r"\bvar\s+(\w+)\s*:\s*(\w+)\s*="), r"\2 \1 ="),
     (re.compile(r"\bvar\s+(\w+)\s*="), r"auto \1 ="),
@@ -126,11 +127,22 @@ extern "C" __global__ void {name}({', '.join(args)}) {{
     return Kernel(name, bindings, params, (wgx, wgy, wgz), wgsl=wgsl, cuda=cuda, cpu=cpu)
 
 
+#: WGSL helpers for kernels that must carry NaN through: WGSL leaves ``min``/``max`` with a NaN
+#: operand to the implementation (and a compiler may fold ``x != x``), so NaN is tested on the
+#: bits. ``nmax``: ``max`` that returns NaN when an operand is NaN (numpy's ``np.maximum``).
+NAN_HELPERS = """
+fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
+fn nmax(a: f32, b: f32) -> f32 { return select(max(a, b), a + b, is_nan(a) || is_nan(b)); }
+"""
+
+
 def tree_reduce(op: str, size: int) -> str:
     """Body text that tree-reduces workgroup memory ``red[0 .. size)`` into ``red[0]`` with
-    ``op`` (``"+"`` or ``"max"``), barriers included; ``size`` is a power of two, the workgroup's
+    ``op`` (``"+"``, ``"max"``, or ``"nmax"``: a max that keeps NaN, needs
+    :data:`NAN_HELPERS`), barriers included; ``size`` is a power of two, the workgroup's
     invocation count (every invocation must reach it: uniform control flow)."""
-    combine = "red[lidx] + red[lidx + st]" if op == "+" else "max(red[lidx], red[lidx + st])"
+    combine = ("red[lidx] + red[lidx + st]" if op == "+"
+               else f"{op}(red[lidx], red[lidx + st])")
     return f"""
     workgroupBarrier();
     for (var st = {size // 2}u; st > 0u; st = st / 2u) {{

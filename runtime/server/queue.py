@@ -111,7 +111,7 @@ class DeviceQueue:
         self.closed = False
         self.closing = False            # a normal shutdown is under way (not a death)
         self.death: BaseException | None = None
-        self._carry: list = []          # batches cut short by RELEASE_BATCH, requeued
+        self._carry: dict = {}          # {id: batch} cut short by RELEASE_BATCH, requeued
         self._batch_fn = self._run_batch    # one object: release() spots its messages by it
         self.forked_from: int | None = None     # the parent's pid, in a forked child
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -243,8 +243,11 @@ class DeviceQueue:
         if batch:
             if not batch.carried:
                 batch.carried = True
-                self._carry.append(batch)
+                self._carry[id(batch)] = batch
             self._q.append((self._batch_fn, (batch,), None))
+        elif batch.carried:               # done: forget it (the carry is bounded by live ones)
+            batch.carried = False
+            self._carry.pop(id(batch), None)
 
     def _run(self, batch: "_Batch", limit) -> int:
         done = units = 0
@@ -268,8 +271,8 @@ class DeviceQueue:
         capture windows see them gone. Releases queued after this message are left alone (a
         message queued before them may still use what they free). Returns the releases run."""
         done = 0
-        carry, self._carry = self._carry, []
-        for batch in carry:
+        carry, self._carry = self._carry, {}
+        for batch in carry.values():
             batch.carried = False
             done += self._run(batch, None)
         return done

@@ -83,13 +83,18 @@ def test_without_a_pool_each_graph_keeps_its_own_temporaries():
     assert c.memory_usage()["graph_bytes"] == sum(n * 4 for n in SIZES)
 
 
-def test_a_pool_is_refused_on_a_second_stream_and_nothing_changes():
+def _two_streams_one_pool():
+    """Clients on two streams of a private server, and a pool with one graph on the first."""
     c = _private()
     a = c.with_stream(runtime.StreamId.new())
     b = c.with_stream(runtime.StreamId.new())
     xs, outs = _setup(a, (256,))
     pool = runtime.GraphPool()
-    g = _graph(a, xs[256], outs[256], 256, 1.0, 1.0, pool)
+    return a, b, xs, outs, pool, _graph(a, xs[256], outs[256], 256, 1.0, 1.0, pool)
+
+
+def test_a_pool_is_refused_on_a_second_stream_and_nothing_changes():
+    a, b, xs, outs, pool, g = _two_streams_one_pool()
     with pytest.raises(runtime.GraphStateError, match="pool"):
         b.graph_prepare(pool=pool)
     b.graph_prepare()                            # the refusal left the stream as it was
@@ -102,12 +107,7 @@ def test_a_pool_is_refused_on_a_second_stream_and_nothing_changes():
 
 
 def test_a_pool_of_released_graphs_may_move_to_another_stream():
-    c = _private()
-    a = c.with_stream(runtime.StreamId.new())
-    b = c.with_stream(runtime.StreamId.new())
-    xs, outs = _setup(a, (256,))
-    pool = runtime.GraphPool()
-    g = _graph(a, xs[256], outs[256], 256, 1.0, 1.0, pool)
+    a, b, xs, outs, pool, g = _two_streams_one_pool()
     g.release()
     a.sync()
     assert pool.memory_usage()["graphs"] == 0 and pool.memory_usage()["bytes"] == 0

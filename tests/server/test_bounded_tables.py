@@ -418,3 +418,17 @@ def test_kernels_made_per_request_keep_a_bounded_program_table():
         c.launch(Kernel(f"plus_one_{k}", [("y", "f32", "read_write")], cpu=plus_one), 1, [y])
     np.testing.assert_array_equal(c.read(y), np.full(4, n, np.float32))
     assert srv.call(lambda: len(srv.programs)) <= srv.MAX_PROGRAMS
+
+
+def test_batches_cut_short_are_forgotten_once_they_ran(backend):
+    """A burst past ``RELEASE_BATCH`` runs in several messages; the queue remembers the batch
+    only while part of it waits (found by the soak: every burst left one behind)."""
+    c = runtime.client(backend)
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    for _ in range(5):
+        hs = [c.empty(16) for _ in range(3 * RELEASE_BATCH)]
+        c.sync()
+        del hs
+    _until(lambda: srv.call(lambda: srv.queue.pending_releases) == 0, "the releases to run")
+    assert srv.call(lambda: len(srv.queue._carry)) == 0

@@ -1,0 +1,144 @@
+"""Same values on every backend, non-finite inputs included (issue 23 item 5).
+
+A NaN, inf, -inf or a huge finite value (1e30) in an input shows up the same way on every
+backend: each output element is NaN on wgpu (and cuda, where present) exactly where it is NaN on
+cpu, +inf/-inf where it is +inf/-inf there, and finite values agree (relative to the largest
+finite value of the reference). Hypothesis draws the shapes and the positions and kinds of the
+special values; the standard kernels run through ``runtime.Tensor`` and the decode ``argmax``.
+WGSL leaves ``min``/``max`` with a NaN operand to the implementation, so the kernels never rely
+on it (``shader.NAN_HELPERS``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import runtime
+from runtime import Tensor, kernels as K
+from runtime.kernels import decode as D
+from runtime.testing import backend_unavailable
+
+SPECIAL = (np.nan, np.inf, -np.inf, 1e30, -1e30)
+
+
+def _other():
+    out = []
+    for name in ("wgpu", "cuda"):
+        why = backend_unavailable(name)
+        out.append(pytest.param(name, marks=pytest.mark.skip(reason=why)) if why else name)
+    return out
+
+
+@st.composite
+def _array(draw, shape):
+    n = int(np.prod(shape))
+    seed = draw(st.integers(0, 2**32 - 1))
+    a = np.random.default_rng(seed).uniform(-3, 3, n).astype(np.float32)
+    for i in draw(st.lists(st.integers(0, n - 1), max_size=3)):
+        a[i] = draw(st.sampled_from(SPECIAL))
+    return a.reshape(shape)
+
+
+def _matmul(a, w, b):
+    return a.matmul(w)
+
+
+def _matmul_bias_gelu(a, w, b):
+    return a.matmul(w, b, activation="gelu")
+
+
+#: name -> (function of Tensors, input shapes from (rows, n, k)); every input may hold specials
+OPS = {
+    "add": (lambda a, b: a.add(b), lambda r, n, k: [(r, n), (r, n)]),
+    "add_bias": (lambda a, b: a.add(b), lambda r, n, k: [(r, n), (n,)]),
+    "gelu": (lambda a: a.gelu(), lambda r, n, k: [(r, n)]),
+    "matmul": (lambda a, w: a.matmul(w), lambda r, n, k: [(r, k), (k, n)]),
+    "matmul_bias": (lambda a, w, b: a.matmul(w, b), lambda r, n, k: [(r, k), (k, n), (n,)]),
+    "matmul_bias_gelu": (_matmul_bias_gelu, lambda r, n, k: [(r, k), (k, n), (n,)]),
+    "layer_norm": (lambda a, g, b: a.layer_norm(g, b), lambda r, n, k: [(r, n), (n,), (n,)]),
+    "add_layer_norm": (lambda a, g, b, res: a.layer_norm(g, b, residual=res),
+                       lambda r, n, k: [(r, n), (n,), (n,), (r, n)]),
+    "l2_normalize": (lambda a: a.l2_normalize(), lambda r, n, k: [(r, n)]),
+    "mean_pool": (lambda a: a.mean_pool(Tensor.from_numpy(a.client, np.ones(a.shape[:2],
+                                                                          np.float32))),
+                  lambda r, n, k: [(r, k, n)]),
+    "attention": (lambda a: a.attention(Tensor.from_numpy(a.client, np.zeros(a.shape[:2],
+                                                                           np.float32)), 2),
+                  lambda r, n, k: [(r, k, 3 * 2 * 32)]),
+}
+
+
+def _pointwise(name):
+    kern, params = {"mul": (K.mul, {}), "add_scalar": (K.add_scalar, {"alpha": 1.5}),
+                    "mul_scalar": (K.mul_scalar, {"alpha": -2.0}),
+                    "accumulate": (K.accumulate, {})}[name]
+    binds = len(kern.bindings)
+
+    def f(*ts):
+        c, n = ts[0].client, ts[0].size
+        out = ts[-1] if name == "accumulate" else Tensor.empty(c, ts[0].shape)
+        hs = [t.handle for t in ts] + ([] if name == "accumulate" else [out.handle])
+        c.launch(kern, K.grid(n), hs[:binds], {**params, "n": n})
+        return out
+    return f, (lambda r, n, k: [(r, n)] * (binds - (0 if name == "accumulate" else 1)))
+
+
+for _name in ("mul", "add_scalar", "mul_scalar", "accumulate"):
+    OPS[_name] = _pointwise(_name)
+
+
+def _argmax(x):
+    c = x.client
+    out = c.empty(1, np.int32)
+    c.launch(D.argmax, (1, 1, 1), [x.handle, out], {"n": x.size})
+    return c.read(out)
+
+
+def _run(c, f, arrays):
+    out = f(*[Tensor.from_numpy(c, a) for a in arrays])
+    return out if isinstance(out, np.ndarray) else out.numpy()
+
+
+def _same(ref, got, what):
+    assert ref.shape == got.shape, what
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        bad = test(ref) != test(got)
+        assert not bad.any(), (f"{what}: {test.__name__} differs at {np.argwhere(bad)[:4].tolist()}:"
+                               f" cpu {ref[bad][:4]}, other {got[bad][:4]}")
+    fin = np.isfinite(ref)
+    scale = float(np.abs(ref[fin]).max()) if fin.any() else 0.0
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=2e-3, atol=2e-3 * max(scale, 1.0),
+                               err_msg=what)
+
+
+@pytest.fixture(scope="module", params=_other())
+def pair(request):
+    return runtime.client("cpu"), runtime.client(request.param)
+
+
+@settings(max_examples=12, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_standard_kernels_agree_with_cpu_on_non_finite_inputs(pair, name, data):
+    cpu, other = pair
+    f, shapes = OPS[name]
+    r, n, k = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 40)), data.draw(st.integers(1, 9))
+    arrays = [data.draw(_array(s)) for s in shapes(r, n, k)]
+    with np.errstate(all="ignore"):
+        ref = _run(cpu, f, arrays)
+    _same(ref, _run(other, f, arrays), f"{name} on {other.backend}")
+
+
+@settings(max_examples=25, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_argmax_picks_the_same_index_as_cpu_with_nan_and_inf(pair, data):
+    """``np.argmax``'s rule: the first NaN wins; else the first maximum."""
+    cpu, other = pair
+    x = data.draw(_array((data.draw(st.integers(1, 700)),)))
+    want = int(np.argmax(x))
+    assert int(_argmax(Tensor.from_numpy(cpu, x))[0]) == want
+    assert int(_argmax(Tensor.from_numpy(other, x))[0]) == want

@@ -246,12 +246,20 @@ def test_rebind_fences_under_the_interleaving_scheduler(seed):
     """The same ordering, checked deterministically: the interleaving scheduler runs stream
     heads in a seeded random order, so a replay not ordered after the new input's write on
     another stream reads stale data for some seed."""
-    c = runtime.client("cpu", scheduler="interleave", seed=seed).with_stream(runtime.StreamId.new())
-    x, y, g = _axpy_graph(c, 64)
-    other = c.with_stream(runtime.StreamId.new())
-    x2 = other.create(np.zeros(64, np.float32))
-    other.sync()
-    other.write(x2, np.full(64, 41, np.float32))
-    g.update(rebind={x: x2})
-    g.replay()
-    np.testing.assert_array_equal(c.read(y), np.full(64, 42, np.float32))
+    from runtime.backends.cpu import InterleavingScheduler
+
+    # a scheduler object gives a server of its own (a printed program's
+    # runtime.client("cpu", scheduler="interleave", seed=s) must not meet this one)
+    c = runtime.client("cpu", scheduler=InterleavingScheduler(seed)).with_stream(
+        runtime.StreamId.new())
+    try:
+        x, y, g = _axpy_graph(c, 64)
+        other = c.with_stream(runtime.StreamId.new())
+        x2 = other.create(np.zeros(64, np.float32))
+        other.sync()
+        other.write(x2, np.full(64, 41, np.float32))
+        g.update(rebind={x: x2})
+        g.replay()
+        np.testing.assert_array_equal(c.read(y), np.full(64, 42, np.float32))
+    finally:
+        c.shutdown()

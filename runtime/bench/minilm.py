@@ -77,8 +77,9 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
     for batch, seq in plan:
         part = next(parts)
         # the warm-up and capture alone take several forwards (on lavapipe, 32x128 is ~12 s
-        # each): a row that cannot fit in what is left of the section's budget (by the last
-        # row's seconds per token, ~6 forwards at least) is skipped, said in the row and cuts
+        # each): a row that cannot fit in what is left of the section's budget (by the seconds
+        # per token of the last row of >= 128 tokens, ~6 forwards at least) is skipped, said
+        # in the row and the cuts
         need = 6 * per_token * batch * seq if per_token else 0.0
         if out["rows"] and part.seconds is not None and (part.seconds <= 0 or need > left()):
             why = (f"the section's --budget-s share was spent or too small (it needs ~{need:.0f} "
@@ -114,7 +115,7 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
                 tick()
         if tick and r < max_reps:
             tick(max_reps - r)
-        if samples["eager"]:
+        if samples["eager"] and batch * seq >= 128:   # below, per-forward costs dominate
             per_token = min(samples["eager"]) / (batch * seq)
         row = {"batch": batch, "seq": seq, "reps": r}
         row.update({p: summarize(v, 1e3) for p, v in samples.items()})

@@ -78,8 +78,9 @@ if kw.get("use_ray"):
 t0 = time.perf_counter()
 s = embed_corpus({src!r}, {out!r}, progress=False, backend="cpu", **kw)
 wall = time.perf_counter() - t0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({{"rows": s.rows, "failed": s.failed, "wall_s": wall,
-                  "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "driver_peak_rss_mib": rss}}))
 """
 
 

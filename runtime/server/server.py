@@ -470,6 +470,11 @@ class ComputeServer:
             if reads is not None:
                 self.marks.inherit(mark, reads)
             if cst is not None:
+                if not self.backend.indirect_dispatch:
+                    raise LaunchError(f"indirect launch of {kernel.name}: the "
+                                      f"{self.backend.name} backend does not read counts on "
+                                      "the device; launch through ComputeClient.launch, which "
+                                      "reads them first")
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
                 for b, st in zip(bindings, states):
@@ -502,6 +507,16 @@ class ComputeServer:
             self.marks.fail(outs, ("launch", kernel.name, s.id), err)
         else:
             self.capture.refuse(s, f"launch of {kernel.name} ({type(err).__name__}: {err})")
+
+    def h_indirect_count(self, sid, hid: int):
+        """For ``launch`` on a backend without ``indirect_dispatch``: ``h_read`` of the count
+        handle ``hid`` on ``sid`` (the caller waits and decodes it, so no handler waits for the
+        device), or None while ``sid`` is capturing (the launch then goes to the window, which
+        refuses it: ``Capture.record``)."""
+        s = self._stream(sid)
+        if s.window is not None:
+            return None
+        return self.h_read(sid, hid)
 
     # -- synchronisation ------------------------------------------------------------------------
     def h_sync(self, sid) -> tuple:

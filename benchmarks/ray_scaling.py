@@ -264,6 +264,8 @@ def main(argv=None) -> int:
     res = {"machine": machine(), "args": vars(args)}
     if args.skip != "corpus":         # each run in its own process, with its own cluster
         res["corpus"] = bench_corpus(args.rows, args.reps, cpus, args.small_rows)
+    if args.skip != "serving":
+        init_ray(num_cpus=cpus, log_to_driver=False)
         res["serving"] = bench_serving([int(c) for c in args.clients.split(",")], args.requests,
                                        args.reps, cpus)
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]

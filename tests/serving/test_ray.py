@@ -28,7 +28,7 @@ for _mod in ("ray", "ray.serve", "ray.data", "pyarrow", "fastapi", "httpx", "saf
              "tokenizers"):
     pytest.importorskip(_mod, reason=f"{_mod} is not installed (pip install 'runtime[ray]')")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 # small bucket lists keep the captures few: batches of 1, 4 or 16; the rest are non-default
 # values of every kind of serve flag, which /health must report from each replica

@@ -19,7 +19,7 @@ import pytest
 
 import runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THREADS = {"1", "2", "4", "8"}
 QUICK_LENGTHS = {"1", "10", "100", "1000"}
 

@@ -873,8 +873,26 @@ class ComputeServer:
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the server: queued work runs, then the backend closes; later calls and every
-        waiting caller get ``ServerClosed``. Idempotent."""
-        self.queue.close(self.backend.close)
+        waiting caller get ``ServerClosed``; the first of them also gets the errors still
+        queued then (on streams, unattributed, in the backend): never dropped. Idempotent."""
+        self.queue.close(self._close)
+
+    def _close(self) -> None:
+        """The last message: close the backend, then hand every error still queued to the
+        queue's next ``ServerClosed`` (``DeviceQueue.leftover``)."""
+        try:
+            self.backend.close()
+        finally:
+            left = list(self.marks.async_errors)
+            self.marks.async_errors = []
+            for s in self.streams.values():
+                left += s.errors
+                s.errors = []
+                raw = getattr(s.raw, "errors", None)     # found at execution, not reported yet
+                while raw:
+                    left.append(raw.popleft() if hasattr(raw, "popleft") else raw.pop(0))
+            left += self.backend.take_failures()
+            self.queue.leftover = left
 
     @property
     def closed(self) -> bool:

@@ -54,7 +54,7 @@ EOF
 T0=$(date +%s)
 RUNTIME_TEST_BACKENDS=cuda timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider \
     -o faulthandler_timeout=60 --junitxml="$RES/cuda_tests.xml" \
-    tests/contracts tests/backends/cuda tests/test_decode_loop.py > "$RES/cuda_tests.log" 2>&1
+    tests/contracts tests/backends/cuda tests/models/test_decode_loop.py > "$RES/cuda_tests.log" 2>&1
 TESTS_RC=$?
 TESTS_S=$(( $(date +%s) - T0 ))
 tail -n 25 "$RES/cuda_tests.log"

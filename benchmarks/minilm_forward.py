@@ -2,6 +2,7 @@
 
     python benchmarks/minilm_forward.py                # the table (product alone without ST)
     python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --plot minilm.png
+    python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --contention 2
     python benchmarks/minilm_forward.py --variant blas2 OPENBLAS_NUM_THREADS=2 --variant now
     python benchmarks/minilm_forward.py --variant before RUNTIME_BENCH_ROOT=/tmp/old --variant now
     python benchmarks/minilm_forward.py --kernels              # per-kernel µs beside numpy/torch
@@ -16,7 +17,9 @@ fresh process per round; processes alternate (the order flips every round), ``--
 calls until ``--reps`` or ``--budget-s`` per row. Reported: median sentences/s over every timed
 call of all rounds with p10/p90, the ratio product / sentence-transformers per row, and on every
 row the thread counts each process ran with (torch's intra-op threads, BLAS threads from
-threadpoolctl, numba's threads). JSON to ``--out``; a bar chart with ``--plot`` (matplotlib).
+threadpoolctl, numba's threads), and the per-round ratios' range. ``--contention N`` runs N
+busy-loop processes beside both sides for the whole run (a busy host; recorded in the JSON).
+JSON to ``--out``; a bar chart with ``--plot`` (matplotlib).
 
 sentence-transformers and torch are not dependencies: point ``--st-python`` at an interpreter
 that has them (a side virtualenv, see the README), or run this script with one; without either
@@ -64,6 +67,11 @@ def _threads() -> dict:
         out["torch"] = sys.modules["torch"].get_num_threads()
     if "numba" in sys.modules:
         out["numba"] = sys.modules["numba"].get_num_threads()
+    rule = sys.modules.get("runtime.cpu_threads")
+    if rule is not None and hasattr(rule.RULE, "cpu") and os.path.dirname(rule.__file__) == \
+            os.path.dirname(getattr(sys.modules.get("runtime"), "__file__", "")):  # its share
+        out["cpu share"] = round(rule.RULE.cpu.share, 2)
+        out["busy host"] = rule.RULE.cpu.busy
     loops = sys.modules.get("runtime.kernels.cpu_loops")
     if loops is not None:                             # numba's OpenMP, as the runtime starts it
         out["numba OMP_WAIT_POLICY"] = _USER_ENV.get(
@@ -113,9 +121,11 @@ def _worker_product(job: dict) -> dict:
                                job["budget_s"])
     try:               # numba's count is per thread: report what one executing stream gets
         from runtime.kernels.cpu_loops import set_threads
-        try:
+        # the timed checkout's own rule (an editable install would hand an older checkout
+        # the newer checkout's runtime.cpu_threads, a second rule its kernels never use)
+        if os.path.exists(os.path.join(os.path.dirname(runtime.__file__), "cpu_threads.py")):
             from runtime.cpu_threads import RULE
-        except ImportError:                        # a checkout before the leaf module
+        else:                                      # a checkout before the leaf module
             from runtime.kernels.threads import RULE
         RULE.enter()
         set_threads(RULE.threads())
@@ -163,7 +173,7 @@ def _summary(samples: list, batch: int) -> dict:
 
 
 def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
-            budget_s: float = 4.0, variants: dict | None = None) -> dict:
+            budget_s: float = 4.0, variants: dict | None = None, contention: int = 0) -> dict:
     """The side-by-side table; returns the JSON-ready result (see the module docstring).
 
     Args:
@@ -172,9 +182,12 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
         reps, budget_s: timed calls per row and round (at least 3), seconds per row and round.
         variants: product name -> extra environment (thread settings); default
             ``{"runtime": {}}``.
+        contention: busy-loop processes running beside both sides for the whole run
+            (:func:`runtime.bench.contention.busy_processes`; recorded as ``"contention"``).
     """
     sys.path.insert(0, str(ROOT))
     from runtime.bench import machine
+    from runtime.bench.contention import busy_processes
     from runtime.models.minilm import default_model_dir
     model_dir = str(default_model_dir())
     texts = {f"{b}x{s}": texts_for(os.path.join(model_dir, "tokenizer.json"), b, s)
@@ -184,8 +197,9 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
     if st_python:
         impls["sentence-transformers"] = (st_python, "st", {})
     samples: dict = {n: {k: [] for k in texts} for n in impls}
+    medians: dict = {n: {k: [] for k in texts} for n in impls}     # per round
     info: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, busy_processes(contention):
         job = os.path.join(tmp, "job.json")
         Path(job).write_text(json.dumps({"rows": texts, "reps": reps, "budget_s": budget_s,
                                          "model_dir": model_dir}))
@@ -196,6 +210,7 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
                 res = _run_worker(python, kind, job, env)
                 for k, v in res["samples"].items():
                     samples[name][k].extend(v)
+                    medians[name][k].append(float(np.median(v)))
                 info[name] = {"threads": res["threads"], "env": env,
                               **({"versions": res["versions"]} if "versions" in res else {})}
                 print(f"round {r + 1}/{rounds}: {name} done", file=sys.stderr, flush=True)
@@ -210,9 +225,13 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
             for name in impls:
                 if name != "sentence-transformers":
                     row[f"ratio:{name}"] = row[name]["sent_per_s"] / base
+                    # each round's ratio of medians (its two processes ran back to back)
+                    row[f"ratio_rounds:{name}"] = [
+                        st_s / ours_s for ours_s, st_s in zip(
+                            medians[name][k], medians["sentence-transformers"][k])]
         table.append(row)
     return {"kind": "minilm_compare", "rounds": rounds, "impls": info, "rows": table,
-            "machine": machine()}
+            "contention": {"busy_processes": contention}, "machine": machine()}
 
 
 def print_table(res: dict) -> None:
@@ -226,11 +245,14 @@ def print_table(res: dict) -> None:
     for row in res["rows"]:
         cells = [row["row"]] + [f"{row[n]['sent_per_s']:.1f} [{row[n]['p10']:.1f}-"
                                 f"{row[n]['p90']:.1f}]" for n in names]
-        cells += [f"{row['ratio:' + n]:.2f}" for n in ratios]
+        cells += [f"{row['ratio:' + n]:.2f}" + (
+            f" [{min(row['ratio_rounds:' + n]):.2f}-{max(row['ratio_rounds:' + n]):.2f}]"
+            if row.get("ratio_rounds:" + n) else "") for n in ratios]
         print("| " + " | ".join(cells) + " |")
     for n, i in res["impls"].items():
         print(f"- {n}: threads {i['threads']}" + (f", env {i['env']}" if i["env"] else ""))
-    print(f"- load average at start {res['machine'].get('loadavg')}")
+    print(f"- load average at start {res['machine'].get('loadavg')}; busy-loop processes "
+          f"beside both sides: {res.get('contention', {}).get('busy_processes', 0)}")
 
 
 def plot(res: dict, path: str) -> None:
@@ -469,6 +491,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", nargs="+", default=["cpu", "wgpu"])
     ap.add_argument("--out", default="minilm_forward.json")
     ap.add_argument("--plot", help="write a bar chart (png) of the comparison")
+    ap.add_argument("--contention", type=int, default=0, metavar="N",
+                    help="run N busy-loop processes beside both sides (a busy host)")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -498,7 +522,7 @@ def main(argv=None) -> int:
     variants = ({v[0]: dict(kv.split("=", 1) for kv in v[1:]) for v in args.variant}
                 if args.variant else None)
     res = compare(_st_python(args.st_python), rows, args.rounds, args.reps, args.budget_s,
-                  variants)
+                  variants, args.contention)
     print_table(res)
     Path(args.out).write_text(json.dumps(res, indent=2))
     if args.plot:

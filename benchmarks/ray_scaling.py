@@ -78,8 +78,9 @@ if kw.get("use_ray"):
 t0 = time.perf_counter()
 s = embed_corpus({src!r}, {out!r}, progress=False, backend="cpu", **kw)
 wall = time.perf_counter() - t0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({{"rows": s.rows, "failed": s.failed, "wall_s": wall,
-                  "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "driver_peak_rss_mib": rss}}))
 """
 
 
@@ -263,6 +264,8 @@ def main(argv=None) -> int:
     res = {"machine": machine(), "args": vars(args)}
     if args.skip != "corpus":         # each run in its own process, with its own cluster
         res["corpus"] = bench_corpus(args.rows, args.reps, cpus, args.small_rows)
+    if args.skip != "serving":
+        init_ray(num_cpus=cpus, log_to_driver=False)
         res["serving"] = bench_serving([int(c) for c in args.clients.split(",")], args.requests,
                                        args.reps, cpus)
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -49,8 +49,10 @@ Usage::
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
                                  [--paths graph,eager,sentence-transformers] [--rounds 1]
                                  [--isolate] [--batch-buckets 1,2,3,4,6,8,12,16,24,32]
+                                 [--contention 0]
 
-``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
+``--contention N`` runs N busy-loop processes beside every path for the whole run (a busy
+host; ``"contention"`` in the JSON's meta). ``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
 min-max and the median per-round ratio to sentence-transformers; ``--isolate`` runs each
 (round, path) in a fresh process of its own instead of all paths in this one.
 
@@ -320,11 +322,7 @@ def largest_rows(args) -> list:
                           f"{x['cpu_s']:6.1f} CPU-s  {x['wall_s']:6.1f} s",
                           file=sys.stderr, flush=True)
     finally:
-        child.terminate()
-        try:
-            child.wait(30)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        _stop_child(child)
     return rows
 
 
@@ -417,6 +415,15 @@ def isolated_rows(clients: list, args) -> list:
     return rows
 
 
+def _stop_child(child) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    child.terminate()
+    try:
+        child.wait(30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+
+
 def _serve_child(args, extra=()):
     """``python -m runtime serve`` in a child process on a free port; returns (child, url)
     once ``/health`` answers."""
@@ -452,7 +459,8 @@ def health_rows(args) -> list:
     are embedded, not refused). For each input kind, ``--health-senders`` clients each send
     ``--health-requests`` maximum-size requests back to back: ``texts`` (``--max-inputs``
     texts filling the body limit) and ``ids`` (one token list of as many ids as the body limit
-    holds: 2.4 million at 16 MiB). Meanwhile one client GETs ``/health`` every 10 ms. Reported
+    holds: 2.4 million at 16 MiB); a request unanswered after ``--health-seconds`` is left
+    (``left``). Meanwhile one client GETs ``/health`` every 10 ms. Reported
     per kind: the probes' p50/p99/max latency (ms), how many, and the big requests' statuses.
     The goal (issue 25): p99 <= 50 ms."""
     import importlib.util
@@ -464,25 +472,34 @@ def health_rows(args) -> list:
     per_text = (args.max_body_bytes - 1000) // args.max_inputs - 6
     long_text = ((" ".join(words) + " ") * (per_text // len(" ".join(words)) + 1))[:per_text]
     n_ids = (args.max_body_bytes - 1000) // 6                  # "12345," per id
-    ids = [1000 + (i * 7919) % 28000 for i in range(n_ids)]
+    ids = [10000 + (i * 7919) % 19000 for i in range(n_ids)]
     bodies = {"texts": json.dumps({"input": [long_text] * args.max_inputs}).encode(),
-              "ids": json.dumps({"input": ids}).encode()}
+              "ids": json.dumps({"input": ids}, separators=(",", ":")).encode()}
     modes = importlib.util.find_spec("runtime.serving.token_ids") is not None
     child, url = _serve_child(args, ["--token-ids", "wordpiece"] if modes else [])
     rows = []
     try:
-        httpx.post(url + "/v1/embeddings", json={"input": SHORT[:8]}, timeout=600)   # warm-up
+        # warm-up, untimed: every bucket and kernel the big requests use is captured and
+        # compiled (a first capture compiles numba kernels, holding the GIL for seconds)
+        for warm in ({"input": [long_text] * 64}, {"input": ids[:300_000]}):
+            httpx.post(url + "/v1/embeddings", json=warm, timeout=1800)
         for kind, body in bodies.items():
             if kind not in args.health_kinds.split(","):
                 continue
             statuses, lat, done = [], [], threading.Event()
 
             def sender():
-                with httpx.Client(timeout=1800) as http:
+                # a request still running after --health-seconds is left (the server cancels
+                # its texts not yet batched): the window covers arrival, parsing, tokenizing
+                # and the first batches, which is where the event loop could be blocked
+                with httpx.Client(timeout=args.health_seconds) as http:
                     for _ in range(args.health_requests):
-                        r = http.post(url + "/v1/embeddings", content=body,
-                                      headers={"content-type": "application/json"})
-                        statuses.append(r.status_code)
+                        try:
+                            r = http.post(url + "/v1/embeddings", content=body,
+                                          headers={"content-type": "application/json"})
+                            statuses.append(r.status_code)
+                        except httpx.TimeoutException:
+                            statuses.append("left")
 
             senders = [threading.Thread(target=sender) for _ in range(args.health_senders)]
             for t in senders:
@@ -496,7 +513,7 @@ def health_rows(args) -> list:
             for t in senders:
                 t.join()
             rows.append({"kind": kind, "body_bytes": len(body), "senders": args.health_senders,
-                         "requests": len(statuses), "statuses": sorted(set(statuses)),
+                         "requests": len(statuses), "statuses": sorted(map(str, set(statuses))),
                          "probes": len(lat), "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
                          "max_ms": max(lat), "goal_p99_ms": 50.0,
                          "token_ids_flag": modes})
@@ -562,7 +579,7 @@ def print_tables(closed: list, mixed: list, largest: list, health: list = ()) ->
 
 
 def main(argv=None) -> int:
-    global BATCH_BUCKETS, WARMUP, MAX_PADDING
+    """Parse the flags and run the sections (module doc); 0 on success."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="cpu")
     p.add_argument("--sections", default="closed,mixed,largest",
@@ -607,12 +624,35 @@ def main(argv=None) -> int:
                    help="health section: clients sending maximum-size requests")
     p.add_argument("--health-requests", type=int, default=2,
                    help="health section: maximum-size requests per sender and input kind")
+    p.add_argument("--health-seconds", type=float, default=30.0,
+                   help="health section: a big request still unanswered after this long is "
+                   "left (its texts not yet batched are cancelled)")
     p.add_argument("--health-kinds", default="texts,ids",
                    help="health section: input kinds (texts, ids)")
     p.add_argument("--quick", action="store_true", help="64 requests, 8 per mixed client")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--contention", type=int, default=0, metavar="N",
+                   help="run N busy-loop processes beside every path for the whole run")
     args = p.parse_args(argv)
+    with _busy_processes(args.contention):
+        return _main(args)
+
+
+def _busy_processes(n: int):
+    """This checkout's busy loops (runtime/bench/contention.py, a leaf file loaded by path, so
+    that it works when PYTHONPATH points at an older checkout's runtime)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_contention", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime", "bench",
+        "contention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.busy_processes(n)
+
+
+def _main(args) -> int:
+    global BATCH_BUCKETS, WARMUP, MAX_PADDING
     BATCH_BUCKETS = tuple(int(b) for b in args.batch_buckets.split(","))
     WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS]
     MAX_PADDING = {"auto": "auto", "none": None}.get(args.max_padding.lower(), None)
@@ -680,7 +720,7 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "sentence_transformers": st_note or "included", "paths": args.paths,
             "rounds": args.rounds, "isolated": bool(args.isolate),
-            "max_padding": args.max_padding}
+            "max_padding": args.max_padding, "contention": {"busy_processes": args.contention}}
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": closed, "summary": summarize_closed(closed),

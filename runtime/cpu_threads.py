@@ -47,6 +47,7 @@ import math
 import os
 import re
 import threading
+import time
 
 #: the environment variables that fix numpy's BLAS thread count (the user's setting wins)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -196,6 +197,90 @@ def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
     return prev
 
 
+def _thread_schedstat():
+    """``(ns on the cpu, ns runnable but waiting for a cpu)`` of the calling thread
+    (``/proc/thread-self/schedstat``), or ``None`` where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            run, wait = f.read().split()[:2]
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return None
+
+
+class CpuShare:
+    """Whether the host is busy: the cpu workers wait for cores that other processes hold.
+
+    Two readings, taken by the worker that starts a stream item, at most once per
+    ``window_s``: the share of the CPU time that worker wanted and got, ``run / (run + wait)``,
+    where ``wait`` is its time runnable but waiting on the run queue for a core (the kernel's
+    per-thread scheduler counters, ``/proc/thread-self/schedstat``); and the cores the whole
+    process used meanwhile (``time.process_time()`` over wall time). The host is busy when the
+    share falls below ``low`` while the process used less than ``external`` of the cores (the
+    wait is for other processes, not for this process's own threads: an HTTP server beside the
+    model is not a reason to run fewer threads); it is free again once the share is above
+    ``high`` or the process uses the cores itself. The band keeps it from flipping straight
+    back: with fewer threads on a busy host each gets more (2 busy neighbours on 2 cores: a
+    share of 0.5 with 2 threads, 0.67 with 1). Where the counters are missing (not Linux) the
+    host is never busy.
+
+    Args:
+        window_s: seconds between readings (per process).
+        low, high: the share below which the host is busy, above which it is free again.
+        external: the fraction of the cores the process must be using less of to call it busy.
+        read: the counter reader (tests pass a fake); default the calling thread's schedstat.
+        cpu_time: the process's CPU seconds (tests pass a fake); default ``time.process_time``.
+    """
+
+    def __init__(self, window_s: float = 0.2, low: float = 0.6, high: float = 0.9,
+                 external: float = 0.75, read=None, cpu_time=None):
+        self.window_s, self.low, self.high, self.external = window_s, low, high, external
+        self.share = 1.0                  # the last reading of the worker's share
+        self.used = None                  # the cores the process used in the last window
+        self.busy = False
+        self._read = read or _thread_schedstat
+        self._cpu_time = cpu_time or time.process_time
+        self._next = 0.0
+        self._proc = None                 # (when, process CPU seconds) at the last reading
+        self._tls = threading.local()
+
+    def sample(self, cores: int, now: float | None = None) -> None:
+        """Update ``share``, ``used`` and ``busy`` when a window has passed (cheap otherwise:
+        one clock read), from what the calling thread's counters gained since it last read
+        them (if that was within 10 s and covers at least 20 ms of runnable time) and the
+        process's CPU time since the last reading. ``cores``: the cores the rule shares out."""
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return
+        self._next = now + self.window_s
+        got = self._read()
+        if got is None:
+            return
+        cpu, proc = self._cpu_time(), self._proc
+        self._proc = (now, cpu)
+        last = getattr(self._tls, "last", None)
+        self._tls.last = (now, got)
+        if last is None or now - last[0] > 10.0 or proc is None or now <= proc[0]:
+            return
+        run, wait = got[0] - last[1][0], got[1] - last[1][1]
+        if run + wait < 20_000_000:
+            return
+        self.share = run / (run + wait)
+        self.used = (cpu - proc[1]) / (now - proc[0])
+        mine = self.used >= self.external * cores
+        if self.share < self.low and not mine:
+            self.busy = True
+        elif self.share > self.high or mine:
+            self.busy = False
+
+    def cores(self, cores: int) -> int:
+        """The cores worth sharing out of ``cores`` now: all of them on a free host, else
+        ``cores * share`` rounded (at least 1)."""
+        if not self.busy:
+            return cores
+        return max(1, min(cores, round(cores * self.share)))
+
+
 class ThreadRule:
     """Counts the cpu stream items executing now and sizes the library pools from that count.
 
@@ -213,16 +298,20 @@ class ThreadRule:
         self.active = 0
         self.fan_outs = 0                 # kernels running pieces on several threads now
         self.adapt_blas = not blas_fixed_by_user()
+        self.cpu = CpuShare()
         self._lock = threading.Lock()
         self._blas = None                 # threadpoolctl controllers of the BLAS libraries
         self._blas_now = None             # the count last given to them
 
     def threads(self) -> int:
-        """Library threads a kernel starting now gets: ``max(1, cores // max(1, active))``."""
-        return max(1, self.cores // max(1, self.active))
+        """Library threads a kernel starting now gets: ``max(1, cores // max(1, active))``,
+        with ``cores`` cut to what the process gets on a busy host (:class:`CpuShare`)."""
+        return max(1, self.cpu.cores(self.cores) // max(1, self.active))
 
     def enter(self) -> None:
-        """A stream item starts executing (the cpu backend calls it around each item)."""
+        """A stream item starts executing (the cpu backend calls it around each item, on the
+        thread that runs the item: the CPU share is sampled there)."""
+        self.cpu.sample(self.cores)
         with self._lock:
             self.active += 1
             if self.adapt_blas:
@@ -308,10 +397,11 @@ class _Job:
     """One :meth:`FanOutPool.run`: its pieces, handed out one at a time to whichever thread
     asks next (the caller and pool threads), and the first error."""
 
-    __slots__ = ("fn", "pieces", "next", "left", "error", "cv")
+    __slots__ = ("fn", "pieces", "next", "left", "error", "cv", "seats")
 
-    def __init__(self, fn, pieces, cv):
+    def __init__(self, fn, pieces, cv, seats):
         self.fn, self.pieces = fn, pieces
+        self.seats = seats                  # pool threads that may still join
         self.next = 0                       # the next piece to hand out
         self.left = len(pieces)             # pieces not finished (or skipped after an error)
         self.error = None
@@ -355,9 +445,8 @@ class FanOutPool:
 
     def __init__(self):
         self._cv = threading.Condition(threading.Lock())
-        self._jobs: list = []               # jobs with pieces left to hand out
+        self._jobs: list = []               # jobs with pieces left to hand out and seats free
         self._threads: list = []
-        self._idle = 0
 
     def run(self, fn, pieces, threads: int) -> None:
         """``fn(piece)`` for every piece, on at most ``threads`` threads (this one and
@@ -373,7 +462,7 @@ class FanOutPool:
                 fn(p)
             return
         cv = self._cv
-        job = _Job(fn, pieces, cv)
+        job = _Job(fn, pieces, cv, helpers)
         with RULE.fan_out():
             with cv:
                 while len(self._threads) < helpers:
@@ -399,13 +488,12 @@ class FanOutPool:
         while True:
             with cv:
                 while not self._jobs:
-                    self._idle += 1
                     cv.wait()
-                    self._idle -= 1
                 job = self._jobs[0]
-                if job.next >= len(job.pieces):          # handed out: let its caller finish
-                    self._jobs.pop(0)
+                if job.next >= len(job.pieces) or job.seats <= 0:   # handed out, or enough
+                    self._jobs.pop(0)                               # threads on it already
                     continue
+                job.seats -= 1
             job.work()
 
 
@@ -420,6 +508,7 @@ def _after_fork_in_child() -> None:
     # are gone, and a lock another thread held at the fork would be held forever
     RULE._lock = threading.Lock()
     RULE.active = RULE.fan_outs = 0
+    RULE.cpu = CpuShare()
     FAN_OUT.__init__()
 
 

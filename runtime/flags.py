@@ -20,7 +20,8 @@ def _number(kind, text: str):
     try:
         v = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     if kind is float and v != v:                        # NaN compares false with everything
         raise argparse.ArgumentTypeError(f"{text!r} is not a number")
     return v

@@ -4,6 +4,7 @@ backend module that skips its test module when the backend's library is missing.
 
 import importlib
 import pkgutil
+import time
 
 import numpy as np
 import pytest
@@ -96,3 +97,17 @@ def _past_end_cpu(y, *, count):
 #: out-of-bounds store is undefined behaviour there, not an error.)
 PAST_END = Kernel("past_end", [("y", "f32", "read_write")], workgroup_size=(1, 1, 1),
                   wgsl=_PAST_END_WGSL, cpu=_past_end_cpu)
+
+
+#: the longest any bounded wait in the tests polls (seconds).
+LIMIT_S = 20.0
+
+
+def until(pred, what: str, limit_s: float = LIMIT_S) -> None:
+    """Poll ``pred`` (a cheap check or one server round trip) until True, at most ``limit_s``;
+    ``AssertionError`` naming ``what`` after that."""
+    deadline = time.monotonic() + limit_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
+        time.sleep(0.001)

@@ -108,7 +108,7 @@ def test_os_fork_child_gets_a_fresh_server_and_the_parents_objects_raise_server_
                     except runtime.ServerForked as e:
                         lines.append(f"{what}: ServerForked fork={'fork' in str(e)}")
                 c2 = runtime.client("cpu")
-                assert c2._server is not c._server
+                assert c2._server is not c._server   # private: a fresh server after the fork
                 try:
                     c2.read(h)
                     lines.append("handle: no error")

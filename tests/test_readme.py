@@ -20,6 +20,7 @@ def test_every_python_block_of_the_readme_runs():
     assert "[11. 11. 11. 11.]" in outputs[0]
     assert "True False None" in outputs[1]
     assert "['eager', 'replay'] True" in outputs[2]
+    assert any(o == "1.0\n[1.0, 1.0] ['ServerForked']\n" for o in outputs)     # fork
     # Graphs that change (docs/contract.md section 4b)
     assert any("{'alpha': 1.0, 'n': 4}\n[10. 11. 12. 13.]\n[10. 11. 12. 13.]\nGraph " in o
                for o in outputs)

@@ -22,9 +22,10 @@ Terms:
   next completion (``synchronize``, ``copy_out``) with it, as CUDA reports an asynchronous
   error at the next synchronize. Errors no stream owns (wgpu: a refused ``write_buffer``) go to
   ``failures``, raised by the next blocking call on any stream.
-- ``count``: a 3-tuple ``(x, y, z)`` of workgroups, or a 2-tuple ``(buf, nbytes)`` for an
-  indirect dispatch whose three ``u32`` counts are read from the buffer when the launch executes
-  (WebGPU ``dispatch_workgroups_indirect``); tell them apart by length.
+- ``count``: a 3-tuple ``(x, y, z)`` of workgroups, or (``indirect_dispatch`` backends only) a
+  2-tuple ``(buf, nbytes)``, ``nbytes >= 12`` (checked by the client), for an indirect dispatch
+  whose three ``u32`` counts are read from the buffer when the launch executes (WebGPU
+  ``dispatch_workgroups_indirect``); tell them apart by length.
 """
 
 from __future__ import annotations
@@ -123,6 +124,11 @@ class Backend:
 
     name = "base"
     hardware_graphs = False
+    #: True when the device reads an indirect launch's three u32 counts when it executes (also
+    #: in a graph replay): ``launch``/``record_launch`` then take ``count = (buf, nbytes)``.
+    #: False: the backend only takes ``(x, y, z)``; the client reads the counts first and a
+    #: capture window refuses an indirect launch (policy in ``runtime.server.capture``).
+    indirect_dispatch = True
     #: a human-readable device description (adapter name, GPU name), set in ``__init__``.
     device_name = "unknown"
     #: the largest workgroup count per dimension ``(x, y, z)``, or ``None`` for no limit; the

@@ -190,6 +190,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     hardware_graphs = True
+    indirect_dispatch = False     # no device-side indirect launch: the client reads the counts
 
     @classmethod
     def probe(cls) -> dict:
@@ -359,23 +360,13 @@ class CudaBackend(Backend):
                               f"{limit} threads per block this kernel allows on this device")
         return CudaProgram(kernel, raw, function)
 
-    def _grid(self, stream, count):
-        if len(count) == 3:
-            return count
-        buf, _ = count   # indirect: three u32 written on the device; a stream-ordered host read
-        mem, view = self._staging(12)
-        buf.copy_to_host_async(mem.ptr, 12, stream.stream)
-        self._event(stream).synchronize()   # this event only: never the device
-        return tuple(int(v) for v in view.view(np.uint32))
-
     def launch(self, stream, program, count, args, params, mark=None):
-        """``cuLaunchKernel`` on ``stream``: grid = ``count``, block = ``workgroup_size``.
-
-        An indirect ``count`` is read back first (stream-ordered; blocks the owner until the
-        stream reaches it). A zero count launches nothing.
+        """``cuLaunchKernel`` on ``stream``: grid = ``count`` ``(x, y, z)``, block =
+        ``workgroup_size``. A zero count launches nothing. (No indirect counts:
+        ``indirect_dispatch`` is False, the client reads them first.)
         """
         with _OnDevice(self.device):
-            grid = self._grid(stream, count)
+            grid = count
             if grid[0] and grid[1] and grid[2]:
                 program.function(grid, program.block,
                                  kernel_args(args, params, program.param_types),
@@ -408,14 +399,8 @@ class CudaBackend(Backend):
         return CudaRecording(stream)
 
     def record_launch(self, recording, program, count, args, params):
-        """Launch on the capturing stream: the driver records it as a kernel node.
-
-        Raises: ``LaunchError`` for an indirect count (its host read cannot be captured).
-        """
-        if len(count) != 3:
-            raise LaunchError(f"kernel {program.kernel.name}: an indirect count needs a host "
-                              "read, which a CUDA capture cannot record; launch it with an "
-                              "(x, y, z) count inside the window")
+        """Launch on the capturing stream: the driver records it as a kernel node (``count`` is
+        ``(x, y, z)``: the server refuses indirect launches in a window, ``indirect_dispatch``)."""
         self.launch(recording.cs, program, count, args, params)
         recording.launches += 1
 

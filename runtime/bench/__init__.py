@@ -53,7 +53,7 @@ Adding a section
    ``img("x.png", "alt")``) and ``targets(result) -> list[dict]``.
 3. Append ``Section("<name>", mod.measure, mod.units, mod.markdown, mod.plot, mod.targets)`` to
    ``SECTIONS`` in ``runtime/bench/suite.py``. ``--sections <name>`` then runs it alone and
-   ``--skip <name>`` leaves it out; ``tests/test_bench_smoke.py`` shows how to check its rows.
+   ``--skip <name>`` leaves it out; ``tests/bench/test_bench_smoke.py`` shows how to check its rows.
 """
 
 from .results import machine, write_json

@@ -45,9 +45,10 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
     are both reached, or ``max_reps``. Host ids in, embeddings out, as a server calls it. A
     ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the configurations by
     their size; one whose share is spent stops after fewer repetitions (at least one of each
-    path after the warm-up), and the cut is recorded. Once the whole budget is spent, the
-    remaining configurations are not measured: their rows say so (``"skipped"``), as do the
-    cuts (the first row always runs).
+    path after the warm-up), and the cut is recorded. A configuration that cannot fit in what
+    is left of the budget (predicted from the last row's seconds per token) or comes after the
+    budget is spent is not measured: its row says so (``"skipped"``), as do the cuts (the first
+    row always runs).
 
     Returns: ``{"rows": [{"batch", "seq", "reps", "eager", "replay"[, "sentence_transformers"]}],
     "sentence_transformers": "measured" or why not}`` (summaries in ms), or ``{"skipped": why}``
@@ -71,12 +72,18 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
     rng = np.random.default_rng(0)
     out = {"rows": [], "sentence_transformers": st_reason or "measured"}
     parts = (budget or unbounded()).split([b * s + 64 for b, s in plan])
+    left = (budget or unbounded()).left
+    per_token = 0.0                                      # eager seconds per token, last row
     for batch, seq in plan:
         part = next(parts)
-        if out["rows"] and part.seconds is not None and part.seconds <= 0:
-            # the warm-up and capture alone take several forwards (on lavapipe, 32x128 is
-            # ~12 s each): a spent budget skips the row, said in the row and the cuts
-            why = "the section's --budget-s share was spent (--budget-s 0 runs every row)"
+        # the warm-up and capture alone take several forwards (on lavapipe, 32x128 is ~12 s
+        # each): a row that cannot fit in what is left of the section's budget (by the seconds
+        # per token of the last row of >= 128 tokens, ~6 forwards at least) is skipped, said
+        # in the row and the cuts
+        need = 6 * per_token * batch * seq if per_token else 0.0
+        if out["rows"] and part.seconds is not None and (part.seconds <= 0 or need > left()):
+            why = (f"the section's --budget-s share was spent or too small (it needs ~{need:.0f} "
+                   f"s, {max(0.0, left()):.0f} s were left; --budget-s 0 runs every row)")
             part.cut(f"MiniLM batch {batch} seq {seq}: not measured ({why})")
             out["rows"].append({"batch": batch, "seq": seq, "reps": 0, "skipped": why})
             if tick:
@@ -108,6 +115,8 @@ def measure(backend: str, quick: bool = False, tick=None, budget_s: float = 8.0,
                 tick()
         if tick and r < max_reps:
             tick(max_reps - r)
+        if samples["eager"] and batch * seq >= 128:   # below, per-forward costs dominate
+            per_token = min(samples["eager"]) / (batch * seq)
         row = {"batch": batch, "seq": seq, "reps": r}
         row.update({p: summarize(v, 1e3) for p, v in samples.items()})
         out["rows"].append(row)

@@ -184,10 +184,11 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
 
     A ``budget`` (:class:`runtime.bench.budget.Budget`) is shared among the enqueue rows and
     the end-to-end rows by their rough cost; each row runs fewer repetitions once its share is
-    spent (``reps`` in the row says how many ran). Once the whole budget is spent, the
-    remaining end-to-end rows (the largest: a pass of 1000 1 Mi-float launches is ~2 s on an
-    idle lavapipe, ~25 s on a loaded one, and a row needs ~12 passes at least) are not run:
-    ``skipped_rows`` lists them with why, as do the budget's cuts and the report.
+    spent (``reps`` in the row says how many ran). An end-to-end row that cannot fit in what
+    is left of the budget (predicted from the last row of its size: a row needs ~12 passes,
+    and a pass of 1000 1 Mi-float launches is ~2 s on an idle lavapipe, ~25 s on a loaded
+    one) or comes after the budget is spent is not run: ``skipped_rows`` lists it with why,
+    as do the budget's cuts and the report.
     """
     client = runtime.client(backend)
     lengths = QUICK_LENGTHS if quick else LENGTHS
@@ -198,11 +199,15 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
     out = {"device": client.device_name,
            "enqueue": measure_enqueue(client, lengths, enqueue_reps(quick), tick, next(parts)),
            "e2e": []}
+    per_launch: dict = {}                         # size -> eager seconds per launch, last row
     for size, elems, length, reps in plan:
         part = next(parts)
-        if out["e2e"] and budget is not None and budget.seconds is not None and \
-                budget.left() <= 0:
-            why = "the section's --budget-s share was spent (--budget-s 0 runs every row)"
+        # a row runs >= 12 passes (warm-ups, capture, 2 repetitions of 3 paths)
+        need = 12 * per_launch.get(size, 0.0) * length
+        if out["e2e"] and budget is not None and budget.seconds is not None and (
+                budget.left() <= 0 or need > budget.left()):
+            why = (f"the section's --budget-s share was spent or too small (it needs ~{need:.0f}"
+                   f" s, {max(0.0, budget.left()):.0f} s were left; --budget-s 0 runs every row)")
             budget.cut(f"end to end elems={elems} L={length}: not measured ({why})")
             out.setdefault("skipped_rows", []).append({"size": size, "length": length,
                                                        "why": why})
@@ -210,6 +215,7 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
                 tick(reps)
             continue
         row = measure_pass(client, backend, elems, length, reps, tick, part)
+        per_launch[size] = row["eager"]["e2e"]["p10"] / 1e6 / length
         out["e2e"].append(dict(row, size=size))
     return out
 

@@ -118,14 +118,25 @@ def _json_type(kinds: set):
     return pa.string()
 
 
-def _blocks_of(ends: list, block_rows: int, start: int) -> tuple:
-    """Blocks from each data row's end offset (bytes): ``block_rows`` rows each."""
-    out = []
-    for first in range(0, len(ends), block_rows):
-        last = min(first + block_rows, len(ends))
-        out.append(Block(len(out), first, last - first, ends[first - 1] if first else start,
-                         ends[last - 1]))
-    return tuple(out)
+class _Blocks:
+    """Collects blocks of ``block_rows`` rows from each data row's end offset as a scan meets
+    them (memory: one :class:`Block` per block, not one offset per row)."""
+
+    def __init__(self, block_rows: int, start: int):
+        self.block_rows, self.start, self.rows, self.first, self.out = block_rows, start, 0, 0, []
+
+    def row(self, end: int) -> None:
+        self.rows += 1
+        self.end = end
+        if self.rows == self.block_rows:
+            self.close()
+
+    def close(self) -> tuple:
+        if self.rows:
+            self.out.append(Block(len(self.out), self.first, self.rows, self.start, self.end))
+            self.first += self.rows
+            self.start, self.rows = self.end, 0
+        return tuple(self.out)
 
 
 def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) -> Plan:
@@ -152,13 +163,13 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
     if fmt == "json":
         import json
         kinds: dict = {}
-        ends, offset = [], 0
+        blocks, offset = _Blocks(block_rows, 0), 0
         with open(p, "rb") as f:
             for line in f:
                 offset += len(line)
                 if not line.strip():
                     continue
-                ends.append(offset)
+                blocks.row(offset)
                 try:
                     obj = json.loads(line)
                 except ValueError:
@@ -171,9 +182,9 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
         _need_column(list(kinds), text_column)
         columns = tuple((k, pa.string() if k == text_column else _json_type(v))
                         for k, v in kinds.items())
-        return Plan(blocks=_blocks_of(ends, block_rows, 0), columns=columns, **common)
+        return Plan(blocks=blocks.close(), columns=columns, **common)
     if fmt == "csv":
-        ends, parity, header, offset = [], 0, None, 0
+        blocks, parity, header, offset = None, 0, None, 0
         with open(p, "rb") as f:
             record = b""
             for line in f:
@@ -183,16 +194,17 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
                     parity ^= line.count(b'"') & 1
                     if not parity:
                         header = record
+                        blocks = _Blocks(block_rows, offset)
                     continue
                 if not parity and not line.strip(b"\r\n"):
                     continue                      # an empty line between records: skipped
                 parity ^= line.count(b'"') & 1
                 if not parity:
-                    ends.append(offset)
+                    blocks.row(offset)
         if header is None:
             raise ValueError(f"input {str(p)!r}: a CSV file needs a header line")
-        return Plan(blocks=_blocks_of(ends, block_rows, len(header)),
-                    columns=_csv_types(p, text_column), header=header, **common)
+        return Plan(blocks=blocks.close(), columns=_csv_types(p, text_column), header=header,
+                    **common)
     from pyarrow import parquet
     meta = parquet.ParquetFile(p).metadata
     schema = meta.schema.to_arrow_schema()

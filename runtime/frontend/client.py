@@ -76,12 +76,16 @@ class ComputeClient:
           ``launch`` refuses a larger count with ``LaunchError``.
         - ``checked`` (bool): the server runs the stream-ordering checker (``check=True``;
           see :meth:`checker_violations`).
+        - ``indirect_dispatch`` (bool): the device reads an indirect launch's counts when it
+          executes, also in a graph replay (cpu, wgpu). False (cuda): ``launch`` reads them on
+          the caller's thread first, and a capture window refuses an indirect launch.
         """
         srv = self._server
         mw = srv.backend.max_workgroups
         return {"hardware_graphs": bool(srv.backend.hardware_graphs),
                 "max_workgroups": None if mw is None else tuple(mw),
-                "checked": srv.checker is not None}
+                "checked": srv.checker is not None,
+                "indirect_dispatch": bool(srv.backend.indirect_dispatch)}
 
     def checker_violations(self) -> list:
         """Every ``LivenessError`` / ``StreamRaceError`` the stream-ordering checker of this
@@ -235,15 +239,21 @@ class ComputeClient:
             raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
         hid = handle._check(self._server, "read")
         srv = self._server
-        comp, mark, errors = srv.call(srv.h_read, self._sid, hid)
+        raw = self._finish_read(srv.call(srv.h_read, self._sid, hid), hid).view(handle.dtype)
+        return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
+
+    def _finish_read(self, answer, hid: int) -> np.ndarray:
+        """Wait for ``h_read``'s ``(completion, mark, errors)`` on this thread and return the
+        bytes, or raise what the read must raise (see :meth:`read`)."""
+        comp, mark, errors = answer
+        srv = self._server
         if not comp.done:
             srv.wait(comp)
         if mark.error is not None:          # its writer failed (found at enqueue or meanwhile)
             raise mark.stale(hid, errors + error_list(comp.error))
         if errors:                          # queued errors: comp is a fence of the stream
             raise unhealthy(errors + error_list(comp.error))
-        raw = comp.result().view(handle.dtype)
-        return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
+        return comp.result()
 
     # -- kernels ------------------------------------------------------------------------------
     def launch(self, kernel: Kernel, count, handles, params=None) -> None:
@@ -254,7 +264,11 @@ class ComputeClient:
             count: workgroups, an int or ``(x, y, z)``; or a ``Handle`` holding three ``u32``
                 (an indirect dispatch: the counts are read when the launch executes, also on
                 every replay of a graph that recorded it; WebGPU ``dispatch_workgroups_indirect``).
-                A zero count is a no-op.
+                A zero count is a no-op. On a backend whose device does not read counts
+                (``capabilities["indirect_dispatch"]`` False: cuda) this call reads them first
+                (a blocking read on this stream, raising what a read raises), and inside a
+                capture window the launch is refused (``stop_capture`` raises
+                ``CaptureRefused``): a hardware graph cannot record a host read.
             handles: one ``Handle`` per binding, in order.
             params: a mapping or sequence of the kernel's params.
         Returns: at once (fire-and-forget); waits for room while the device queue is full.
@@ -297,7 +311,15 @@ class ComputeClient:
                 raise LaunchError(f"indirect launch of {kernel.name}: the count handle {count.id} "
                                   "must hold three u32 (12 bytes)")
             cnt = count._check(srv, f"indirect launch of {kernel.name}")
-        else:
+            if not srv.backend.indirect_dispatch:
+                # the device cannot read the counts (cuda here): this caller reads them first,
+                # ordered on its stream, so no server handler waits for the device; inside a
+                # capture window the launch goes on indirect and the window refuses it
+                answer = srv.call(srv.h_indirect_count, self._sid, cnt)
+                if answer is not None:
+                    count = tuple(int(v) for v in
+                                  self._finish_read(answer, cnt)[:12].view(np.uint32))
+        if not isinstance(count, Handle):
             cnt = normalize_count(count)
             if 0 in cnt:
                 return

@@ -11,7 +11,7 @@ Numerics:
   ``z P(z^2) / Q(z^2)`` on ``z`` clamped to ``[-4, 4]`` (``erf(4) = 1 - 1.5e-8``, below float32
   resolution). ``P``/``Q`` (degrees 6 and 5) were fitted for this module by Lawson-reweighted
   least squares on 20,000 points of ``(0, 4]`` against ``math.erf``; max absolute error 1.5e-9
-  inside, 1.5e-8 past the clamp (``tests/test_cpu_loops.py`` checks < 2e-8 on a dense grid;
+  inside, 1.5e-8 past the clamp (``tests/kernels/test_cpu_loops.py`` checks < 2e-8 on a dense grid;
   float32's spacing near 1 is 6e-8), so the result is exact to float32 rounding. libm's ``erf``
   would be as exact but is a scalar call per element that LLVM cannot vectorise (~10x slower).
 - Layer norm and L2 norm accumulate in float64 (one pass for the sum, one for the centred

@@ -42,7 +42,7 @@ def encode_truncated(tokenizer, texts, first_chars: int = FIRST_CHARS,
             further pass of an unsettled text reads 4x more, up to the whole text);
         group: texts per ``encode_batch`` call.
     Returns: one ``tokenizers.Encoding`` per text, with the ids and attention mask that
-        encoding the whole text gives (checked against it in ``tests/test_serving.py``).
+        encoding the whole text gives (checked against it in ``tests/serving/test_http.py``).
     Raises: what ``encode_batch`` raises (e.g. ``TypeError``/``Exception`` for text the
         tokenizer cannot take, such as a lone UTF-16 surrogate).
 

@@ -246,9 +246,16 @@ class Capture:
         """Add one launch to the open window of ``s`` (``h_launch`` inside a window).
 
         Folds the cross-stream fences of every handle it uses into the window (see
-        ``Window.fences``). Raises what ``Backend.record_launch`` raises.
+        ``Window.fences``). Raises ``CaptureRefused`` for an indirect launch on a backend
+        without ``indirect_dispatch`` (the window is then invalidated by the caller), and what
+        ``Backend.record_launch`` raises.
         """
         w = s.window
+        if cst is not None and not self.backend.indirect_dispatch:
+            raise CaptureRefused(f"indirect launch of {kernel.name} (count handle {cst.id}) "
+                                 f"inside the capture window: the {self.backend.name} backend "
+                                 "reads indirect counts on the host before the launch, which a "
+                                 "graph cannot record; launch it with an (x, y, z) count")
         self.backend.record_launch(w.recording, prog, count, args, params)
         w.launches += 1
         w.ops.append(LaunchRec(kernel, count if cst is None else cst.id,

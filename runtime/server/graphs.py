@@ -58,8 +58,8 @@ def launches(g: GraphState, server) -> list:
 
 
 def _nbytes(g: GraphState, server) -> dict:
-    out = {st.id: st.nbytes for st in g.handles}
-    return out
+    """``{handle id: nbytes}`` of the handles ``g`` uses."""
+    return {st.id: st.nbytes for st in g.handles}
 
 
 def describe(g: GraphState, server) -> dict:

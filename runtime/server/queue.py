@@ -38,7 +38,7 @@ import threading
 import traceback
 import weakref
 
-from ..errors import ServerClosed, ServerForked
+from ..errors import ServerClosed, ServerForked, unhealthy
 
 #: seconds between health checks while a caller waits for an answer.
 POLL_S = 0.05
@@ -114,6 +114,9 @@ class DeviceQueue:
         self._carry: dict = {}          # {id: batch} cut short by RELEASE_BATCH, requeued
         self._batch_fn = self._run_batch    # one object: release() spots its messages by it
         self.forked_from: int | None = None     # the parent's pid, in a forked child
+        #: errors still queued when the server closed: raised, once, with the next
+        #: ``ServerClosed`` (never dropped by a shutdown; set by the server's last message)
+        self.leftover: list = []
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _QUEUES.add(self)
@@ -402,7 +405,9 @@ class DeviceQueue:
 
     def closed_error(self) -> ServerClosed:
         """The error a call on this stopped queue raises: ``ServerForked`` in a forked child,
-        else ``ServerClosed`` saying why it stopped."""
+        else ``ServerClosed`` saying why it stopped; the first one also carries the errors that
+        were still queued at the shutdown (``leftover``: one ``ServerUnhealthy`` that is also a
+        ``ServerClosed`` and an instance of each of their classes)."""
         if self.forked_from is not None:
             return ServerForked(
                 f"server {self._thread.name} belongs to process {self.forked_from}, and this "
@@ -410,7 +415,9 @@ class DeviceQueue:
                 "start method): the device thread and the backend's workers did not come along, "
                 "so the parent's clients, handles and graphs cannot be used here; call "
                 "runtime.client(...) in this process for a fresh server")
-        return ServerClosed(self._closed_message())
+        err = ServerClosed(self._closed_message())
+        left, self.leftover = self.leftover, []
+        return unhealthy([err] + left) if left else err
 
     def _closed_message(self) -> str:
         if self.death is not None:

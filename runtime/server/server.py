@@ -470,6 +470,11 @@ class ComputeServer:
             if reads is not None:
                 self.marks.inherit(mark, reads)
             if cst is not None:
+                if not self.backend.indirect_dispatch:
+                    raise LaunchError(f"indirect launch of {kernel.name}: the "
+                                      f"{self.backend.name} backend does not read counts on "
+                                      "the device; launch through ComputeClient.launch, which "
+                                      "reads them first")
                 self._wait_for(s, cst.writes)
             if self.checker is not None:
                 for b, st in zip(bindings, states):
@@ -502,6 +507,16 @@ class ComputeServer:
             self.marks.fail(outs, ("launch", kernel.name, s.id), err)
         else:
             self.capture.refuse(s, f"launch of {kernel.name} ({type(err).__name__}: {err})")
+
+    def h_indirect_count(self, sid, hid: int):
+        """For ``launch`` on a backend without ``indirect_dispatch``: ``h_read`` of the count
+        handle ``hid`` on ``sid`` (the caller waits and decodes it, so no handler waits for the
+        device), or None while ``sid`` is capturing (the launch then goes to the window, which
+        refuses it: ``Capture.record``)."""
+        s = self._stream(sid)
+        if s.window is not None:
+            return None
+        return self.h_read(sid, hid)
 
     # -- synchronisation ------------------------------------------------------------------------
     def h_sync(self, sid) -> tuple:
@@ -858,8 +873,26 @@ class ComputeServer:
     # -- lifetime -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the server: queued work runs, then the backend closes; later calls and every
-        waiting caller get ``ServerClosed``. Idempotent."""
-        self.queue.close(self.backend.close)
+        waiting caller get ``ServerClosed``; the first of them also gets the errors still
+        queued then (on streams, unattributed, in the backend): never dropped. Idempotent."""
+        self.queue.close(self._close)
+
+    def _close(self) -> None:
+        """The last message: close the backend, then hand every error still queued to the
+        queue's next ``ServerClosed`` (``DeviceQueue.leftover``)."""
+        try:
+            self.backend.close()
+        finally:
+            left = list(self.marks.async_errors)
+            self.marks.async_errors = []
+            for s in self.streams.values():
+                left += s.errors
+                s.errors = []
+                raw = getattr(s.raw, "errors", None)     # found at execution, not reported yet
+                while raw:
+                    left.append(raw.popleft() if hasattr(raw, "popleft") else raw.pop(0))
+            left += self.backend.take_failures()
+            self.queue.leftover = left
 
     @property
     def closed(self) -> bool:

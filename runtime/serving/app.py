@@ -41,6 +41,7 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import json
 import math
 import time
 
@@ -206,6 +207,7 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     elif openai_ids is not None:
         limits["vocab_size"] = openai_ids.vocab_size
     health_settings = dict(settings or {}, token_ids=token_ids)
+    big_submits = asyncio.Semaphore(1)
 
     def err(e: _ApiError):
         return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status,
@@ -256,7 +258,10 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
             with span("tokenize", root):
                 n_chars = 0 if p.token_ids else sum(map(len, p.inputs))
                 if len(p.inputs) > INLINE_TEXTS or n_chars > INLINE_CHARS or openai_ids:
-                    fut = await run_in_threadpool(submit, p)      # keep the loop free
+                    # off the loop, one big request at a time: tokenizing holds the GIL in
+                    # short slices, and each more thread slicing it delays the loop's turn
+                    async with big_submits:
+                        fut = await run_in_threadpool(submit, p)
                 else:
                     fut = submit(p)
             res = await answer_or_disconnect(request, fut)
@@ -337,19 +342,25 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
 
 
 def _answer(res, encoding_format: str, model_id: str, n_tok: int):
-    """The 200 answer for a batcher result (rows as floats or base64 float32)."""
-    from fastapi.responses import JSONResponse
+    """The 200 answer for a batcher result (rows as floats or base64 float32).
+
+    The JSON is built one row at a time (``json.dumps`` of one row, then joined), not in one
+    ``json.dumps`` of the whole answer: a C call holds the GIL to its end, and 2048 rows of
+    384 floats take ~0.2 s, which would stop the event loop even from a worker thread.
+    """
+    from fastapi.responses import Response
 
     if encoding_format == "base64":
-        rows = [base64.b64encode(r.astype("<f4").tobytes()).decode("ascii")
-                for r in res.embeddings]
+        rows = (json.dumps(base64.b64encode(r.astype("<f4").tobytes()).decode("ascii"))
+                for r in res.embeddings)
     else:
-        rows = res.embeddings.tolist()
-    return JSONResponse({"object": "list",
-                         "data": [{"object": "embedding", "index": i, "embedding": r}
-                                  for i, r in enumerate(rows)],
-                         "model": model_id,
-                         "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+        rows = (json.dumps(r.tolist(), separators=(",", ":"), allow_nan=False)
+                for r in res.embeddings)
+    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{r}}}'
+                    for i, r in enumerate(rows))
+    body = (f'{{"object":"list","data":[{data}],"model":{json.dumps(model_id)},'
+            f'"usage":{{"prompt_tokens":{n_tok},"total_tokens":{n_tok}}}}}')
+    return Response(body.encode("utf-8"), media_type="application/json")
 
 
 def cosine(a, b) -> float:

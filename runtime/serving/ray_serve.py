@@ -4,7 +4,8 @@ Each replica is a Ray actor that builds the single-process server's
 :class:`runtime.serving.replica.Replica` from the same settings (every ``serve`` flag): it loads
 all-MiniLM-L6-v2 once on its device (its own device server and captured bucket graphs) and
 serves the app (:func:`runtime.serving.create_app`) through Serve's ASGI ingress:
-``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, answered by whichever replica Serve's router picked (the metrics are that replica's; Serve's own
+``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, answered by
+whichever replica Serve's router picked (the metrics are that replica's; Serve's own
 request metrics cover the deployment). Every answer carries the replica's id in the
 ``x-runtime-replica`` header.
 
@@ -29,8 +30,8 @@ APP_NAME = "runtime-embeddings"
 
 class ReplicaServer:
     """What each Serve replica runs (:data:`EmbeddingsReplica` is this class as a Serve
-    deployment with ASGI ingress): MiniLM on this actor's device, a batcher, and the embeddings app, all
-    built by :class:`runtime.serving.replica.Replica` from the same
+    deployment with ASGI ingress): MiniLM on this actor's device, a batcher, and the embeddings
+    app, all built by :class:`runtime.serving.replica.Replica` from the same
     :class:`~runtime.serving.replica.Settings` as ``python -m runtime serve`` in one process.
 
     Args:

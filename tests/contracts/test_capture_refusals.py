@@ -129,3 +129,37 @@ def test_runtime_capture_falls_back_when_fn_reads_or_swallows_a_refusal(client):
         assert g.fallback_reason is not None
         np.testing.assert_array_equal(g.replay().numpy(), np.arange(N) * 2)
         g.release()
+
+
+def test_indirect_launch_reads_counts_on_the_caller_without_device_indirect_dispatch():
+    """A backend whose device does not read indirect counts (cuda: ``indirect_dispatch`` False)
+    gets a plain ``(x, y, z)``: the client reads the counts first, on its stream, so no server
+    handler waits for the device; inside a window the launch is refused by the server's capture
+    policy (``Capture.record``), not by the backend. Modelled on a cpu server."""
+    c = runtime.client("cpu", scheduler="interleave", seed=3)
+    be = c._server.backend
+    be.indirect_dispatch = False                  # what cuda declares
+    assert c.capabilities["indirect_dispatch"] is False
+    launched = []
+    real = be.launch
+
+    def launch(stream, program, count, args, params, mark=None):
+        launched.append(count)
+        real(stream, program, count, args, params, mark)
+    be.launch = launch
+    x, y = c.create(np.ones(N, np.float32)), c.create(np.zeros(N, np.float32))
+    counts = c.create(np.array([1, 1, 1], np.uint32))
+    c.launch(K.add_scalar, counts, [x, y], {"alpha": 2.0, "n": N})
+    np.testing.assert_array_equal(c.read(y), np.full(N, 3.0, np.float32))
+    assert launched[-1] == (1, 1, 1)              # a static count reached the backend
+    c.graph_prepare()
+    c.start_capture()
+    c.launch(K.add_scalar, counts, [x, y], {"alpha": 2.0, "n": N})
+    with pytest.raises(CaptureRefused, match="indirect launch of add_scalar"):
+        c.stop_capture()
+    srv = c._server                               # a raw indirect launch is refused, typed
+    srv.submit(srv.h_launch, c.stream, K.add_scalar, counts.id, [x.id, y.id],
+               K.add_scalar.pack_params({"alpha": 2.0, "n": N}))
+    with pytest.raises(runtime.LaunchError, match="does not read counts on the device"):
+        c.sync()
+    c.shutdown()

@@ -307,7 +307,7 @@ def test_indirect_counts_are_read_when_the_replay_executes(client, hardware):
         client.read(counts)
         client.start_capture()
         client.launch(K.add_scalar, counts, [inp, out], {"alpha": 1.0, "n": 4})
-        with pytest.raises(LaunchError, match="indirect count"):
+        with pytest.raises(CaptureRefused, match="indirect launch of add_scalar"):
             client.stop_capture()
         return
     c = client
@@ -331,3 +331,41 @@ def test_indirect_counts_are_read_when_the_replay_executes(client, hardware):
     c.write(counts, np.array([0, 1, 1], np.uint32))               # an empty dispatch
     g.replay()
     np.testing.assert_array_equal(c.read(y), expect)
+
+
+# -- the capture state machine through a server, every backend (CubeCL D1 scenarios 22, 23) --
+def test_a_rejected_transition_changes_nothing(client):                   # 22 (through a server)
+    client.graph_prepare()
+    with pytest.raises(GraphStateError, match="already prepared"):
+        client.graph_prepare()
+    client.start_capture()                          # still prepared: begin succeeds
+    client.stop_capture()
+
+
+def test_a_refused_window_returns_to_no_capture(client):                  # 23 (abort)
+    import numpy as np
+    h = client.create(np.zeros(4, np.float32))
+    client.graph_prepare()
+    client.start_capture()
+    client.write(h, np.ones(4, np.float32))
+    with pytest.raises(Exception):
+        client.stop_capture()
+    client.graph_prepare()                          # back in no capture: prepare succeeds
+    client.start_capture()
+    client.stop_capture()
+
+
+def test_warmup_errors_abort_start_capture(client):
+    import numpy as np
+    import runtime
+    h = client.create(np.zeros(4, np.float32))
+    bad = runtime.Kernel("bad", [runtime.Binding("y", "f32", "read_write")], wgsl="nope", cuda="nope")
+    client.graph_prepare()
+    client.launch(bad, 1, [h])                      # fails to compile on every backend: queued
+    with pytest.raises(runtime.ServerUnhealthy, match="bad"):
+        client.start_capture()
+    with pytest.raises(GraphStateError):            # back in no capture (CubeCL wgpu)
+        client.stop_capture()
+    client.graph_prepare()
+    client.start_capture()
+    client.stop_capture()

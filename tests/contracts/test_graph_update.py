@@ -246,12 +246,70 @@ def test_rebind_fences_under_the_interleaving_scheduler(seed):
     """The same ordering, checked deterministically: the interleaving scheduler runs stream
     heads in a seeded random order, so a replay not ordered after the new input's write on
     another stream reads stale data for some seed."""
-    c = runtime.client("cpu", scheduler="interleave", seed=seed).with_stream(runtime.StreamId.new())
-    x, y, g = _axpy_graph(c, 64)
-    other = c.with_stream(runtime.StreamId.new())
-    x2 = other.create(np.zeros(64, np.float32))
-    other.sync()
-    other.write(x2, np.full(64, 41, np.float32))
-    g.update(rebind={x: x2})
+    from runtime.backends.cpu import InterleavingScheduler
+
+    # a scheduler object gives a server of its own (a printed program's
+    # runtime.client("cpu", scheduler="interleave", seed=s) must not meet this one)
+    c = runtime.client("cpu", scheduler=InterleavingScheduler(seed)).with_stream(
+        runtime.StreamId.new())
+    try:
+        x, y, g = _axpy_graph(c, 64)
+        other = c.with_stream(runtime.StreamId.new())
+        x2 = other.create(np.zeros(64, np.float32))
+        other.sync()
+        other.write(x2, np.full(64, 41, np.float32))
+        g.update(rebind={x: x2})
+        g.replay()
+        np.testing.assert_array_equal(c.read(y), np.full(64, 42, np.float32))
+    finally:
+        c.shutdown()
+
+
+def test_wgpu_update_rebuilds_only_the_changed_bind_groups():
+    """wgpu patches its software graph: an update of one launch of three creates one bind
+    group (that launch's), and the replay uses it (issue 27 item 1)."""
+    from runtime.testing import backend_unavailable
+
+    if backend_unavailable("wgpu"):
+        pytest.skip(backend_unavailable("wgpu"))
+    c = runtime.client("wgpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.arange(8, dtype=np.float32))
+    t = c.create(np.zeros(8, np.float32))
+    y = c.create(np.zeros(8, np.float32))
+
+    def work():
+        c.launch(K.add_scalar, 1, [x, t], {"alpha": 2.0, "n": 8})
+        c.launch(K.mul, 1, [x, t, y], {"n": 8})
+        c.launch(K.accumulate, 1, [t, y], {"n": 8})
+    g = capture(c, work)
+    be = c._server.backend
+    made = []
+    real = be.dev.create_bind_group
+
+    def counting(**kw):
+        made.append(kw)
+        return real(**kw)
+    be.dev.create_bind_group = counting
+    try:
+        g.update(params={0: {"alpha": 3.0}})
+    finally:
+        del be.dev.create_bind_group
+    assert len(made) == 1
     g.replay()
-    np.testing.assert_array_equal(c.read(y), np.full(64, 42, np.float32))
+    xs = np.arange(8, dtype=np.float32)
+    np.testing.assert_array_equal(c.read(y), xs * (xs + 3) + (xs + 3))
+
+
+def test_update_and_instantiate_refused_while_the_stream_captures(client):
+    from runtime.errors import CaptureRefused
+
+    x, y, g = _axpy_graph(client)
+    client.graph_prepare()
+    client.start_capture()
+    with pytest.raises(CaptureRefused):
+        g.update(params={0: {"alpha": 2.0}})
+    with pytest.raises(CaptureRefused):
+        g.instantiate()
+    client.abort_capture()
+    g.replay()
+    np.testing.assert_array_equal(client.read(y), [1, 2, 3, 4])

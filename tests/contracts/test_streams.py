@@ -165,8 +165,9 @@ def test_capabilities_and_checker_violations_are_public(client):
     """``client.capabilities`` and ``client.checker_violations()`` (issue 29 item 4: tests and
     the testing kit read them instead of ``client._server``)."""
     caps = client.capabilities
-    assert set(caps) == {"hardware_graphs", "max_workgroups", "checked"}
+    assert set(caps) == {"hardware_graphs", "max_workgroups", "checked", "indirect_dispatch"}
     assert caps["hardware_graphs"] is (client.backend == "cuda")
+    assert caps["indirect_dispatch"] is (client.backend != "cuda")
     assert caps["max_workgroups"] is None or (len(caps["max_workgroups"]) == 3 and
                                               min(caps["max_workgroups"]) >= 65535)
     if not caps["checked"]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from runtime.bench import core
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path, *args):

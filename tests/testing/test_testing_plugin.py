@@ -15,7 +15,7 @@ import pytest
 
 pytest_plugins = ("pytester",)
 PLUGIN = ("-p", "runtime.testing.plugin")
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 USER_TEST = '''
 import numpy as np, pytest, runtime

@@ -19,7 +19,7 @@ import pytest
 
 import runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THREADS = {"1", "2", "4", "8"}
 QUICK_LENGTHS = {"1", "10", "100", "1000"}
 
@@ -159,6 +159,7 @@ def test_serving_benchmark_isolated_rounds_write_rows_and_a_summary(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "serving_cpu.json").read_text())
     assert data["meta"]["isolated"] and data["meta"]["rounds"] == 2
+    assert data["meta"]["contention"] == {"busy_processes": 0}     # --contention N says so
     rows = data["rows"]
     assert sorted((r["round"], r["clients"]) for r in rows) == [(0, 1), (0, 3), (1, 1), (1, 3)]
     assert all(r["path"] == "eager" and r["requests"] == 6 and r["failures"] == 0 for r in rows)

@@ -21,7 +21,7 @@ pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip insta
 from runtime.models import MiniLM, default_model_dir  # noqa: E402
 from runtime.models.minilm import BATCH_BUCKETS, SEQ_BUCKETS  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -164,3 +165,99 @@ def test_a_quota_above_the_affinity_mask_leaves_the_mask(tmp_path, monkeypatch):
     root = _tree(tmp_path, "0::/\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "1600000 100000\n"})
     assert ct.cpu_quota(root) == 16.0
     assert ct.available_cores(root) == 2
+
+
+# -- the CPU share: fewer threads while the process gets less CPU than its threads want --------
+class _Counters:
+    """A fake ``/proc/thread-self/schedstat``: ns on the cpu and ns waiting for one."""
+
+    def __init__(self):
+        self.run = self.wait = 0
+
+    def add(self, run_ms, wait_ms):
+        self.run += run_ms * 1_000_000
+        self.wait += wait_ms * 1_000_000
+
+    def __call__(self):
+        return self.run, self.wait
+
+
+def test_cpu_share_marks_a_busy_host_and_frees_it_with_hysteresis():
+    counters, cpu = _Counters(), [0.0]
+    share = ct.CpuShare(window_s=0.2, low=0.6, high=0.9, read=counters,
+                        cpu_time=lambda: cpu[0])
+    t = 100.0
+    share.sample(2, t)                                 # the first reading: a baseline
+    assert share.cores(2) == 2 and not share.busy
+    for run, wait, used, busy, cores in (
+            (190, 10, 1.9, False, 2),                  # quiet: 0.95 of what it wanted
+            (100, 100, 1.0, True, 1),                  # 2 busy neighbours, 2 threads: 0.5
+            (134, 66, 0.7, True, 1),                   # 1 thread: 0.67, still busy
+            (5, 5, 0.1, True, 1),                      # under 20 ms runnable: no reading
+            (195, 5, 1.0, False, 2),                   # the neighbours left: 0.975
+            (80, 120, 1.9, False, 2),                  # waiting for its own threads: not busy
+            (80, 120, 0.8, True, 1),                   # for other processes' threads: busy
+            (100, 100, 1.6, False, 2)):                # the process has the cores again
+        t += 0.25
+        counters.add(run, wait)
+        cpu[0] += used * 0.25
+        share.sample(2, t)
+        assert (share.busy, share.cores(2)) == (busy, cores), (run, wait, used)
+    counters.add(10, 190)
+    share.sample(2, t + 0.1)                           # within the window: not read
+    assert share.share == 0.5
+    assert ct.CpuShare(read=counters).cores(16) == 16
+    share.share, share.busy = 0.5, True
+    assert share.cores(16) == 8
+
+
+def test_the_rule_shares_out_fewer_cores_on_a_busy_host(monkeypatch):
+    rule, lib = _rule_with_fake_blas(monkeypatch)
+    rule.enter()
+    assert rule.threads() == 2 and lib.calls == [2]
+    rule.exit()
+    rule.cpu.busy, rule.cpu.share = True, 0.5
+    rule.enter()                                       # BLAS follows at the next item
+    assert rule.threads() == 1 and lib.calls == [2, 1]
+    rule.exit()
+
+
+def test_a_worker_thread_reads_its_own_scheduler_counters():
+    got = ct._thread_schedstat()
+    if got is None:
+        pytest.skip("no /proc/thread-self/schedstat")
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:
+        pass
+    run, wait = ct._thread_schedstat()
+    assert run - got[0] >= 40_000_000 and wait >= got[1]
+
+
+def _rule_with_fake_blas(monkeypatch):
+    for var in ct.BLAS_ENV:
+        monkeypatch.delenv(var, raising=False)
+
+    class Lib:
+        def __init__(self):
+            self.calls = []
+
+        def set_num_threads(self, n):
+            self.calls.append(n)
+
+    rule, lib = ct.ThreadRule(cores=2), Lib()
+    rule._blas = [lib]
+    rule.cpu = ct.CpuShare(read=lambda: None)
+    return rule, lib
+
+
+def test_fan_out_uses_no_more_threads_than_asked_when_the_pool_is_larger():
+    pool, lock, seen = ct.FanOutPool(), threading.Lock(), set()
+    pool.run(lambda p: time.sleep(0.001), range(40), 4)         # the pool grows to 3 threads
+
+    def fn(p):
+        time.sleep(0.002)
+        with lock:
+            seen.add(threading.get_ident())
+
+    pool.run(fn, range(40), 2)
+    assert len(pool._threads) == 3 and 1 <= len(seen) <= 2

@@ -36,7 +36,7 @@ STATS = {"programs": 0, "runs": 0, "flagged": 0, "flagged_diverged": 0, "passed"
          "passed_diverged": 0, "seeds_per_program": len(SEEDS),
          "flagged_by_kind": {"race": 0, "liveness": 0},
          "diverged_by_kind": {"race": 0, "liveness": 0}}
-RESULTS = pathlib.Path(os.environ.get("RUNTIME_RESULTS", pathlib.Path(__file__).parent.parent
+RESULTS = pathlib.Path(os.environ.get("RUNTIME_RESULTS", pathlib.Path(__file__).parents[2]
                                       / "benchmarks" / "results")) / "checker_property.json"
 racy_programs = programs(KERNELS, buffers=5, streams=3, clients=3, size=N, steps=25,
                          values={"f32": st.integers(-4, 4).map(float)}, contract=False)

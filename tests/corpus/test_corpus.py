@@ -17,9 +17,9 @@ pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip instal
 from runtime.corpus import (ERROR, CorpusEmbedder, ParquetSink, embed_corpus,  # noqa: E402
                             input_format, plan_input, read_block)
 from runtime.serving.batcher import Batcher  # noqa: E402
-from test_serving import HIDDEN, FakeModel, expected  # noqa: E402
+from fakes import HIDDEN, FakeModel, expected  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _embedder(model):

@@ -21,7 +21,7 @@ from runtime.bench import budget as budget_mod
 from runtime.bench import suite
 from runtime.bench.budget import Budget
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clock:

@@ -15,13 +15,20 @@ import numpy as np
 import pytest
 
 import runtime
-from runtime.cpu_threads import RULE, FanOutPool, ThreadRule, limit_blas_threads
+from runtime.cpu_threads import RULE, CpuShare, ThreadRule, limit_blas_threads
 from runtime.kernels import cpu_loops, nn
 from runtime.tensor import Arena, Tensor, embedding
 
 from test_kernels_nn import attention_ref, gelu_ref
 
 RNG = np.random.default_rng(16)
+
+
+@pytest.fixture(autouse=True)
+def free_host(monkeypatch):
+    """The thread rule sees a free host whatever else runs on this machine (its CPU share, which
+    cuts the cores on a busy host, is tested in test_cpu_threads.py)."""
+    monkeypatch.setattr(RULE, "cpu", CpuShare(read=lambda: None))
 
 
 @pytest.fixture
@@ -180,6 +187,7 @@ def _rule_with_fake_blas(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     rule, lib = ThreadRule(cores=2), _FakeBlas()
     rule._blas = [lib]
+    rule.cpu = CpuShare(read=lambda: None)                 # a free host
     return rule, lib
 
 
@@ -236,6 +244,8 @@ def test_the_thread_rule_reaches_numpys_openblas():
         def blas():
             return sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
         rule = ThreadRule(cores=2)
+        rule.cpu.busy = False
+        rule.cpu.sample = lambda *a: None          # a free host, however loaded this one is
         rule.enter(); a = blas()
         rule.enter(); b = blas()
         rule.exit(); c = blas()

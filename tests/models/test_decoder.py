@@ -63,7 +63,7 @@ def test_argmax_ties_go_to_the_lowest_index(client):
 
 
 def test_example_runs(capsys):
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "decode.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "decode.py"
     spec = importlib.util.spec_from_file_location("decode_example", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

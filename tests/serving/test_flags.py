@@ -2,7 +2,7 @@
 flag value gets argparse's answer on every command (issue 25 items 1 and 5).
 
 Both paths run their real ``main`` in this process with the model load replaced by a recorder
-returning the fake model of ``test_serving.py``: ``serve`` up to the call that would start
+returning the fake model of ``tests/fakes.py``: ``serve`` up to the call that would start
 uvicorn, ``serve --ray`` up to ``deploy`` (no Ray cluster starts), then the replica the Ray
 deployment would build is built from its bound arguments with the deployment's own class.
 """
@@ -14,7 +14,7 @@ import pytest
 for _mod in ("fastapi", "httpx"):
     pytest.importorskip(_mod, reason=f"{_mod} is not installed (pip install 'runtime[serve]')")
 
-from test_serving import FakeModel  # noqa: E402
+from fakes import FakeModel  # noqa: E402
 
 
 class Stop(Exception):

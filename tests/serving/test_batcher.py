@@ -1,0 +1,296 @@
+"""``runtime.serving.batcher`` against a fake model: bucket choice, batching and padding,
+failures, fairness, the token budget, cancellation and draining (numpy only)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from runtime.serving.batcher import (BatchFailed, Batcher, BatcherClosed, QueueFull,
+                                     choose_bucket)
+from runtime.serving.metrics import ServingMetrics
+
+from fakes import FakeModel, HIDDEN, TEXTS, expected
+
+
+# -- bucket choice --------------------------------------------------------------------------
+def test_choose_bucket_rounds_rows_and_tokens_up_to_the_next_bucket():
+    assert choose_bucket(3, 17, (1, 4, 16), (16, 32, 256)) == (4, 32)
+    assert choose_bucket(1, 1, (1, 4, 16), (16, 32, 256)) == (1, 16)
+    assert choose_bucket(16, 256, (1, 4, 16), (16, 32, 256)) == (16, 256)
+    with pytest.raises(ValueError):
+        choose_bucket(17, 3, (1, 4, 16), (16, 32))
+
+
+def test_a_full_graph_cache_pads_up_to_a_captured_bucket_instead_of_evicting():
+    held = [(16, 32), (4, 16)]
+    assert choose_bucket(2, 10, (1, 4, 16), (16, 32), held, max_graphs=2) == (4, 16)
+    assert choose_bucket(5, 10, (1, 4, 16), (16, 32), held, max_graphs=2) == (16, 32)
+    # room left, or nothing captured fits: the exact bucket
+    assert choose_bucket(2, 10, (1, 4, 16), (16, 32), held, max_graphs=3) == (4, 16)
+    assert choose_bucket(1, 10, (1, 4, 16), (16, 32), held, max_graphs=3) == (1, 16)
+    assert choose_bucket(1, 40, (1, 4, 16), (16, 64), held, max_graphs=2) == (1, 64)
+
+
+def test_a_full_graph_cache_runs_fewer_rows_in_a_captured_bucket_rather_than_capture():
+    held = [(1, 256), (4, 16)]
+    assert choose_bucket(3, 200, (1, 4, 16), (16, 256), held, max_graphs=2) == (1, 256)
+    model = FakeModel(max_graphs=1)
+    with Batcher(model, batch_buckets=(1, 4), seq_buckets=(8, 16)) as b:
+        b.warmup([(1, 16)], progress=False)
+        e = b.embed(["a", "b c", "d e f"], timeout=10)
+    for row, t in zip(e, ["a", "b c", "d e f"]):
+        np.testing.assert_array_equal(row, expected(model, t))
+    assert model.calls == [("graph", 1, 16, 1)] * 4 and model.buckets == [(1, 16)]
+
+
+def test_max_padding_runs_the_bucket_the_texts_fill_instead_of_a_mostly_padded_one():
+    bb, sb = (1, 2, 4, 8, 16, 32), (16, 32)
+    assert choose_bucket(20, 10, bb, sb, max_padding=0.25) == (16, 16)   # 32 would pad 37.5%
+    assert choose_bucket(24, 10, bb, sb, max_padding=0.25) == (32, 16)   # 25%: allowed
+    assert choose_bucket(3, 20, bb, sb, max_padding=0.25) == (4, 32)
+    assert choose_bucket(5, 20, bb, sb, max_padding=0.25) == (4, 32)
+    assert choose_bucket(20, 10, bb, sb) == (32, 16)                       # no bound
+    # a full cache: only a captured bucket is taken
+    held = [(32, 16), (8, 16)]
+    assert choose_bucket(20, 10, bb, sb, held, max_graphs=2, max_padding=0.25) == (32, 16)
+    assert choose_bucket(11, 10, bb, sb, held + [(16, 16)], max_graphs=3,
+                         max_padding=0.25) == (8, 16)
+
+
+def test_a_batch_over_max_padding_runs_in_full_buckets_and_every_text_gets_its_row():
+    model = FakeModel(max_graphs=16)
+    texts = [TEXTS[i % len(TEXTS)][:20] or "z" for i in range(5)]
+    b = Batcher(model, max_padding=0.25, batch_buckets=(1, 2, 4, 8), seq_buckets=(16,),
+                start=False)
+    fut = b.submit(texts)
+    b.start()
+    e = fut.result(10).embeddings
+    b.close()
+    for row, t in zip(e, texts):
+        np.testing.assert_array_equal(row, expected(model, t))
+    assert [c[1:] for c in model.calls] == [(4, 16, 4), (1, 16, 1)]     # not (8, 16, 5)
+
+
+def test_max_padding_auto_bounds_padding_on_the_cpu_backend_only():
+    class OnBackend(FakeModel):
+        def __init__(self, backend):
+            super().__init__()
+            self.client = type("Client", (), {"backend": backend})()
+
+    assert Batcher(OnBackend("cpu"), start=False).max_padding == 0.25
+    assert Batcher(OnBackend("wgpu"), start=False).max_padding is None
+    assert Batcher(FakeModel(), start=False).max_padding is None
+    assert Batcher(OnBackend("cpu"), graph=False, exact_shapes=True,
+                   start=False).max_padding is None
+    with pytest.raises(ValueError, match="max_padding"):
+        Batcher(FakeModel(), max_padding=1.0, start=False)
+
+
+# -- batching with a fake model --------------------------------------------------------------
+def test_texts_are_grouped_by_seq_bucket_padded_and_split_back_to_their_requests():
+    model = FakeModel(max_seq_length=64, max_graphs=16)
+    b = Batcher(model, max_batch=4, batch_buckets=(1, 2, 4), seq_buckets=(4, 8, 64),
+                start=False)
+    futs = [b.submit([TEXTS[(i + j) % len(TEXTS)] for j in range(i % 3 + 1)])
+            for i in range(20)]
+    b.start()
+    for i, f in enumerate(futs):
+        res = f.result(10)
+        texts = [TEXTS[(i + j) % len(TEXTS)] for j in range(i % 3 + 1)]
+        assert res.embeddings.shape == (len(texts), HIDDEN)
+        for row, t in zip(res.embeddings, texts):
+            np.testing.assert_array_equal(row, expected(model, t))
+        np.testing.assert_array_equal(res.tokens, [len(t.split()) + 2 for t in texts])
+    b.close()
+    assert model.calls
+    for path, batch, seq, rows in model.calls:
+        assert path == "graph" and batch in (1, 2, 4) and seq in (4, 8, 64)
+        assert rows <= batch
+    assert max(c[3] for c in model.calls) == 4       # queued work really was batched
+
+
+def test_padding_rows_never_reach_a_response():
+    model = FakeModel()
+    with Batcher(model, batch_buckets=(8,), seq_buckets=(16,)) as b:
+        for t in TEXTS[:4]:
+            e = b.embed([t], timeout=10)
+            assert np.isfinite(e).all()
+            np.testing.assert_array_equal(e[0], expected(model, t))
+    assert all(c[1] == 8 and c[3] == 1 for c in model.calls)
+
+
+def test_the_eager_path_runs_the_same_padded_bucket_shapes():
+    model = FakeModel()
+    with Batcher(model, graph=False, batch_buckets=(1, 4), seq_buckets=(8, 16)) as b:
+        e = b.embed(["a b c", "a"], timeout=10)
+    np.testing.assert_array_equal(e[1], expected(model, "a"))
+    assert model.calls == [("eager", 4, 8, 2)]
+
+
+def test_exact_shapes_run_each_eager_batch_at_its_own_rows_and_longest_text():
+    model = FakeModel()
+    with Batcher(model, graph=False, exact_shapes=True, batch_buckets=(1, 4),
+                 seq_buckets=(8, 16)) as b:
+        e = b.embed(["a b c", "a"], timeout=10)
+    np.testing.assert_array_equal(e[0], expected(model, "a b c"))
+    np.testing.assert_array_equal(e[1], expected(model, "a"))
+    assert model.calls == [("eager", 2, 5, 2)]          # [CLS] a b c [SEP]: 5 tokens, 2 rows
+    with pytest.raises(ValueError, match="graph=False"):
+        Batcher(model, graph=True, exact_shapes=True, start=False)
+
+
+def test_long_texts_are_cut_by_the_tokenizer_and_an_empty_string_is_valid():
+    model = FakeModel(max_seq_length=16)
+    with Batcher(model, batch_buckets=(1, 2), seq_buckets=(8, 16)) as b:
+        res = b.submit(["w " * 100, ""]).result(10)
+        assert res.tokens.tolist() == [16, 2]
+        assert res.embeddings[0, -1] == 16 and res.embeddings[1, -1] == 2
+        empty = b.submit([]).result(1)
+        assert empty.embeddings.shape == (0, HIDDEN)
+        with pytest.raises(TypeError):
+            b.submit([1, 2])
+
+
+def test_a_failing_batch_fails_only_its_own_requests():
+    model = FakeModel()
+    b = Batcher(model, batch_buckets=(1, 2, 4), seq_buckets=(4, 8, 16), start=False)
+    bad = b.submit(["boom"])                              # 3 tokens: seq bucket 4
+    also_bad = b.submit(["a", "b c d e f"])              # row 0 shares the failing batch
+    good = b.submit(["a b c d e f g"])                   # 9 tokens: another batch
+    b.start()
+    with pytest.raises(BatchFailed, match="boom"):
+        bad.result(10)
+    with pytest.raises(BatchFailed):
+        also_bad.result(10)
+    np.testing.assert_array_equal(good.result(10).embeddings[0],
+                                  expected(model, "a b c d e f g"))
+    np.testing.assert_array_equal(b.embed(["a"], timeout=10)[0], expected(model, "a"))
+    assert b.alive
+    b.close()
+
+
+def test_closing_fails_what_is_still_queued_and_refuses_new_work():
+    b = Batcher(FakeModel(), start=False)
+    f = b.submit(["a"])
+    b.close()
+    with pytest.raises(BatcherClosed):
+        f.result(5)
+    with pytest.raises(BatcherClosed):
+        b.submit(["a"])
+
+
+def test_a_full_queue_refuses_with_queue_full():
+    b = Batcher(FakeModel(), max_queue=3, start=False)
+    b.submit(["a", "b"])
+    with pytest.raises(QueueFull):
+        b.submit(["c", "d"])
+    b.close()
+
+
+def test_warmup_runs_each_bucket_once_and_respects_the_graph_bound():
+    model = FakeModel(max_graphs=2)
+    m = ServingMetrics()
+    b = Batcher(model, batch_buckets=(1, 4), seq_buckets=(8, 16), metrics=m)
+    assert b.warmup([(1, 8), (4, 16)], progress=False) == [(1, 8), (4, 16)]
+    assert model.buckets == [(1, 8), (4, 16)] and m.value("graph_captures_total") == 2
+    with pytest.raises(ValueError, match="max_graphs"):
+        b.warmup([(1, 8), (4, 8), (1, 16)], progress=False)
+    with pytest.raises(ValueError):
+        b.warmup([(3, 8)], progress=False)
+    b.close()
+
+
+# -- fairness, token budget, cancellation ----------------------------------------------------
+def _completion_order(model, futs: dict) -> list:
+    """Record ``(name, batches run so far)`` as each future completes."""
+    order = []
+    for name, f in futs.items():
+        f.add_done_callback(lambda _, n=name: order.append((n, len(model.calls))))
+    return order
+
+
+def test_a_small_request_finishes_before_a_big_one_started_earlier():
+    gate = threading.Event()
+    model = FakeModel(max_graphs=8, gate=gate)
+    with Batcher(model, max_batch=4, batch_buckets=(1, 2, 4), seq_buckets=(4, 16)) as b:
+        big_texts = [f"w{i}" for i in range(40)]                 # 3 tokens: seq bucket 4
+        big = b.submit(big_texts)
+        assert model.entered.wait(10)                            # its first batch is running
+        small = b.submit(["a b c d e f g"])                      # 9 tokens: seq bucket 16
+        order = _completion_order(model, {"big": big, "small": small})
+        gate.set()
+        np.testing.assert_array_equal(small.result(10).embeddings[0],
+                                      expected(model, "a b c d e f g"))
+        res = big.result(10)
+    for row, t in zip(res.embeddings, big_texts):
+        np.testing.assert_array_equal(row, expected(model, t))
+    # oldest-first batching would run all 10 of big's batches first; fair batching runs the
+    # small one right after the batch that was in flight
+    assert [n for n, _ in order] == ["small", "big"]
+    assert order[0][1] == 2 and order[1][1] == 11
+
+
+def test_requests_take_turns_within_a_batch_and_batches_keep_the_token_budget():
+    model = FakeModel(max_seq_length=16, max_graphs=16)
+    b = Batcher(model, max_batch=8, max_batch_tokens=32, batch_buckets=(1, 2, 4, 8),
+                seq_buckets=(4, 8, 16), start=False)
+    assert [b.row_cap(s) for s in (4, 8, 16)] == [8, 4, 2]
+    short = [b.submit([f"s{i}" for i in range(12)]), b.submit(["x", "y"])]
+    long = b.submit(["a b c d e f g h i j"] * 5)                 # 12 tokens: seq bucket 16
+    b.start()
+    for f in short + [long]:
+        f.result(10)
+    b.close()
+    assert all(batch * seq <= 32 for _, batch, seq, _ in model.calls)
+    # the first batch took both short requests' texts in turn: all of the 2-text request
+    assert model.calls[0] == ("graph", 8, 4, 8)
+    assert short[1].done() and [c[3] for c in model.calls if c[2] == 16] == [2, 2, 1]
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        Batcher(FakeModel(), max_batch_tokens=8, seq_buckets=(16,), start=False)
+
+
+def test_a_cancelled_request_drops_its_texts_not_yet_batched():
+    gate = threading.Event()
+    model = FakeModel(gate=gate)
+    m = ServingMetrics()
+    with Batcher(model, max_batch=4, batch_buckets=(1, 2, 4), seq_buckets=(4, 16),
+                 metrics=m) as b:
+        big = b.submit([f"w{i}" for i in range(40)])
+        assert model.entered.wait(10)
+        assert big.cancel()
+        gate.set()
+        np.testing.assert_array_equal(b.embed(["a"], timeout=10)[0], expected(model, "a"))
+        assert b.queued == 0 and b.queued_requests == 0
+    assert [c[3] for c in model.calls] == [4, 1]           # big's first batch, then "a" only
+    assert m.value("cancelled_inputs_total") == 36
+
+
+def test_drain_finishes_queued_work_then_fails_the_rest_and_refuses_new_work():
+    gate = threading.Event()
+    model = FakeModel(gate=gate)
+    b = Batcher(model, max_batch=1, batch_buckets=(1,), seq_buckets=(4, 16))
+    first = b.submit(["a"])
+    assert model.entered.wait(10)
+    later = b.submit(["b", "c"])
+    b.drain(grace=0.0)                                       # no time for queued work
+    with pytest.raises(BatcherClosed):
+        b.submit(["d"])
+    gate.set()
+    np.testing.assert_array_equal(first.result(10).embeddings[0], expected(model, "a"))
+    with pytest.raises(BatcherClosed):
+        later.result(10)
+    b.close()
+    gate2 = threading.Event()
+    model2 = FakeModel(gate=gate2)
+    b2 = Batcher(model2, max_batch=1, batch_buckets=(1,), seq_buckets=(4, 16))
+    f2 = b2.submit(["a", "b c"])
+    assert model2.entered.wait(10)
+    b2.drain(grace=30.0)                                     # enough time: all of it runs
+    gate2.set()
+    assert f2.result(10).embeddings.shape == (2, HIDDEN)
+    b2.close()
+
+

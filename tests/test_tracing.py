@@ -182,6 +182,11 @@ def test_RUNTIME_TRACE_traces_a_whole_process(tmp_path):
     assert check.returncode == 0 and "0 problem(s)" in check.stdout
 
 
+def test_trace_help_is_help_not_an_error(capsys):
+    assert tracing.main(["--help"]) == 0 and "trace check FILE" in capsys.readouterr().out
+    assert tracing.main([]) == 2 and "usage:" in capsys.readouterr().err
+
+
 def test_bench_attaches_a_trace_of_each_sections_slowest_sample(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))

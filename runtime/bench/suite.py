@@ -262,8 +262,9 @@ def main(argv=None) -> int:
                                   f"(default: {default_out()})")
     ap.add_argument("--readme", action="store_true",
                     help="also write the checkout's benchmarks/README.md and benchmarks/img/*.png")
-    names = ",".join(s.name for s in SECTIONS)
-    ap.add_argument("--sections", help=f"comma-separated sections to run (default: {names})")
+    names = ",".join(s.name for s in SECTIONS if s.default)
+    ap.add_argument("--sections", help=f"comma-separated sections to run (default: {names}; "
+                                       f"the others run only when named)")
     ap.add_argument("--skip", help="comma-separated sections not to run")
     ap.add_argument("--no-minilm", action="store_true", help="the same as --skip minilm")
     ap.add_argument("--no-plots", action="store_true", help="skip matplotlib")

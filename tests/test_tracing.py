@@ -134,7 +134,7 @@ def test_failures_are_instant_events_and_the_ring_keeps_the_last_events():
 
 
 def test_switching_off_puts_the_original_methods_back():
-    srv = runtime.client("cpu")._server
+    srv = runtime.client("cpu")._server      # private: the server's bound methods are traced
     plain = (DeviceQueue.submit, DeviceQueue.call, DeviceQueue.wait, CpuBackend._enqueue,
              CpuBackend.launch_graph)
     with runtime.trace():

@@ -81,7 +81,7 @@ def test_a_refused_launch_invalidates_the_window_and_every_error_is_raised(clien
     c.graph_prepare()
     c.start_capture()
     gone.release()                                # freed before use: the launch is refused
-    srv = c._server                               # (the client refuses a released Handle)
+    srv = c._server                               # private: the client refuses a released Handle
     srv.submit(srv.h_launch, c.stream, K.add_scalar, K.grid(N), [x.id, gone_id],
                K.add_scalar.pack_params({"alpha": 1.0, "n": N}))
     with pytest.raises(CaptureRefused):
@@ -137,7 +137,7 @@ def test_indirect_launch_reads_counts_on_the_caller_without_device_indirect_disp
     handler waits for the device; inside a window the launch is refused by the server's capture
     policy (``Capture.record``), not by the backend. Modelled on a cpu server."""
     c = runtime.client("cpu", scheduler="interleave", seed=3)
-    be = c._server.backend
+    be = c._server.backend                        # private: declare what cuda declares
     be.indirect_dispatch = False                  # what cuda declares
     assert c.capabilities["indirect_dispatch"] is False
     launched = []
@@ -157,7 +157,7 @@ def test_indirect_launch_reads_counts_on_the_caller_without_device_indirect_disp
     c.launch(K.add_scalar, counts, [x, y], {"alpha": 2.0, "n": N})
     with pytest.raises(CaptureRefused, match="indirect launch of add_scalar"):
         c.stop_capture()
-    srv = c._server                               # a raw indirect launch is refused, typed
+    srv = c._server                               # private: a raw indirect launch, refused typed
     srv.submit(srv.h_launch, c.stream, K.add_scalar, counts.id, [x.id, y.id],
                K.add_scalar.pack_params({"alpha": 2.0, "n": N}))
     with pytest.raises(runtime.LaunchError, match="does not read counts on the device"):

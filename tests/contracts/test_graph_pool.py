@@ -134,7 +134,7 @@ def test_checker_sees_a_pool_buffer_shared_by_two_graphs():
     out = s.empty(n, np.float32)                       # takes A's temporary
     s.launch(K.add_scalar, K.grid(n), [x, out], {"alpha": 5.0, "n": n})
     gb = s.stop_capture()
-    srv = c._server
+    srv = c._server                                    # private: where the buffer came from
     assert srv.handles[out.id].slot.graph_pool is not None
     gb.replay()
     np.testing.assert_array_equal(s.read(out), np.full(n, 6, np.float32))

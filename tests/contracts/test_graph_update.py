@@ -282,7 +282,7 @@ def test_wgpu_update_rebuilds_only_the_changed_bind_groups():
         c.launch(K.mul, 1, [x, t, y], {"n": 8})
         c.launch(K.accumulate, 1, [t, y], {"n": 8})
     g = capture(c, work)
-    be = c._server.backend
+    be = c._server.backend               # private: count the wgpu bind groups made
     made = []
     real = be.dev.create_bind_group
 

@@ -18,7 +18,7 @@ def test_an_error_queued_at_shutdown_is_raised_with_the_next_server_closed():
     bad = runtime.Kernel("fails_late", [runtime.Binding("y", "f32", "read_write")], cpu=cpu)
     y = c.create(np.zeros(4, np.float32))
     c.launch(bad, 1, [y])                         # nobody blocks on this stream before ...
-    be = c._server.backend
+    be = c._server.backend                        # private: wait until the worker ran it
     deadline = time.monotonic() + 10
     while be.load()[0] and time.monotonic() < deadline:
         time.sleep(0.01)                          # (it ran on a worker: its error is queued)

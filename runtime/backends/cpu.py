@@ -304,15 +304,12 @@ class CpuBackend(Backend):
             self.on_room()
 
     def _execute(self, s: CpuStream, kind, payload) -> None:
-        if kind == _TINY or kind == _CALL:  # no library pool: outside the thread rule
-            try:
-                payload()
-            except BaseException as e:  # noqa: BLE001 - kernel code is user code
-                s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
-                    f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
-                fold_errors(s.errors)       # a stream that never blocks: bounded
-        elif kind == _RUN:
-            RULE.enter()                    # the thread rule counts the items executing now
+        if kind == _TINY or kind == _CALL or kind == _RUN:
+            # _TINY/_CALL use no library pool: outside the thread rule, which counts the
+            # _RUN items executing now
+            counted = kind == _RUN
+            if counted:
+                RULE.enter()
             try:
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
@@ -320,7 +317,8 @@ class CpuBackend(Backend):
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
                 fold_errors(s.errors)       # a stream that never blocks: bounded
             finally:
-                RULE.exit()
+                if counted:
+                    RULE.exit()
         elif kind == _SIGNAL:
             if isinstance(payload, CpuEvent):
                 payload.done = True

@@ -242,8 +242,8 @@ class CudaBackend(Backend):
         self._graph_tools()
 
     def _graph_tools(self) -> None:
-        """The conditional-node recorder, the body streams (one per nesting depth, made on
-        first use) and the loop checks of replays in flight (``cuda_graph``)."""
+        """The conditional-node recorder, the free body streams and the loop checks of replays
+        in flight (``cuda_graph``)."""
         self.hip = bool(_rt.is_hip)
         self._conds = Conditionals(self, self._compile_gate)
         self._bodies: list = []
@@ -258,13 +258,18 @@ class CudaBackend(Backend):
                 raise LaunchError(f"cuda: the conditional-node gate kernel failed to compile or "
                                   f"load: {type(e).__name__}: {e}") from e
 
-    def body_stream(self, depth: int):
-        """The private ``cupy.cuda.Stream`` that captures the bodies of conditional nodes at
-        nesting ``depth`` (0: a node in the top-level graph)."""
-        while len(self._bodies) <= depth:
-            with _OnDevice(self.device):
-                self._bodies.append(cupy.cuda.Stream(non_blocking=True))
-        return self._bodies[depth]
+    def body_stream(self):
+        """A private ``cupy.cuda.Stream`` to capture one conditional node's body on (from the
+        free list, else new); :meth:`return_body_stream` gives it back at the node's end. Bounded
+        by the nodes open at once (windows on several streams may each have some open)."""
+        if self._bodies:
+            return self._bodies.pop()
+        with _OnDevice(self.device):
+            return cupy.cuda.Stream(non_blocking=True)
+
+    def return_body_stream(self, stream) -> None:
+        """Give back a body stream whose capture ended (no work is queued on it)."""
+        self._bodies.append(stream)
 
     def _check_of(self, cs: CudaStream):
         """A completion's check for ``cs`` (None when nothing can be pending: the fast path)."""

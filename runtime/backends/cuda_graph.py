@@ -12,9 +12,10 @@ Conditional nodes (CUDA 12.4+, CUDA programming guide "Conditional Graph Nodes";
   (:data:`GATE_SOURCE`, NVRTC) captured on the parent stream that reads the 1-element i32/u32
   condition buffer and calls ``cudaGraphSetConditional``, then the node (``cuGraphAddNode``)
   made the stream's only dependency (``cuStreamUpdateCaptureDependencies``). The body is
-  captured into the node's child graph on a private body stream (one per nesting depth,
-  ``cuStreamBeginCaptureToGraph`` ... ``cuStreamEndCapture``), so launches inside a body go to
-  that stream. Nesting works to any depth (the nested node goes into the body graph).
+  captured into the node's child graph on a private body stream (one per open node, taken from
+  the backend's free list and given back at the node's end, so windows on other streams never
+  share one; ``cuStreamBeginCaptureToGraph`` ... ``cuStreamEndCapture``), so launches inside a
+  body go to that stream. Nesting works to any depth (the nested node goes into the body graph).
 - ``else``: a second IF node whose handle a gate sets to "the condition was zero" from the value
   the first gate saved (the true branch may write the condition buffer; CUDA 12.4 has no
   two-branch IF node, 12.8's is not needed).
@@ -190,7 +191,8 @@ class Conditionals:
     """Records conditional nodes for one backend.
 
     Args:
-        backend: the ``CudaBackend`` (its ``alloc``, ``body_stream(depth)`` and ``hip``).
+        backend: the ``CudaBackend`` (its ``alloc``, ``body_stream()`` /
+            ``return_body_stream(stream)`` and ``hip``).
         compile_gate: ``() -> launchable`` compiling :data:`GATE_SOURCE` (called on first use;
             the result is called as ``f(grid, block, args, stream=)``, CuPy's ``Function``).
     """
@@ -211,6 +213,13 @@ class Conditionals:
         """Whether kernel nodes are taken from the capture (cuda-bindings and a driver)."""
         return drv is not None and driver_version() is not None
 
+    def _context(self, parent):
+        """The context of the node (``cuStreamGetCtx`` of the capturing stream; drivers before
+        12.5 cannot answer that during a capture: the thread's current one, as ``cuda.core``)."""
+        if (driver_version() or 0) >= 12050:
+            return _ok(drv.cuStreamGetCtx(parent), "cuStreamGetCtx")
+        return _ok(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+
     def gate(self):
         if self._gate is None:
             self._gate = self._compile_gate()
@@ -230,7 +239,7 @@ class Conditionals:
         if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
             raise CaptureRefused(f"cuda: the capture this conditional node belongs to is not "
                                  f"active ({getattr(status, 'name', status)}); no node recorded")
-        ctx = _ok(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        ctx = self._context(parent)
         frame.handle = _ok(drv.cuGraphConditionalHandleCreate(graph, ctx, 0, 0),
                            "cuGraphConditionalHandleCreate")
         self._launch_gate(frame.parent, frame, mode)
@@ -256,16 +265,21 @@ class Conditionals:
                 "(eager), or use the cpu or wgpu backend")
         buf, _ = cond
         parent = rec.frames[-1].stream if rec.frames else rec.cs.stream
-        body = self.backend.body_stream(len(rec.frames))
         scratch = self.backend.alloc(8)
-        rec.keep.append(scratch)
         limit = DEFAULT_MAX_ITERATIONS if max_iterations is None else max_iterations
-        frame = Frame(kind, body, parent, scratch, int(buf.ptr), limit, index)
-        if kind == "if":
-            self._open(frame, IF_ENTER, drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
-        else:
-            self._open(frame, WHILE_ENTER,
-                       drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
+        frame = Frame(kind, self.backend.body_stream(), parent, scratch, int(buf.ptr), limit,
+                      index)
+        try:
+            if kind == "if":
+                self._open(frame, IF_ENTER, drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
+            else:
+                self._open(frame, WHILE_ENTER,
+                           drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
+        except BaseException:
+            self.backend.return_body_stream(frame.stream)
+            raise
+        rec.keep.append(scratch)
+        if kind == "while":
             rec.checks.append((index, limit, scratch))
         rec.frames.append(frame)
 
@@ -285,7 +299,7 @@ class Conditionals:
     def end(self, rec) -> None:
         """Close the innermost node's body capture."""
         self._close_body(rec)
-        rec.frames.pop()
+        self.backend.return_body_stream(rec.frames.pop().stream)
 
     def abort(self, rec) -> None:
         """End the body captures still open (a refused window); errors are swallowed."""
@@ -295,6 +309,7 @@ class Conditionals:
                 drv.cuStreamEndCapture(_stream(frame.stream))
             except Exception:  # noqa: BLE001 - an invalidated capture still ends
                 pass
+            self.backend.return_body_stream(frame.stream)
 
     def node_of_last_launch(self, cupy_stream):
         """The kernel node the capture on ``cupy_stream`` just recorded (its only dependency),

@@ -90,13 +90,13 @@ def fake_be(monkeypatch):
     be.device, be._streams, be.closed = 0, [], False
     be._graph_tools()
     be.log = []
-    bodies = [_Stream(0xB0), _Stream(0xB1), _Stream(0xB2)]
-    monkeypatch.setattr(be, "body_stream", lambda depth: bodies[depth])
+    be._bodies = [_Stream(0xB2), _Stream(0xB1), _Stream(0xB0)]      # the free list
     scratch = iter(range(0x5000, 0x6000, 0x10))
     monkeypatch.setattr(be, "alloc", lambda n: _Buf(next(scratch)))
 
     def gate(grid, block, args, stream=None):
-        be.log.append(("gate", stream.ptr, int(args[4]), int(args[3])))
+        be.log.append(("gate", stream.ptr, int(args[4]), int(args[3]), int(args[2]),
+                       int(args[1])))
     monkeypatch.setattr(be, "_compile_gate", lambda: gate)
     be._conds = cuda_graph.Conditionals(be, be._compile_gate)
     return be
@@ -192,6 +192,11 @@ class _FakeDriver:
                         d.CUgraph(int(stream)), [d.CUgraphNode(self.nodes)], 1)
 
     def cuCtxGetCurrent(self):
+        self.log.append(("ctx", "current"))
+        return self._ok(self._d.CUcontext(0xC0))
+
+    def cuStreamGetCtx(self, stream):
+        self.log.append(("ctx", int(stream)))
         return self._ok(self._d.CUcontext(0xC0))
 
     def cuGraphConditionalHandleCreate(self, graph, ctx, default, flags):
@@ -228,9 +233,10 @@ class _Kernel:
 
 
 @needs_bindings
+@pytest.mark.parametrize("version", [12040, 12050])
 def test_if_else_nested_in_a_while_records_gates_nodes_and_body_captures_in_order(
-        fake_be, monkeypatch):
-    monkeypatch.setattr(cuda_graph, "driver_version", lambda: 12040)
+        fake_be, monkeypatch, version):
+    monkeypatch.setattr(cuda_graph, "driver_version", lambda: version)
     fake = _FakeDriver(fake_be.log)
     monkeypatch.setattr(cuda_graph, "drv", fake)
     prog = _Program(())
@@ -250,33 +256,53 @@ def test_if_else_nested_in_a_while_records_gates_nodes_and_body_captures_in_orde
     launch()                                              # else
     fake_be.end_cond(rec)
     fake_be.end_cond(rec)
+
+    def ctx(stream):     # drivers before 12.5 cannot name a capturing stream's context
+        return ("ctx", stream) if version >= 12050 else ("ctx", "current")
+    loop, branch = 0x5000, 0x5010                         # the two nodes' scratch words
+    big = cuda_graph.DEFAULT_MAX_ITERATIONS
     assert fake_be.log == [
         ("launch", 0xA0),
-        ("handle", 0xA0, 1), ("gate", 0xA0, cuda_graph.WHILE_ENTER, 5),
+        ctx(0xA0), ("handle", 0xA0, 1), ("gate", 0xA0, cuda_graph.WHILE_ENTER, 5, loop, 0x100),
         ("node", 0xA0, "WHILE", 1, 1, 0xC0, 1),
         ("deps", 0xA0, [101], "CU_STREAM_SET_CAPTURE_DEPENDENCIES"),
         ("begin", 0xB0, "CU_STREAM_CAPTURE_MODE_RELAXED"),
         ("launch", 0xB0),
-        ("handle", 0xB0, 2), ("gate", 0xB0, cuda_graph.IF_ENTER, cuda_graph.DEFAULT_MAX_ITERATIONS),
+        ctx(0xB0), ("handle", 0xB0, 2), ("gate", 0xB0, cuda_graph.IF_ENTER, big, branch, 0x200),
         ("node", 0xB0, "IF", 2, 1, 0xC0, 1),
         ("deps", 0xB0, [102], "CU_STREAM_SET_CAPTURE_DEPENDENCIES"),
         ("begin", 0xB1, "CU_STREAM_CAPTURE_MODE_RELAXED"),
         ("launch", 0xB1),
-        ("end", 0xB1),                                    # else: a second IF node
-        ("handle", 0xB0, 3), ("gate", 0xB0, cuda_graph.ELSE_ENTER,
-                              cuda_graph.DEFAULT_MAX_ITERATIONS),
+        ("end", 0xB1),                                    # else: a second IF node whose gate
+        ctx(0xB0), ("handle", 0xB0, 3),                   # reads the value the first one saved
+        ("gate", 0xB0, cuda_graph.ELSE_ENTER, big, branch, 0x200),
         ("node", 0xB0, "IF", 3, 1, 0xC0, 1),
         ("deps", 0xB0, [103], "CU_STREAM_SET_CAPTURE_DEPENDENCIES"),
         ("begin", 0xB1, "CU_STREAM_CAPTURE_MODE_RELAXED"),
         ("launch", 0xB1),
         ("end", 0xB1),
-        ("gate", 0xB0, cuda_graph.WHILE_NEXT, 5),         # the loop's own test, then its end
+        ("gate", 0xB0, cuda_graph.WHILE_NEXT, 5, loop, 0x100),   # the loop's test, then its end
         ("end", 0xB0)]
     assert rec.frames == [] and rec.conds == 2 and rec.launches == 4
     (index, limit, scratch), = rec.checks                 # one WHILE node checked per replay
-    assert (index, limit) == (0, 5) and scratch in rec.keep and len(rec.keep) == 2
-    # the else gate reads the value the if gate saved: the same scratch
-    assert rec.nodes == [None, None, None, None]
+    assert (index, limit, scratch.ptr) == (0, 5, loop) and len(rec.keep) == 2
+    assert rec.nodes == [None, None, None, None]          # body launches: no node of their own
+    assert sorted(s.ptr for s in fake_be._bodies) == [0xB0, 0xB1, 0xB2]   # all given back
+
+
+@needs_bindings
+def test_windows_on_two_streams_capture_their_bodies_on_their_own_body_streams(
+        fake_be, monkeypatch):
+    monkeypatch.setattr(cuda_graph, "driver_version", lambda: 12040)
+    monkeypatch.setattr(cuda_graph, "drv", _FakeDriver(fake_be.log))
+    r1 = cuda_backend.CudaRecording(cuda_backend.CudaStream(_Stream(0xA0)))
+    r2 = cuda_backend.CudaRecording(cuda_backend.CudaStream(_Stream(0xA1)))
+    fake_be.begin_cond(r1, "while", (_Buf(0x100), 4), 2)
+    fake_be.begin_cond(r2, "if", (_Buf(0x100), 4), None)
+    assert r1.frames[0].stream is not r2.frames[0].stream
+    fake_be.end_cond(r1)
+    fake_be.begin_cond(r1, "if", (_Buf(0x100), 4), None)   # reuses the stream r1 gave back
+    assert r1.frames[0].stream.ptr == 0xB0 and r2.frames[0].stream.ptr == 0xB1
 
 
 @needs_bindings

@@ -278,7 +278,10 @@ class CudaBackend(Backend):
 
         def check():
             self._loops.settle()
-            return cs.errors.popleft() if cs.errors else None
+            try:
+                return cs.errors.popleft()
+            except IndexError:         # none, or another waiter of this stream took it
+                return None
         return check
 
     # -- helpers -----------------------------------------------------------------------------

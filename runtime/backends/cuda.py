@@ -481,7 +481,9 @@ class CudaBackend(Backend):
             if count[0] and count[1] and count[2]:
                 program.function(count, program.block,
                                  kernel_args(args, params, program.param_types), stream=stream)
-                if not frames and self._track_nodes:
+                if frames:
+                    frames[-1].content += 1
+                elif self._track_nodes:
                     node = self._conds.node_of_last_launch(stream)
         recording.nodes.append(node)
         recording.launches += 1

@@ -18,7 +18,8 @@ Conditional nodes (CUDA 12.4+, CUDA programming guide "Conditional Graph Nodes";
   body go to that stream. Nesting works to any depth (the nested node goes into the body graph).
 - ``else``: a second IF node whose handle a gate sets to "the condition was zero" from the value
   the first gate saved (the true branch may write the condition buffer; CUDA 12.4 has no
-  two-branch IF node, 12.8's is not needed).
+  two-branch IF node, 12.8's is not needed). An IF body that recorded nothing gets one empty
+  node: drivers before 12.8 hang on a conditional node with an empty body graph.
 - WHILE: the gate before the node zeroes an iteration counter; a gate at the end of the body
   counts the iteration, re-reads the condition and, when it still holds after
   ``max_iterations`` iterations (default :data:`DEFAULT_MAX_ITERATIONS`: a loop never hangs),
@@ -151,13 +152,15 @@ def _stream(cupy_stream):
 class Frame:
     """One open conditional node: ``kind`` (``"if"``, ``"else"`` once switched, ``"while"``),
     the body stream capturing its child graph, the parent stream, its scratch words, the
-    condition's device pointer, the bound, the node index and its conditional handle."""
+    condition's device pointer, the bound, the node index, its conditional handle and how many
+    nodes the open body holds (``content``)."""
 
     __slots__ = ("kind", "stream", "parent", "scratch", "cond_ptr", "max_iterations", "index",
-                 "handle")
+                 "handle", "content")
 
     def __init__(self, kind, stream, parent, scratch, cond_ptr, max_iterations, index):
         self.handle = None           # the conditional handle of the node open now
+        self.content = 0             # nodes captured into the open body so far
         self.kind, self.stream, self.parent = kind, stream, parent
         self.scratch, self.cond_ptr = scratch, cond_ptr
         self.max_iterations, self.index = max_iterations, index
@@ -281,19 +284,32 @@ class Conditionals:
         rec.keep.append(scratch)
         if kind == "while":
             rec.checks.append((index, limit, scratch))
+        if rec.frames:
+            rec.frames[-1].content += 1
         rec.frames.append(frame)
 
     def _close_body(self, rec) -> Frame:
         frame = rec.frames[-1]
+        body = _stream(frame.stream)
         if frame.kind == "while":
             self._launch_gate(frame.stream, frame, WHILE_NEXT)
-        _ok(drv.cuStreamEndCapture(_stream(frame.stream)), "cuStreamEndCapture")
+        elif frame.content == 0:
+            # an empty body graph hangs conditional nodes on drivers before 12.8 (fixed in
+            # r570; XLA carried the same workaround): give it one empty node
+            _, _, graph, deps, ndeps = _ok(drv.cuStreamGetCaptureInfo(body),
+                                           "cuStreamGetCaptureInfo")
+            node = _ok(drv.cuGraphAddEmptyNode(graph, deps, ndeps), "cuGraphAddEmptyNode")
+            _ok(drv.cuStreamUpdateCaptureDependencies(
+                body, [node], 1,
+                drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),
+                "cuStreamUpdateCaptureDependencies")
+        _ok(drv.cuStreamEndCapture(body), "cuStreamEndCapture")
         return frame
 
     def else_(self, rec) -> None:
         """Close the true branch of the innermost IF node and open its false branch."""
         frame = self._close_body(rec)
-        frame.kind = "else"
+        frame.kind, frame.content = "else", 0
         self._open(frame, ELSE_ENTER, drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
 
     def end(self, rec) -> None:

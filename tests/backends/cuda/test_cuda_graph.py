@@ -219,6 +219,11 @@ class _FakeDriver:
         self.log.append(("begin", int(stream), mode.name))
         return self._ok()
 
+    def cuGraphAddEmptyNode(self, graph, deps, ndeps):
+        self.nodes += 1
+        self.log.append(("empty", int(graph), ndeps))
+        return self._ok(self._d.CUgraphNode(self.nodes))
+
     def cuStreamEndCapture(self, stream):
         self.log.append(("end", int(stream)))
         return self._ok(self._d.CUgraph(0))
@@ -288,6 +293,35 @@ def test_if_else_nested_in_a_while_records_gates_nodes_and_body_captures_in_orde
     assert (index, limit, scratch.ptr) == (0, 5, loop) and len(rec.keep) == 2
     assert rec.nodes == [None, None, None, None]          # body launches: no node of their own
     assert sorted(s.ptr for s in fake_be._bodies) == [0xB0, 0xB1, 0xB2]   # all given back
+
+
+@needs_bindings
+def test_an_if_body_that_records_nothing_gets_an_empty_node(fake_be, monkeypatch):
+    """Drivers before 12.8 hang on a conditional node whose body graph is empty."""
+    monkeypatch.setattr(cuda_graph, "driver_version", lambda: 12040)
+    monkeypatch.setattr(cuda_graph, "drv", _FakeDriver(fake_be.log))
+    prog = _Program(())
+    prog.function = _Kernel(fake_be.log)
+    rec = cuda_backend.CudaRecording(cuda_backend.CudaStream(_Stream(0xA0)))
+    fake_be._track_nodes = False
+    fake_be.begin_cond(rec, "if", (_Buf(0x100), 4), None)
+    fake_be.record_launch(rec, prog, (0, 1, 1), [], ())     # a zero count: no node
+    fake_be.else_cond(rec)
+    fake_be.record_launch(rec, prog, (1, 1, 1), [], ())
+    fake_be.end_cond(rec)
+    fake_be.begin_cond(rec, "if", (_Buf(0x100), 4), None)   # a then holding only a node
+    fake_be.begin_cond(rec, "if", (_Buf(0x100), 4), None)   # (itself empty)
+    fake_be.end_cond(rec)
+    fake_be.end_cond(rec)
+    bodies = [e for e in fake_be.log if e[0] in ("begin", "launch", "empty", "end")]
+    assert bodies == [("begin", 0xB0, "CU_STREAM_CAPTURE_MODE_RELAXED"),
+                      ("empty", 0xB0, 1), ("end", 0xB0),                  # the empty then
+                      ("begin", 0xB0, "CU_STREAM_CAPTURE_MODE_RELAXED"),
+                      ("launch", 0xB0), ("end", 0xB0),                    # the else: a kernel
+                      ("begin", 0xB0, "CU_STREAM_CAPTURE_MODE_RELAXED"),
+                      ("begin", 0xB1, "CU_STREAM_CAPTURE_MODE_RELAXED"),
+                      ("empty", 0xB1, 1), ("end", 0xB1),                  # the inner node
+                      ("end", 0xB0)]                                      # the outer: not empty
 
 
 @needs_bindings

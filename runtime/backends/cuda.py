@@ -520,7 +520,10 @@ class CudaBackend(Backend):
                 graph.upload(cs.stream)
             except Exception:  # noqa: BLE001 - only a first-launch latency optimisation
                 pass
-        return CudaGraph(graph, recording.nodes, recording.checks, recording.keep)
+        nodes = recording.nodes
+        if not getattr(graph, "graph", 0):     # a CuPy that drops the cudaGraph_t once
+            nodes = [None] * len(nodes)         # instantiated: its nodes are gone with it
+        return CudaGraph(graph, nodes, recording.checks, recording.keep)
 
     def abort_graph(self, recording):
         """End the capture and drop what it recorded (the stream leaves capture mode)."""

@@ -388,7 +388,8 @@ def update_in_place(graph: CudaGraph, changes: dict, conds: dict) -> str | None:
         if node is None:
             return why.format(f"launch {i} has no kernel node of its own to patch (inside a "
                               "conditional body, recorded with a zero count, or nodes were not "
-                              "tracked)")
+                              "tracked: no driver answered, or CuPy released the captured "
+                              "graph)")
         if len(count) != 3 or not all(count):
             return why.format(f"launch {i}'s new count {tuple(count)} launches nothing")
         todo.append((node, kernel_params(program, count, args, params)))

@@ -465,6 +465,8 @@ def test_end_graph_zeroes_the_scratch_and_a_replay_copies_out_then_zeroes_the_ov
     launched = []
 
     class _CupyGraph:
+        graph = 0xC4                           # the captured cudaGraph_t, kept by CuPy
+
         def upload(self, stream):
             pass
 
@@ -473,9 +475,10 @@ def test_end_graph_zeroes_the_scratch_and_a_replay_copies_out_then_zeroes_the_ov
     cs.stream.end_capture = lambda: _CupyGraph()
     rec = cuda_backend.CudaRecording(cs)
     s1, s2 = _Scratch(0x5000, log), _Scratch(0x6000, log)
-    rec.keep, rec.checks, rec.conds, rec.nodes = [s1, s2], [(0, 4, s1), (1, 9, s2)], 2, [None]
+    rec.keep, rec.checks, rec.conds, rec.nodes = [s1, s2], [(0, 4, s1), (1, 9, s2)], 2, ["n0"]
     g = fake_be.end_graph(rec)
     assert isinstance(g, cuda_graph.CudaGraph) and g.checks == rec.checks
+    assert g.nodes == ["n0"]
     assert log == [("memset", 0x5000, 0, 8, 0xA0), ("memset", 0x6000, 0, 8, 0xA0)]
     log.clear()
 
@@ -498,6 +501,25 @@ def test_end_graph_zeroes_the_scratch_and_a_replay_copies_out_then_zeroes_the_ov
     fake_be._loops.settle()
     assert isinstance(mark.failed, LoopLimitExceeded) and "max_iterations=9" in str(mark.failed)
     assert list(cs.errors) == [mark.failed] and not fake_be._loops
+
+
+def test_no_nodes_are_kept_when_cupy_released_the_captured_graph(fake_be):
+    """A node of a destroyed cudaGraph_t must never reach cuGraphExecKernelNodeSetParams."""
+    cs = cuda_backend.CudaStream(_Stream(0xA0))
+
+    class _Instance:                          # graph = 0: CuPy kept only the graphExec
+        graph, graphExec = 0, 0xE0
+
+        def upload(self, stream):
+            pass
+    cs.stream.end_capture = lambda: _Instance()
+    rec = cuda_backend.CudaRecording(cs)
+    rec.launches, rec.nodes = 2, ["n0", "n1"]
+    g = fake_be.end_graph(rec)
+    assert g.nodes == [None, None]
+    why = cuda_graph.update_in_place(g, {1: (_Program(()), (1, 1, 1), [], ())}, {})
+    if cuda_graph.drv is not None:
+        assert "CuPy released the captured graph" in why
 
 
 def test_completions_need_no_check_without_loops(fake_be):

@@ -118,10 +118,12 @@ class Graph:
         return srv.call(srv.h_graph_info, self.id)
 
     def memory_usage(self) -> dict:
-        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share"}``: the bytes this graph
-        keeps alive (``nbytes`` = its window's buffers no pool shares + its share of its
-        ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id or None.
-        Blocks. Raises ``UnknownGraph``."""
+        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share", "used_bytes"}``: the
+        bytes this graph keeps alive (``nbytes`` = its window's buffers no pool shares + its
+        share of its ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id
+        or None, and the bytes of every buffer it binds (``used_bytes``: caller-owned buffers
+        too, e.g. a model's shared scratch, which ``nbytes`` does not count since the caller
+        keeps them alive). Blocks. Raises ``UnknownGraph``."""
         srv = self._srv("memory_usage")
         return srv.call(srv.h_graph_memory, self.id)
 

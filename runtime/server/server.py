@@ -520,8 +520,13 @@ class ComputeServer:
             if b.access == "read":
                 st.reads[sid] = pos
             else:
-                st.writes = {sid: pos}
-                st.reads = {}
+                w = st.writes               # (every reader copies it: updated in place)
+                if len(w) == 1 and sid in w:
+                    w[sid] = pos
+                else:
+                    st.writes = {sid: pos}
+                if st.reads:
+                    st.reads = {}
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos

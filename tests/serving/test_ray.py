@@ -192,6 +192,7 @@ def test_bad_corpora_give_byte_identical_files_and_statuses_on_both_paths(cluste
             continue
         assert (s1.rows, s1.failed, s1.failures) == (s2.rows, s2.failed, s2.failures), name
         a, b = pq.read_table(local), pq.read_table(ray_file)
+        assert ("text_raw" in a.column_names) == (name != "quoted.csv"), name  # values kept
         assert a.drop_columns(["embedding"]).equals(b.drop_columns(["embedding"])), name
         assert np.abs(np.nan_to_num(_rows(a) - _rows(b))).max() < 1e-6, name
         assert local.read_bytes() == ray_file.read_bytes(), name

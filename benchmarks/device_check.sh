@@ -3,8 +3,10 @@
 # outside it (the `device` tool's machine). Under 5 minutes:
 #   1. install wheels carried in .whl/ (if any) into /tmp/site; nothing is fetched;
 #   2. record the environment (GPU, driver, python, numpy, cupy);
-#   3. the conformance suite (graph update/instantiate and conditionals included), the cuda
-#      tests and the one-replay decode loop on cuda (RUNTIME_TEST_BACKENDS=cuda);
+#   3. the conformance suite (graph update/instantiate and conditionals included: on cuda CUDA
+#      12.4 conditional nodes and in-place kernel-node updates), the cuda tests (with
+#      tests/backends/cuda/test_cuda_graph.py) and the one-replay decode loops, raw and as a
+#      StaticGraph(loop=) (tests/models/test_decode_loop.py), on cuda (RUNTIME_TEST_BACKENDS=cuda);
 #   4. the latency benchmarks (benchmarks/cuda_latency.py: eager vs replay for graph lengths
 #      1/10/100/1000, replay enqueue p50/p99, MiniLM forward eager vs replay).
 # Writes into $OUT when set (else benchmarks/results/): device_check.json (summary), env.txt,
@@ -14,7 +16,10 @@
 # Run through the device tool from the repo root, e.g.
 #   run(command="bash benchmarks/device_check.sh", timeout_s=420)
 # adding carry=[".whl"] only when a package is missing there (the image has numpy, pytest and
-# cupy-cuda13x); to make that folder here:
+# cupy-cuda13x; conditional nodes and kernel-node updates also need cuda-bindings, e.g.
+# NAME==VERSION = cuda-bindings==12.9.10 and cuda-pathfinder==1.9.1, without which those tests
+# skip with the reason); to make
+# that folder here:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl NAME==VERSION
@@ -45,6 +50,9 @@ try:
           "driver", rt.driverGetVersion(), "devices", rt.getDeviceCount())
     from runtime.backends.cuda import CudaBackend
     print("probe", CudaBackend.probe())
+    from runtime.backends import cuda_graph as cg
+    print("conditional nodes:", cg.support_reason(cg.driver_version(), rt.is_hip,
+                                                  cg.BINDINGS_MISSING) or "supported")
 except Exception as e:
     print("cuda unavailable:", type(e).__name__, e)
 EOF

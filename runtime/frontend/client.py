@@ -505,11 +505,11 @@ class ComputeClient:
         branches are recorded once, as one conditional node; every replay evaluates ``cond``
         on the device when it reaches the node (cpu: read from the buffer at execution; wgpu:
         a gate dispatch writes the indirect workgroup counts of the branches' dispatches, no
-        host round trip). Nesting: bodies may contain ``capture_if``/``capture_while`` (depth
+        host round trip; cuda: CUDA 12.4 conditional IF nodes). Nesting: bodies may contain ``capture_if``/``capture_while`` (depth
         2 and more).
         Raises: ``TypeError``/``ValueError`` (bad ``cond`` or bodies); ``UnsupportedError`` at
-            capture on a backend without conditional nodes (cuda here: CUDA 12.4 conditional
-            nodes are not wired); whatever a body raises (inside a window the window is then
+            capture on a backend without conditional nodes (cuda without cuda-bindings or a
+            CUDA 12.4 driver); whatever a body raises (inside a window the window is then
             refused: ``stop_capture`` raises ``CaptureRefused``).
         See also: CUDA conditional IF nodes (``cudaGraphConditionalHandleCreate``), Warp
             ``capture_if``, ``torch.cond``.
@@ -537,11 +537,12 @@ class ComputeClient:
                 ``DEFAULT_MAX_ITERATIONS`` (so a loop never hangs).
         Outside a capture window the condition is read on the host before each iteration.
         Inside one the body is recorded once, as a loop node evaluated on the device at every
-        replay (cpu: from the buffer; wgpu: ``max_iterations`` gated copies of the body).
+        replay (cpu: from the buffer; wgpu: ``max_iterations`` gated copies of the body; cuda:
+        a CUDA 12.4 conditional WHILE node).
         Raises: ``TypeError``/``ValueError`` (bad arguments; wgpu capture without
             ``max_iterations``); ``LoopLimitExceeded`` eagerly when ``cond`` is still non-zero
             after ``max_iterations`` iterations; ``UnsupportedError`` at capture on a backend
-            without loop nodes. In a replay an exceeded limit (cpu, wgpu) marks the graph's
+            without loop nodes. In a replay an exceeded limit (every backend) marks the graph's
             write set with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
         See also: CUDA conditional WHILE nodes, Warp ``capture_while``.
         """

@@ -66,8 +66,11 @@ class Graph:
         """Replay the recorded launches on the capture stream.
 
         Blocks only until the device thread has accepted the enqueue (not until the device ran
-        it); read an output or ``sync`` on the capture stream to wait for the results. Waits for
-        room first while the device queue is full (design.md section 1).
+        it); read an output or ``sync`` on the capture stream to wait for the results. On the
+        cpu backend a replay of at most 4 tiny launches on an idle stream runs at once on the
+        calling thread instead (issue 26: cheaper than the hand-off; its failures are still
+        reported as a failure found at execution). Waits for room afterwards while the device
+        queue is full (design.md section 1).
 
         Returns: None.
         Raises:
@@ -86,9 +89,9 @@ class Graph:
         if self._released:
             raise UnknownGraph(f"replay of graph {self.id}: this clone was released")
         srv = self._owner.server
-        if srv.queue.full():             # a replay loop with no read cannot pile up work
-            srv.queue.wait_room()
-        return srv.call(srv.h_replay, self.id)
+        if srv.call(srv.h_replay, self.id) and srv.queue.full():
+            srv.queue.wait_room()        # a replay loop with no read cannot pile up work
+
 
     def clone(self) -> "Graph":
         """Another handle to the same backend graph (no copy).

@@ -162,9 +162,11 @@ class DeviceQueue:
         """
         if self.closed:
             raise self.closed_error()
-        if self.full():
-            self.wait_room()
         q = self._q
+        items, held = self._load()              # (full(), inlined: this is the launch path)
+        if (len(q) >= self.max_messages or items >= self.max_load
+                or self.bytes + held >= self.max_bytes):
+            self.wait_room()
         if nbytes:
             with self._room:
                 self.bytes += nbytes
@@ -300,8 +302,12 @@ class DeviceQueue:
                 except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                     self._die(e)
                     raise self.closed_error() from None
-                finally:
-                    self._release()
+                finally:                    # (_release, inlined: the blocking calls' path)
+                    self._owner.release()
+                    if self.room_waiters:
+                        self.notify_room()
+                    if q and not self.closed and self._owner.acquire(False):
+                        self._drain()
             slot = Reply()
             q.append((fn, args, slot))
             self._drain()

@@ -389,11 +389,27 @@ class ComputeServer:
         Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``; through the client:
         ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
         ``ServerUnhealthy`` (queued errors of this stream).
+
+        Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
+        at once (``Backend.copy_out_now``) and the answer is the bytes themselves.
         """
         s = self.streams.get(sid) or self._stream(sid)
+        st = self.handles.get(hid)
+        if (st is not None and s.window is None and self.checker is None
+                and not (s.errors or self.marks.async_errors or self.backend.failures)):
+            w = st.writes
+            if len(w) > 1 or sid not in w and w:
+                self._wait_for(s, w)        # (an event wait queued: not idle any more)
+            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes)
+            if data is not None:            # idle: everything before it ran
+                self.marks.ran(s)
+                if st.mark is CLEAN or self.marks.clean(st):
+                    s.pos += 1
+                    s.done_pos = s.pos
+                    st.reads[sid] = s.pos
+                    return data
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
-        st = self.handles.get(hid)
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
@@ -456,19 +472,22 @@ class ComputeServer:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
-            mark = Mark(("launch", kernel.name, sid), None, (), s, s.pos + 1)
             reads = None
             for b, st in zip(bindings, states):
-                self._wait_for(s, st.writes)
+                w = st.writes
+                if len(w) > 1 or sid not in w and w:    # (only this stream's: nothing to wait)
+                    self._wait_for(s, w)
                 if b.access != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if b.access != "write" and st.mark is not CLEAN:
+                if b.access != "write" and (m := st.mark) is not CLEAN:
+                    if (m._error is None and not m.parents and m.stream is not None
+                            and m.pos <= m.stream.done_pos):
+                        st.mark = CLEAN         # final and clean: the cheap test next time
+                        continue
                     if reads is None:
                         reads = []
-                    reads.append((st.id, st.mark))
-            if reads is not None:
-                self.marks.inherit(mark, reads)
+                    reads.append((st.id, m))
             if cst is not None:
                 if not self.backend.indirect_dispatch:
                     raise LaunchError(f"indirect launch of {kernel.name}: the "
@@ -479,7 +498,15 @@ class ComputeServer:
             if self.checker is not None:
                 for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
-            self.backend.launch(s.raw, prog, count, args, params, mark)
+            if (reads is None and cst is None and self.checker is None
+                    and self.backend.launch_now(s.raw, prog, count, args, params)):
+                mark = CLEAN                    # it ran, in order, and cannot fail later
+                s.done_pos = s.pos + 1          # its idle stream ran everything before it too
+            else:                               # enqueued: a mark for a failure found later
+                mark = Mark(("launch", kernel.name, sid), None, (), s, s.pos + 1)
+                if reads is not None:
+                    self.marks.inherit(mark, reads)
+                self.backend.launch(s.raw, prog, count, args, params, mark)
         except Exception as e:  # noqa: BLE001 - a device API's own exception type
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
@@ -677,8 +704,10 @@ class ComputeServer:
             self.checker.on_graph(g)
         return g.id, bool(self.backend.hardware_graphs)
 
-    def h_replay(self, gid: int) -> None:
-        """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued.
+    def h_replay(self, gid: int):
+        """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
+        True, or None when the backend ran it at once instead (``Backend.launch_graph_now``:
+        tiny work on an idle stream), so the caller need not look for room in the queue.
 
         The first replay waits for the work other streams had pending on the graph's buffers at
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
@@ -694,6 +723,28 @@ class ComputeServer:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
         s = self.streams[g.stream]
+        reads = None
+        for st in g.sstates:                # sources whose marks may carry a failure
+            if st.mark is not CLEAN:
+                reads = self._marked_sources(g)
+                break
+        if (not reads and s.window is None and not g.freed and not g.fences
+                and self.checker is None):
+            failed = None
+            try:                            # tiny work on an idle stream runs here, at once
+                ran = self.backend.launch_graph_now(s.raw, g.graph)
+            except LaunchError as e:        # it ran and failed: as if found at execution
+                ran = failed = Mark(("replay", gid)).fail(e)
+                s.errors.append(failed)
+                fold_errors(s.errors)       # a stream that never blocks: bounded
+                self.marks.fail(g.wstates, ("replay", gid), failed)
+            if ran:
+                s.pos += 1
+                s.done_pos = g.last_pos = s.pos
+                if failed is None:
+                    for st in g.wstates:
+                        st.mark = CLEAN
+                return
         mark = Mark(("replay", gid), None, (), s, s.pos + 1)
         try:
             if s.window is not None:
@@ -712,12 +763,8 @@ class ComputeServer:
                 self._wait_for(s, g.fences)
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            if g.sstates:                   # marks known final and clean are skipped here
-                reads = [(st.id, m) for st in g.sstates if (m := st.mark) is not CLEAN and (
-                    m._error is not None or m.parents or m.stream is None
-                    or m.pos > m.stream.done_pos)]
-                if reads:
-                    self.marks.inherit(mark, reads)
+            if reads:
+                self.marks.inherit(mark, reads)
             self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
@@ -730,6 +777,23 @@ class ComputeServer:
         g.last_pos = s.pos
         for st in g.wstates:
             st.mark = mark
+        return True
+
+    @staticmethod
+    def _marked_sources(g) -> list:
+        """``[(handle id, Mark)]`` of the sources of graph ``g`` (buffers it reads before it
+        writes them) whose marks may carry a failure: marks known final and clean are skipped."""
+        reads = []
+        for st in g.sstates:
+            m = st.mark
+            if m is CLEAN:
+                continue
+            if (m._error is not None or m.parents or m.stream is None
+                    or m.pos > m.stream.done_pos):
+                reads.append((st.id, m))
+            else:
+                st.mark = CLEAN                 # final and clean: the cheap test next time
+        return reads
 
     def h_graph_destroy(self, gid: int) -> None:
         """Destroy graph ``gid`` after the work enqueued on its stream; unknown id: no-op.

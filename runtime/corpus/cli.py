@@ -14,7 +14,8 @@ dataset the Ray workers write (``part-NNNNNN.parquet`` per block, ``input_row`` 
 that crashed or was stopped, skipping the blocks it had written.
 
 Exit status: 0 when every row was embedded, 1 when some rows failed (they are in the output
-with a null ``embedding`` and the reason in ``embedding_error``; the first ones are printed),
+with a null ``embedding`` and the reason in ``embedding_error``; the first ones are printed;
+a text value that is not a string is kept as its JSON text in a ``text_raw`` column),
 2 on bad input (missing file, unknown format, a text column in no row, no rows), 130 when
 interrupted (SIGINT or SIGTERM: no ``.partial`` file is left; with ``--ray`` the finished
 blocks stay for ``--resume``). The in-process and ``--ray`` paths give the same rows and the

@@ -53,9 +53,8 @@ import threading
 
 import numpy as np
 
-from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
-                      UnsupportedError,
-                      error_list, unhealthy)
+from ..errors import (ErrorQueue, InvalidHandle, LaunchError, LoopLimitExceeded, OutOfMemory,
+                      ServerClosed, UnsupportedError, error_list, unhealthy)
 from .base import Backend, Completion, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
@@ -170,7 +169,7 @@ class WgpuStream:
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
-        self.errors: collections.deque = collections.deque()
+        self.errors = ErrorQueue()
         self.released = False      # reclaimed: later errors go to the backend's ``failures``
 
 
@@ -189,10 +188,7 @@ def _report(comp: "MapCompletion") -> None:
     (every earlier submit of the stream ran or was refused by now)."""
     s = comp.stream
     if s is not None and s.errors:
-        errs = []
-        while s.errors:
-            errs.append(s.errors.popleft())
-        comp.error = unhealthy(error_list(comp.error) + errs)
+        comp.error = unhealthy(error_list(comp.error) + s.errors.take())
 
 
 class MapCompletion(Completion):
@@ -680,8 +676,7 @@ class WgpuBackend(Backend):
         to a completion yet (and any found later) go to ``failures``: never dropped."""
         self._submit(stream)
         stream.released = True
-        while stream.errors:
-            self.failures.append(stream.errors.popleft())
+        self.failures.extend(stream.errors.take())
         return True
 
 

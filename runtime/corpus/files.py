@@ -101,10 +101,14 @@ class Plan:
         return sum(b.rows for b in self.blocks)
 
     def key(self) -> dict:
-        """What identifies this plan (a resumed run must find the same)."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
-                "text_column": self.text_column, "block_rows": self.block_rows,
-                "blocks": len(self.blocks)}
+        """What identifies this plan (a resumed run must find the same; the raw column only
+        when present, so a folder whose parts lack it is not resumed into parts that have it)."""
+        key = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
+               "text_column": self.text_column, "block_rows": self.block_rows,
+               "blocks": len(self.blocks)}
+        if self.raw:
+            key["raw_column"] = raw_column(self.text_column)
+        return key
 
 
 def _kind(v) -> str:

@@ -30,14 +30,13 @@ Terms:
 
 from __future__ import annotations
 
-import collections
 import inspect
 import threading
 from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedError
+from ..errors import ErrorQueue, UnsupportedError
 
 
 class Completion:
@@ -152,7 +151,7 @@ class Backend:
         #: waiting for room in the device queue re-check (design.md section 1).
         self.on_room = _nothing
         #: errors no stream owns, found after enqueue (see ``take_failures``); any thread.
-        self.failures: collections.deque = collections.deque()
+        self.failures = ErrorQueue()
 
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int):
@@ -175,11 +174,7 @@ class Backend:
     def take_failures(self) -> list:
         """Errors no stream owns found after enqueue (``ServerError`` s), emptied; the server
         raises them at the next blocking call on any stream (see the module doc: ``mark``)."""
-        out = []
-        failures = self.failures
-        while failures:
-            out.append(failures.popleft())
-        return out
+        return self.failures.take()
 
     # -- streams and events -----------------------------------------------------------------
     def new_stream(self):

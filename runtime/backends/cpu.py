@@ -28,8 +28,8 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import (LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, detach,
-                      fold_errors, unhealthy)
+from ..errors import (ErrorQueue, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
+                      detach, unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
@@ -71,7 +71,7 @@ class CpuStream:
         self.busy = self.pending = False
         self.sched = 0
         self.q = collections.deque()
-        self.errors: list = []
+        self.errors = ErrorQueue()
         self.index = index
 
 
@@ -150,10 +150,7 @@ def _run_nodes(items, mark) -> None:
             done = 0
             while item.cond[0] != 0:
                 if done >= limit:
-                    err = LoopLimitExceeded(
-                        f"capture_while node {item.index}: its condition was still non-zero "
-                        f"after max_iterations={limit} iterations in a graph replay; the loop "
-                        "stopped there")
+                    err = LoopLimitExceeded.in_replay(item.index, limit)
                     if mark is not None:
                         err = mark.fail(err)
                     raise err
@@ -302,8 +299,7 @@ class CpuBackend(Backend):
                 return False
             self.streams.pop(stream.index, None)
             if stream.errors:            # never dropped: raised by any stream's next call
-                self.failures.extend(stream.errors)
-                stream.errors = []
+                self.failures.extend(stream.errors.take())
         return True
 
     # -- execution (scheduler side) ----------------------------------------------------------
@@ -326,7 +322,6 @@ class CpuBackend(Backend):
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
-                fold_errors(s.errors)       # a stream that never blocks: bounded
             finally:
                 if counted:
                     RULE.exit()
@@ -336,8 +331,7 @@ class CpuBackend(Backend):
                 self.scheduler.event_done(payload)
             else:
                 if s.errors:
-                    errs, s.errors = s.errors, []
-                    payload.fail(unhealthy(errs))
+                    payload.fail(unhealthy(s.errors.take()))
                 else:
                     payload.set(payload.value)
 

@@ -37,7 +37,8 @@ except Exception as _e:  # noqa: BLE001 - any broken cupy install means "not ava
                       "matching your CUDA, e.g. pip install cupy-cuda12x") from _e
 
 from ..kernel import DTYPES
-from ..errors import CaptureRefused, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
+from ..errors import (CaptureRefused, ErrorQueue, LaunchError, OutOfMemory, ServerClosed,
+                      UnsupportedError)
 from .base import Backend, Completion
 from .cuda_graph import (GATE_NAME, GATE_SOURCE, Conditionals, CudaGraph, LoopChecks,
                          update_in_place)
@@ -176,7 +177,7 @@ class CudaStream:
         self.stream = stream
         self.retire: collections.deque = collections.deque()
         self.capturing = False
-        self.errors: collections.deque = collections.deque()
+        self.errors = ErrorQueue()
 
 
 class CudaRecording:
@@ -346,8 +347,7 @@ class CudaBackend(Backend):
             return False
         if idle:
             self._loops.settle()
-            while stream.errors:                     # reported by the next blocking call
-                self.failures.append(stream.errors.popleft())
+            self.failures.extend(stream.errors.take())  # reported by the next blocking call
             try:
                 self._streams.remove(stream)
             except ValueError:

@@ -118,10 +118,12 @@ class Graph:
         return srv.call(srv.h_graph_info, self.id)
 
     def memory_usage(self) -> dict:
-        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share"}``: the bytes this graph
-        keeps alive (``nbytes`` = its window's buffers no pool shares + its share of its
-        ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id or None.
-        Blocks. Raises ``UnknownGraph``."""
+        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share", "used_bytes"}``: the
+        bytes this graph keeps alive (``nbytes`` = its window's buffers no pool shares + its
+        share of its ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id
+        or None, and the bytes of every buffer it binds (``used_bytes``: caller-owned buffers
+        too, e.g. a model's shared scratch, which ``nbytes`` does not count since the caller
+        keeps them alive). Blocks. Raises ``UnknownGraph``."""
         srv = self._srv("memory_usage")
         return srv.call(srv.h_graph_memory, self.id)
 
@@ -139,8 +141,9 @@ class Graph:
 
     @property
     def fallback_reason(self):
-        """None, or why the last ``update`` rebuilt the graph instead of patching it (cuda:
-        the instantiated graph is recaptured from its recording)."""
+        """None, or why the last ``update`` rebuilt the graph instead of patching it in place
+        (cuda: the instantiated graph recaptured from its recording); None again after an
+        update that patched in place."""
         return self._owner.fallback_reason
 
     def launches(self) -> list:
@@ -205,8 +208,10 @@ class Graph:
             liveness (freeing a new caller-owned handle breaks the graph, not the old one),
             retained buffers, the checker, and the cross-stream fences of the new buffers.
         Backends: cpu and wgpu patch the software graph (wgpu rebuilds only the bind groups and
-            uniforms that changed); cuda rebuilds the graph from its recording and says so in
-            :attr:`fallback_reason`.
+            uniforms that changed); cuda patches the instantiated graph's kernel nodes in place
+            (``cuGraphExecKernelNodeSetParams``) where it can, else rebuilds the graph from its
+            recording and says why in :attr:`fallback_reason` (None after an update that
+            patched in place).
         Raises: ``TypeError`` (not Handles / dicts); ``ValueError`` (a rebind changing nbytes or
             dtype, a handle the graph does not use, an index out of range, an unknown param
             name, a bad value); ``UnknownGraph``; ``CaptureRefused`` (the capture stream is

@@ -346,16 +346,19 @@ def update(server, g: GraphState, rebind, params, count) -> None:
     new_ops = _apply(server, g, rebind, params, count)
     changes, conds = _changes(server, g.ops, new_ops, _lookup(server, g))
     if not changes and not conds and not rebind:
+        g.fallback_reason = None              # (says why the *last* update rebuilt the graph)
         return
     be = server.backend
     graph = be.update_graph(s.raw, g.graph, changes, conds) if (changes or conds) else g.graph
+    reason = None
     if graph is None:                         # the backend cannot patch: rebuild from the ops
         graph = build(server, s, new_ops, _lookup(server, g))
-        g.fallback_reason = getattr(be, "update_fallback_reason", None) or (
+        reason = getattr(be, "update_fallback_reason", None) or (
             f"{be.name}: the graph was rebuilt from its recording (the backend cannot patch "
             "an instantiated graph in place)")
     old_graph = g.graph
     _rebind_state(server, g, new_ops, s)
+    g.fallback_reason = reason
     if graph is not old_graph:
         g.graph = graph
         if not server.capture.on_destroy(s, old_graph):

@@ -520,8 +520,13 @@ class ComputeServer:
             if b.access == "read":
                 st.reads[sid] = pos
             else:
-                st.writes = {sid: pos}
-                st.reads = {}
+                w = st.writes               # (every reader copies it: updated in place)
+                if len(w) == 1 and sid in w:
+                    w[sid] = pos
+                else:
+                    st.writes = {sid: pos}
+                if st.reads:
+                    st.reads = {}
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
@@ -900,15 +905,18 @@ class ComputeServer:
     def h_graph_memory(self, gid: int) -> dict:
         """``Graph.memory_usage()``: ``{"nbytes": what graph gid keeps alive, "own_bytes": its
         window's buffers no graph pool shares, "pool": the pool id or None, "pool_bytes": the
-        pool's shared bytes, "pool_share": pool_bytes / its graphs}`` (bytes; ``nbytes`` =
+        pool's shared bytes, "pool_share": pool_bytes / its graphs, "used_bytes": the bytes of
+        every buffer it binds, caller-owned ones included}`` (bytes; ``nbytes`` =
         ``own_bytes + pool_share``). Raises ``UnknownGraph``."""
         g = self._graph(gid, "memory_usage")
         gp = self.graph_pool_of.get(gid)
         own = sum(sl.nbytes for sl in {id(sl): sl for sl in g.alloc_slots}.values()
                   if sl.graph_pool is None)
         share = gp.bytes // max(1, len(gp.graphs)) if gp is not None else 0
+        used = sum(st.nbytes for st in {id(st): st for st in g.handles}.values())
         return {"nbytes": own + share, "own_bytes": own, "pool": None if gp is None else gp.id,
-                "pool_bytes": 0 if gp is None else gp.bytes, "pool_share": share}
+                "pool_bytes": 0 if gp is None else gp.bytes, "pool_share": share,
+                "used_bytes": used}
 
     def h_graph_pool_usage(self, pool_id: int) -> dict:
         """``GraphPool.memory_usage()`` (``memory.GraphPool.usage``); an unused pool: zeros."""

@@ -80,6 +80,8 @@ def test_without_a_pool_each_graph_keeps_its_own_temporaries():
     mem = [g.memory_usage() for g in graphs]
     assert [m["own_bytes"] for m in mem] == [n * 4 for n in SIZES]
     assert all(m["pool"] is None for m in mem)
+    # every buffer it binds: the caller's input and output and its own temporary
+    assert [m["used_bytes"] for m in mem] == [3 * n * 4 for n in SIZES]
     assert c.memory_usage()["graph_bytes"] == sum(n * 4 for n in SIZES)
 
 

@@ -313,3 +313,23 @@ def test_update_and_instantiate_refused_while_the_stream_captures(client):
     client.abort_capture()
     g.replay()
     np.testing.assert_array_equal(client.read(y), [1, 2, 3, 4])
+
+
+def test_fallback_reason_says_why_the_last_update_rebuilt_and_clears_after_a_patch(monkeypatch):
+    """``fallback_reason`` belongs to the last update: set when it rebuilt the graph (here the
+    cpu backend is made to refuse the patch once, as cuda does for a launch it cannot patch),
+    None again after one that patched in place; the values follow numpy either way."""
+    from runtime.backends.cpu import CpuBackend
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x, y, g = _axpy_graph(c)
+    patch = CpuBackend.update_graph
+    monkeypatch.setattr(CpuBackend, "update_graph", lambda self, *a: None)
+    g.update(params={0: {"alpha": 2.0}})
+    assert g.fallback_reason and "rebuilt" in g.fallback_reason
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.arange(4, dtype=np.float32) + 2)
+    monkeypatch.setattr(CpuBackend, "update_graph", patch)
+    g.update(params={0: {"alpha": 3.0}})
+    assert g.fallback_reason is None
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.arange(4, dtype=np.float32) + 3)

@@ -53,6 +53,14 @@ class LoopLimitExceeded(LaunchError):
     its body (eagerly, or in a replay): the loop stopped there, and a replay's write set
     is marked with this error (``ReplayFailed`` on read), never silently truncated."""
 
+    @classmethod
+    def in_replay(cls, node: int, limit: int, where: str = "") -> "LoopLimitExceeded":
+        """The error of loop node ``node`` found still true after ``limit`` iterations in a
+        graph replay (``where``: e.g. ``" on wgpu; the unrolled loop"``)."""
+        return cls(f"capture_while node {node}: its condition was still non-zero after "
+                   f"max_iterations={limit} iterations in a graph replay{where or '; the loop'} "
+                   "stopped there")
+
 
 class InvalidHandle(ServerError):
     """A handle that is unknown, freed, from another server, or of the wrong size."""

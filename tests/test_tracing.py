@@ -87,6 +87,28 @@ def test_a_replay_of_L_launches_shows_L_child_slices_and_the_trace_validates(bac
     assert len(steps) == 1 and names[(steps[0]["pid"], steps[0]["tid"])].startswith("device")
 
 
+def test_tiny_work_on_an_idle_cpu_stream_shows_on_its_lane_while_tracing(tmp_path):
+    """The cpu fast paths (tiny work run at once on the caller's thread, issue 26) are off
+    while tracing: a 1-launch replay and a tiny launch still show as slices on the stream."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.ones(64, np.float32))
+    y = c.empty(64, np.float32)
+    g = runtime.capture(lambda: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 64}),
+                        client=c)
+    c.sync()
+    with runtime.trace() as t:
+        c.launch(K.add_scalar, 1, [y, x], {"alpha": 1.0, "n": 64})
+        g.replay()
+        out = c.read(y)
+    np.testing.assert_array_equal(out, np.full(64, 4, np.float32))
+    doc = {"traceEvents": t.events()}
+    names = _lane_names(doc)
+    on_stream = [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"
+                 and "stream" in names.get((e["pid"], e["tid"]), "")]
+    assert any(n.startswith("replay") for n in on_stream), on_stream
+    assert sum(n.startswith("add_scalar") for n in on_stream) >= 2, on_stream
+
+
 def test_a_cross_stream_wait_shows_its_arrow_from_the_record_to_the_wait():
     c = runtime.client("cpu", scheduler="interleave", seed=0)   # all work deferred: waits queue
     try:

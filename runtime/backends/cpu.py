@@ -150,10 +150,7 @@ def _run_nodes(items, mark) -> None:
             done = 0
             while item.cond[0] != 0:
                 if done >= limit:
-                    err = LoopLimitExceeded(
-                        f"capture_while node {item.index}: its condition was still non-zero "
-                        f"after max_iterations={limit} iterations in a graph replay; the loop "
-                        "stopped there")
+                    err = LoopLimitExceeded.in_replay(item.index, limit)
                     if mark is not None:
                         err = mark.fail(err)
                     raise err

@@ -445,10 +445,7 @@ class LoopChecks:
                 _, view, checks, mark, stream = item
                 for (index, limit, _), over in zip(checks, view):
                     if over:
-                        err = LoopLimitExceeded(
-                            f"capture_while node {index}: its condition was still non-zero "
-                            f"after max_iterations={limit} iterations in a graph replay on "
-                            "cuda; the loop stopped there")
+                        err = LoopLimitExceeded.in_replay(index, limit, " on cuda; the loop")
                         stream.errors.append(mark.fail(err) if mark is not None else err)
                         break
             self._pending = keep

@@ -354,10 +354,8 @@ class QueueThread:
         self.inflight = 0
         for (_, node), v in zip(graph.checks, over):
             if v:
-                err = LoopLimitExceeded(
-                    f"capture_while node {node.index}: its condition was still non-zero after "
-                    f"max_iterations={node.max_iterations} iterations in a graph replay on "
-                    "wgpu; the unrolled loop stopped there")
+                err = LoopLimitExceeded.in_replay(node.index, node.max_iterations,
+                                                  " on wgpu; the unrolled loop")
                 stream.errors.append(mark.fail(err) if mark is not None else err)
                 return
 

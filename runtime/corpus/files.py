@@ -101,10 +101,14 @@ class Plan:
         return sum(b.rows for b in self.blocks)
 
     def key(self) -> dict:
-        """What identifies this plan (a resumed run must find the same)."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
-                "text_column": self.text_column, "block_rows": self.block_rows,
-                "blocks": len(self.blocks)}
+        """What identifies this plan (a resumed run must find the same; the raw column only
+        when present, so a folder whose parts lack it is not resumed into parts that have it)."""
+        key = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
+               "text_column": self.text_column, "block_rows": self.block_rows,
+               "blocks": len(self.blocks)}
+        if self.raw:
+            key["raw_column"] = raw_column(self.text_column)
+        return key
 
 
 def _kind(v) -> str:
@@ -237,7 +241,8 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
     blocks = tuple(Block(i, r, min(block_rows, n - r), r, min(r + block_rows, n))
                    for i, r in enumerate(range(0, n, block_rows)))
     text = schema.field(text_column).type
-    raw = not (pa.types.is_string(text) or pa.types.is_large_string(text))
+    raw = not (pa.types.is_string(text) or pa.types.is_large_string(text)
+               or pa.types.is_null(text))           # an all-null column has nothing to keep
     return Plan(blocks=blocks, columns=_with_raw(tuple((f.name, f.type) for f in schema),
                                                  text_column, raw), raw=raw, **common)
 
@@ -368,16 +373,17 @@ def read_block(plan: Plan, block: Block):
             first = r if first is None else first
         r += n
     t = pf.read_row_groups(groups).slice(block.start - first, block.rows)
-    col = t.column(tc)
+    col, i = t.column(tc), t.column_names.index(tc)
     errors = pa.nulls(t.num_rows, pa.string())
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+    if plan.raw:
         values = col.to_pylist()
         errors = pa.array([None if v is None else f"the text is {col.type}, not a string"
                            for v in values], pa.string())
-        i = t.column_names.index(tc)
         t = t.set_column(i, tc, pa.nulls(t.num_rows, pa.string()))
         t = t.add_column(i + 1, rc, pa.array([None if v is None else _json_text(v)
                                               for v in values], pa.string()))
+    elif pa.types.is_null(col.type):                 # all null: a string column of nulls
+        t = t.set_column(i, tc, pa.nulls(t.num_rows, pa.string()))
     return t.append_column(TEXT_ERROR, errors)
 
 

@@ -52,6 +52,20 @@ ACC = runtime.Kernel("checked_accumulate_bound", [("x", "f32", "read"), ("s", "f
                      [("n", "u32")], cpu=_acc)
 
 
+def _captured(c, kernel, bufs, n=N):
+    """One launch of ``kernel`` over ``bufs`` captured after a warm-up (each runs it once)."""
+    def launch():
+        c.launch(kernel, K.grid(n), bufs, {"n": n})
+    launch()
+    c.sync()
+    c.graph_prepare()
+    launch()
+    c.sync()
+    c.start_capture()
+    launch()
+    return c.stop_capture()
+
+
 @pytest.fixture
 def c():
     """A client of the default cpu server (thread scheduler) on a fresh stream."""
@@ -120,14 +134,7 @@ def test_a_launch_that_raises_on_the_fast_path_marks_its_output_and_raises_once(
 def test_a_replay_that_raises_on_the_fast_path_marks_the_write_set_until_a_replay_lands(c):
     x = c.create(np.ones(N, np.float32))
     y = c.create(np.zeros(N, np.float32))
-    c.launch(DOUBLE, K.grid(N), [x, y], {"n": N})
-    c.sync()
-    c.graph_prepare()
-    c.launch(DOUBLE, K.grid(N), [x, y], {"n": N})
-    c.sync()
-    c.start_capture()
-    c.launch(DOUBLE, K.grid(N), [x, y], {"n": N})
-    g = c.stop_capture()
+    g = _captured(c, DOUBLE, [x, y])
     c.write(x, -np.ones(N, np.float32))
     c.sync()
     g.replay()                                        # runs at once, raises there, returns
@@ -145,14 +152,7 @@ def test_a_replay_that_raises_on_the_fast_path_marks_the_write_set_until_a_repla
 def test_a_stateful_graph_that_failed_on_the_fast_path_keeps_failing_until_its_state_is_written(c):
     x = c.create(np.ones(N, np.float32))
     s = c.create(np.zeros(N, np.float32))
-    c.launch(ACC, K.grid(N), [x, s], {"n": N})
-    c.sync()
-    c.graph_prepare()
-    c.launch(ACC, K.grid(N), [x, s], {"n": N})
-    c.sync()
-    c.start_capture()
-    c.launch(ACC, K.grid(N), [x, s], {"n": N})
-    g = c.stop_capture()
+    g = _captured(c, ACC, [x, s])
     c.write(s, np.zeros(N, np.float32))
     for _ in range(3):
         g.replay()

@@ -164,6 +164,14 @@ def test_a_text_that_is_not_a_string_is_kept_as_its_json_text(tmp_path):
     assert t.column_names == ["id", "tag", "text", "text_raw", TEXT_ERROR]
     assert t.column("text_raw").to_pylist() == WANT_RAW
     assert json.loads(t.column("text_raw")[6].as_py()) == {"a": 1}
+    # a dataset folder written before the raw column existed is not resumed into one with it
+    # (private reach: _prepare is the Ray path's folder check, run here without Ray)
+    from runtime.corpus.run import MANIFEST, _prepare
+    old_key = {k: v for k, v in plan.key().items() if k != "raw_column"}
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / MANIFEST).write_text(json.dumps(old_key))
+    with pytest.raises(ValueError, match="another run"):
+        _prepare(plan, tmp_path / "ds", resume=True)
     (tmp_path / "u.jsonl").write_text('{"text": 1.5e300}\n{"text": ["é", true]}\n'
                                       '{"text": "fine"}\n')
     plan = plan_input(tmp_path / "u.jsonl", "text", 2)
@@ -183,6 +191,10 @@ def test_a_text_that_is_not_a_string_is_kept_as_its_json_text(tmp_path):
     assert t.column_names == ["text", "text_raw", "id", TEXT_ERROR]
     assert t.column("text").to_pylist() == [None] * 3
     assert t.column("text_raw").to_pylist() == ["3", None, "4"]
+    pq.write_table(pa.table({"text": pa.nulls(2)}), tmp_path / "n.parquet")   # nothing to keep
+    plan = plan_input(tmp_path / "n.parquet", "text")
+    t = read_block(plan, plan.blocks[0])
+    assert t.column_names == ["text", TEXT_ERROR] and t.schema.field("text").type == pa.string()
     (tmp_path / "c.csv").write_text("id,text\n1,42\n")            # CSV: every text is a string
     plan = plan_input(tmp_path / "c.csv", "text")
     assert raw_column("text") not in read_block(plan, plan.blocks[0]).column_names

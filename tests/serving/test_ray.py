@@ -5,9 +5,11 @@ One local Ray cluster for the module, on loopback only (``runtime.cluster.init_r
 ``ray.nodes()``; Serve's HTTP proxy listens on 127.0.0.1. Every embedding is checked against the
 MiniLM reference fixture to 1e-4. Skipped, with the reason, when ray (serve, data), pyarrow,
 fastapi/httpx or the model files are missing, or when Ray cannot start here.
-About 3-5 minutes measured on the shared 2-core machine at load 8-16 (cluster ~25 s, corpus
-~60 s, the bad corpora through both paths and the resumed run ~60-90 s, Serve ~40-90 s); less on
-a quiet one.
+About 3-4 minutes measured on the shared 2-core machine at load 5-11 (cluster and the module's
+corpus run ~50-60 s, the bad corpora through both paths ~40-60 s, the resumed run ~20 s, Serve
+~70-90 s); less on a quiet one. Each Ray Data run costs mostly its actor starting (a process,
+the imports, the model), so the corpus runs once for the module and the resume test resumes a
+copy of it, and the bad corpora's Ray runs start their actors at once.
 """
 
 from __future__ import annotations

@@ -215,3 +215,18 @@ def test_a_read_after_queued_tiny_work_runs_it_and_returns_its_values(c):
     for k in range(1, 4):
         g.replay()
         np.testing.assert_array_equal(c.read(x), np.full(N, 20 * k, np.float32))
+
+
+def test_a_negative_zero_param_is_not_served_the_cached_call_of_zero(c):
+    # the cached resolved launch is keyed by its params, and -0.0 == 0.0 as a key: a launch
+    # with alpha=-0.0 ran the call bound with 0.0 (y = x * 0.0 = +0.0 instead of -0.0)
+    data = np.arange(1, N + 1, dtype=np.float32)
+    x = c.create(data)
+    y = c.empty(N, np.float32)
+    c.sync()
+    for alpha in (0.0, 0.0, -0.0, -0.0, 0.0, -0.0):
+        c.launch(K.mul_scalar, K.grid(N), [x, y], {"alpha": alpha, "n": N})
+        got = c.read(y)
+        want = data * np.float32(alpha)
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want)), alpha

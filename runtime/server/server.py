@@ -695,6 +695,8 @@ class ComputeServer:
         """
         self.queue.run_releases()     # frees dropped in the window are refused
         s = self._stream(sid)
+        if s.pool is not None and s.window is not None:
+            self._refuse_shared_state(s)
         g = self.capture.end(s, next(_graph_ids), retain)
         self.graphs[g.id] = g
         s.graphs += 1                 # the stream is not reclaimed while a graph replays there
@@ -703,11 +705,38 @@ class ComputeServer:
         if gp is not None:                      # its window's buffers join the graph pool
             gp.graphs.add(g.id)
             self.graph_pool_of[g.id] = gp
+            state = {id(st.slot) for st in g.sstates}
             for slot in g.alloc_slots:
-                gp.adopt(slot)
+                if id(slot) not in state:       # its state (read before written) stays its own
+                    gp.adopt(slot)
         if self.checker is not None:
             self.checker.on_graph(g)
         return g.id, bool(self.backend.hardware_graphs)
+
+    def _refuse_shared_state(self, s: StreamState) -> None:
+        """A window of a graph pool may share only temporaries (buffers each replay writes
+        before it reads them): a buffer the window allocated from the pool's shared buffers
+        (another graph's temporary) that the recording reads before writing it would be state
+        the other graphs overwrite on every replay. ``GraphStateError`` (the window is aborted,
+        no graph is made) naming the handle; its own new buffers holding state are simply kept
+        out of the pool (``h_stop_capture``)."""
+        w = s.window
+        shared = [st for st in w.allocs if st.slot.graph_pool is s.pool]
+        if not shared:
+            return
+        src = cap.sources(w.ops)
+        bad = [st.id for st in shared if st.id in src]
+        if bad:
+            pid = s.pool.id
+            self.capture.abort(s)
+            s.pool, s.warm, s.warm_bytes = None, set(), 0
+            raise GraphStateError(
+                f"stop_capture on stream {int(s.id)}: handle {bad[0]}, allocated in the window "
+                f"from graph pool {pid}'s shared buffers (another graph's temporary), is "
+                "read by the recording before it is written (state: an accumulator, a KV "
+                "cache); the pool's other graphs overwrite it on every replay, so no graph was "
+                "made. Allocate state before graph_prepare, or capture this graph without the "
+                "pool")
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:

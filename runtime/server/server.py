@@ -796,8 +796,9 @@ class ComputeServer:
                 if self.checker is not None:
                     self.checker.violations.append(err)
                 raise err
-            if g.fences:
+            if g.fences:                    # once: the stream's waits (``synced``) remain
                 self._wait_for(s, g.fences)
+                g.fences = {}
             if self.checker is not None:
                 self.checker.on_replay(s, g)
             if reads:

@@ -229,3 +229,26 @@ def test_serve_trace_is_refused_with_ray():
     with pytest.raises(SystemExit):
         parse_args(["--ray", "--trace", "x.json"])
     assert parse_args(["--trace", "x.json"]).trace == "x.json"
+
+
+def test_serve_trace_is_written_when_sigterm_stops_the_server(tmp_path):
+    """uvicorn re-raises SIGTERM after its graceful shutdown; with SIGTERM's default action the
+    process ended inside ``with trace(...)`` and no file was written (Ctrl-C wrote it)."""
+    out = tmp_path / "serve.json"
+    code = ("import signal\n"
+            "from runtime.serving import cli\n"
+            "def fake_serve(settings):\n"
+            "    import numpy as np, runtime\n"
+            "    c = runtime.client('cpu'); c.read(c.create(np.ones(4, np.float32)))\n"
+            "    signal.raise_signal(signal.SIGTERM)   # what uvicorn does once it has stopped\n"
+            "    return 0\n"
+            "cli._serve = fake_serve\n"
+            f"cli.main(['--trace', {str(out)!r}])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 143, (r.returncode, r.stderr[-2000:])
+    assert f"trace written to {out}" in r.stderr
+    doc = json.loads(out.read_text())
+    assert tracing.validate(doc) == [] and doc["traceEvents"]

@@ -413,7 +413,8 @@ class ComputeClient:
 
         Args:
             pool: a ``runtime.GraphPool``: the window allocates from the buffers the pool's
-                graphs share first, and the graph's own window buffers join the pool
+                graphs share first, and its temporaries (window buffers it allocated and
+                dropped) join the pool; state it reads before writing stays the graph's own
                 (docs/contract.md section 4c). All graphs of a pool capture on one stream.
         Raises: ``GraphStateError`` (already prepared or recording; or ``pool``'s graphs live
             on another stream; state unchanged); ``TypeError`` (``pool`` is not a GraphPool);
@@ -590,8 +591,10 @@ class ComputeClient:
 
     # -- misc ---------------------------------------------------------------------------------
     def memory_usage(self) -> dict:
-        """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams"}``
-        of the server (bytes, counts). Blocks (one round trip)."""
+        """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams",
+        "graph_bytes", "graph_pools"}`` of the server (bytes, counts): ``graph_bytes`` the
+        window buffers of all live graphs, ``graph_pools`` ``{pool id: GraphPool.memory_usage()}``
+        (docs/contract.md section 4c). Blocks (one round trip)."""
         srv = self._server
         return srv.call(srv.h_memory_usage)
 

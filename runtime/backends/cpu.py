@@ -500,9 +500,10 @@ class CpuBackend(Backend):
             if touched > TINY_BYTES:
                 return False
             call = _bind(fn, views, kwargs, count, name) or _nothing
-            if len(memo) >= MAX_VIEWS:
-                memo.clear()
-            memo[key] = call
+            if 0.0 not in params:   # -0.0 == 0.0 as a key: a zero param's call is not kept
+                if len(memo) >= MAX_VIEWS:
+                    memo.clear()
+                memo[key] = call
         try:
             call()
         except BaseException as e:  # noqa: BLE001 - kernel code is user code

@@ -228,6 +228,7 @@ class ComputeServer:
             err = InvalidHandle(f"{what}: handle {hid} is unknown or freed on server {self.name}; "
                                 "keep the Handle alive while it is in use")
             s.errors.append(err)
+            fold_errors(s.errors)            # a stream that never blocks: bounded
         return st
 
     def _event_at(self, src: StreamState, pos: int):
@@ -330,6 +331,7 @@ class ComputeServer:
                     slot, fresh = self.pool.take(nbytes)
             except ServerError as e:
                 s.errors.append(e)
+                fold_errors(s.errors)            # a stream that never blocks: bounded
                 return
         st = self.handles[hid] = HandleState(hid, slot, nbytes, sid)
         if s.state == cap.PREPARE:              # the estimate of what the window will need
@@ -370,6 +372,7 @@ class ComputeServer:
             self.backend.copy_in(s.raw, st.slot.buf, data)
         except ServerError as e:              # queued on the stream like any fire-and-forget error
             s.errors.append(e)
+            fold_errors(s.errors)            # a stream that never blocks: bounded
             self.marks.fail((st,), ("write", hid, sid), e)
             return
         s.pos += 1

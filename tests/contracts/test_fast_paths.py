@@ -241,3 +241,18 @@ def test_a_graph_that_waited_for_another_stream_once_takes_the_fast_path_after(m
         g.replay()
         np.testing.assert_array_equal(b.read(y), np.full(N, 6, np.float32))
     assert made == []
+
+
+def test_a_negative_zero_param_is_not_served_the_cached_call_of_zero(c):
+    # the cached resolved launch is keyed by its params, and -0.0 == 0.0 as a key: a launch
+    # with alpha=-0.0 ran the call bound with 0.0 (y = x * 0.0 = +0.0 instead of -0.0)
+    data = np.arange(1, N + 1, dtype=np.float32)
+    x = c.create(data)
+    y = c.empty(N, np.float32)
+    c.sync()
+    for alpha in (0.0, 0.0, -0.0, -0.0, 0.0, -0.0):
+        c.launch(K.mul_scalar, K.grid(N), [x, y], {"alpha": alpha, "n": N})
+        got = c.read(y)
+        want = data * np.float32(alpha)
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want)), alpha

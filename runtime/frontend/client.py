@@ -431,8 +431,10 @@ class ComputeClient:
     def graph_estimate(self) -> dict:
         """What the capture window prepared on this stream will need, from its warm-up so far:
         ``{"bytes": the most bytes the allocations made since graph_prepare() held at once,
-        "pool_free_bytes": what its GraphPool can serve of them (0 without a pool)}``. Call it
-        after the warm-up, before ``start_capture()``. Blocks (one round trip)."""
+        "pool_free_bytes": what its GraphPool could serve when graph_prepare() ran (before the
+        warm-up took from it; 0 without a pool), "new_bytes": bytes - pool_free_bytes, at least
+        0: the new memory the window needs}``. Call it after the warm-up, before
+        ``start_capture()``. Blocks (one round trip)."""
         srv = self._server
         return srv.call(srv.h_graph_estimate, self._sid)
 

@@ -38,7 +38,7 @@ class StreamState:
     """Server-side state of one logical stream."""
 
     __slots__ = ("id", "raw", "pos", "synced", "event", "event_pos", "errors", "state",
-                 "pool", "warm", "warm_bytes", "warm_peak",
+                 "pool", "warm", "warm_bytes", "warm_peak", "warm_pool_free",
                  "window", "primed", "fences", "done_pos", "graphs")
 
     def __init__(self, sid, raw):
@@ -55,6 +55,7 @@ class StreamState:
         self.pool = None              # the GraphPool (memory.py) of the capture being prepared
         self.warm: set = set()        # handles allocated on it since graph_prepare, still live
         self.warm_bytes = self.warm_peak = 0   # their bytes, and the most at once (estimate)
+        self.warm_pool_free = 0       # what its graph pool could serve at graph_prepare
         self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
@@ -642,15 +643,17 @@ class ComputeServer:
             gp.stream = sid
         s.pool = gp
         s.warm, s.warm_bytes, s.warm_peak = set(), 0, 0
+        s.warm_pool_free = 0 if gp is None else gp.usage()["free_bytes"]
 
     def h_graph_estimate(self, sid) -> dict:
         """``ComputeClient.graph_estimate``: what the window of ``sid`` will need, from its
         warm-up so far: ``{"bytes": the most bytes its allocations held at once since
-        graph_prepare, "pool_free_bytes": what its graph pool can serve (0 without one)}``."""
+        graph_prepare, "pool_free_bytes": what its graph pool could serve when graph_prepare
+        ran (before the warm-up took from it; 0 without one), "new_bytes": bytes - pool_free_bytes,
+        at least 0: what the pool cannot serve}``."""
         s = self._stream(sid)
-        gp = s.pool
-        return {"bytes": s.warm_peak,
-                "pool_free_bytes": 0 if gp is None else gp.usage()["free_bytes"]}
+        return {"bytes": s.warm_peak, "pool_free_bytes": s.warm_pool_free,
+                "new_bytes": max(0, s.warm_peak - s.warm_pool_free)}
 
     def h_warmup_fence(self, sid) -> Completion:
         """First half of ``start_capture``: hand the warm-up to the device and return a

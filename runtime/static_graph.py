@@ -44,9 +44,29 @@ host data for graphs that feed themselves (``runtime.models.decoder``). A failed
 state (docs/contract.md section 4): every later call raises ``ReplayFailed`` rather than return
 outputs computed from the stale state, until the state is written (:meth:`write`, :meth:`reset`).
 
+Loop: ``loop="go"`` (an ``i32 [1]`` state slot) records the body inside
+``ComputeClient.capture_while(go, body, max_iterations)``: one replay (one call) runs the body
+while ``go`` is non-zero, the body deciding on the device whether to go on (a decode loop with
+its end test on the device: one replay per sequence instead of one per token). Past
+``max_iterations`` the replay fails with ``LoopLimitExceeded`` on the state (never a silent
+truncation). Warm-up runs execute the body once each (compiling and sizing everything), not
+the loop. Example, greedy decoding until an end token (``runtime.models.decoder``:
+``Decoder.sequence_graph``)::
+
+    def body(token, pos, k_cache, v_cache, hist, next, go, stop):
+        dec.step(token, pos, k_cache, v_cache, hist, next)      # next token, pos += 1
+        c.launch(decode_continue, 1, [next.handle, pos.handle, stop.handle, go.handle])
+    g = runtime.StaticGraph(c, inputs={}, outputs={"next": ((1,), "i32")},
+                            state={**dec.state_spec(), "go": ((1,), "i32"), "stop": ((2,), "i32")},
+                            body=body, loop="go", max_iterations=64)
+    g.write(token=[1], stop=[end_token, 64], go=[1])
+    g.replay()                                                   # the whole sequence
+    g.read("hist")
+
 Fallback: where the backend cannot record (or the body reads to the host), the graph re-runs the
 body on every call with the same checks and ordering; ``is_hardware``/``recorded``/
-``fallback_reason`` say so (see ``runtime.capture``).
+``fallback_reason`` say so (see ``runtime.capture``). (A backend without loop nodes raises
+``UnsupportedError`` at construction for ``loop=``: cuda without CUDA 12.4 conditional nodes.)
 """
 
 from __future__ import annotations
@@ -128,9 +148,15 @@ class StaticGraph:
         state: ``{name: (shape, dtype)}`` (zeros) or ``{name: np.ndarray}`` (initial contents):
             persistent buffers the body reads and writes; never passed to calls.
         warmup: warm-up runs of the body before recording (``runtime.capture``).
+        loop: the name of an ``i32 [1]`` state slot: record the body inside
+            ``capture_while`` on it (module docstring, "Loop"); None: the body once per replay.
+        max_iterations: the loop's bound (``capture_while``'s; required on wgpu, which unrolls
+            the loop to it); only with ``loop``.
     Raises:
         TypeError / ValueError: a malformed signature (bad name, shape or dtype; a name used
-            twice), or the body returned something that does not fit the outputs.
+            twice), a ``loop`` that is not an ``i32 [1]`` state slot, ``max_iterations``
+            without ``loop``, or the body returned something that does not fit the outputs.
+        UnsupportedError: ``loop`` on a backend without loop nodes.
         Whatever the body raises (nothing is kept).
     Streams: everything on :attr:`stream`, the graph's own; the body's tensors are on it.
     Capture: at construction, via ``runtime.capture`` (warm-up, record, fallback).
@@ -143,7 +169,7 @@ class StaticGraph:
     """
 
     def __init__(self, client: ComputeClient, *, inputs, outputs, body, state=None,
-                 warmup: int = 1):
+                 warmup: int = 1, loop: str | None = None, max_iterations: int | None = None):
         if not isinstance(client, ComputeClient):
             raise TypeError(f"StaticGraph takes a ComputeClient, got {type(client).__name__}")
         if not callable(body):
@@ -160,6 +186,16 @@ class StaticGraph:
                 self._specs[name] = _Spec(name, kind, spec)
         if not any(s.kind == "output" for s in self._specs.values()):
             raise ValueError("StaticGraph: give at least one output")
+        if loop is not None:
+            spec = self._specs.get(loop) if isinstance(loop, str) else None
+            if spec is None or spec.kind != "state" or spec.shape != (1,) or spec.dtype != "i32":
+                raise ValueError(f"StaticGraph: loop={loop!r} must name an i32 state slot of "
+                                 f"shape (1,) (the loop's condition), got "
+                                 f"{spec.kind + ' ' + repr(spec) if spec else 'no such state'}")
+        elif max_iterations is not None:
+            raise ValueError("StaticGraph: max_iterations is given without loop=")
+        self._loop, self._max_iterations = loop, max_iterations
+        self._warmups = warmup if isinstance(warmup, (int, np.integer)) else 0
         self.client = client.with_stream(StreamId.new())
         self.stream = self.client.stream
         self._lock = threading.RLock()
@@ -170,6 +206,16 @@ class StaticGraph:
 
     # -- the recorded work ----------------------------------------------------------------------
     def _run_body(self):
+        if self._loop is None:
+            return self._run_once()
+        if self._warmups > 0:            # a warm-up: the body once (kernels, pool sizes)
+            self._warmups -= 1
+            return self._run_once()
+        self.client.capture_while(self._tensors[self._loop].handle, self._run_once,
+                                  self._max_iterations)
+        return None
+
+    def _run_once(self):
         result = self._body(**self._tensors)
         if result is None:
             return None

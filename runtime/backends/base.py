@@ -30,14 +30,13 @@ Terms:
 
 from __future__ import annotations
 
-import collections
 import inspect
 import threading
 from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedError
+from ..errors import ErrorQueue, UnsupportedError
 
 
 class Completion:
@@ -152,7 +151,7 @@ class Backend:
         #: waiting for room in the device queue re-check (design.md section 1).
         self.on_room = _nothing
         #: errors no stream owns, found after enqueue (see ``take_failures``); any thread.
-        self.failures: collections.deque = collections.deque()
+        self.failures = ErrorQueue()
 
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int):
@@ -175,11 +174,7 @@ class Backend:
     def take_failures(self) -> list:
         """Errors no stream owns found after enqueue (``ServerError`` s), emptied; the server
         raises them at the next blocking call on any stream (see the module doc: ``mark``)."""
-        out = []
-        failures = self.failures
-        while failures:
-            out.append(failures.popleft())
-        return out
+        return self.failures.take()
 
     # -- streams and events -----------------------------------------------------------------
     def new_stream(self):
@@ -225,6 +220,13 @@ class Backend:
         completion's value is a ``uint8`` numpy array of ``nbytes``."""
         raise NotImplementedError
 
+    def copy_out_now(self, stream, buf, nbytes: int):
+        """The first ``nbytes`` of ``buf`` copied to the host at once (a new ``uint8`` array),
+        when ``stream`` is idle (nothing queued, running or failed) and the copy is cheap enough
+        to make on the calling thread (the server's owner); None otherwise (the server then uses
+        :meth:`copy_out`). Default: None (never)."""
+        return None
+
     # -- kernels --------------------------------------------------------------------------
     def compile(self, kernel):
         """A program for ``kernel`` (a pipeline, a ``RawKernel``, the numpy callable). Raises
@@ -234,6 +236,15 @@ class Backend:
     def launch(self, stream, program, count, args, params: tuple, mark=None) -> None:
         """Enqueue one dispatch of ``program`` on ``stream``; ``mark``: see the module doc."""
         raise NotImplementedError
+
+    def launch_now(self, stream, program, count, args, params: tuple) -> bool:
+        """Run one dispatch at once on the calling thread (the server's owner) instead of
+        enqueuing it, where that is cheaper than a hand-off and keeps the stream's order (its
+        stream is idle: nothing queued, running or failed). Returns False when it did nothing
+        (the server then enqueues it with :meth:`launch`), True when it ran. Raises
+        ``LaunchError``: it ran and failed (the server queues the error on the stream and marks
+        what it wrote, as for a failure found at execution). Default: False (never)."""
+        return False
 
     # -- graphs ---------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -256,6 +267,12 @@ class Backend:
         """Enqueue one replay of ``graph`` on ``stream``; return once it is enqueued; ``mark``:
         see the module doc (a launch of the graph failed while it executed)."""
         raise UnsupportedError(f"graph replay is not supported by the {self.name} backend")
+
+    def launch_graph_now(self, stream, graph) -> bool:
+        """:meth:`launch_now` for one replay of ``graph``: False (not run: enqueue it with
+        :meth:`launch_graph`), True (it ran), or ``LaunchError`` (it ran and failed; the launches
+        after the failing one did not run). Default: False (never)."""
+        return False
 
     def destroy_graph(self, stream, graph) -> None:
         """Free ``graph`` once the work already enqueued on ``stream`` no longer needs it."""

@@ -28,8 +28,8 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import (LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed, detach,
-                      fold_errors, unhealthy)
+from ..errors import (ErrorQueue, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
+                      detach, unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
@@ -71,7 +71,7 @@ class CpuStream:
         self.busy = self.pending = False
         self.sched = 0
         self.q = collections.deque()
-        self.errors: list = []
+        self.errors = ErrorQueue()
         self.index = index
 
 
@@ -83,7 +83,7 @@ class CpuGraph:
     and output bound at capture), else the callable with its arguments bound; zero-count
     launches are dropped (they run nothing). Whoever changes ``launches`` calls :meth:`rebind`."""
 
-    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain", "tiny")
+    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain", "tiny", "inline")
 
     def __init__(self, launches):
         self.launches = launches
@@ -105,6 +105,7 @@ class CpuGraph:
         self.small = not self.nodes and largest <= DEFER_BYTES  # tiny kernels: a waiter runs it
         self.plain = plain                      # numpy ufunc calls only: no library pool
         self.tiny = plain and touched <= TINY_BYTES     # a flush may run it on the owner
+        self.inline = self.tiny and len(calls) <= INLINE_CALLS  # a replay may run it at once
 
 
 class CpuRecording:
@@ -149,10 +150,7 @@ def _run_nodes(items, mark) -> None:
             done = 0
             while item.cond[0] != 0:
                 if done >= limit:
-                    err = LoopLimitExceeded(
-                        f"capture_while node {item.index}: its condition was still non-zero "
-                        f"after max_iterations={limit} iterations in a graph replay; the loop "
-                        "stopped there")
+                    err = LoopLimitExceeded.in_replay(item.index, limit)
                     if mark is not None:
                         err = mark.fail(err)
                     raise err
@@ -170,6 +168,16 @@ DEFER_BYTES = 1 << 20
 #: in order, instead of handing them to the waiting caller's helper (``CpuBackend.flush``).
 TINY_BYTES = 64 << 10
 INLINE_ITEMS = 8
+#: a replay of at most this many ``TINY`` launches on an idle stream runs on the caller's
+#: thread at once (``launch_graph_now``): a few ufunc calls cost about what enqueuing them does,
+#: so the replay returns no later than an enqueue would, with its work done (issue 26).
+INLINE_CALLS = 4
+#: typed views and resolved tiny launches cached per buffer (``CpuBuffer.views``).
+MAX_VIEWS = 16
+
+
+def _nothing() -> None:
+    """The call of a launch that runs nothing (a zero workgroup count)."""
 
 
 def _counts(count) -> tuple:
@@ -197,6 +205,16 @@ def _bind(fn, views, kwargs, count, name):
     return partial(fn, *views, count=count, **kwargs)
 
 
+def _text(e: BaseException) -> str:
+    """``"<class name>: <message>"`` of an exception a kernel body raised, never raising itself:
+    an exception whose ``__str__`` raises still becomes a ``LaunchError`` that marks the
+    launch's outputs (its message is then left out)."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 - user code's __str__
+        return f"{type(e).__name__} (its message could not be formatted)"
+
+
 def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
     """Run one launch on this thread. Anything the body raises (any exception: a
     ``ServerError`` of its own, ``SystemExit`` or ``KeyboardInterrupt`` raised by it included)
@@ -209,7 +227,7 @@ def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
         try:
             fn(*views, count=count, **kwargs)
         except BaseException as e:  # noqa: BLE001 - kernel code is user code
-            err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
+            err = LaunchError(f"kernel {name}{where} raised on cpu: {_text(e)}")
             if mark is not None:
                 err = mark.fail(err)
             raise err from e
@@ -291,8 +309,7 @@ class CpuBackend(Backend):
                 return False
             self.streams.pop(stream.index, None)
             if stream.errors:            # never dropped: raised by any stream's next call
-                self.failures.extend(stream.errors)
-                stream.errors = []
+                self.failures.extend(stream.errors.take())
         return True
 
     # -- execution (scheduler side) ----------------------------------------------------------
@@ -314,8 +331,7 @@ class CpuBackend(Backend):
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
-                    f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
-                fold_errors(s.errors)       # a stream that never blocks: bounded
+                    f"a cpu kernel raised while executing: {_text(e)}"))
             finally:
                 if counted:
                     RULE.exit()
@@ -325,8 +341,7 @@ class CpuBackend(Backend):
                 self.scheduler.event_done(payload)
             else:
                 if s.errors:
-                    errs, s.errors = s.errors, []
-                    payload.fail(unhealthy(errs))
+                    payload.fail(unhealthy(s.errors.take()))
                 else:
                     payload.set(payload.value)
 
@@ -344,7 +359,7 @@ class CpuBackend(Backend):
             raise OutOfMemory(f"cpu: could not allocate {nbytes} bytes") from e
 
     def free(self, buf):
-        pass  # numpy frees the array once no queued work references it
+        buf.views.clear()   # numpy frees the array once no queued work or cached call holds it
 
     # -- streams and events -------------------------------------------------------------------
     def new_stream(self):
@@ -415,6 +430,16 @@ class CpuBackend(Backend):
         self._enqueue(stream, _TINY if n <= TINY_BYTES else _CALL if small else _RUN, write,
                       small)
 
+    def copy_out_now(self, stream, buf, nbytes):
+        """The copy, at once, when ``stream`` is idle under the thread scheduler, after running
+        its queued ``TINY`` work here (:meth:`flush`; see ``Backend.copy_out_now``); the
+        interleaving schedulers order every copy themselves."""
+        if stream.q:
+            self.flush(stream)
+        if stream.q or stream.busy or stream.errors or not self._threaded or self.closed:
+            return None
+        return buf.data[:nbytes].copy()
+
     def copy_out(self, stream, buf, nbytes):
         src = buf.data
         if not stream.q and not stream.busy and not stream.errors and self._threaded:
@@ -439,7 +464,7 @@ class CpuBackend(Backend):
             key = (nbytes, b.dtype)
             v = buf.views.get(key)
             if v is None:
-                if len(buf.views) >= 16:        # a pooled buffer reused at many sizes: bounded
+                if len(buf.views) >= MAX_VIEWS:  # a pooled buffer reused at many sizes: bounded
                     buf.views.clear()
                 dt = DTYPES[b.dtype]
                 v = buf.views[key] = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
@@ -461,6 +486,56 @@ class CpuBackend(Backend):
         self._enqueue(stream, (_TINY if touched <= TINY_BYTES else _CALL) if small and plain
                       else _RUN,
                       lambda: _run_launch(fn, views, kwargs, count, name, mark), small)
+
+    def launch_now(self, stream, program, count, args, params):
+        """Run a ``TINY`` launch of a plain kernel (numpy calls only, at most
+        :data:`TINY_BYTES` touched) on the calling thread when ``stream`` is idle and the thread
+        scheduler runs it (the interleaving schedulers decide every order themselves): the
+        combining idea applied to execution (issue 26). See ``Backend.launch_now``."""
+        if (stream.q or stream.busy or stream.errors or not self._threaded or self.closed
+                or not args):
+            return False
+        # the launch resolved once into its cheapest call (``_bind``), kept with its first
+        # buffer's views (bounded there; the key holds the buffers, so no id is reused)
+        key = (program, count, params, *args)
+        memo = args[0][0].views
+        call = memo.get(key)
+        if call is None:
+            if len(count) != 3 or not hasattr(program.cpu, "bind"):
+                return False
+            fn, views, kwargs, count, name = self._resolve(program, count, args, params)
+            touched = 0
+            for v in views:
+                touched += v.nbytes
+            if touched > TINY_BYTES:
+                return False
+            call = _bind(fn, views, kwargs, count, name) or _nothing
+            if 0.0 not in params:   # -0.0 == 0.0 as a key: a zero param's call is not kept
+                if len(memo) >= MAX_VIEWS:
+                    memo.clear()
+                memo[key] = call
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - kernel code is user code
+            raise LaunchError(f"kernel {program.name} raised on cpu: {_text(e)}") from e
+        return True
+
+    def launch_graph_now(self, stream, graph):
+        """Run a replay of at most :data:`INLINE_CALLS` ``TINY`` launches on the calling thread
+        when ``stream`` is idle (as :meth:`launch_now`). See ``Backend.launch_graph_now``."""
+        if (not graph.inline or stream.q or stream.busy or stream.errors or not self._threaded
+                or self.closed):
+            return False
+        calls = graph.calls
+        f = None
+        try:
+            for f in calls:
+                f()
+        except BaseException as e:  # noqa: BLE001 - kernel code is user code
+            name = next(n for c, n in zip(calls, graph.names) if c is f)
+            raise LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
+                              f"{_text(e)}") from e
+        return True
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):
@@ -487,7 +562,7 @@ class CpuBackend(Backend):
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 name = next(n for c, n in zip(calls, names) if c is f)
                 err = LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
-                                  f"{type(e).__name__}: {e}")
+                                  f"{_text(e)}")
                 if mark is not None:
                     err = mark.fail(err)
                 raise err from e

@@ -12,7 +12,9 @@ because a device-wide sync from one thread would break another thread's capture.
   event, returned as a :class:`runtime.backends.base.Completion` that polls the event.
 - Graphs: ``cudaStreamBeginCapture`` in relaxed mode (see :meth:`CudaBackend.begin_graph` for
   why), ``cudaStreamEndCapture`` + ``cudaGraphInstantiate`` + ``cudaGraphUpload``; a replay is one
-  ``cudaGraphLaunch`` on the capture stream.
+  ``cudaGraphLaunch`` on the capture stream. ``capture_if``/``capture_while`` record CUDA 12.4
+  conditional nodes and ``Graph.update`` patches kernel nodes in place, through cuda-bindings
+  (:mod:`runtime.backends.cuda_graph`).
 - HIP: where CuPy is built for ROCm the same calls go to HIP; ``device_name`` says so. CuPy may
   not support stream capture on HIP: ``start_capture`` then raises ``UnsupportedError``.
 
@@ -35,8 +37,11 @@ except Exception as _e:  # noqa: BLE001 - any broken cupy install means "not ava
                       "matching your CUDA, e.g. pip install cupy-cuda12x") from _e
 
 from ..kernel import DTYPES
-from ..errors import CaptureRefused, LaunchError, OutOfMemory, ServerClosed, UnsupportedError
+from ..errors import (CaptureRefused, ErrorQueue, LaunchError, OutOfMemory, ServerClosed,
+                      UnsupportedError)
 from .base import Backend, Completion
+from .cuda_graph import (GATE_NAME, GATE_SOURCE, Conditionals, CudaGraph, LoopChecks,
+                         update_in_place)
 
 #: kernel param dtype -> the numpy scalar type CuPy packs as that C type (by value, 4 bytes).
 # seconds: a completion's waiter yields the GIL between event queries for this long, then sleeps
@@ -105,13 +110,16 @@ class EventCompletion(Completion):
     server's lock, yielding the GIL between polls; it never synchronizes the device. ``finish``
     (optional) turns the finished work into the value, e.g. pinned bytes into a numpy array.
     An asynchronous CUDA error raised by the query fails the completion with ``LaunchError``.
+    ``check`` (optional, ``() -> error or None``): called once the event completed, before the
+    value is made; an error it returns fails the completion (a loop-limit report of a replay
+    on this stream: ``cuda_graph.LoopChecks``).
     """
 
-    __slots__ = ("cuda_event", "finish")
+    __slots__ = ("cuda_event", "finish", "check")
 
-    def __init__(self, cuda_event, finish=None):
+    def __init__(self, cuda_event, finish=None, check=None):
         super().__init__()
-        self.cuda_event, self.finish = cuda_event, finish
+        self.cuda_event, self.finish, self.check = cuda_event, finish, check
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block up to ``timeout`` seconds (None: until done); True once done."""
@@ -125,7 +133,11 @@ class EventCompletion(Completion):
                 return True
             if ready:
                 fin, self.finish = self.finish, None
-                self.set(fin() if fin is not None else None)
+                err = self.check() if self.check is not None else None
+                if err is not None:
+                    self.fail(err)
+                else:
+                    self.set(fin() if fin is not None else None)
                 return True
             now = time.monotonic() - start
             if timeout is not None and now >= timeout:
@@ -154,24 +166,35 @@ class CudaStream:
     ``retire`` holds ``(event, object)`` pairs (pinned staging, destroyed graphs) released once
     the event, recorded after the work that uses the object, has completed; events of one stream
     complete in order, so only the head is checked. (Graphs destroyed while the stream captures
-    are held by the server until the window ends: ``runtime.server.capture``.)
+    are held by the server until the window ends: ``runtime.server.capture``.) ``errors``:
+    failures of replays on this stream found later (a loop limit), raised by its next
+    completion.
     """
 
-    __slots__ = ("stream", "retire", "capturing")
+    __slots__ = ("stream", "retire", "capturing", "errors")
 
     def __init__(self, stream):
         self.stream = stream
         self.retire: collections.deque = collections.deque()
         self.capturing = False
+        self.errors = ErrorQueue()
 
 
 class CudaRecording:
-    """An open stream capture: the stream and how many launches it recorded."""
+    """An open stream capture: the stream, how many launches it recorded, and for
+    :mod:`cuda_graph`: the open conditional nodes (``frames``), each launch's kernel node
+    (``nodes``), the WHILE nodes' loop checks (``checks``), the gates' scratch (``keep``) and
+    how many conditional nodes it holds (``conds``)."""
 
-    __slots__ = ("cs", "launches")
+    __slots__ = ("cs", "launches", "frames", "nodes", "checks", "keep", "conds")
 
     def __init__(self, cs: CudaStream):
         self.cs, self.launches = cs, 0
+        self.frames: list = []
+        self.nodes: list = []
+        self.checks: list = []
+        self.keep: list = []
+        self.conds = 0
 
 
 class CudaBackend(Backend):
@@ -217,6 +240,50 @@ class CudaBackend(Backend):
         self._streams: list[CudaStream] = []
         self._freed: collections.deque = collections.deque()   # (events, buffer) awaiting them
         self.closed = False
+        self._graph_tools()
+
+    def _graph_tools(self) -> None:
+        """The conditional-node recorder, the free body streams and the loop checks of replays
+        in flight (``cuda_graph``)."""
+        self.hip = bool(_rt.is_hip)
+        self._conds = Conditionals(self, self._compile_gate)
+        self._bodies: list = []
+        self._loops = LoopChecks()
+        self._track_nodes = None                    # asked on the first capture
+
+    def _compile_gate(self):
+        with _OnDevice(self.device):
+            try:
+                return cupy.RawKernel(GATE_SOURCE, GATE_NAME).kernel
+            except Exception as e:  # noqa: BLE001 - CompileException, CUDADriverError
+                raise LaunchError(f"cuda: the conditional-node gate kernel failed to compile or "
+                                  f"load: {type(e).__name__}: {e}") from e
+
+    def body_stream(self):
+        """A private ``cupy.cuda.Stream`` to capture one conditional node's body on (from the
+        free list, else new); :meth:`return_body_stream` gives it back at the node's end. Bounded
+        by the nodes open at once (windows on several streams may each have some open)."""
+        if self._bodies:
+            return self._bodies.pop()
+        with _OnDevice(self.device):
+            return cupy.cuda.Stream(non_blocking=True)
+
+    def return_body_stream(self, stream) -> None:
+        """Give back a body stream whose capture ended (no work is queued on it)."""
+        self._bodies.append(stream)
+
+    def _check_of(self, cs: CudaStream):
+        """A completion's check for ``cs`` (None when nothing can be pending: the fast path)."""
+        if not self._loops and not cs.errors:
+            return None
+
+        def check():
+            self._loops.settle()
+            try:
+                return cs.errors.popleft()
+            except IndexError:         # none, or another waiter of this stream took it
+                return None
+        return check
 
     # -- helpers -----------------------------------------------------------------------------
     def _event(self, cs: CudaStream):
@@ -279,6 +346,8 @@ class CudaBackend(Backend):
         except Exception:  # noqa: BLE001 - a sticky error: keep it
             return False
         if idle:
+            self._loops.settle()
+            self.failures.extend(stream.errors.take())  # reported by the next blocking call
             try:
                 self._streams.remove(stream)
             except ValueError:
@@ -310,7 +379,7 @@ class CudaBackend(Backend):
         It fails with ``LaunchError`` when earlier device work raised an asynchronous error."""
         with _OnDevice(self.device):
             self._reap(stream)
-            return EventCompletion(self._event(stream))
+            return EventCompletion(self._event(stream), check=self._check_of(stream))
 
     # -- copies -------------------------------------------------------------------------------
     def copy_in(self, stream, buf, data):
@@ -335,7 +404,7 @@ class CudaBackend(Backend):
             self._reap(stream)
             mem, view = self._staging(nbytes)
             buf.copy_to_host_async(mem.ptr, nbytes, stream.stream)
-            return EventCompletion(self._event(stream), view.copy)
+            return EventCompletion(self._event(stream), view.copy, self._check_of(stream))
 
     # -- kernels ------------------------------------------------------------------------------
     def compile(self, kernel):
@@ -396,12 +465,27 @@ class CudaBackend(Backend):
                 raise UnsupportedError(f"cuda: stream capture is not available here "
                                        f"({type(e).__name__}: {e})") from e
         stream.capturing = True
+        if self._track_nodes is None:
+            self._track_nodes = self._conds.tracks_nodes()
         return CudaRecording(stream)
 
     def record_launch(self, recording, program, count, args, params):
-        """Launch on the capturing stream: the driver records it as a kernel node (``count`` is
-        ``(x, y, z)``: the server refuses indirect launches in a window, ``indirect_dispatch``)."""
-        self.launch(recording.cs, program, count, args, params)
+        """Launch on the capturing stream (inside a conditional node: on the body stream
+        capturing its child graph): the driver records it as a kernel node (``count`` is
+        ``(x, y, z)``: the server refuses indirect launches in a window, ``indirect_dispatch``).
+        A top-level launch's node is kept for ``update_graph``."""
+        frames = recording.frames
+        stream = frames[-1].stream if frames else recording.cs.stream
+        node = None
+        with _OnDevice(self.device):
+            if count[0] and count[1] and count[2]:
+                program.function(count, program.block,
+                                 kernel_args(args, params, program.param_types), stream=stream)
+                if frames:
+                    frames[-1].content += 1
+                elif self._track_nodes:
+                    node = self._conds.node_of_last_launch(stream)
+        recording.nodes.append(node)
         recording.launches += 1
 
     def _end_capture(self, cs: CudaStream):
@@ -419,34 +503,57 @@ class CudaBackend(Backend):
         Raises: ``CaptureRefused`` when the driver invalidated the capture.
         """
         cs = recording.cs
+        empty = recording.launches == 0 and recording.conds == 0
         try:
             graph = self._end_capture(cs)
         except Exception as e:  # noqa: BLE001
-            if recording.launches == 0:
+            if empty:
                 return None
             raise CaptureRefused(f"cuda: the driver invalidated the capture on this stream "
                                  f"({type(e).__name__}: {e}); no graph was made") from e
-        if recording.launches == 0:
+        if empty:
             return None
-        try:
-            with _OnDevice(self.device):
+        with _OnDevice(self.device):
+            for scratch in recording.keep:          # the gates' words start at zero
+                scratch.memset_async(0, 8, cs.stream)
+            try:
                 graph.upload(cs.stream)
-        except Exception:  # noqa: BLE001 - only a first-launch latency optimisation
-            pass
-        return graph
+            except Exception:  # noqa: BLE001 - only a first-launch latency optimisation
+                pass
+        nodes = recording.nodes
+        if not getattr(graph, "graph", 0):     # a CuPy that drops the cudaGraph_t once
+            nodes = [None] * len(nodes)         # instantiated: its nodes are gone with it
+        return CudaGraph(graph, nodes, recording.checks, recording.keep)
 
     def abort_graph(self, recording):
         """End the capture and drop what it recorded (the stream leaves capture mode)."""
+        if recording.frames:
+            with _OnDevice(self.device):
+                self._conds.abort(recording)
         try:
             self._end_capture(recording.cs)
         except Exception:  # noqa: BLE001 - an invalidated capture still ends
             pass
 
     def launch_graph(self, stream, graph, mark=None):
-        """``cudaGraphLaunch`` on the capture stream; returns once enqueued."""
+        """``cudaGraphLaunch`` on the capture stream; returns once enqueued. A graph with
+        ``capture_while`` nodes then copies their over words out and zeroes them, behind an
+        event: a loop past ``max_iterations`` fails ``mark`` with ``LoopLimitExceeded`` when a
+        later completion sees it (``cuda_graph.LoopChecks``)."""
         if graph is not None:
             with _OnDevice(self.device):
                 graph.launch(stream.stream)
+                if graph.checks:
+                    n = len(graph.checks)
+                    mem, view = self._staging(4 * n)
+                    words = np.frombuffer(mem, np.uint32, n)
+                    for i, (_, _, scratch) in enumerate(graph.checks):
+                        over = scratch + 4
+                        over.copy_to_host_async(mem.ptr + 4 * i, 4, stream.stream)
+                        over.memset_async(0, 4, stream.stream)
+                    ev = self._event(stream)
+                    stream.retire.append((ev, mem))
+                    self._loops.add(ev, words, graph, mark, stream)
 
     def destroy_graph(self, stream, graph):
         """Drop ``graph`` once the replays enqueued on ``stream`` have run.
@@ -463,27 +570,46 @@ class CudaBackend(Backend):
             stream.retire.append((self._event(stream), graph))
 
     # -- graphs that change ---------------------------------------------------------------------
-    #: ``Graph.update`` on cuda: kernel-node updates of the instantiated graph
-    #: (``cudaGraphExecKernelNodeSetParams``) need the node handles, which CuPy's ``Graph`` does
-    #: not expose; the server recaptures the graph from its recording instead.
-    update_fallback_reason = ("cuda: the graph was recaptured from its recording (CuPy does not "
-                              "expose the kernel nodes of an instantiated graph, so "
-                              "cudaGraphExecKernelNodeSetParams cannot patch it in place)")
+    #: why the last ``update_graph`` could not patch in place (``Graph.fallback_reason``); set
+    #: by :meth:`update_graph` before it returns None.
+    update_fallback_reason = None
+
+    def update_graph(self, stream, graph, changes, conds):
+        """Patch the changed launches' kernel nodes of the instantiated graph
+        (``cuGraphExecKernelNodeSetParams``; replays already enqueued keep the old parameters,
+        CUDA's rule) and return ``graph``; or return None (the server recaptures the graph from
+        its recording) with :attr:`update_fallback_reason` saying why
+        (``cuda_graph.update_in_place``)."""
+        with _OnDevice(self.device):
+            why = update_in_place(graph, changes, conds)
+        if why is None:
+            return graph
+        self.update_fallback_reason = why
+        return None
 
     def begin_cond(self, recording, kind, cond, max_iterations):
-        """Conditional nodes are not wired on cuda: raise ``UnsupportedError`` at capture
-        (never at replay), naming the driver. CUDA 12.4+ has IF/WHILE conditional nodes
-        (``cudaGraphConditionalHandleCreate``, a body captured into the node's child graph);
-        CuPy does not expose them and this build does not call the driver for them."""
-        try:
-            driver = _rt.driverGetVersion()
-        except Exception:  # noqa: BLE001 - no device: say so
-            driver = None
-        have = "unknown" if driver is None else f"{driver // 1000}.{driver % 1000 // 10}"
-        raise UnsupportedError(
-            f"capture_{kind} inside a capture is not supported on cuda here (driver {have}): "
-            "CUDA conditional nodes (12.4+) are not wired in this runtime; run it outside the "
-            "capture (eager), or use the cpu or wgpu backend")
+        """Open a CUDA 12.4 conditional IF/WHILE node in the capture (``cuda_graph``): a gate
+        kernel reading the 1-element condition at ``cond`` and setting the node's handle, the
+        node, then the body captured into its child graph.
+
+        Raises: ``UnsupportedError`` at capture (never at replay) without cuda-bindings, on
+        HIP, or with a driver older than 12.4, naming which; ``CaptureRefused`` when a driver
+        call fails (the window is then refused).
+        """
+        with _OnDevice(self.device):
+            self._conds.begin(recording, kind, cond, max_iterations, recording.conds)
+        recording.conds += 1
+
+    def else_cond(self, recording):
+        """Close the innermost IF node's true branch; its false branch is a second IF node on
+        "the condition was zero" (the value the first gate saved)."""
+        with _OnDevice(self.device):
+            self._conds.else_(recording)
+
+    def end_cond(self, recording):
+        """Close the innermost conditional node (a WHILE body ends with its loop gate)."""
+        with _OnDevice(self.device):
+            self._conds.end(recording)
 
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):

@@ -53,9 +53,8 @@ import threading
 
 import numpy as np
 
-from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
-                      UnsupportedError,
-                      error_list, unhealthy)
+from ..errors import (ErrorQueue, InvalidHandle, LaunchError, LoopLimitExceeded, OutOfMemory,
+                      ServerClosed, UnsupportedError, error_list, unhealthy)
 from .base import Backend, Completion, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
@@ -170,7 +169,7 @@ class WgpuStream:
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
-        self.errors: collections.deque = collections.deque()
+        self.errors = ErrorQueue()
         self.released = False      # reclaimed: later errors go to the backend's ``failures``
 
 
@@ -189,10 +188,7 @@ def _report(comp: "MapCompletion") -> None:
     (every earlier submit of the stream ran or was refused by now)."""
     s = comp.stream
     if s is not None and s.errors:
-        errs = []
-        while s.errors:
-            errs.append(s.errors.popleft())
-        comp.error = unhealthy(error_list(comp.error) + errs)
+        comp.error = unhealthy(error_list(comp.error) + s.errors.take())
 
 
 class MapCompletion(Completion):
@@ -358,10 +354,8 @@ class QueueThread:
         self.inflight = 0
         for (_, node), v in zip(graph.checks, over):
             if v:
-                err = LoopLimitExceeded(
-                    f"capture_while node {node.index}: its condition was still non-zero after "
-                    f"max_iterations={node.max_iterations} iterations in a graph replay on "
-                    "wgpu; the unrolled loop stopped there")
+                err = LoopLimitExceeded.in_replay(node.index, node.max_iterations,
+                                                  " on wgpu; the unrolled loop")
                 stream.errors.append(mark.fail(err) if mark is not None else err)
                 return
 
@@ -680,8 +674,7 @@ class WgpuBackend(Backend):
         to a completion yet (and any found later) go to ``failures``: never dropped."""
         self._submit(stream)
         stream.released = True
-        while stream.errors:
-            self.failures.append(stream.errors.popleft())
+        self.failures.extend(stream.errors.take())
         return True
 
 

@@ -5,8 +5,9 @@ ranges of JSON Lines/CSV records, row ranges of Parquet) with one set of column 
 whole file; :func:`read_block` reads one block alone, in any process (the in-process path and
 every Ray worker), so every path reads the same rows with the same types. The text column is
 never type-inferred: a number, an object, a missing field or a line that is not JSON becomes a
-row with a null text and the reason, kept in the output. :class:`ParquetSink` writes tables to
-one Parquet file through a ``.partial`` file renamed when complete.
+row with a null text and the reason, kept in the output, and the value itself is kept as its
+JSON text in a ``<text column>_raw`` column (:func:`raw_column`). :class:`ParquetSink` writes
+tables to one Parquet file through a ``.partial`` file renamed when complete.
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ TEXT_ERROR = "__text_error__"
 BLOCK_ROWS = 4096
 
 
+def raw_column(text_column: str) -> str:
+    """The name of the column that keeps a text value that is not a string:
+    ``<text_column>_raw`` (``text_raw``), ``string``, right after the text column; present in
+    the output only when some row of the input needs it (see :func:`read_block`).
+
+    A row whose text is a JSON number, boolean, object or list holds the value's JSON text
+    there (``json.loads`` gives the value back: ``42`` -> ``"42"``); a line that is not a JSON
+    object holds the line itself; every other row holds null. The text column stays a clean
+    ``string`` column (null for those rows), so ``"42"`` never passes for a text; the same idea
+    as Spark's ``_corrupt_record`` and Databricks' rescued-data column.
+    """
+    return f"{text_column}_raw"
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of input rows: ``index``, its first row (0-based, data rows only) and row
@@ -63,8 +78,10 @@ class Plan:
 
     Attributes: path, fmt (``"json"``/``"csv"``/``"parquet"``), text_column, block_rows,
         blocks (:class:`Block`, in input order), columns (``(name, pyarrow type)`` pairs in
-        input order; the text column is always ``string``), header (CSV: the header record's
-        bytes), size and mtime_ns (the file's, to refuse resuming over a changed input).
+        input order; the text column is always ``string``, followed by :func:`raw_column`'s
+        ``string`` column when some row's text is not a string), header (CSV: the header
+        record's bytes), size and mtime_ns (the file's, to refuse resuming over a changed
+        input), raw (whether ``columns`` has that raw column).
     """
 
     path: str
@@ -76,6 +93,7 @@ class Plan:
     header: bytes = b""
     size: int = 0
     mtime_ns: int = 0
+    raw: bool = False
 
     @property
     def rows(self) -> int:
@@ -83,10 +101,14 @@ class Plan:
         return sum(b.rows for b in self.blocks)
 
     def key(self) -> dict:
-        """What identifies this plan (a resumed run must find the same)."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
-                "text_column": self.text_column, "block_rows": self.block_rows,
-                "blocks": len(self.blocks)}
+        """What identifies this plan (a resumed run must find the same; the raw column only
+        when present, so a folder whose parts lack it is not resumed into parts that have it)."""
+        key = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns,
+               "text_column": self.text_column, "block_rows": self.block_rows,
+               "blocks": len(self.blocks)}
+        if self.raw:
+            key["raw_column"] = raw_column(self.text_column)
+        return key
 
 
 def _kind(v) -> str:
@@ -163,6 +185,7 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
     if fmt == "json":
         import json
         kinds: dict = {}
+        raw = False                               # some row's text value is kept as raw text
         blocks, offset = _Blocks(block_rows, 0), 0
         with open(p, "rb") as f:
             for line in f:
@@ -173,16 +196,21 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
                 try:
                     obj = json.loads(line)
                 except ValueError:
+                    raw = True
                     continue                      # kept as a failed row by read_block
-                if isinstance(obj, dict):
-                    for k, v in obj.items():
-                        seen = kinds.setdefault(k, set())
-                        if v is not None:
-                            seen.add(_kind(v))
+                if not isinstance(obj, dict):
+                    raw = True
+                    continue
+                for k, v in obj.items():
+                    seen = kinds.setdefault(k, set())
+                    if v is not None:
+                        seen.add(_kind(v))
         _need_column(list(kinds), text_column)
+        raw = raw or bool(kinds[text_column] - {"str"})
         columns = tuple((k, pa.string() if k == text_column else _json_type(v))
                         for k, v in kinds.items())
-        return Plan(blocks=blocks.close(), columns=columns, **common)
+        return Plan(blocks=blocks.close(), columns=_with_raw(columns, text_column, raw),
+                    raw=raw, **common)
     if fmt == "csv":
         blocks, parity, header, offset = None, 0, None, 0
         with open(p, "rb") as f:
@@ -212,7 +240,31 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
     n = meta.num_rows
     blocks = tuple(Block(i, r, min(block_rows, n - r), r, min(r + block_rows, n))
                    for i, r in enumerate(range(0, n, block_rows)))
-    return Plan(blocks=blocks, columns=tuple((f.name, f.type) for f in schema), **common)
+    text = schema.field(text_column).type
+    raw = not (pa.types.is_string(text) or pa.types.is_large_string(text)
+               or pa.types.is_null(text))           # an all-null column has nothing to keep
+    return Plan(blocks=blocks, columns=_with_raw(tuple((f.name, f.type) for f in schema),
+                                                 text_column, raw), raw=raw, **common)
+
+
+def _with_raw(columns: tuple, text_column: str, raw: bool) -> tuple:
+    """``columns`` with :func:`raw_column`'s ``string`` column right after the text column
+    when ``raw``; refuses an input that already has a column of that name (it would be
+    overwritten)."""
+    import pyarrow as pa
+
+    if not raw:
+        return columns
+    name = raw_column(text_column)
+    if name in (c for c, _ in columns):
+        raise ValueError(f"the input has a column {name!r} and some texts that are not strings, "
+                         f"whose values go to {name!r}; rename that column")
+    out = []
+    for c, kind in columns:
+        out.append((c, kind))
+        if c == text_column:
+            out.append((name, pa.string()))
+    return tuple(out)
 
 
 def _csv_types(path, text_column: str) -> tuple:
@@ -260,16 +312,19 @@ def _read_csv(data: bytes, text_column: str, types=None):
 def read_block(plan: Plan, block: Block):
     """The rows of one block as a ``pyarrow.Table`` with the plan's columns and types (the
     text column ``string``: a value that is not a string, a missing field or a line that is
-    not a JSON object is null there, with the reason in :data:`TEXT_ERROR`).
+    not a JSON object is null there, with the reason in :data:`TEXT_ERROR`, and the value's
+    JSON text, or the line that is not a JSON object, in :func:`raw_column` when the plan has
+    that column).
 
     Raises: ``pyarrow.ArrowInvalid`` (a CSV value that does not fit its column's type).
     """
     import pyarrow as pa
 
     tc = plan.text_column
+    rc = raw_column(tc)
     if plan.fmt == "json":
         import json
-        rows, errors = [], []
+        rows, errors, raws = [], [], []
         for line in _bytes(plan.path, block).splitlines():
             if not line.strip():
                 continue
@@ -278,18 +333,24 @@ def read_block(plan: Plan, block: Block):
             except ValueError as e:
                 rows.append({})
                 errors.append(f"the line is not valid JSON ({str(e)[:80]})")
+                raws.append(line.decode("utf-8", "replace"))
                 continue
             if not isinstance(obj, dict):
                 rows.append({})
                 errors.append(f"the line is a JSON {type(obj).__name__}, not an object")
+                raws.append(line.decode("utf-8", "replace"))
                 continue
             rows.append(obj)
             v = obj.get(tc)
+            bad = not (v is None or isinstance(v, str))
             errors.append("the row has no text field" if tc not in obj else
-                          None if v is None or isinstance(v, str) else
-                          f"the text is a JSON {_json_name(v)}, not a string")
+                          f"the text is a JSON {_json_name(v)}, not a string" if bad else None)
+            raws.append(_json_text(v) if bad else None)
         cols = {}
         for name, kind in plan.columns:
+            if plan.raw and name == rc:
+                cols[name] = pa.array(raws, pa.string())
+                continue
             values = [r.get(name) for r in rows]
             if name == tc:
                 values = [v if isinstance(v, str) else None for v in values]
@@ -312,14 +373,28 @@ def read_block(plan: Plan, block: Block):
             first = r if first is None else first
         r += n
     t = pf.read_row_groups(groups).slice(block.start - first, block.rows)
-    col = t.column(tc)
+    col, i = t.column(tc), t.column_names.index(tc)
     errors = pa.nulls(t.num_rows, pa.string())
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+    if plan.raw:
         values = col.to_pylist()
         errors = pa.array([None if v is None else f"the text is {col.type}, not a string"
                            for v in values], pa.string())
-        t = t.set_column(t.column_names.index(tc), tc, pa.nulls(t.num_rows, pa.string()))
+        t = t.set_column(i, tc, pa.nulls(t.num_rows, pa.string()))
+        t = t.add_column(i + 1, rc, pa.array([None if v is None else _json_text(v)
+                                              for v in values], pa.string()))
+    elif pa.types.is_null(col.type):                 # all null: a string column of nulls
+        t = t.set_column(i, tc, pa.nulls(t.num_rows, pa.string()))
     return t.append_column(TEXT_ERROR, errors)
+
+
+def _json_text(v) -> str:
+    """A value's JSON text (non-ASCII kept); bytes as a JSON string of their UTF-8 text,
+    anything JSON cannot spell (dates, decimals) as a JSON string of ``str(v)``."""
+    import json
+
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    return json.dumps(v, ensure_ascii=False, default=str)
 
 
 def _json_name(v) -> str:

@@ -72,7 +72,9 @@ def embed_corpus(input_path, output_path, *, text_column: str = "text", use_ray:
             same path on every node, or on a shared file system).
         output_path: in-process (or with ``single_file``): the Parquet file to write, the
             input's columns then ``embedding`` (``fixed_size_list<float32>[384]``) and
-            ``embedding_error`` (null unless the row failed). With ``use_ray``: a folder, the
+            ``embedding_error`` (null unless the row failed), and where some text is not a
+            string, ``<text_column>_raw`` after the text column (that value's JSON text,
+            :func:`~runtime.corpus.files.raw_column`). With ``use_ray``: a folder, the
             Parquet dataset the workers write, one ``part-NNNNNN.parquet`` per block, each
             with :data:`~runtime.corpus.files.ROW_INDEX` (the row's 0-based input row) first.
         text_column: the column with the texts.

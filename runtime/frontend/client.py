@@ -239,12 +239,18 @@ class ComputeClient:
             raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
         hid = handle._check(self._server, "read")
         srv = self._server
-        raw = self._finish_read(srv.call(srv.h_read, self._sid, hid), hid).view(handle.dtype)
+        raw = srv.call(srv.h_read, self._sid, hid)
+        if raw.__class__ is not np.ndarray:         # (an ndarray: copied at once, clean)
+            raw = self._finish_read(raw, hid)
+        raw = raw.view(handle.dtype)
         return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
 
     def _finish_read(self, answer, hid: int) -> np.ndarray:
         """Wait for ``h_read``'s ``(completion, mark, errors)`` on this thread and return the
-        bytes, or raise what the read must raise (see :meth:`read`)."""
+        bytes, or raise what the read must raise (see :meth:`read`); an ``np.ndarray`` answer
+        is the bytes (``h_read``'s fast path)."""
+        if answer.__class__ is np.ndarray:
+            return answer
         comp, mark, errors = answer
         srv = self._server
         if not comp.done:
@@ -304,7 +310,7 @@ class ComputeClient:
                     raise LaunchError(f"launch of {kernel.name}: binding {b.name} is {b.dtype} "
                                       f"but handle {h.id} holds {h.dtype}")
                 hids.append(h._check(srv, f"launch of {kernel.name}"))
-        if len(set(hids)) != len(hids):
+        if (hids[0] == hids[1] if len(hids) == 2 else len(set(hids)) != len(hids)):
             _check_aliasing(kernel, hids)
         if isinstance(count, Handle):
             if count.nbytes < 12:
@@ -407,7 +413,8 @@ class ComputeClient:
 
         Args:
             pool: a ``runtime.GraphPool``: the window allocates from the buffers the pool's
-                graphs share first, and the graph's own window buffers join the pool
+                graphs share first, and its temporaries (window buffers it allocated and
+                dropped) join the pool; state it reads before writing stays the graph's own
                 (docs/contract.md section 4c). All graphs of a pool capture on one stream.
         Raises: ``GraphStateError`` (already prepared or recording; or ``pool``'s graphs live
             on another stream; state unchanged); ``TypeError`` (``pool`` is not a GraphPool);
@@ -424,8 +431,10 @@ class ComputeClient:
     def graph_estimate(self) -> dict:
         """What the capture window prepared on this stream will need, from its warm-up so far:
         ``{"bytes": the most bytes the allocations made since graph_prepare() held at once,
-        "pool_free_bytes": what its GraphPool can serve of them (0 without a pool)}``. Call it
-        after the warm-up, before ``start_capture()``. Blocks (one round trip)."""
+        "pool_free_bytes": what its GraphPool could serve when graph_prepare() ran (before the
+        warm-up took from it; 0 without a pool), "new_bytes": bytes - pool_free_bytes, at least
+        0: the new memory the window needs}``. Call it after the warm-up, before
+        ``start_capture()``. Blocks (one round trip)."""
         srv = self._server
         return srv.call(srv.h_graph_estimate, self._sid)
 
@@ -505,11 +514,11 @@ class ComputeClient:
         branches are recorded once, as one conditional node; every replay evaluates ``cond``
         on the device when it reaches the node (cpu: read from the buffer at execution; wgpu:
         a gate dispatch writes the indirect workgroup counts of the branches' dispatches, no
-        host round trip). Nesting: bodies may contain ``capture_if``/``capture_while`` (depth
+        host round trip; cuda: CUDA 12.4 conditional IF nodes). Nesting: bodies may contain ``capture_if``/``capture_while`` (depth
         2 and more).
         Raises: ``TypeError``/``ValueError`` (bad ``cond`` or bodies); ``UnsupportedError`` at
-            capture on a backend without conditional nodes (cuda here: CUDA 12.4 conditional
-            nodes are not wired); whatever a body raises (inside a window the window is then
+            capture on a backend without conditional nodes (cuda without cuda-bindings or a
+            CUDA 12.4 driver); whatever a body raises (inside a window the window is then
             refused: ``stop_capture`` raises ``CaptureRefused``).
         See also: CUDA conditional IF nodes (``cudaGraphConditionalHandleCreate``), Warp
             ``capture_if``, ``torch.cond``.
@@ -537,11 +546,12 @@ class ComputeClient:
                 ``DEFAULT_MAX_ITERATIONS`` (so a loop never hangs).
         Outside a capture window the condition is read on the host before each iteration.
         Inside one the body is recorded once, as a loop node evaluated on the device at every
-        replay (cpu: from the buffer; wgpu: ``max_iterations`` gated copies of the body).
+        replay (cpu: from the buffer; wgpu: ``max_iterations`` gated copies of the body; cuda:
+        a CUDA 12.4 conditional WHILE node).
         Raises: ``TypeError``/``ValueError`` (bad arguments; wgpu capture without
             ``max_iterations``); ``LoopLimitExceeded`` eagerly when ``cond`` is still non-zero
             after ``max_iterations`` iterations; ``UnsupportedError`` at capture on a backend
-            without loop nodes. In a replay an exceeded limit (cpu, wgpu) marks the graph's
+            without loop nodes. In a replay an exceeded limit (every backend) marks the graph's
             write set with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
         See also: CUDA conditional WHILE nodes, Warp ``capture_while``.
         """
@@ -583,8 +593,10 @@ class ComputeClient:
 
     # -- misc ---------------------------------------------------------------------------------
     def memory_usage(self) -> dict:
-        """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams"}``
-        of the server (bytes, counts). Blocks (one round trip)."""
+        """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams",
+        "graph_bytes", "graph_pools"}`` of the server (bytes, counts): ``graph_bytes`` the
+        window buffers of all live graphs, ``graph_pools`` ``{pool id: GraphPool.memory_usage()}``
+        (docs/contract.md section 4c). Blocks (one round trip)."""
         srv = self._server
         return srv.call(srv.h_memory_usage)
 

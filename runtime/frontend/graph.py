@@ -66,8 +66,11 @@ class Graph:
         """Replay the recorded launches on the capture stream.
 
         Blocks only until the device thread has accepted the enqueue (not until the device ran
-        it); read an output or ``sync`` on the capture stream to wait for the results. Waits for
-        room first while the device queue is full (design.md section 1).
+        it); read an output or ``sync`` on the capture stream to wait for the results. On the
+        cpu backend a replay of at most 4 tiny launches on an idle stream runs at once on the
+        calling thread instead (issue 26: cheaper than the hand-off; its failures are still
+        reported as a failure found at execution). Waits for room afterwards while the device
+        queue is full (design.md section 1).
 
         Returns: None.
         Raises:
@@ -86,9 +89,9 @@ class Graph:
         if self._released:
             raise UnknownGraph(f"replay of graph {self.id}: this clone was released")
         srv = self._owner.server
-        if srv.queue.full():             # a replay loop with no read cannot pile up work
-            srv.queue.wait_room()
-        return srv.call(srv.h_replay, self.id)
+        if srv.call(srv.h_replay, self.id) and srv.queue.full():
+            srv.queue.wait_room()        # a replay loop with no read cannot pile up work
+
 
     def clone(self) -> "Graph":
         """Another handle to the same backend graph (no copy).
@@ -115,10 +118,12 @@ class Graph:
         return srv.call(srv.h_graph_info, self.id)
 
     def memory_usage(self) -> dict:
-        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share"}``: the bytes this graph
-        keeps alive (``nbytes`` = its window's buffers no pool shares + its share of its
-        ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id or None.
-        Blocks. Raises ``UnknownGraph``."""
+        """``{"nbytes", "own_bytes", "pool", "pool_bytes", "pool_share", "used_bytes"}``: the
+        bytes this graph keeps alive (``nbytes`` = its window's buffers no pool shares + its
+        share of its ``GraphPool``'s buffers, ``pool_bytes / graphs of the pool``), the pool id
+        or None, and the bytes of every buffer it binds (``used_bytes``: caller-owned buffers
+        too, e.g. a model's shared scratch, which ``nbytes`` does not count since the caller
+        keeps them alive). Blocks. Raises ``UnknownGraph``."""
         srv = self._srv("memory_usage")
         return srv.call(srv.h_graph_memory, self.id)
 
@@ -136,8 +141,9 @@ class Graph:
 
     @property
     def fallback_reason(self):
-        """None, or why the last ``update`` rebuilt the graph instead of patching it (cuda:
-        the instantiated graph is recaptured from its recording)."""
+        """None, or why the last ``update`` rebuilt the graph instead of patching it in place
+        (cuda: the instantiated graph recaptured from its recording); None again after an
+        update that patched in place."""
         return self._owner.fallback_reason
 
     def launches(self) -> list:
@@ -202,8 +208,10 @@ class Graph:
             liveness (freeing a new caller-owned handle breaks the graph, not the old one),
             retained buffers, the checker, and the cross-stream fences of the new buffers.
         Backends: cpu and wgpu patch the software graph (wgpu rebuilds only the bind groups and
-            uniforms that changed); cuda rebuilds the graph from its recording and says so in
-            :attr:`fallback_reason`.
+            uniforms that changed); cuda patches the instantiated graph's kernel nodes in place
+            (``cuGraphExecKernelNodeSetParams``) where it can, else rebuilds the graph from its
+            recording and says why in :attr:`fallback_reason` (None after an update that
+            patched in place).
         Raises: ``TypeError`` (not Handles / dicts); ``ValueError`` (a rebind changing nbytes or
             dtype, a handle the graph does not use, an index out of range, an unknown param
             name, a bad value); ``UnknownGraph``; ``CaptureRefused`` (the capture stream is

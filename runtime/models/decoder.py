@@ -27,7 +27,10 @@ fire-and-forget); ``feed_back`` overwrites it afterwards.
 
 ``Decoder.generate(prompt, n, graph=False)`` runs the same kernels eagerly (each step launches
 its ~25 kernels one by one and allocates its activations), ``graph=True`` replays the captured
-step (a ``runtime.StaticGraph``); both give identical tokens.
+step (a ``runtime.StaticGraph``); both give identical tokens. ``per_sequence=True`` generates
+the whole sequence in one replay (``capture_while`` around the step, the end test on the
+device): over the raw client (:meth:`Decoder.loop_graph`), or with ``graph=True`` as a
+``StaticGraph(loop="go")`` (:meth:`Decoder.sequence_graph`).
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class Decoder:
         self._graph: StaticGraph | None = None
         self._lock = threading.Lock()
         self._loops: dict = {}       # max_tokens -> (Graph, state tensors) (loop_graph)
+        self._sequences: dict = {}   # max_tokens -> StaticGraph (sequence_graph)
 
     # -- the step ---------------------------------------------------------------------------------
     def state_spec(self) -> dict:
@@ -221,7 +225,8 @@ class Decoder:
 
         Returns: ``(graph, tensors)``: a ``runtime.Graph`` on the decoder's stream and
             ``{"token", "pos", "k_cache", "v_cache", "hist", "next", "go", "stop"}``.
-        Raises: ``UnsupportedError`` where the backend has no loop nodes (cuda here).
+        Raises: ``UnsupportedError`` where the backend has no loop nodes (cuda without CUDA
+            12.4 conditional nodes).
         """
         hit = self._loops.get(max_tokens)
         if hit is not None:
@@ -239,8 +244,9 @@ class Decoder:
             c.launch(D.decode_continue, (1, 1, 1), [st["next"].handle, st["pos"].handle,
                                                   st["stop"].handle, st["go"].handle])
         c.graph_prepare()
-        c.start_capture()
         try:
+            body()    # warm-up: compiles, and sizes the pool so the recording allocates nothing
+            c.start_capture()   # (cuda refuses a fresh allocation inside the window)
             c.capture_while(st["go"].handle, body, max_iterations=max_tokens)
         except BaseException:
             c.abort_capture()
@@ -248,6 +254,44 @@ class Decoder:
         g = c.stop_capture(retain=True)
         self._loops[max_tokens] = (g, st)
         return g, st
+
+    def sequence_graph(self, max_tokens: int) -> StaticGraph:
+        """The decode loop as a ``StaticGraph`` with ``loop="go"``: state :meth:`state_spec` plus
+        ``go`` (``i32 [1]``) and ``stop`` (``i32 [2]``: end token or -1, last position), output
+        ``next``; its body is the step then ``kernels.decode.decode_continue`` (the end test, on
+        the device), recorded inside ``capture_while(go, ..., max_iterations=max_tokens)``.
+        Built on first use per ``max_tokens`` and kept.
+
+        Use: ``g.reset()``; ``g.write(token=[t], stop=[end, last_pos], go=[1])``; ``g.replay()``
+        (one replay for the whole sequence); ``g.read("hist")``.
+        Raises: ``UnsupportedError`` where the backend has no loop nodes.
+        """
+        g = self._sequences.get(max_tokens)
+        if g is None:
+            def body(next, go, stop, **state):  # noqa: A002 - the output's name
+                self.step(next=next, **state)
+                state["token"].client.launch(D.decode_continue, (1, 1, 1),
+                                             [next.handle, state["pos"].handle, stop.handle,
+                                              go.handle])
+            g = StaticGraph(self.client, inputs={}, outputs={"next": ((1,), "i32")},
+                            state={**self.state_spec(), "go": ((1,), "i32"),
+                                   "stop": np.array([-1, 0], np.int32)},
+                            body=body, loop="go", max_iterations=max_tokens)
+            self._sequences[max_tokens] = g
+        return g
+
+    def _generate_static_sequence(self, p: np.ndarray, n: int, end_token) -> np.ndarray:
+        """:meth:`sequence_graph`: one replay per prompt token but the last, then one for the
+        whole generation (as :meth:`_generate_sequence`)."""
+        g = self.sequence_graph(n)
+        g.reset()
+        for i in range(p.size - 1):
+            g.write(token=p[i:i + 1], stop=[-1, i + 1], go=[1])
+            g.replay()
+        g.write(token=p[-1:], stop=[-1 if end_token is None else int(end_token),
+                                    p.size + n - 1], go=[1])
+        g.replay()
+        return g.read("hist")[p.size:p.size + n]
 
     def _generate_sequence(self, p: np.ndarray, n: int, end_token) -> np.ndarray:
         """One replay per prompt token but the last (each runs one step), then one replay for
@@ -281,11 +325,16 @@ class Decoder:
             graph: replay the captured step (``True``) or launch every kernel eagerly (``False``).
             read_each_step: read the chosen token to the host after every step (a round trip per
                 token) instead of once, from ``hist``, at the end.
-            timings: if a dict, receives ``{"steps", "seconds", "per_token_ms"}`` of the decode
-                loop (from the first step to the tokens on the host; capture excluded).
+            timings: if a dict, receives ``{"steps", "seconds", "per_token_ms", "tokens"}`` of
+                the decode loop (from the first step to the tokens on the host; capture
+                excluded): the steps run (prompt tokens but the first, then one per generated
+                token), the seconds, ``seconds / steps`` in ms and the tokens returned.
             end_token: stop after this token (it is the last one returned); None: ``n`` tokens.
-            per_sequence: one replay for the whole generation (:meth:`loop_graph`: the loop and
-                its end test run on the device), plus one per prompt token but the last.
+                ``per_sequence`` stops on the device after it; the other modes run all ``n``
+                steps and cut the tokens after it (``timings["steps"]`` says which).
+            per_sequence: one replay for the whole generation (the loop and its end test run on
+                the device), plus one per prompt token but the last: :meth:`loop_graph`, or
+                with ``graph=True`` the ``StaticGraph`` of :meth:`sequence_graph`.
         Returns: ``np.ndarray`` ``int32 [<= n]``, the generated tokens (the same in every mode).
         Raises: ``ValueError`` (bad prompt, ``n`` or ``end_token``); ``UnsupportedError``
             (``per_sequence`` on a backend without loop nodes).
@@ -298,9 +347,11 @@ class Decoder:
         steps = p.size + n - 1
         with self._lock:
             if per_sequence:
-                self.loop_graph(n)                        # captured outside the timing
+                # captured outside the timing
+                run = self._generate_static_sequence if graph else self._generate_sequence
+                self.sequence_graph(n) if graph else self.loop_graph(n)
                 t0 = time.perf_counter()
-                out = self._generate_sequence(p, n, end_token)
+                out = run(p, n, end_token)
                 seen = None
             elif graph:
                 g = self.step_graph()
@@ -336,6 +387,8 @@ class Decoder:
             hit = np.flatnonzero(out == int(end_token))
             if hit.size:
                 out = out[:hit[0] + 1]
+        if per_sequence:          # the device loop stopped after the end token: steps it ran
+            steps = p.size - 1 + int(out.size)
         if timings is not None:
             timings.update(steps=steps, seconds=dt, per_token_ms=1e3 * dt / steps,
                            tokens=int(out.size))
@@ -348,7 +401,9 @@ class Decoder:
             self._graph = None
         for g, _ in self._loops.values():
             g.release()
-        self._loops = {}
+        for g in self._sequences.values():
+            g.release()
+        self._loops, self._sequences = {}, {}
         self.w = {}
 
 

@@ -308,6 +308,12 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
     return out
 
 
+def _differ(a: tuple, b: tuple) -> bool:
+    """Whether param tuples ``a`` and ``b`` differ as the kernel sees them: ``-0.0`` and
+    ``0.0`` compare equal in Python but are different f32 params (``x * -0.0`` is ``-0.0``)."""
+    return a != b or repr(a) != repr(b)
+
+
 def _changes(server, old_ops, new_ops, lookup):
     """What a backend patch needs: ``({launch index: (program, count, args, params)},
     {node index: (buf, nbytes)})`` for the launches and conditions that changed."""
@@ -318,7 +324,7 @@ def _changes(server, old_ops, new_ops, lookup):
     li = 0
     for a, b in zip(old_ops, new_ops):
         if isinstance(a, LaunchRec):
-            if a.hids != b.hids or a.count != b.count or a.params != b.params:
+            if a.hids != b.hids or a.count != b.count or _differ(a.params, b.params):
                 states = [_resolve(server, h) for h in b.hids]
                 count = b.count
                 if not isinstance(count, tuple):
@@ -346,16 +352,19 @@ def update(server, g: GraphState, rebind, params, count) -> None:
     new_ops = _apply(server, g, rebind, params, count)
     changes, conds = _changes(server, g.ops, new_ops, _lookup(server, g))
     if not changes and not conds and not rebind:
+        g.fallback_reason = None              # (says why the *last* update rebuilt the graph)
         return
     be = server.backend
     graph = be.update_graph(s.raw, g.graph, changes, conds) if (changes or conds) else g.graph
+    reason = None
     if graph is None:                         # the backend cannot patch: rebuild from the ops
         graph = build(server, s, new_ops, _lookup(server, g))
-        g.fallback_reason = getattr(be, "update_fallback_reason", None) or (
+        reason = getattr(be, "update_fallback_reason", None) or (
             f"{be.name}: the graph was rebuilt from its recording (the backend cannot patch "
             "an instantiated graph in place)")
     old_graph = g.graph
     _rebind_state(server, g, new_ops, s)
+    g.fallback_reason = reason
     if graph is not old_graph:
         g.graph = graph
         if not server.capture.on_destroy(s, old_graph):

@@ -282,6 +282,9 @@ class Marks:
         fences = s.fences
         if fences:
             self.settle(s)
+        if comp.done and not fences:      # finished already (an idle stream): settled here
+            self.ran(s)
+            return
         tick = [False]
         comp.tick = tick
         if comp.done:                     # finished already, or before the tick was attached
@@ -290,6 +293,34 @@ class Marks:
         self.fenced.add(s)
         if len(fences) > 64:              # nobody waited on them yet: forget the oldest
             fences.popleft()
+
+    def ran(self, s) -> None:
+        """``s`` is known to have run up to its current position (a blocking call found it idle):
+        its marks so far are final, and so are those of the work of the streams it waited for
+        before (``s.synced``), as when a fence there finishes (``settle``)."""
+        if s.done_pos < s.pos:
+            s.done_pos = s.pos
+        if s.synced:
+            streams = self.streams
+            for sid, p in s.synced.items():
+                o = streams.get(sid)
+                if o is not None and o.done_pos < p:
+                    o.done_pos = p
+        self.epoch += 1
+
+    @staticmethod
+    def clean(st) -> bool:
+        """Whether handle state ``st``'s mark is final and clean (its writer ran, with no
+        failure and no unfinished parents, as far as known now); such a mark is replaced by
+        ``CLEAN``, so the next test is one identity check."""
+        m = st.mark
+        if m is CLEAN:
+            return True
+        if m._error is None and not m.parents and m.stream is not None and (
+                m.pos <= m.stream.done_pos):
+            st.mark = CLEAN
+            return True
+        return False
 
     def settle(self, s) -> None:
         """Drop the finished fences of ``s`` (any finished fence covers everything before it

@@ -132,13 +132,18 @@ class DeviceQueue:
     def wait_room(self) -> None:
         """Block the calling (producer) thread until the queue has room.
 
-        Raises: ``ServerClosed`` when the server stops or dies meanwhile (checked every 50 ms).
+        Raises: ``ServerClosed`` when the server stops or dies meanwhile, or a worker the
+        backlog depends on died (the cpu backend's stream workers: nothing would ever make
+        room); checked every 50 ms.
         """
         with self._room:
             self.room_waiters += 1
             try:
                 while self.full():
                     if self.closed or self.closing or not self._thread.is_alive():
+                        raise self.closed_error()
+                    if not self._healthy():
+                        self.death = self.death or RuntimeError("a backend worker thread died")
                         raise self.closed_error()
                     self._room.wait(POLL_S)
             finally:
@@ -162,9 +167,11 @@ class DeviceQueue:
         """
         if self.closed:
             raise self.closed_error()
-        if self.full():
-            self.wait_room()
         q = self._q
+        items, held = self._load()              # (full(), inlined: this is the launch path)
+        if (len(q) >= self.max_messages or items >= self.max_load
+                or self.bytes + held >= self.max_bytes):
+            self.wait_room()
         if nbytes:
             with self._room:
                 self.bytes += nbytes
@@ -300,8 +307,12 @@ class DeviceQueue:
                 except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                     self._die(e)
                     raise self.closed_error() from None
-                finally:
-                    self._release()
+                finally:                    # (_release, inlined: the blocking calls' path)
+                    self._owner.release()
+                    if self.room_waiters:
+                        self.notify_room()
+                    if q and not self.closed and self._owner.acquire(False):
+                        self._drain()
             slot = Reply()
             q.append((fn, args, slot))
             self._drain()

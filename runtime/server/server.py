@@ -38,7 +38,7 @@ class StreamState:
     """Server-side state of one logical stream."""
 
     __slots__ = ("id", "raw", "pos", "synced", "event", "event_pos", "errors", "state",
-                 "pool", "warm", "warm_bytes", "warm_peak",
+                 "pool", "warm", "warm_bytes", "warm_peak", "warm_pool_free",
                  "window", "primed", "fences", "done_pos", "graphs")
 
     def __init__(self, sid, raw):
@@ -55,6 +55,7 @@ class StreamState:
         self.pool = None              # the GraphPool (memory.py) of the capture being prepared
         self.warm: set = set()        # handles allocated on it since graph_prepare, still live
         self.warm_bytes = self.warm_peak = 0   # their bytes, and the most at once (estimate)
+        self.warm_pool_free = 0       # what its graph pool could serve at graph_prepare
         self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
@@ -227,6 +228,7 @@ class ComputeServer:
             err = InvalidHandle(f"{what}: handle {hid} is unknown or freed on server {self.name}; "
                                 "keep the Handle alive while it is in use")
             s.errors.append(err)
+            fold_errors(s.errors)            # a stream that never blocks: bounded
         return st
 
     def _event_at(self, src: StreamState, pos: int):
@@ -329,6 +331,7 @@ class ComputeServer:
                     slot, fresh = self.pool.take(nbytes)
             except ServerError as e:
                 s.errors.append(e)
+                fold_errors(s.errors)            # a stream that never blocks: bounded
                 return
         st = self.handles[hid] = HandleState(hid, slot, nbytes, sid)
         if s.state == cap.PREPARE:              # the estimate of what the window will need
@@ -369,6 +372,7 @@ class ComputeServer:
             self.backend.copy_in(s.raw, st.slot.buf, data)
         except ServerError as e:              # queued on the stream like any fire-and-forget error
             s.errors.append(e)
+            fold_errors(s.errors)            # a stream that never blocks: bounded
             self.marks.fail((st,), ("write", hid, sid), e)
             return
         s.pos += 1
@@ -389,11 +393,27 @@ class ComputeServer:
         Raises: ``CaptureRefused`` (capturing stream), ``InvalidHandle``; through the client:
         ``ReplayFailed`` (its last writer failed; with the stream's queued errors),
         ``ServerUnhealthy`` (queued errors of this stream).
+
+        Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
+        at once (``Backend.copy_out_now``) and the answer is the bytes themselves.
         """
         s = self.streams.get(sid) or self._stream(sid)
+        st = self.handles.get(hid)
+        if (st is not None and s.window is None and self.checker is None
+                and not (s.errors or self.marks.async_errors or self.backend.failures)):
+            w = st.writes
+            if len(w) > 1 or sid not in w and w:
+                self._wait_for(s, w)        # (an event wait queued: not idle any more)
+            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes)
+            if data is not None:            # idle: everything before it ran
+                self.marks.ran(s)
+                if st.mark is CLEAN or self.marks.clean(st):
+                    s.pos += 1
+                    s.done_pos = s.pos
+                    st.reads[sid] = s.pos
+                    return data
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
-        st = self.handles.get(hid)
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
         self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
@@ -456,19 +476,22 @@ class ComputeServer:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
-            mark = Mark(("launch", kernel.name, sid), None, (), s, s.pos + 1)
             reads = None
             for b, st in zip(bindings, states):
-                self._wait_for(s, st.writes)
+                w = st.writes
+                if len(w) > 1 or sid not in w and w:    # (only this stream's: nothing to wait)
+                    self._wait_for(s, w)
                 if b.access != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if b.access != "write" and st.mark is not CLEAN:
+                if b.access != "write" and (m := st.mark) is not CLEAN:
+                    if (m._error is None and not m.parents and m.stream is not None
+                            and m.pos <= m.stream.done_pos):
+                        st.mark = CLEAN         # final and clean: the cheap test next time
+                        continue
                     if reads is None:
                         reads = []
-                    reads.append((st.id, st.mark))
-            if reads is not None:
-                self.marks.inherit(mark, reads)
+                    reads.append((st.id, m))
             if cst is not None:
                 if not self.backend.indirect_dispatch:
                     raise LaunchError(f"indirect launch of {kernel.name}: the "
@@ -479,7 +502,15 @@ class ComputeServer:
             if self.checker is not None:
                 for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
-            self.backend.launch(s.raw, prog, count, args, params, mark)
+            if (reads is None and cst is None and self.checker is None
+                    and self.backend.launch_now(s.raw, prog, count, args, params)):
+                mark = CLEAN                    # it ran, in order, and cannot fail later
+                s.done_pos = s.pos + 1          # its idle stream ran everything before it too
+            else:                               # enqueued: a mark for a failure found later
+                mark = Mark(("launch", kernel.name, sid), None, (), s, s.pos + 1)
+                if reads is not None:
+                    self.marks.inherit(mark, reads)
+                self.backend.launch(s.raw, prog, count, args, params, mark)
         except Exception as e:  # noqa: BLE001 - a device API's own exception type
             err = e if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
@@ -493,8 +524,13 @@ class ComputeServer:
             if b.access == "read":
                 st.reads[sid] = pos
             else:
-                st.writes = {sid: pos}
-                st.reads = {}
+                w = st.writes               # (every reader copies it: updated in place)
+                if len(w) == 1 and sid in w:
+                    w[sid] = pos
+                else:
+                    st.writes = {sid: pos}
+                if st.reads:
+                    st.reads = {}
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
@@ -607,15 +643,17 @@ class ComputeServer:
             gp.stream = sid
         s.pool = gp
         s.warm, s.warm_bytes, s.warm_peak = set(), 0, 0
+        s.warm_pool_free = 0 if gp is None else gp.usage()["free_bytes"]
 
     def h_graph_estimate(self, sid) -> dict:
         """``ComputeClient.graph_estimate``: what the window of ``sid`` will need, from its
         warm-up so far: ``{"bytes": the most bytes its allocations held at once since
-        graph_prepare, "pool_free_bytes": what its graph pool can serve (0 without one)}``."""
+        graph_prepare, "pool_free_bytes": what its graph pool could serve when graph_prepare
+        ran (before the warm-up took from it; 0 without one), "new_bytes": bytes - pool_free_bytes,
+        at least 0: what the pool cannot serve}``."""
         s = self._stream(sid)
-        gp = s.pool
-        return {"bytes": s.warm_peak,
-                "pool_free_bytes": 0 if gp is None else gp.usage()["free_bytes"]}
+        return {"bytes": s.warm_peak, "pool_free_bytes": s.warm_pool_free,
+                "new_bytes": max(0, s.warm_peak - s.warm_pool_free)}
 
     def h_warmup_fence(self, sid) -> Completion:
         """First half of ``start_capture``: hand the warm-up to the device and return a
@@ -663,6 +701,8 @@ class ComputeServer:
         """
         self.queue.run_releases()     # frees dropped in the window are refused
         s = self._stream(sid)
+        if s.pool is not None and s.window is not None:
+            self._refuse_shared_state(s)
         g = self.capture.end(s, next(_graph_ids), retain)
         self.graphs[g.id] = g
         s.graphs += 1                 # the stream is not reclaimed while a graph replays there
@@ -671,14 +711,43 @@ class ComputeServer:
         if gp is not None:                      # its window's buffers join the graph pool
             gp.graphs.add(g.id)
             self.graph_pool_of[g.id] = gp
+            state = {id(st.slot) for st in g.sstates}
             for slot in g.alloc_slots:
-                gp.adopt(slot)
+                if id(slot) not in state:       # its state (read before written) stays its own
+                    gp.adopt(slot)
         if self.checker is not None:
             self.checker.on_graph(g)
         return g.id, bool(self.backend.hardware_graphs)
 
-    def h_replay(self, gid: int) -> None:
-        """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued.
+    def _refuse_shared_state(self, s: StreamState) -> None:
+        """A window of a graph pool may share only temporaries (buffers each replay writes
+        before it reads them): a buffer the window allocated from the pool's shared buffers
+        (another graph's temporary) that the recording reads before writing it would be state
+        the other graphs overwrite on every replay. ``GraphStateError`` (the window is aborted,
+        no graph is made) naming the handle; its own new buffers holding state are simply kept
+        out of the pool (``h_stop_capture``)."""
+        w = s.window
+        shared = [st for st in w.allocs if st.slot.graph_pool is s.pool]
+        if not shared:
+            return
+        src = cap.sources(w.ops)
+        bad = [st.id for st in shared if st.id in src]
+        if bad:
+            pid = s.pool.id
+            self.capture.abort(s)
+            s.pool, s.warm, s.warm_bytes = None, set(), 0
+            raise GraphStateError(
+                f"stop_capture on stream {int(s.id)}: handle {bad[0]}, allocated in the window "
+                f"from graph pool {pid}'s shared buffers (another graph's temporary), is "
+                "read by the recording before it is written (state: an accumulator, a KV "
+                "cache); the pool's other graphs overwrite it on every replay, so no graph was "
+                "made. Allocate state before graph_prepare, or capture this graph without the "
+                "pool")
+
+    def h_replay(self, gid: int):
+        """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
+        True, or None when the backend ran it at once instead (``Backend.launch_graph_now``:
+        tiny work on an idle stream), so the caller need not look for room in the queue.
 
         The first replay waits for the work other streams had pending on the graph's buffers at
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
@@ -694,6 +763,28 @@ class ComputeServer:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
         s = self.streams[g.stream]
+        reads = None
+        for st in g.sstates:                # sources whose marks may carry a failure
+            if st.mark is not CLEAN:
+                reads = self._marked_sources(g)
+                break
+        if (not reads and s.window is None and not g.freed and not g.fences
+                and self.checker is None):
+            failed = None
+            try:                            # tiny work on an idle stream runs here, at once
+                ran = self.backend.launch_graph_now(s.raw, g.graph)
+            except LaunchError as e:        # it ran and failed: as if found at execution
+                ran = failed = Mark(("replay", gid)).fail(e)
+                s.errors.append(failed)
+                fold_errors(s.errors)       # a stream that never blocks: bounded
+                self.marks.fail(g.wstates, ("replay", gid), failed)
+            if ran:
+                s.pos += 1
+                s.done_pos = g.last_pos = s.pos
+                if failed is None:
+                    for st in g.wstates:
+                        st.mark = CLEAN
+                return
         mark = Mark(("replay", gid), None, (), s, s.pos + 1)
         try:
             if s.window is not None:
@@ -708,16 +799,13 @@ class ComputeServer:
                 if self.checker is not None:
                     self.checker.violations.append(err)
                 raise err
-            if g.fences:
+            if g.fences:                    # once: the stream's waits (``synced``) remain
                 self._wait_for(s, g.fences)
+                g.fences = {}
             if self.checker is not None:
                 self.checker.on_replay(s, g)
-            if g.sstates:                   # marks known final and clean are skipped here
-                reads = [(st.id, m) for st in g.sstates if (m := st.mark) is not CLEAN and (
-                    m._error is not None or m.parents or m.stream is None
-                    or m.pos > m.stream.done_pos)]
-                if reads:
-                    self.marks.inherit(mark, reads)
+            if reads:
+                self.marks.inherit(mark, reads)
             self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
@@ -730,6 +818,23 @@ class ComputeServer:
         g.last_pos = s.pos
         for st in g.wstates:
             st.mark = mark
+        return True
+
+    @staticmethod
+    def _marked_sources(g) -> list:
+        """``[(handle id, Mark)]`` of the sources of graph ``g`` (buffers it reads before it
+        writes them) whose marks may carry a failure: marks known final and clean are skipped."""
+        reads = []
+        for st in g.sstates:
+            m = st.mark
+            if m is CLEAN:
+                continue
+            if (m._error is not None or m.parents or m.stream is None
+                    or m.pos > m.stream.done_pos):
+                reads.append((st.id, m))
+            else:
+                st.mark = CLEAN                 # final and clean: the cheap test next time
+        return reads
 
     def h_graph_destroy(self, gid: int) -> None:
         """Destroy graph ``gid`` after the work enqueued on its stream; unknown id: no-op.
@@ -836,15 +941,18 @@ class ComputeServer:
     def h_graph_memory(self, gid: int) -> dict:
         """``Graph.memory_usage()``: ``{"nbytes": what graph gid keeps alive, "own_bytes": its
         window's buffers no graph pool shares, "pool": the pool id or None, "pool_bytes": the
-        pool's shared bytes, "pool_share": pool_bytes / its graphs}`` (bytes; ``nbytes`` =
+        pool's shared bytes, "pool_share": pool_bytes / its graphs, "used_bytes": the bytes of
+        every buffer it binds, caller-owned ones included}`` (bytes; ``nbytes`` =
         ``own_bytes + pool_share``). Raises ``UnknownGraph``."""
         g = self._graph(gid, "memory_usage")
         gp = self.graph_pool_of.get(gid)
         own = sum(sl.nbytes for sl in {id(sl): sl for sl in g.alloc_slots}.values()
                   if sl.graph_pool is None)
         share = gp.bytes // max(1, len(gp.graphs)) if gp is not None else 0
+        used = sum(st.nbytes for st in {id(st): st for st in g.handles}.values())
         return {"nbytes": own + share, "own_bytes": own, "pool": None if gp is None else gp.id,
-                "pool_bytes": 0 if gp is None else gp.bytes, "pool_share": share}
+                "pool_bytes": 0 if gp is None else gp.bytes, "pool_share": share,
+                "used_bytes": used}
 
     def h_graph_pool_usage(self, pool_id: int) -> dict:
         """``GraphPool.memory_usage()`` (``memory.GraphPool.usage``); an unused pool: zeros."""

@@ -95,7 +95,11 @@ class Model:
         if got.shape != want.shape or got.dtype != want.dtype:
             return False
         if self.rtol is None:
-            return bool(np.array_equal(got, want, equal_nan=want.dtype.kind == "f"))
+            if want.dtype.kind != "f":
+                return bool(np.array_equal(got, want))
+            zero = want == 0                      # -0.0 and 0.0 differ too (1 / x, copysign)
+            return bool(np.array_equal(got, want, equal_nan=True)
+                        and np.array_equal(np.signbit(got[zero]), np.signbit(want[zero])))
         return bool(np.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True))
 
     def _apply(self, launch, propagate: bool = True) -> str:

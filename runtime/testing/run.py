@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-from ..backends.cpu_schedule import InterleavingScheduler, TraceScheduler
+from ..backends.cpu_schedule import InterleavingScheduler, ThreadScheduler, TraceScheduler
 from ..frontend.client import client as make_client
 from ..streams import StreamId
 from ..errors import LivenessError, ServerError, StreamRaceError
@@ -81,10 +81,16 @@ class ProgramRun:
             self.backend, self.seed, self.check, notes) + "\n"
 
 
-def _open(backend, seed, check, trace):
+def _open(backend, seed, check, trace, scheduler="interleave"):
+    if scheduler not in ("interleave", "thread"):
+        raise ValueError(f"scheduler must be 'interleave' or 'thread', got {scheduler!r}")
+    if scheduler == "thread" and (backend != "cpu" or trace is not None):
+        raise ValueError("scheduler='thread' runs the cpu backend's worker threads, without a "
+                         "trace")
     if backend == "cpu":
         # a scheduler object gives a server of its own (options key by identity)
-        sched = TraceScheduler(trace) if trace is not None else InterleavingScheduler(seed)
+        sched = (ThreadScheduler() if scheduler == "thread" else TraceScheduler(trace)
+                 if trace is not None else InterleavingScheduler(seed))
         return make_client("cpu", scheduler=sched, check=check), sched
     if trace is not None:
         raise ValueError("a trace replays a cpu schedule; run it with backend='cpu'")
@@ -93,7 +99,7 @@ def _open(backend, seed, check, trace):
 
 def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = False,
                 trace=None, threads: bool = True, rtol=None, atol=None,
-                raises: bool = True) -> ProgramRun:
+                raises: bool = True, scheduler: str = "interleave") -> ProgramRun:
     """Run ``program`` and compare every answer with the sequential model.
 
     Args:
@@ -108,14 +114,19 @@ def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = F
         rtol, atol: tolerance of value comparisons; default exact on cpu (the same bodies run),
             ``1e-5``/``1e-6`` elsewhere.
         raises: raise ``ProgramMismatch`` when the run disagrees with the model.
+        scheduler: on cpu, ``"interleave"`` (default: the seeded interleaving scheduler) or
+            ``"thread"``: the default runtime's worker threads, where tiny work on an idle
+            stream runs on the calling thread at once (issue 26's fast paths); real timing
+            decides the order (``seed`` is ignored, no schedule is recorded).
     Returns: a ``ProgramRun``.
-    Raises: ``ProgramMismatch`` (with ``raises``); ``ValueError`` (a trace off cpu);
+    Raises: ``ProgramMismatch`` (with ``raises``); ``ValueError`` (a trace off cpu; an unknown
+        ``scheduler``, or ``"thread"`` off cpu or with a trace);
         ``UnsupportedError`` (the backend is missing). A checker error is not raised: it is
         ``run.flagged``, and a mismatch only when the program keeps the contract.
     """
     if backend != "cpu" and rtol is None:
         rtol, atol = 1e-5, 1e-6
-    root, sched = _open(backend, seed, check, trace)
+    root, sched = _open(backend, seed, check, trace, scheduler)
     run = ProgramRun(program, backend, seed, check)
     model = Model(program, root.capabilities["hardware_graphs"], rtol, atol or 0.0)
     sids = [StreamId.new() for _ in range(program.streams)]
@@ -151,7 +162,7 @@ def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = F
             if p is not None:
                 p.shutdown()
         if sched is not None:
-            run.trace = sched.trace
+            run.trace = getattr(sched, "trace", None)
             run.diverged = getattr(sched, "diverged", 0)
             root.shutdown()
     if raises and run.mismatches:

@@ -313,3 +313,40 @@ def test_update_and_instantiate_refused_while_the_stream_captures(client):
     client.abort_capture()
     g.replay()
     np.testing.assert_array_equal(client.read(y), [1, 2, 3, 4])
+
+
+def test_fallback_reason_says_why_the_last_update_rebuilt_and_clears_after_a_patch(monkeypatch):
+    """``fallback_reason`` belongs to the last update: set when it rebuilt the graph (here the
+    cpu backend is made to refuse the patch once, as cuda does for a launch it cannot patch),
+    None again after one that patched in place; the values follow numpy either way."""
+    from runtime.backends.cpu import CpuBackend
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x, y, g = _axpy_graph(c)
+    patch = CpuBackend.update_graph
+    monkeypatch.setattr(CpuBackend, "update_graph", lambda self, *a: None)
+    g.update(params={0: {"alpha": 2.0}})
+    assert g.fallback_reason and "rebuilt" in g.fallback_reason
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.arange(4, dtype=np.float32) + 2)
+    monkeypatch.setattr(CpuBackend, "update_graph", patch)
+    g.update(params={0: {"alpha": 3.0}})
+    assert g.fallback_reason is None
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.arange(4, dtype=np.float32) + 3)
+
+
+def test_an_update_to_negative_zero_is_an_update(client):
+    # -0.0 == 0.0 in Python, but x * -0.0 is -0.0: an update from alpha=0.0 to -0.0 (and
+    # back) changes what the graph computes, so it must not be taken for "no change"
+    n = 8
+    x = client.create(np.arange(1, n + 1, dtype=np.float32))
+    y = client.create(np.ones(n, np.float32))
+    g = capture(client, lambda: client.launch(K.mul_scalar, K.grid(n), [x, y],
+                                              {"alpha": 0.0, "n": n}))
+    for alpha in (0.0, -0.0, 0.0, -0.0):
+        g.update(params={0: {"alpha": alpha}})
+        g.replay()
+        got = client.read(y)
+        want = np.arange(1, n + 1, dtype=np.float32) * np.float32(alpha)
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want)), alpha

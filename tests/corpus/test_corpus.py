@@ -144,6 +144,62 @@ def test_every_block_reads_the_same_rows_and_types_whatever_the_block_size(tmp_p
     assert t.column("id").to_pylist() == list(range(10))
 
 
+WANT_RAW = [None, None, "5", "not json", "[1, 2]", None, '{"a": 1}', None]
+
+
+def test_a_text_that_is_not_a_string_is_kept_as_its_json_text(tmp_path):
+    """A user fixes such rows up from ``text_raw`` (a separate column: "5" in ``text`` would
+    pass for a real text); present only when some row needs it, same on every format."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from runtime.corpus import raw_column
+    from runtime.corpus.files import TEXT_ERROR
+
+    assert raw_column("text") == "text_raw" and raw_column("body") == "body_raw"
+    (tmp_path / "c.jsonl").write_text(BAD_JSONL)
+    plan = plan_input(tmp_path / "c.jsonl", "text", 3)
+    t = pa.concat_tables([read_block(plan, b) for b in plan.blocks])
+    assert t.column_names == ["id", "tag", "text", "text_raw", TEXT_ERROR]
+    assert t.column("text_raw").to_pylist() == WANT_RAW
+    assert json.loads(t.column("text_raw")[6].as_py()) == {"a": 1}
+    # a dataset folder written before the raw column existed is not resumed into one with it
+    # (private reach: _prepare is the Ray path's folder check, run here without Ray)
+    from runtime.corpus.run import MANIFEST, _prepare
+    old_key = {k: v for k, v in plan.key().items() if k != "raw_column"}
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / MANIFEST).write_text(json.dumps(old_key))
+    with pytest.raises(ValueError, match="another run"):
+        _prepare(plan, tmp_path / "ds", resume=True)
+    (tmp_path / "u.jsonl").write_text('{"text": 1.5e300}\n{"text": ["é", true]}\n'
+                                      '{"text": "fine"}\n')
+    plan = plan_input(tmp_path / "u.jsonl", "text", 2)
+    t = pa.concat_tables([read_block(plan, b) for b in plan.blocks])
+    assert t.column("text_raw").to_pylist() == ["1.5e+300", '["é", true]', None]
+    (tmp_path / "ok.jsonl").write_text('{"text": "a", "text_raw": 1}\n{"text": null}\n')
+    plan = plan_input(tmp_path / "ok.jsonl", "text", 2)     # only strings and nulls: no column
+    assert [c for c, _ in plan.columns] == ["text", "text_raw"]
+    assert read_block(plan, plan.blocks[0]).column("text_raw").to_pylist() == [1, None]
+    (tmp_path / "clash.jsonl").write_text('{"text": 5, "text_raw": "mine"}\n')
+    with pytest.raises(ValueError, match="'text_raw'"):
+        plan_input(tmp_path / "clash.jsonl", "text")
+    pq.write_table(pa.table({"text": [3, None, 4], "id": [0, 1, 2]}), tmp_path / "i.parquet",
+                   row_group_size=2)
+    plan = plan_input(tmp_path / "i.parquet", "text", 2)
+    t = pa.concat_tables([read_block(plan, b) for b in plan.blocks])
+    assert t.column_names == ["text", "text_raw", "id", TEXT_ERROR]
+    assert t.column("text").to_pylist() == [None] * 3
+    assert t.column("text_raw").to_pylist() == ["3", None, "4"]
+    pq.write_table(pa.table({"text": pa.nulls(2)}), tmp_path / "n.parquet")   # nothing to keep
+    plan = plan_input(tmp_path / "n.parquet", "text")
+    t = read_block(plan, plan.blocks[0])
+    assert t.column_names == ["text", TEXT_ERROR] and t.schema.field("text").type == pa.string()
+    (tmp_path / "c.csv").write_text("id,text\n1,42\n")            # CSV: every text is a string
+    plan = plan_input(tmp_path / "c.csv", "text")
+    assert raw_column("text") not in read_block(plan, plan.blocks[0]).column_names
+
+
 def test_embed_corpus_keeps_every_good_row_of_a_bad_corpus(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
@@ -156,6 +212,8 @@ def test_embed_corpus_keeps_every_good_row_of_a_bad_corpus(tmp_path, monkeypatch
                      block_rows=3, batch_size=2, seq_buckets=(4, 8, 16))
     t = pq.read_table(tmp_path / "o.parquet")
     assert (s.rows, s.failed) == (8, 6)
+    assert t.column_names == ["id", "tag", "text", "text_raw", "embedding", ERROR]
+    assert t.column("text_raw").to_pylist() == WANT_RAW       # the value kept to fix it up
     errors = t.column(ERROR).to_pylist()
     for got, want in zip(errors, WANT_ERRORS):
         assert (got is None) == (want is None) and (want is None or got.startswith(want))

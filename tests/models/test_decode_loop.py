@@ -43,3 +43,66 @@ def test_end_token_stops_on_the_device(decoder):
     hist = st["hist"].numpy()
     assert (hist[1 + len(want):] == 0).all()       # the loop stopped: no step after the end
     assert st["pos"].numpy()[0] == len(want)
+
+
+def _static_sequence(dec, *args, **kw):
+    try:
+        return dec.generate(*args, per_sequence=True, graph=True, **kw)
+    except UnsupportedError as e:
+        pytest.skip(str(e))
+
+
+def test_static_graph_one_replay_per_sequence_matches_the_per_token_loop(decoder):
+    """``StaticGraph(loop="go")`` (``Decoder.sequence_graph``) vs the per-token replays of the
+    step ``StaticGraph`` and the numpy reference."""
+    for prompt, n in (([1], 12), ([4, 9, 2], 9), ([1], 12)):
+        per_token = decoder.generate(prompt, n, graph=True)
+        np.testing.assert_array_equal(per_token, reference_generate(
+            decoder.weights, decoder.config, prompt, n))
+        np.testing.assert_array_equal(_static_sequence(decoder, prompt, n), per_token)
+    g = decoder.sequence_graph(12)
+    assert g.recorded and g.fallback_reason is None
+
+
+def test_static_graph_sequence_stops_at_the_end_token_on_the_device(decoder):
+    full = decoder.generate([3], 14, graph=True)
+    end = int(full[4])
+    want = full[:list(full).index(end) + 1]
+    np.testing.assert_array_equal(_static_sequence(decoder, [3], 14, end_token=end), want)
+    g = decoder.sequence_graph(14)
+    hist, pos = g.read("hist", "pos").values()
+    assert (hist[1 + len(want):] == 0).all() and pos[0] == len(want)   # no step after the end
+
+
+def test_static_graph_loop_limit_marks_the_state(backend):
+    """A loop still going after max_iterations: the replay fails on the state, typed."""
+    c = runtime.client(backend)
+
+    def body(x, go, one):
+        return {"x": x.add(one)}                            # x += 1 per iteration
+    try:
+        g = runtime.StaticGraph(c, inputs={}, outputs={"x": ((1,), "f32")},
+                                state={"go": ((1,), "i32"), "one": np.ones(1, np.float32)},
+                                body=body, loop="go", max_iterations=3)
+    except UnsupportedError as e:
+        pytest.skip(str(e))
+    g.write(go=[0])
+    g.replay()
+    np.testing.assert_array_equal(g.read("x"), [1.0])      # the warm-up's one run only
+    g.write(go=[1])                                         # never cleared by the body
+    g.replay()
+    with pytest.raises(runtime.ReplayFailed, match="LoopLimitExceeded|max_iterations"):
+        g.read("x")
+
+
+def test_static_graph_loop_argument_errors(backend):
+    c = runtime.client(backend)
+    body = lambda x, go: None  # noqa: E731
+    for loop, state in (("nope", {"go": ((1,), "i32")}), ("go", {"go": ((2,), "i32")}),
+                        ("go", {"go": ((1,), "f32")}), ("x", {"go": ((1,), "i32")})):
+        with pytest.raises(ValueError, match="loop="):
+            runtime.StaticGraph(c, inputs={}, outputs={"x": ((1,), "f32")}, state=state,
+                                body=body, loop=loop, max_iterations=2)
+    with pytest.raises(ValueError, match="max_iterations is given without loop"):
+        runtime.StaticGraph(c, inputs={}, outputs={"x": ((1,), "f32")}, body=body,
+                            max_iterations=2)

@@ -404,6 +404,62 @@ def test_a_stream_that_never_blocks_keeps_a_bounded_error_queue():
     c.sync()
 
 
+def test_an_error_queue_filled_from_many_threads_stays_bounded_and_counts_every_error():
+    """``ErrorQueue`` (every backend's stream errors and ``failures``): bounded by folding
+    however many threads append, and no error is lost (the fold counts them)."""
+    from runtime.errors import MAX_QUEUED_ERRORS, ErrorQueue, FoldedErrors
+    q = ErrorQueue()
+
+    def fill(k):
+        for i in range(2500):
+            q.append(LaunchError(f"thread {k} error {i}"))
+    threads = [threading.Thread(target=fill, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(q) <= MAX_QUEUED_ERRORS
+    errs = q.take()
+    assert not q and q.take() == []
+    assert sum(e.count if isinstance(e, FoldedErrors) else 1 for e in errs) == 10_000
+
+
+def test_a_wgpu_stream_that_never_blocks_keeps_bounded_error_queues(monkeypatch):
+    """Failures a wgpu stream reports after the enqueue (a failed submit, a validation error at
+    ``finish``), on a stream nobody syncs, and the backend's unattributed ``failures``: both
+    queues stay bounded; the next blocking call reports them all (folded)."""
+    from runtime.errors import MAX_QUEUED_ERRORS, ServerError
+    from runtime.testing import backend_unavailable
+    why = backend_unavailable("wgpu")
+    if why:
+        pytest.skip(why)
+    c = runtime.client("wgpu").with_stream(runtime.StreamId.new())
+    srv = c._server
+    be = srv.backend
+    x = c.create(np.zeros(4, np.float32))
+    y = c.empty(4, np.float32)
+    c.sync()
+    launch = be.launch
+
+    def late(stream, program, count, args, params, mark=None):   # private: inject failures
+        launch(stream, program, count, args, params, mark)
+        err = LaunchError("add_scalar: injected failure (reported after the enqueue)")
+        stream.errors.append(mark.fail(err) if mark is not None else err)
+        be.failures.append(ServerError("an injected failure no stream owns"))
+    monkeypatch.setattr(be, "launch", late)
+    for _ in range(300):
+        c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    sid = int(c.stream)
+    sizes = srv.call(lambda: (len(srv.streams[sid].raw.errors), len(be.failures)))
+    assert max(sizes) <= MAX_QUEUED_ERRORS, sizes
+    monkeypatch.setattr(be, "launch", launch)
+    with pytest.raises(ServerError) as ei:
+        c.sync()
+    text = str(ei.value)
+    assert "injected failure" in text and "more queued errors" in text
+    c.sync()
+
+
 def test_kernels_made_per_request_keep_a_bounded_program_table():
     from runtime.kernel import Kernel
 
@@ -432,3 +488,25 @@ def test_batches_cut_short_are_forgotten_once_they_ran(backend):
         del hs
     _until(lambda: srv.call(lambda: srv.queue.pending_releases) == 0, "the releases to run")
     assert srv.call(lambda: len(srv.queue._carry)) == 0
+
+
+def test_allocations_refused_on_a_stream_that_never_blocks_keep_a_bounded_error_queue():
+    """``empty`` past the device's memory is refused at the server (``OutOfMemory`` queued on
+    the stream, fire-and-forget): 2,000 of them on a stream nobody syncs kept 2,000 errors; now
+    they are folded like every queued error and the next blocking call reports them all."""
+    from runtime.errors import MAX_QUEUED_ERRORS, OutOfMemory
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) - 9)     # a server of its own
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    sid = int(c.stream)
+    try:
+        for _ in range(2000):
+            c.empty(1 << 46)                      # 64 TiB: numpy refuses at once
+        size = srv.call(lambda: len(srv.streams[sid].errors))
+        assert size <= MAX_QUEUED_ERRORS, size
+        with pytest.raises(OutOfMemory) as ei:
+            c.sync()
+        assert "more queued errors" in str(ei.value)
+        c.sync()
+    finally:
+        c.shutdown()

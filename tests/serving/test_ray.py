@@ -5,9 +5,11 @@ One local Ray cluster for the module, on loopback only (``runtime.cluster.init_r
 ``ray.nodes()``; Serve's HTTP proxy listens on 127.0.0.1. Every embedding is checked against the
 MiniLM reference fixture to 1e-4. Skipped, with the reason, when ray (serve, data), pyarrow,
 fastapi/httpx or the model files are missing, or when Ray cannot start here.
-About 3-5 minutes measured on the shared 2-core machine at load 8-16 (cluster ~25 s, corpus
-~60 s, the bad corpora through both paths and the resumed run ~60-90 s, Serve ~40-90 s); less on
-a quiet one.
+About 3-4 minutes measured on the shared 2-core machine at load 5-11 (cluster and the module's
+corpus run ~50-60 s, the bad corpora through both paths ~40-60 s, the resumed run ~20 s, Serve
+~70-90 s); less on a quiet one. Each Ray Data run costs mostly its actor starting (a process,
+the imports, the model), so the corpus runs once for the module and the resume test resumes a
+copy of it, and the bad corpora's Ray runs start their actors at once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -72,55 +75,72 @@ def _rows(table, column="embedding") -> np.ndarray:
     return out
 
 
-def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, cluster, tmp_path):
-    import pyarrow.parquet as pq
+ROWS, BLOCK_ROWS, NULL_ROW = 400, 100, 200
+# the Ray run's settings; the resumed run must use the same ones (the same rows, bit for bit)
+RAY_KW = {"use_ray": True, "actors": 1, "batch_size": 256, "block_rows": BLOCK_ROWS,
+          "actor_cpus": 0.5, "backend": "cpu", "max_graphs": 8, "seq_buckets": (8, 32, 256),
+          "progress": False}
 
+
+@pytest.fixture(scope="module")
+def corpus_run(ref, cluster, tmp_path_factory):
+    """One corpus (12 reference sentences spread out, a null text, short texts) embedded once
+    for the module: by the in-process CLI as a user runs it (a subprocess) and meanwhile by a
+    1-actor Ray Data pool into a dataset folder of 4 blocks. Returns a dict: src, the Ray
+    folder and summary, the CLI's file and (returncode, stdout + stderr), ``where`` (row ->
+    reference sentence). The resume test copies the folder, so each test sees it as written."""
     from runtime.corpus import embed_corpus
 
+    tmp = tmp_path_factory.mktemp("corpus")
     sents = [str(s) for s in ref["sentences"]]
-    where = {i * 83 + 5: k for k, i in enumerate(range(12))}       # reference rows, spread out
-    null_row = 500
-    src = tmp_path / "corpus.jsonl"
+    where = {i * 31 + 5: k for k, i in enumerate(range(12))}       # reference rows, spread out
+    src = tmp / "corpus.jsonl"
     with open(src, "w", encoding="utf-8") as f:
-        for i in range(1000):
-            text = sents[where[i]] if i in where else None if i == null_row else f"item {i}"
+        for i in range(ROWS):
+            text = sents[where[i]] if i in where else None if i == NULL_ROW else f"item {i}"
             f.write(json.dumps({"id": i, "text": text, "tag": f"t{i % 7}"}) + "\n")
-    local_out = tmp_path / "local.parquet"
+    local_out = tmp / "local.parquet"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH",
                                                                                  "")]))
-    # the in-process path as a user runs it (a subprocess, meanwhile the Ray path runs here)
     cli = subprocess.Popen([sys.executable, "-m", "runtime", "embed-corpus", str(src), "--out",
                             str(local_out), "--max-graphs", "8", "--seq-buckets", "8,32,256",
-                            "--block-rows", "300"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                            "--block-rows", str(BLOCK_ROWS)], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        summary = embed_corpus(src, tmp_path / "ray", use_ray=True, actors=1, batch_size=256,
-                               block_rows=300, actor_cpus=0.5, backend="cpu", max_graphs=8,
-                               seq_buckets=(8, 32, 256), progress=False)
+        summary = embed_corpus(src, tmp / "ray", **RAY_KW)
         out, err = cli.communicate(timeout=300)
     finally:
         cli.kill()
-    assert cli.returncode == 1, out + err                   # 1: a row failed, and says which
-    assert f"row {null_row}: the text is null" in err and "1000 rows" in err
-    assert (summary.rows, summary.failed, summary.blocks) == (1000, 1, 4)
-    assert summary.failures == [(null_row, "the text is null")]
+    return {"src": src, "ray": tmp / "ray", "summary": summary, "local": local_out,
+            "cli": (cli.returncode, out + err), "where": where}
+
+
+def test_embed_corpus_on_ray_data_equals_the_in_process_command(ref, corpus_run):
+    import pyarrow.parquet as pq
+
+    code, err = corpus_run["cli"]
+    summary, where = corpus_run["summary"], corpus_run["where"]
+    assert code == 1, err                                    # 1: a row failed, and says which
+    assert f"row {NULL_ROW}: the text is null" in err and f"{ROWS} rows" in err
+    assert (summary.rows, summary.failed, summary.blocks) == (ROWS, 1, 4)
+    assert summary.failures == [(NULL_ROW, "the text is null")]
     # the workers wrote one file per block, the row index first; the driver wrote none
-    parts = sorted(p.name for p in (tmp_path / "ray").iterdir())
+    parts = sorted(p.name for p in corpus_run["ray"].iterdir())
     assert parts == ["_plan.json"] + [f"part-{i:06d}.parquet" for i in range(4)]
-    remote = pq.read_table(tmp_path / "ray")
-    assert remote.column("input_row").to_pylist() == list(range(1000))
-    local, remote = pq.read_table(local_out), remote.drop_columns(["input_row"])
+    remote = pq.read_table(corpus_run["ray"])
+    assert remote.column("input_row").to_pylist() == list(range(ROWS))
+    local, remote = pq.read_table(corpus_run["local"]), remote.drop_columns(["input_row"])
     for t in (local, remote):
         assert t.column_names == ["id", "text", "tag", "embedding", "embedding_error"]
-        assert t.num_rows == 1000 and t.column("id").to_pylist() == list(range(1000))
-        assert t.column("tag").to_pylist() == [f"t{i % 7}" for i in range(1000)]
+        assert t.num_rows == ROWS and t.column("id").to_pylist() == list(range(ROWS))
+        assert t.column("tag").to_pylist() == [f"t{i % 7}" for i in range(ROWS)]
         kind = t.schema.field("embedding").type
         assert kind.list_size == 384 and str(kind.value_type) == "float"
         errors = t.column("embedding_error").to_pylist()
-        assert [i for i, e in enumerate(errors) if e] == [null_row]
+        assert [i for i, e in enumerate(errors) if e] == [NULL_ROW]
     a, b = _rows(local), _rows(remote)
-    assert np.isnan(a[null_row]).all() and np.isnan(b[null_row]).all()
-    keep = np.arange(1000) != null_row
+    assert np.isnan(a[NULL_ROW]).all() and np.isnan(b[NULL_ROW]).all()
+    keep = np.arange(ROWS) != NULL_ROW
     assert np.abs(a[keep] - b[keep]).max() < 1e-5
     assert np.abs(np.linalg.norm(b[keep], axis=1) - 1).max() < 1e-4
     rows = sorted(where)
@@ -178,20 +198,33 @@ def test_bad_corpora_give_byte_identical_files_and_statuses_on_both_paths(cluste
 
     settings = {"backend": "cpu", "graph": False, "seq_buckets": (8, 32, 256),
                 "cpu_threads": one_core}
-    for name, want in _bad_corpora(tmp_path).items():
-        src = tmp_path / name
+    corpora = _bad_corpora(tmp_path)
+
+    def run(name, use_ray):
+        out = tmp_path / f"{name}.{'ray' if use_ray else 'local'}.parquet"
+        kw = {"use_ray": True, "single_file": True, "actor_cpus": 0.5} if use_ray else {}
+        return _status(lambda: embed_corpus(tmp_path / name, out, block_rows=4, progress=False,
+                                            **kw, **settings))
+
+    # every Ray run at once (a 0.5-CPU actor each, 1.5 of the cluster's 2 CPUs), the
+    # in-process runs one after another beside them: most of a run is an actor starting
+    pool = ThreadPoolExecutor(len(corpora) + 1)
+    try:
+        ray_runs = {name: pool.submit(run, name, True) for name in corpora}
+        local = pool.submit(lambda: {name: run(name, False) for name in corpora}).result(600)
+        done = {name: (local[name], f.result(600)) for name, f in ray_runs.items()}
+    finally:
+        pool.shutdown(wait=False)                    # bounded: each result waited 600 s at most
+    for name, want in corpora.items():
         local, ray_file = tmp_path / f"{name}.local.parquet", tmp_path / f"{name}.ray.parquet"
-        got_local, s1 = _status(lambda: embed_corpus(src, local, block_rows=4, progress=False,
-                                                     **settings))
-        got_ray, s2 = _status(lambda: embed_corpus(src, ray_file, block_rows=4, use_ray=True,
-                                                   single_file=True, actor_cpus=0.5,
-                                                   progress=False, **settings))
+        (got_local, s1), (got_ray, s2) = done[name]
         assert got_local == got_ray == want, name
         if want == 2:
             assert not local.exists() and not ray_file.exists(), name
             continue
         assert (s1.rows, s1.failed, s1.failures) == (s2.rows, s2.failed, s2.failures), name
         a, b = pq.read_table(local), pq.read_table(ray_file)
+        assert ("text_raw" in a.column_names) == (name != "quoted.csv"), name  # values kept
         assert a.drop_columns(["embedding"]).equals(b.drop_columns(["embedding"])), name
         assert np.abs(np.nan_to_num(_rows(a) - _rows(b))).max() < 1e-6, name
         assert local.read_bytes() == ray_file.read_bytes(), name
@@ -199,30 +232,34 @@ def test_bad_corpora_give_byte_identical_files_and_statuses_on_both_paths(cluste
                       or ".partial" in p.name) == [], name
 
 
-def test_a_stopped_ray_run_resumes_from_its_finished_blocks(cluster, tmp_path):
+def test_a_stopped_ray_run_resumes_from_its_finished_blocks(corpus_run, tmp_path):
+    import shutil
+
     import pyarrow.parquet as pq
 
     from runtime.corpus import embed_corpus
 
-    src = tmp_path / "c.jsonl"
-    src.write_text("".join(json.dumps({"text": f"sentence {i}"}) + "\n" for i in range(40)))
-    kw = {"block_rows": 8, "use_ray": True, "actor_cpus": 0.5, "progress": False,
-          "backend": "cpu", "graph": False, "seq_buckets": (8, 32, 256)}
-    full = embed_corpus(src, tmp_path / "out", **kw)
-    want = pq.read_table(tmp_path / "out")
-    (tmp_path / "out" / "part-000001.parquet").unlink()          # as if stopped mid-run
-    (tmp_path / "out" / "part-000003.parquet").rename(tmp_path / "out" /
-                                                      ".part-000003.parquet.99.tmp")
+    # a copy of the module's run, as if it had run on a copy of its input (same size and time)
+    src, out = tmp_path / "c.jsonl", tmp_path / "out"
+    shutil.copy2(corpus_run["src"], src)
+    shutil.copytree(corpus_run["ray"], out)
+    manifest = json.loads((out / "_plan.json").read_text())
+    manifest["path"] = str(src.resolve())
+    (out / "_plan.json").write_text(json.dumps(manifest))
+    want = pq.read_table(corpus_run["ray"])
+    (out / "part-000001.parquet").unlink()                       # as if stopped mid-run
+    (out / "part-000003.parquet").rename(out / ".part-000003.parquet.99.tmp")
     with pytest.raises(ValueError, match="--resume"):
-        embed_corpus(src, tmp_path / "out", **kw)
-    again = embed_corpus(src, tmp_path / "out", resume=True, **kw)
-    assert (full.blocks, again.resumed, again.rows, again.failed) == (5, 3, 40, 0)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
-        ["_plan.json"] + [f"part-{i:06d}.parquet" for i in range(5)]
-    assert pq.read_table(tmp_path / "out").equals(want)
+        embed_corpus(src, out, **RAY_KW)
+    again = embed_corpus(src, out, resume=True, **RAY_KW)
+    assert (again.blocks, again.resumed, again.rows, again.failed) == (4, 2, ROWS, 1)
+    assert again.failures == [(NULL_ROW, "the text is null")]
+    assert sorted(p.name for p in out.iterdir()) == \
+        ["_plan.json"] + [f"part-{i:06d}.parquet" for i in range(4)]
+    assert pq.read_table(out).equals(want)
     src.write_text(src.read_text() + '{"text": "one more"}\n')   # another input: refused
     with pytest.raises(ValueError, match="another run"):
-        embed_corpus(src, tmp_path / "out", resume=True, **kw)
+        embed_corpus(src, out, resume=True, **RAY_KW)
 
 
 def _free_port() -> int:

@@ -164,6 +164,7 @@ def fake_be(monkeypatch):
     monkeypatch.setattr(cuda_backend.cupy.cuda, "Event", _RecordedEvent)
     be = cuda_backend.CudaBackend.__new__(cuda_backend.CudaBackend)
     be.device, be._streams, be.closed = 0, [], False
+    be._graph_tools()
     return be
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..errors import CaptureRefused, InvalidHandle
 from ..kernel import normalize_count
-from .capture import GraphState, Window, merge, sources
+from .capture import GraphState, Window, maybe_written, merge, sources
 from .ops import CondRec, LaunchRec, cond_recs, launch_recs, used_ids
 
 
@@ -382,6 +382,8 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     g.istates = [st for st in g.handles if st.id in g.inputs]
     g.sources = sources(new_ops)
     g.sstates = [st for st in g.handles if st.id in g.sources]
+    maybe = maybe_written(new_ops)
+    g.mstates = [st for st in g.wstates if st.id in maybe]
     new_ids = {st.id for st in g.handles}
     for hid, st in old_states.items():          # handles it no longer uses
         if hid not in new_ids and g in st.graphs:

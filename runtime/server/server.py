@@ -782,8 +782,12 @@ class ComputeServer:
                 s.pos += 1
                 s.done_pos = g.last_pos = s.pos
                 if failed is None:
+                    kept = self._kept_marks(g, None) if g.mstates else None
                     for st in g.wstates:
                         st.mark = CLEAN
+                    if kept:
+                        for st, m in kept:
+                            st.mark = m
                 return
         mark = Mark(("replay", gid), None, (), s, s.pos + 1)
         try:
@@ -816,9 +820,32 @@ class ComputeServer:
             raise err from (None if err is e else e)
         s.pos += 1
         g.last_pos = s.pos
+        kept = self._kept_marks(g, mark) if g.mstates else None
         for st in g.wstates:
             st.mark = mark
+        if kept:
+            for st, m in kept:
+                st.mark = m
         return True
+
+    def _kept_marks(self, g, mark) -> list:
+        """``[(handle state, mark)]`` for the buffers graph ``g`` writes only inside conditional
+        nodes (``GraphState.mstates``) whose last writer failed or may still fail: a replay may
+        not write them (the branch is decided on the device), so their failure outlives it. A
+        failed mark stays; one still pending is combined with the replay's ``mark`` (the buffer
+        fails if either does); ``mark`` None: the replay ran at once and cannot fail later."""
+        kept = []
+        for st in g.mstates:
+            old = st.mark
+            if old is CLEAN or self.marks.clean(st):
+                continue
+            if mark is None or old._error is not None:
+                kept.append((st, old))
+                continue
+            m = Mark(mark.op, None, (), mark.stream, mark.pos)
+            self.marks.inherit(m, [(st.id, old), (st.id, mark)])
+            kept.append((st, m))
+        return kept
 
     @staticmethod
     def _marked_sources(g) -> list:

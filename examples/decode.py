@@ -2,7 +2,7 @@
 
     python examples/decode.py                       # cpu, 64 tokens
     python examples/decode.py --backend wgpu --tokens 64 --repeats 3
-    python examples/decode.py --end-token 7         # stop after token 7 (every mode)
+    python examples/decode.py --end-token 7         # tokens up to token 7 (every mode)
 
 The decoder (``runtime.models.decoder``) has random weights (seed 0): the tokens are
 deterministic but meaningless. The step reads the token id and the position from device buffers,
@@ -21,7 +21,9 @@ It decodes ``--tokens`` tokens six ways and prints the per-token latency of each
   conditional nodes (a driver without them prints why and skips these rows).
 
 All modes must produce identical tokens (with ``--end-token``, up to and including it); the
-script exits with status 1 if they do not.
+script exits with status 1 if they do not. With ``--end-token`` only the per-sequence modes stop
+decoding there (the loop's end test runs on the device); the others decode all ``--tokens``
+steps and cut after it, so the table's ``steps`` differ and the speed-ups compare per-step times.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens to generate (default 64)")
     ap.add_argument("--prompt", type=int, nargs="+", default=[1], help="prompt token ids")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per mode (best kept)")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    ap.add_argument("--dim", type=int, default=64, help="model width (default 64)")
     ap.add_argument("--end-token", type=int, default=None,
                     help="stop after this token id (default: generate --tokens tokens)")
     args = ap.parse_args(argv)

@@ -181,6 +181,21 @@ class CapturedGraph:
                 return self.client.read(target)
             raise TypeError(f"read takes a Tensor or a Handle, got {type(target).__name__}")
 
+    def memory_usage(self) -> dict:
+        """The recorded graph's ``Graph.memory_usage()`` (bytes: ``nbytes``, ``own_bytes``,
+        ``pool``, ``pool_bytes``, ``pool_share``, ``used_bytes``); zeros (pool None) on the
+        fallback path or once released: no graph keeps anything alive then. Blocks."""
+        graph = self.graph
+        if graph is None:
+            return {"nbytes": 0, "own_bytes": 0, "pool": None, "pool_bytes": 0,
+                    "pool_share": 0, "used_bytes": 0}
+        return graph.memory_usage()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the recorded graph keeps alive (``memory_usage()["nbytes"]``). Blocks."""
+        return self.memory_usage()["nbytes"]
+
     def release(self) -> None:
         """Drop the graph, ``fn`` and the output (idempotent); later replays raise
         ``UnknownGraph``."""

@@ -4,26 +4,22 @@ A leaf module: it imports nothing from ``runtime`` (the cpu backend, the kernels
 import it), so the rule, the BLAS settings and the fan-out pool are written once.
 
 A cpu stream's kernels run one after another on one worker thread (:mod:`runtime.backends.cpu`);
-inside a kernel, numpy's matmuls fan out into OpenBLAS's thread pool and the compiled loops of
-:mod:`runtime.kernels.cpu_loops` into numba's (OpenMP) pool. Two pools and several workers on
-few cores fight unless something decides who gets the cores. The rule:
+inside a kernel, the work is split over threads. The rule:
 
-    library threads = max(1, cores // stream items executing now)
+    kernel threads = max(1, cores // stream items executing now)
 
-counted process-wide (every cpu backend of the process), re-applied whenever that count changes:
-OpenBLAS's thread count is one number per process (``openblas_set_num_threads``, set through
-threadpoolctl's library controller), numba's is per calling thread (``numba.set_num_threads``,
-applied by each kernel before its loops run). So one busy stream (one model forward at a time: a
-batcher, a benchmark) gets every core in both pools, two busy streams on two cores one thread
-each, with no pool waiting on a thread another worker holds. OpenBLAS runs a call from a
-1-thread setting on the calling thread, so concurrent streams do not queue on its pool.
-
-A kernel made of many small products (attention: two [S, hd] x [hd, S]-sized GEMMs per sequence
-and head) instead deals its pieces out to its threads itself, each piece with 1-thread BLAS and
-numba (:class:`FanOutPool`, :meth:`ThreadRule.fan_out`), as torch's CPU attention runs
-single-threaded GEMMs in a parallel loop: measured on 2 cores, attention of 32x128 tokens (12
-heads of 32) took 23 ms that way against 44 ms with each small GEMM split over OpenBLAS's 2
-threads.
+counted process-wide (every cpu backend of the process), with ``cores`` cut on a busy host
+(:class:`CpuShare`). The kernels of :mod:`runtime.kernels.nn` deal their work out to that many
+threads themselves (:class:`FanOutPool`): a matmul in blocks of its output, attention in
+sequences or heads, a large layer norm in rows, each piece with one-thread BLAS and numba, as
+torch's CPU attention runs single-threaded GEMMs in a parallel loop. Pieces go to whichever
+thread asks next and waiting threads sleep, so a thread the OS does not run holds up one small
+piece, never a fixed share. numpy's OpenBLAS stays at one thread (:data:`BLAS_THREADS`, set from
+one owner thread: :class:`BlasOwner` says why); small compiled loops run on the calling thread
+and larger ones on numba's OpenMP pool at the rule's count (numba's count is per calling thread,
+``numba.set_num_threads``, applied by each kernel before its loops run). So one busy stream (one
+model forward at a time: a batcher, a benchmark) gets every core, two busy streams on two cores
+one thread each.
 
 numba's OpenMP pool is told to sleep as soon as a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``
 while :mod:`runtime.kernels.cpu_loops` starts the pool, unless the variable is already set):
@@ -37,7 +33,9 @@ parallelism from streams only) reached 0.67-0.81x sentence-transformers on the b
 What the user sets wins: ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
 (:data:`BLAS_ENV`) fix BLAS (the rule leaves it alone), ``NUMBA_NUM_THREADS`` caps numba's pool,
 ``runtime.client("cpu", threads=n)`` sets ``cores`` (e.g. a Ray replica's ``num_cpus``), and
-``blas_threads=n`` (fixed) or ``None`` (untouched) takes BLAS out of the rule.
+``blas_threads=n`` (fixed) or ``None`` (untouched) takes BLAS out of the rule (a user kernel
+calling numpy's matmul gets one BLAS thread under the rule: it can deal out its own pieces with
+:data:`FAN_OUT`, or pass ``blas_threads``).
 """
 
 from __future__ import annotations
@@ -171,6 +169,72 @@ def _cgroup_limit(d: str, kind: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
+class BlasOwner:
+    """The one thread that changes numpy's BLAS thread count, for the whole process.
+
+    numpy's OpenBLAS (0.3.31, pthreads build, in numpy 2.x's wheels) applies
+    ``openblas_set_num_threads`` only from the thread that called it first, for as long as that
+    thread lives; a call from any other thread is silently dropped (measured: a worker thread
+    sets 2, the main thread then sets 1, ``openblas_get_num_threads()`` still says 2 and the
+    main thread's sgemm still runs on 2 threads). A rule that moves the setting from whichever
+    thread runs a stream item (the cpu workers, a client thread helping them, a fan-out thread)
+    was therefore ignored from all threads but one: pieces meant to run 1-thread BLAS ran
+    OpenBLAS's threaded sgemm side by side, queued on its server lock and spun (MiniLM 1x128
+    forwards of 1-3 s instead of 30 ms). So every change goes through this daemon thread,
+    started on first use and kept for the life of the process (a forked child starts its own).
+
+    Args:
+        timeout_s: how long :meth:`call` waits for the thread before running the function on
+            the calling thread instead (never a hang).
+    """
+
+    def __init__(self, timeout_s: float = 10.0):
+        self.timeout_s = timeout_s
+        self._cv = threading.Condition(threading.Lock())
+        self._work: list = []
+        self._thread = None
+
+    def call(self, fn):
+        """``fn()`` on the owner thread; returns its result or raises its exception."""
+        box: list = []
+        done = threading.Event()
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="runtime-blas-owner")
+                self._thread.start()
+            if threading.current_thread() is self._thread:
+                return fn()
+            self._work.append((fn, box, done))
+            self._cv.notify()
+        if not done.wait(self.timeout_s):
+            with self._cv:
+                if (fn, box, done) in self._work:       # never started: run it here
+                    self._work.remove((fn, box, done))
+                    return fn()
+            done.wait()                                  # started: it finishes
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._work:
+                    self._cv.wait()
+                fn, box, done = self._work.pop(0)
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            done.set()
+
+
+#: the process's BLAS owner thread (:func:`limit_blas_threads` and the thread rule use it)
+BLAS_OWNER = BlasOwner()
+
+
 def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
     """Cap numpy's BLAS (OpenBLAS) at ``n`` threads for this process, unless the user chose.
 
@@ -192,8 +256,8 @@ def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
         return None
     prev = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
                default=None)
-    if prev is not None and prev != n:
-        threadpool_limits(int(n), user_api="blas")
+    if prev is not None and prev != n:        # from the owner thread (BlasOwner says why)
+        BLAS_OWNER.call(lambda: threadpool_limits(int(n), user_api="blas"))
     return prev
 
 
@@ -208,37 +272,90 @@ def _thread_schedstat():
         return None
 
 
+class ProcessSchedstat:
+    """``(ns on the cpu, ns runnable but waiting for a cpu)`` summed over every thread of the
+    process (``/proc/self/task/*/schedstat``), as running totals that never go back when a
+    thread ends (each thread's gain since the last call is added), or ``None`` where the kernel
+    does not say. Thread-safe.
+
+    The share of the CPU the process wanted and got is read over all its threads, not only the
+    worker that starts a stream item: a kernel dealt out to the fan-out pool, or to numba's
+    OpenMP threads, waits (asleep, uncounted in the worker's own counters) for partners that
+    sit on the run queue on a busy host; their wait is the process's wait.
+
+    Args:
+        task_dir: the directory of the process's threads (tests pass a fake tree).
+    """
+
+    def __init__(self, task_dir: str = "/proc/self/task"):
+        self.task_dir = task_dir
+        self._seen: dict = {}               # thread id -> its (run, wait) at the last call
+        self._total = [0, 0]
+        self._lock = threading.Lock()
+
+    def __call__(self):
+        try:
+            tids = os.listdir(self.task_dir)
+        except OSError:
+            return None
+        now = {}
+        for t in tids:
+            try:
+                with open(os.path.join(self.task_dir, t, "schedstat"), "rb") as f:
+                    run, wait = f.read().split()[:2]
+                now[t] = (int(run), int(wait))
+            except (OSError, ValueError):   # a thread that ended meanwhile
+                continue
+        if not now:
+            return None
+        with self._lock:
+            for t, (run, wait) in now.items():
+                r0, w0 = self._seen.get(t, (0, 0))
+                self._total[0] += max(0, run - r0)
+                self._total[1] += max(0, wait - w0)
+            self._seen = now
+            return tuple(self._total)
+
+
 class CpuShare:
-    """Whether the host is busy: the cpu workers wait for cores that other processes hold.
+    """Whether the host is starved: the process's threads wait for cores that other processes
+    hold, so long that fewer threads would do better.
 
     Two readings, taken by the worker that starts a stream item, at most once per
-    ``window_s``: the share of the CPU time that worker wanted and got, ``run / (run + wait)``,
-    where ``wait`` is its time runnable but waiting on the run queue for a core (the kernel's
-    per-thread scheduler counters, ``/proc/thread-self/schedstat``); and the cores the whole
-    process used meanwhile (``time.process_time()`` over wall time). The host is busy when the
-    share falls below ``low`` while the process used less than ``external`` of the cores (the
-    wait is for other processes, not for this process's own threads: an HTTP server beside the
-    model is not a reason to run fewer threads); it is free again once the share is above
-    ``high`` or the process uses the cores itself. The band keeps it from flipping straight
-    back: with fewer threads on a busy host each gets more (2 busy neighbours on 2 cores: a
-    share of 0.5 with 2 threads, 0.67 with 1). Where the counters are missing (not Linux) the
-    host is never busy.
+    ``window_s``: the share of the CPU time the process's threads wanted and got,
+    ``run / (run + wait)``, where ``wait`` is time runnable but waiting on the run queue for a
+    core (the kernel's per-thread scheduler counters, summed over the threads:
+    :class:`ProcessSchedstat`); and the cores the whole process used meanwhile
+    (``time.process_time()`` over wall time). The host is busy when the share falls below
+    ``low`` while the process used less than ``external`` of the cores (the wait is for other
+    processes, not for this process's own threads: an HTTP server beside the model is not a
+    reason to run fewer threads); it is free again once the share is above ``high`` or the
+    process uses the cores itself. Where the counters are missing (not Linux) the host is never
+    busy.
+
+    The defaults cut the threads only on a starved host (a share under 0.1). With the kernels'
+    work dealt out in small pieces to threads that sleep while they wait (:class:`FanOutPool`),
+    a second thread the OS does not run costs one piece, and threads that sleep often are run
+    promptly when they wake: MiniLM 1x128 on 2 cores beside other sessions' load (load average
+    ~8) and 2 busy loops ran a forward in 42-71 ms on 2 threads against 300-330 ms on 1
+    (shares about 0.2 and 0.1). The rule before (``low=0.6``: 1 thread with 2 busy neighbours)
+    was measured with OpenBLAS's statically split, spin-waiting pool, where 1 thread won.
 
     Args:
         window_s: seconds between readings (per process).
         low, high: the share below which the host is busy, above which it is free again.
         external: the fraction of the cores the process must be using less of to call it busy.
-        read: the counter reader (tests pass a fake); default the calling thread's schedstat.
+        read: the counter reader (tests pass a fake); default :class:`ProcessSchedstat`.
         cpu_time: the process's CPU seconds (tests pass a fake); default ``time.process_time``.
     """
 
-    def __init__(self, window_s: float = 0.2, low: float = 0.6, high: float = 0.9,
+    def __init__(self, window_s: float = 0.2, low: float = 0.1, high: float = 0.3,
                  external: float = 0.75, read=None, cpu_time=None):
         self.window_s, self.low, self.high, self.external = window_s, low, high, external
         self.share = 1.0                  # the last reading of the worker's share
         self.used = None                  # the cores the process used in the last window
         self.busy = False
-        self._read = read or _thread_schedstat
+        self._read = read or ProcessSchedstat()
         self._cpu_time = cpu_time or time.process_time
         self._next = 0.0
         self._proc = None                 # (when, process CPU seconds) at the last reading
@@ -281,16 +398,28 @@ class CpuShare:
         return max(1, min(cores, round(cores * self.share)))
 
 
+#: the BLAS threads the rule gives numpy's OpenBLAS: one. The kernels that multiply matrices
+#: (:mod:`runtime.kernels.nn`) cut each product into blocks and deal them out to the fan-out pool
+#: (:class:`FanOutPool`: whichever thread asks next takes the next block, threads that wait
+#: sleep), so OpenBLAS's own pool, which splits a product statically and spin-waits after it,
+#: never runs: on a busy host its threads waited on partners the OS was not running (1x128
+#: products 10-70 ms instead of 4 ms with 2 busy processes beside), and on a quiet one its
+#: spinning took the core that numba's loops and the fan-out threads needed next.
+BLAS_THREADS = 1
+
+
 class ThreadRule:
-    """Counts the cpu stream items executing now and sizes the library pools from that count.
+    """Counts the cpu stream items executing now and sizes the kernels' threads from that
+    count (numba's loops, the fan-out pool); OpenBLAS stays at :data:`BLAS_THREADS`.
 
     One per process (:data:`RULE`), since OpenBLAS's setting is process-wide. Thread-safe.
 
     Attributes:
         cores: the cores the rule shares out (default :func:`available_cores`).
         active: stream items executing now (every cpu backend of the process).
-        adapt_blas: whether the rule sets OpenBLAS's thread count (``False`` when the user's
-            environment fixes it, or after :meth:`fix_blas`).
+        adapt_blas: whether the rule sets OpenBLAS's thread count (to :data:`BLAS_THREADS`, at
+            the first item; ``False`` when the user's environment fixes it, or after
+            :meth:`fix_blas`).
     """
 
     def __init__(self, cores: int | None = None):
@@ -321,17 +450,11 @@ class ThreadRule:
         """The item :meth:`enter` announced has finished (raised or not)."""
         with self._lock:
             self.active -= 1
-            if self.adapt_blas:
-                self._apply_blas()
 
     @contextlib.contextmanager
     def fan_out(self):
-        """While a kernel runs its own pieces on several threads (each calling BLAS), OpenBLAS
-        gets one thread: small products split across a pool cost more in hand-offs than they
-        gain, and OpenBLAS queues concurrent callers on its pool (attention, in
-        :mod:`runtime.kernels.nn`, runs each sequence's two small products this way through
-        :class:`FanOutPool`, as torch's CPU attention runs single-threaded GEMMs in a parallel
-        loop)."""
+        """Counts a kernel running its own pieces (:class:`FanOutPool`), each with one-thread
+        BLAS (the rule's :data:`BLAS_THREADS`; set here too, should no item have entered)."""
         with self._lock:
             self.fan_outs += 1
             if self.adapt_blas:
@@ -341,15 +464,12 @@ class ThreadRule:
         finally:
             with self._lock:
                 self.fan_outs -= 1
-                if self.adapt_blas:
-                    self._apply_blas()
 
     def pin_blas(self, n: int = 1) -> None:
         """Fix OpenBLAS at ``n`` threads from now on, outside the rule (unless the user's
-        environment fixes it), as ``OPENBLAS_NUM_THREADS=n`` would; numba's loops and
-        attention's pieces still use the rule's threads. Serving does not need it: measured on
-        2 cores with 64 closed-loop HTTP clients, pinned at 1 served 98-107 requests/s against
-        106-124 with the rule (``benchmarks/serving.py``, README "The cpu backend").
+        environment fixes it), as ``OPENBLAS_NUM_THREADS=n`` would; numba's loops and the
+        kernels' pieces still use the rule's threads. The rule itself keeps BLAS at
+        :data:`BLAS_THREADS` (one), so ``n = 1`` changes nothing but who owns the setting.
 
         Raises: ``ValueError`` (``n < 1``).
         """
@@ -379,7 +499,8 @@ class ThreadRule:
             self.adapt_blas = False
 
     def _apply_blas(self) -> None:
-        n = 1 if self.fan_outs else self.threads()
+        # BLAS at one thread (BLAS_THREADS), set once, from the owner thread (BlasOwner)
+        n = BLAS_THREADS
         if n == self._blas_now:
             return
         if self._blas is None:
@@ -388,8 +509,8 @@ class ThreadRule:
                 self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
             except Exception:  # noqa: BLE001 - no threadpoolctl or no BLAS: nothing to size
                 self._blas = []
-        for lib in self._blas:
-            lib.set_num_threads(n)
+        libs = self._blas
+        BLAS_OWNER.call(lambda: [lib.set_num_threads(n) for lib in libs])
         self._blas_now = n
 
 
@@ -458,8 +579,9 @@ class FanOutPool:
         pieces = list(pieces)
         helpers = min(int(threads), len(pieces)) - 1
         if helpers <= 0:
-            for p in pieces:
-                fn(p)
+            with RULE.fan_out():
+                for p in pieces:
+                    fn(p)
             return
         cv = self._cv
         job = _Job(fn, pieces, cv, helpers)
@@ -509,6 +631,8 @@ def _after_fork_in_child() -> None:
     RULE._lock = threading.Lock()
     RULE.active = RULE.fan_outs = 0
     RULE.cpu = CpuShare()
+    RULE._blas_now = None                      # the owner thread stayed in the parent
+    BLAS_OWNER.__init__(BLAS_OWNER.timeout_s)
     FAN_OUT.__init__()
 
 

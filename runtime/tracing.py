@@ -460,7 +460,13 @@ def _cpu_hooks():
         proxy.calls = tuple(_Child(T, lane, n, c) for c, n in zip(graph.calls, graph.names))
         return plain_graph(self, stream, proxy, mark)
 
-    return Cpu, {"_enqueue": _enqueue, "launch_graph": launch_graph}
+    def not_now(self, *args):
+        """While tracing, no work takes the fast paths (run at once on the caller's thread),
+        so every launch, replay and copy shows as a slice on its stream's lane."""
+        return None
+
+    return Cpu, {"_enqueue": _enqueue, "launch_graph": launch_graph, "launch_now": not_now,
+                 "launch_graph_now": not_now, "copy_out_now": not_now}
 
 
 class _PassProxy:

@@ -6,6 +6,7 @@ import pytest
 
 import runtime
 from runtime import Tensor
+from runtime import kernels as K
 from runtime.errors import GraphStateError, UnknownGraph, UnsupportedError
 
 
@@ -161,3 +162,15 @@ def test_errors_leave_the_stream_usable(client):
     graph.release()
     with pytest.raises(UnknownGraph):
         graph.replay()
+
+
+def test_a_captured_graph_reports_its_memory_and_zeros_on_the_fallback_path():
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.arange(64, dtype=np.float32))
+    y = c.empty(64, np.float32)
+    g = runtime.capture(lambda: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 64}),
+                        client=c)
+    assert g.memory_usage() == g.graph.memory_usage() and g.memory_usage()["used_bytes"] == 512
+    assert g.nbytes == g.graph.nbytes
+    g.release()
+    assert g.nbytes == 0 and g.memory_usage()["pool"] is None

@@ -25,3 +25,4 @@ def test_every_python_block_of_the_readme_runs():
     assert any("{'alpha': 1.0, 'n': 4}\n[10. 11. 12. 13.]\n[10. 11. 12. 13.]\nGraph " in o
                for o in outputs)
     assert any("[3. 3. 3. 3.]\n[8. 8. 8. 8.]" in o for o in outputs)
+    assert any(o == "5376 4096\n[3. 3.] True\n" for o in outputs)            # graph pools

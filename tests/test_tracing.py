@@ -87,6 +87,28 @@ def test_a_replay_of_L_launches_shows_L_child_slices_and_the_trace_validates(bac
     assert len(steps) == 1 and names[(steps[0]["pid"], steps[0]["tid"])].startswith("device")
 
 
+def test_tiny_work_on_an_idle_cpu_stream_shows_on_its_lane_while_tracing(tmp_path):
+    """The cpu fast paths (tiny work run at once on the caller's thread, issue 26) are off
+    while tracing: a 1-launch replay and a tiny launch still show as slices on the stream."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.ones(64, np.float32))
+    y = c.empty(64, np.float32)
+    g = runtime.capture(lambda: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 64}),
+                        client=c)
+    c.sync()
+    with runtime.trace() as t:
+        c.launch(K.add_scalar, 1, [y, x], {"alpha": 1.0, "n": 64})
+        g.replay()
+        out = c.read(y)
+    np.testing.assert_array_equal(out, np.full(64, 4, np.float32))
+    doc = {"traceEvents": t.events()}
+    names = _lane_names(doc)
+    on_stream = [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"
+                 and "stream" in names.get((e["pid"], e["tid"]), "")]
+    assert any(n.startswith("replay") for n in on_stream), on_stream
+    assert sum(n.startswith("add_scalar") for n in on_stream) >= 2, on_stream
+
+
 def test_a_cross_stream_wait_shows_its_arrow_from_the_record_to_the_wait():
     c = runtime.client("cpu", scheduler="interleave", seed=0)   # all work deferred: waits queue
     try:
@@ -207,3 +229,26 @@ def test_serve_trace_is_refused_with_ray():
     with pytest.raises(SystemExit):
         parse_args(["--ray", "--trace", "x.json"])
     assert parse_args(["--trace", "x.json"]).trace == "x.json"
+
+
+def test_serve_trace_is_written_when_sigterm_stops_the_server(tmp_path):
+    """uvicorn re-raises SIGTERM after its graceful shutdown; with SIGTERM's default action the
+    process ended inside ``with trace(...)`` and no file was written (Ctrl-C wrote it)."""
+    out = tmp_path / "serve.json"
+    code = ("import signal\n"
+            "from runtime.serving import cli\n"
+            "def fake_serve(settings):\n"
+            "    import numpy as np, runtime\n"
+            "    c = runtime.client('cpu'); c.read(c.create(np.ones(4, np.float32)))\n"
+            "    signal.raise_signal(signal.SIGTERM)   # what uvicorn does once it has stopped\n"
+            "    return 0\n"
+            "cli._serve = fake_serve\n"
+            f"cli.main(['--trace', {str(out)!r}])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 143, (r.returncode, r.stderr[-2000:])
+    assert f"trace written to {out}" in r.stderr
+    doc = json.loads(out.read_text())
+    assert tracing.validate(doc) == [] and doc["traceEvents"]

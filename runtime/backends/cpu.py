@@ -205,6 +205,16 @@ def _bind(fn, views, kwargs, count, name):
     return partial(fn, *views, count=count, **kwargs)
 
 
+def _text(e: BaseException) -> str:
+    """``"<class name>: <message>"`` of an exception a kernel body raised, never raising itself:
+    an exception whose ``__str__`` raises still becomes a ``LaunchError`` that marks the
+    launch's outputs (its message is then left out)."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 - user code's __str__
+        return f"{type(e).__name__} (its message could not be formatted)"
+
+
 def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
     """Run one launch on this thread. Anything the body raises (any exception: a
     ``ServerError`` of its own, ``SystemExit`` or ``KeyboardInterrupt`` raised by it included)
@@ -217,7 +227,7 @@ def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
         try:
             fn(*views, count=count, **kwargs)
         except BaseException as e:  # noqa: BLE001 - kernel code is user code
-            err = LaunchError(f"kernel {name}{where} raised on cpu: {type(e).__name__}: {e}")
+            err = LaunchError(f"kernel {name}{where} raised on cpu: {_text(e)}")
             if mark is not None:
                 err = mark.fail(err)
             raise err from e
@@ -321,7 +331,7 @@ class CpuBackend(Backend):
                 payload()
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
-                    f"a cpu kernel raised while executing: {type(e).__name__}: {e}"))
+                    f"a cpu kernel raised while executing: {_text(e)}"))
             finally:
                 if counted:
                     RULE.exit()
@@ -500,14 +510,14 @@ class CpuBackend(Backend):
             if touched > TINY_BYTES:
                 return False
             call = _bind(fn, views, kwargs, count, name) or _nothing
-            if len(memo) >= MAX_VIEWS:
-                memo.clear()
-            memo[key] = call
+            if 0.0 not in params:   # -0.0 == 0.0 as a key: a zero param's call is not kept
+                if len(memo) >= MAX_VIEWS:
+                    memo.clear()
+                memo[key] = call
         try:
             call()
         except BaseException as e:  # noqa: BLE001 - kernel code is user code
-            raise LaunchError(f"kernel {program.name} raised on cpu: {type(e).__name__}: "
-                              f"{e}") from e
+            raise LaunchError(f"kernel {program.name} raised on cpu: {_text(e)}") from e
         return True
 
     def launch_graph_now(self, stream, graph):
@@ -524,7 +534,7 @@ class CpuBackend(Backend):
         except BaseException as e:  # noqa: BLE001 - kernel code is user code
             name = next(n for c, n in zip(calls, graph.names) if c is f)
             raise LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
-                              f"{type(e).__name__}: {e}") from e
+                              f"{_text(e)}") from e
         return True
 
     # -- graphs -------------------------------------------------------------------------------
@@ -552,7 +562,7 @@ class CpuBackend(Backend):
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 name = next(n for c, n in zip(calls, names) if c is f)
                 err = LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
-                                  f"{type(e).__name__}: {e}")
+                                  f"{_text(e)}")
                 if mark is not None:
                     err = mark.fail(err)
                 raise err from e

@@ -32,23 +32,27 @@ from .. import flags
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``embed-corpus`` argument parser."""
-    p = argparse.ArgumentParser(prog="python -m runtime embed-corpus",
-                                description="Embed the text column of a JSON Lines, CSV or "
-                                "Parquet file with all-MiniLM-L6-v2; write Parquet with the "
-                                "original columns plus 'embedding' (float32 x 384), in order.")
+    p = argparse.ArgumentParser(
+        prog="python -m runtime embed-corpus",
+        description="Embed the text column of a JSON Lines, CSV or Parquet file with "
+        "all-MiniLM-L6-v2; write Parquet with the original columns plus 'embedding' "
+        "(float32 x 384) and 'embedding_error', in order. A row whose text is not a string "
+        "keeps a null embedding and the reason (and its value in '<text column>_raw'); exit "
+        "status 1 when any row failed, 2 on bad input.")
     p.add_argument("input", help="a .jsonl, .csv or .parquet file")
     p.add_argument("--out", required=True,
                    help="the Parquet file to write (with --ray: the dataset folder)")
-    p.add_argument("--text-column", default="text", help="the column holding the texts")
+    p.add_argument("--text-column", default="text",
+                   help="the column holding the texts (default: text)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
                    help="device backend of each embedder (default: cpu)")
     p.add_argument("--batch-size", type=flags.positive(int), default=256,
-                   help="rows per embedder call")
+                   help="rows per embedder call (default 256)")
     p.add_argument("--block-rows", type=flags.positive(int), default=4096,
                    help="rows per block: the unit each worker reads, embeds and writes, and "
                    "that --resume skips (default 4096)")
     p.add_argument("--max-graphs", type=flags.positive(int), default=8,
-                   help="most bucket graphs per embedder")
+                   help="most bucket graphs per embedder (default 8)")
     p.add_argument("--seq-buckets", type=flags.seq_sizes, default=None, metavar="N,N,...",
                    help="sequence-length buckets in tokens, the last >= 256 (default "
                         "16,32,64,128,256; add 8 for corpora of very short texts)")
@@ -58,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--address", default=None,
                    help="Ray cluster to join (default: start a local one on 127.0.0.1)")
     g.add_argument("--actors", type=flags.positive(int), default=1,
-                   help="actors (one model + device each)")
+                   help="actors (one model + device each; default 1)")
     g.add_argument("--resume", action="store_true",
                    help="finish the run that wrote --out: skip its finished blocks")
     g.add_argument("--single-file", action="store_true",
                    help="merge the dataset into the one Parquet file --out")
     g.add_argument("--actor-cpus", type=flags.non_negative(float), default=1.0,
-                   help="Ray CPUs per actor (--backend cuda asks one GPU each)")
+                   help="Ray CPUs per actor (default 1; --backend cuda asks one GPU each)")
     return p
 
 

@@ -413,7 +413,8 @@ class ComputeClient:
 
         Args:
             pool: a ``runtime.GraphPool``: the window allocates from the buffers the pool's
-                graphs share first, and the graph's own window buffers join the pool
+                graphs share first, and its temporaries (window buffers it allocated and
+                dropped) join the pool; state it reads before writing stays the graph's own
                 (docs/contract.md section 4c). All graphs of a pool capture on one stream.
         Raises: ``GraphStateError`` (already prepared or recording; or ``pool``'s graphs live
             on another stream; state unchanged); ``TypeError`` (``pool`` is not a GraphPool);
@@ -430,8 +431,10 @@ class ComputeClient:
     def graph_estimate(self) -> dict:
         """What the capture window prepared on this stream will need, from its warm-up so far:
         ``{"bytes": the most bytes the allocations made since graph_prepare() held at once,
-        "pool_free_bytes": what its GraphPool can serve of them (0 without a pool)}``. Call it
-        after the warm-up, before ``start_capture()``. Blocks (one round trip)."""
+        "pool_free_bytes": what its GraphPool could serve when graph_prepare() ran (before the
+        warm-up took from it; 0 without a pool), "new_bytes": bytes - pool_free_bytes, at least
+        0: the new memory the window needs}``. Call it after the warm-up, before
+        ``start_capture()``. Blocks (one round trip)."""
         srv = self._server
         return srv.call(srv.h_graph_estimate, self._sid)
 
@@ -590,8 +593,10 @@ class ComputeClient:
 
     # -- misc ---------------------------------------------------------------------------------
     def memory_usage(self) -> dict:
-        """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams"}``
-        of the server (bytes, counts). Blocks (one round trip)."""
+        """``{"bytes_reserved", "bytes_in_use", "bytes_idle", "handles", "graphs", "streams",
+        "graph_bytes", "graph_pools"}`` of the server (bytes, counts): ``graph_bytes`` the
+        window buffers of all live graphs, ``graph_pools`` ``{pool id: GraphPool.memory_usage()}``
+        (docs/contract.md section 4c). Blocks (one round trip)."""
         srv = self._server
         return srv.call(srv.h_memory_usage)
 

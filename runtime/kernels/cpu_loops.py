@@ -167,17 +167,22 @@ def gelu(x, out):
 
 
 @njit(**_ROWS)
-def bias_act(y, b, act):
-    """In place on ``y [M, N]``: ``y += b [N]``, then GELU when ``act`` is 1 (0: bias only)."""
-    M, N = y.shape
-    for r in prange(M):
-        row = y[r]
+def bias_act_block(y, b, act, r0, r1, c0, c1):
+    """In place on the block ``y[r0:r1, c0:c1]`` of ``y [M, N]``: ``+= b[c0:c1]`` (``b [N]``),
+    then GELU when ``act`` is 1 (0: bias only): the epilogue of one piece of a matmul dealt out
+    to several threads (:mod:`runtime.kernels.nn`, which runs it at one numba thread). Each
+    row's block is taken as a slice ``y[r, c0:c1]``, whose unit stride LLVM vectorises: indexing
+    the row by ``j in range(c0, c1)`` did not (measured 6x slower for the bias alone)."""
+    bb = b[c0:c1]
+    n = bb.shape[0]
+    for r in prange(r0, r1):
+        row = y[r, c0:c1]
         if act == 1:
-            for j in range(N):
-                row[j] = _gelu(np.float64(row[j] + b[j]))
+            for j in range(n):
+                row[j] = _gelu(np.float64(row[j] + bb[j]))
         else:
-            for j in range(N):
-                row[j] = row[j] + b[j]
+            for j in range(n):
+                row[j] = row[j] + bb[j]
 
 
 @njit(**_ROWS)
@@ -302,9 +307,10 @@ def warm() -> None:
     s = np.ones((2, 4, 4), f)
     erf_array(np.zeros(4), np.zeros(4))
     gelu(v, v)
-    bias_act(x, b, 1)
+    bias_act_block(x, b, 1, 0, 4, 0, 8)
     add_bias(x, b, x)
     layer_norm(x, x, True, b, b, 1e-12, x)
+    layer_norm(x[1:3], x[1:3], True, b, b, 1e-12, x[1:3])      # a block of rows (nn's pieces)
     l2_normalize(x, x)
     mean_pool(x.reshape(2, 2, 8), np.ones((2, 2), f), np.ones((2, 8), f))
     embedding(np.zeros(4, i), np.zeros(4, i), x, x, x, 2, x)

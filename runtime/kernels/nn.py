@@ -14,7 +14,8 @@ the erf form with an erf accurate to about 1.2e-7 (absolute), so results agree w
 reference to float32 noise.
 
 The cpu sources do the same arithmetic without allocating: matmuls are numpy's BLAS ``sgemm``
-written into the output (``out=``) with the bias/GELU epilogue applied in place, row and
+on blocks of the output (``out=``), dealt out to the thread rule's threads
+(:mod:`runtime.cpu_threads`), with the bias/GELU epilogue applied in place per block, row and
 elementwise kernels are compiled loops (:mod:`runtime.kernels.cpu_loops`, numba, float64
 accumulation), and attention is batched BLAS around an in-place softmax (exact, not online) with
 its scratch owned by the worker thread.
@@ -100,15 +101,23 @@ _LOOPS = None
 _tls = threading.local()
 
 
-def _loops():
+#: elements a compiled loop (:mod:`runtime.kernels.cpu_loops`) must touch to run on more than
+#: one thread: below it (a layer norm of 128 rows of 384: ~20 µs), waking numba's sleeping
+#: OpenMP threads costs more than they save, and on a busy host a static split waits for a
+#: partner the OS is not running
+LOOP_GRAIN = 1 << 17
+
+
+def _loops(work: int = LOOP_GRAIN):
     """:mod:`runtime.kernels.cpu_loops`, imported on the first cpu launch (numba loads there, not
     when ``runtime`` is imported), with numba's threads for the calling thread set by the thread
-    rule (:mod:`runtime.cpu_threads`: cores shared among the stream items executing now)."""
+    rule (:mod:`runtime.cpu_threads`: cores shared among the stream items executing now), or one
+    thread when the loops touch fewer than :data:`LOOP_GRAIN` elements (``work``)."""
     global _LOOPS
     if _LOOPS is None:
         from . import cpu_loops
         _LOOPS = cpu_loops
-    n = RULE.threads()
+    n = RULE.threads() if work >= LOOP_GRAIN else 1
     if n != getattr(_tls, "threads", 0):
         _tls.threads = n
         _LOOPS.set_threads(n)
@@ -128,7 +137,7 @@ def _scratch(n: int) -> np.ndarray:
 
 
 def _gelu_cpu(x, out, *, n, count):
-    _loops().gelu(x[:n], out[:n])
+    _loops(n).gelu(x[:n], out[:n])
 
 
 #: ``out[i] = gelu(x[i])`` over ``i < n``; launch over ``grid(n)``.
@@ -140,7 +149,7 @@ gelu = program(
 
 def _add_bias_cpu(x, b, out, *, N, n, count):
     rows = n // N                              # n may end inside a row (a short launch count)
-    _loops().add_bias(x[:rows * N].reshape(rows, N), b[:N], out[:rows * N].reshape(rows, N))
+    _loops(n).add_bias(x[:rows * N].reshape(rows, N), b[:N], out[:rows * N].reshape(rows, N))
     out[rows * N:n] = x[rows * N:n] + b[:n - rows * N]
 
 
@@ -160,7 +169,7 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
                            ("positions", np.array([min(rows, S) - 1]), tables[1])):
         if rows and (idx.min() < 0 or idx.max() >= tab.shape[0]):   # the loop does not check
             raise IndexError(f"embedding: {name} outside [0, {tab.shape[0]})")
-    _loops().embedding(ids[:rows], types[:rows], *tables, S, out[:rows * H].reshape(rows, H))
+    _loops(n).embedding(ids[:rows], types[:rows], *tables, S, out[:rows * H].reshape(rows, H))
 
 
 #: ``out[r, c] = word[ids[r], c] + pos[r % S, c] + ttab[types[r], c]`` for ``r < n / H`` rows
@@ -182,13 +191,54 @@ embedding = program(
 # Matmul: out[M, N] = A[M, K] @ W[K, N] (+ b[N]) (then GELU)
 
 
+#: multiply-adds per piece when a matmul is dealt out to several threads (about 60 µs of one
+#: AVX-512 core): a product of fewer than two pieces runs on the calling thread alone
+MM_PIECE_MACS = 1 << 22
+#: most pieces per thread a matmul is cut into (more balance the load when a thread stalls;
+#: each piece packs its own copy of the [M, K] input)
+MM_PIECES_PER_THREAD = 2
+
+
+def mm_pieces(M: int, N: int, K: int, threads: int) -> list:
+    """The blocks ``(r0, r1, c0, c1)`` of an ``[M, N] = [M, K] @ [K, N]`` product's output that
+    :func:`matmul` deals out to ``threads`` threads: one block when ``threads <= 1`` or the
+    product has fewer than ``2 * MM_PIECE_MACS`` multiply-adds, else up to
+    ``MM_PIECES_PER_THREAD`` per thread of at least ``MM_PIECE_MACS`` each (so a thread the OS
+    does not run holds up a small piece, and the others take the rest): column blocks
+    (multiples of 16 columns) when ``N >= M`` (each piece reads all of the small ``[M, K]``
+    input and its own columns of the weight), else row blocks."""
+    n = min(MM_PIECES_PER_THREAD * threads, M * N * K // MM_PIECE_MACS) if threads > 1 else 1
+    if n < 2:
+        return [(0, M, 0, N)]
+    if N >= M:
+        step = -(-N // (16 * n)) * 16               # ceil(N / n), rounded up to 16
+        return [(0, M, c, min(N, c + step)) for c in range(0, N, step)]
+    step = -(-M // n)
+    return [(r, min(M, r + step), 0, N) for r in range(0, M, step)]
+
+
 def _matmul_cpu(bias: bool, act: str | None):
+    code = 1 if act == "gelu" else 0
+
     def run(a, w, *rest, M, N, K, count):
+        # BLAS sgemm on blocks of the output (mm_pieces) dealt out to the thread rule's threads
+        # (cpu_threads.FAN_OUT: whichever thread asks next takes the next block, BLAS at one
+        # thread; threads that wait sleep), each block's bias/GELU epilogue applied in place
+        # right after its product, on the same thread. OpenBLAS's own pool, which splits a
+        # product statically and spin-waits after it, is not used.
         b, out = rest if bias else (None, rest[0])
+        A, W = a[:M * K].reshape(M, K), w[:K * N].reshape(K, N)
         y = out[:M * N].reshape(M, N)
-        np.matmul(a[:M * K].reshape(M, K), w[:K * N].reshape(K, N), out=y)   # BLAS sgemm
-        if bias:                               # the epilogue in place, one pass
-            _loops().bias_act(y, b[:N], 1 if act == "gelu" else 0)
+        loops = _loops(1)
+        bb = b[:N] if bias else None
+
+        def piece(p):
+            r0, r1, c0, c1 = p
+            np.matmul(A[r0:r1], W[:, c0:c1], out=y[r0:r1, c0:c1])
+            if bias:
+                loops.bias_act_block(y, bb, code, r0, r1, c0, c1)
+        threads = RULE.threads()
+        FAN_OUT.run(_one_thread_piece(piece), mm_pieces(M, N, K, threads), threads)
     return run
 
 
@@ -307,8 +357,19 @@ def _layer_norm_cpu(residual: bool):
     def run(x, *rest, rows, n, eps, count):
         r, g, b, out = rest if residual else (x, *rest)
         m = rows * n
-        _loops().layer_norm(x[:m].reshape(rows, n), r[:m].reshape(rows, n), residual, g[:n],
-                            b[:n], float(eps), out[:m].reshape(rows, n))
+        X, Rs, G, Bt, O = (x[:m].reshape(rows, n), r[:m].reshape(rows, n), g[:n], b[:n],
+                           out[:m].reshape(rows, n))
+        loops, e = _loops(1), float(eps)
+        threads = RULE.threads() if m >= LOOP_GRAIN else 1
+        if threads <= 1:
+            loops.layer_norm(X, Rs, residual, G, Bt, e, O)
+            return
+        step = -(-rows // (MM_PIECES_PER_THREAD * threads))
+
+        def piece(r0):                 # blocks of rows dealt out like a matmul's (FAN_OUT)
+            r1 = min(rows, r0 + step)
+            loops.layer_norm(X[r0:r1], Rs[r0:r1], residual, G, Bt, e, O[r0:r1])
+        FAN_OUT.run(_one_thread_piece(piece), range(0, rows, step), threads)
     return run
 
 
@@ -360,7 +421,7 @@ add_layer_norm = _layer_norm("add_layer_norm", True)
 
 
 def _l2_cpu(x, out, *, rows, n, count):
-    _loops().l2_normalize(x[:rows * n].reshape(rows, n), out[:rows * n].reshape(rows, n))
+    _loops(rows * n).l2_normalize(x[:rows * n].reshape(rows, n), out[:rows * n].reshape(rows, n))
 
 
 #: ``out[r] = x[r] / max(||x[r]||_2, 1e-12)`` per row of ``[rows, n]`` (torch ``F.normalize``);
@@ -398,7 +459,7 @@ l2_normalize = program(
 
 def _mean_pool_cpu(x, mask, out, *, S, H, n, count):
     B = n // H
-    _loops().mean_pool(x[:B * S * H].reshape(B, S, H), mask[:B * S].reshape(B, S),
+    _loops(B * S * H).mean_pool(x[:B * S * H].reshape(B, S, H), mask[:B * S].reshape(B, S),
                        out[:B * H].reshape(B, H))
 
 
@@ -480,18 +541,20 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     # Pieces of whole sequences (several when their [heads, S, S] scores fit ATTN_CPU_CHUNK) or
     # of heads of one sequence; from ATTN_FAN_OUT_MACS on, the pieces are dealt out to the
     # thread rule's threads (cpu_threads.FAN_OUT: this worker and pool threads take pieces in
-    # turn, 1-thread BLAS and numba each), as torch's CPU attention runs single-threaded GEMMs in a parallel loop. Nothing is
-    # allocated once warm but the pool's futures.
-    L = _loops()
+    # turn, 1-thread BLAS and numba each; up to MM_PIECES_PER_THREAD per thread, so a stalled
+    # thread holds up a small piece), as torch's CPU attention runs single-threaded GEMMs in a
+    # parallel loop. Nothing is allocated once warm.
     B = count[1] // heads
+    _loops(B * heads * S * S)
     views = tuple(_heads_view(t, B, S, ld_in, off, heads, hd)
                   for t, off in ((q, q_off), (k, k_off), (v, v_off)))
     views += (_heads_view(out, B, S, ld_out, 0, heads, hd),)
     want = RULE.threads() if B * heads * S * S * hd >= ATTN_FAN_OUT_MACS else 1
     hc = max(1, min(heads, ATTN_CPU_CHUNK // (S * S)))
-    nb = max(1, min(B, ATTN_CPU_CHUNK // (heads * S * S), -(-B // want))) if hc == heads else 1
-    if -(-B // nb) * -(-heads // hc) < want:        # too few pieces: split the sequences' heads
-        nb, hc = 1, min(hc, -(-heads // -(-want // B)))
+    most = want * MM_PIECES_PER_THREAD if want > 1 else 1     # pieces to aim for
+    nb = max(1, min(B, ATTN_CPU_CHUNK // (heads * S * S), -(-B // most))) if hc == heads else 1
+    if -(-B // nb) * -(-heads // hc) < most:        # too few pieces: split the sequences' heads
+        nb, hc = 1, min(hc, -(-heads // -(-most // B)))
     pieces = [(b0, min(B, b0 + nb), h0, min(heads, h0 + hc))
               for b0 in range(0, B, nb) for h0 in range(0, heads, hc)]
     most = nb * hc * S * (S + hd)
@@ -501,7 +564,8 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     madd *= np.float32(-1e9)
     sc = np.float32(scale)
     if want <= 1 or len(pieces) <= 1:
-        _attend(views, madd, pieces, S, hd, sc)
+        with RULE.fan_out():                    # BLAS at one thread, as in the pieces
+            _attend(views, madd, pieces, S, hd, sc)
     else:
         FAN_OUT.run(_one_thread_piece(lambda piece: _attend(views, madd, (piece,), S, hd, sc)),
                     pieces, want)

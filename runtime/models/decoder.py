@@ -325,9 +325,13 @@ class Decoder:
             graph: replay the captured step (``True``) or launch every kernel eagerly (``False``).
             read_each_step: read the chosen token to the host after every step (a round trip per
                 token) instead of once, from ``hist``, at the end.
-            timings: if a dict, receives ``{"steps", "seconds", "per_token_ms"}`` of the decode
-                loop (from the first step to the tokens on the host; capture excluded).
+            timings: if a dict, receives ``{"steps", "seconds", "per_token_ms", "tokens"}`` of
+                the decode loop (from the first step to the tokens on the host; capture
+                excluded): the steps run (prompt tokens but the first, then one per generated
+                token), the seconds, ``seconds / steps`` in ms and the tokens returned.
             end_token: stop after this token (it is the last one returned); None: ``n`` tokens.
+                ``per_sequence`` stops on the device after it; the other modes run all ``n``
+                steps and cut the tokens after it (``timings["steps"]`` says which).
             per_sequence: one replay for the whole generation (the loop and its end test run on
                 the device), plus one per prompt token but the last: :meth:`loop_graph`, or
                 with ``graph=True`` the ``StaticGraph`` of :meth:`sequence_graph`.
@@ -383,6 +387,8 @@ class Decoder:
             hit = np.flatnonzero(out == int(end_token))
             if hit.size:
                 out = out[:hit[0] + 1]
+        if per_sequence:          # the device loop stopped after the end token: steps it ran
+            steps = p.size - 1 + int(out.size)
         if timings is not None:
             timings.update(steps=steps, seconds=dt, per_token_ms=1e3 * dt / steps,
                            tokens=int(out.size))

@@ -84,6 +84,20 @@ def sources(ops) -> frozenset:
     return frozenset(out)
 
 
+def maybe_written(ops) -> frozenset:
+    """Handle ids a graph of ``ops`` writes only inside conditional nodes: a replay may leave
+    them unwritten (the branch not taken, a loop run zero times), and the server cannot see
+    which branch ran (it is decided on the device). A failure mark on such a buffer therefore
+    outlives a replay that succeeds: only a write outside a conditional, a launch or a host
+    write clears it (docs/contract.md section 4b)."""
+    cond, top = set(), set()
+    for op in ops:
+        if isinstance(op, LaunchRec):
+            out = {h for b, h in zip(op.kernel.bindings, op.hids) if b.access != "read"}
+            (cond if op.scope else top).update(out)
+    return frozenset(cond - top)
+
+
 class Window:
     """What one capture window touched and refused.
 
@@ -139,7 +153,9 @@ class GraphState:
         reads / writes: handle ids it reads / writes; ``inputs``: ids it only reads;
             ``sources``: ids it may read before writing them (:func:`sources`).
         handles: the ``HandleState`` s it uses (``wstates``: those it writes; ``istates``: its
-            read-only inputs; ``sstates``: its sources, whose marks a replay inherits);
+            read-only inputs; ``sstates``: its sources, whose marks a replay inherits;
+            ``mstates``: those it writes only inside conditional nodes, whose failure marks a
+            replay keeps: :func:`maybe_written`);
             ``retained``: every pooled slot it uses, pinned until destroy, so
             no buffer a replay may touch changes owner while the graph lives.
         required: ids of caller-owned handles whose free breaks the graph (``retain=False``:
@@ -151,8 +167,8 @@ class GraphState:
     """
 
     __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
-                 "wstates", "istates", "sstates", "retained", "allocated", "required", "freed",
-                 "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
+                 "wstates", "istates", "sstates", "mstates", "retained", "allocated", "required",
+                 "freed", "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
                  "fallback_reason")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
@@ -164,6 +180,8 @@ class GraphState:
         self.wstates = [st for st in self.handles if st.id in self.writes]
         self.istates = [st for st in self.handles if st.id in self.inputs]
         self.sstates = [st for st in self.handles if st.id in self.sources]
+        maybe = maybe_written(window.ops)
+        self.mstates = [st for st in self.wstates if st.id in maybe]
         allocated = {st.id for st in window.allocs}
         slots = {id(st.slot): st.slot for st in self.handles}
         for st in window.allocs:

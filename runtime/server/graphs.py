@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..errors import CaptureRefused, InvalidHandle
 from ..kernel import normalize_count
-from .capture import GraphState, Window, merge, sources
+from .capture import GraphState, Window, maybe_written, merge, sources
 from .ops import CondRec, LaunchRec, cond_recs, launch_recs, used_ids
 
 
@@ -308,6 +308,12 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
     return out
 
 
+def _differ(a: tuple, b: tuple) -> bool:
+    """Whether param tuples ``a`` and ``b`` differ as the kernel sees them: ``-0.0`` and
+    ``0.0`` compare equal in Python but are different f32 params (``x * -0.0`` is ``-0.0``)."""
+    return a != b or repr(a) != repr(b)
+
+
 def _changes(server, old_ops, new_ops, lookup):
     """What a backend patch needs: ``({launch index: (program, count, args, params)},
     {node index: (buf, nbytes)})`` for the launches and conditions that changed."""
@@ -318,7 +324,7 @@ def _changes(server, old_ops, new_ops, lookup):
     li = 0
     for a, b in zip(old_ops, new_ops):
         if isinstance(a, LaunchRec):
-            if a.hids != b.hids or a.count != b.count or a.params != b.params:
+            if a.hids != b.hids or a.count != b.count or _differ(a.params, b.params):
                 states = [_resolve(server, h) for h in b.hids]
                 count = b.count
                 if not isinstance(count, tuple):
@@ -376,6 +382,8 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     g.istates = [st for st in g.handles if st.id in g.inputs]
     g.sources = sources(new_ops)
     g.sstates = [st for st in g.handles if st.id in g.sources]
+    maybe = maybe_written(new_ops)
+    g.mstates = [st for st in g.wstates if st.id in maybe]
     new_ids = {st.id for st in g.handles}
     for hid, st in old_states.items():          # handles it no longer uses
         if hid not in new_ids and g in st.graphs:

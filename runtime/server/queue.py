@@ -132,13 +132,18 @@ class DeviceQueue:
     def wait_room(self) -> None:
         """Block the calling (producer) thread until the queue has room.
 
-        Raises: ``ServerClosed`` when the server stops or dies meanwhile (checked every 50 ms).
+        Raises: ``ServerClosed`` when the server stops or dies meanwhile, or a worker the
+        backlog depends on died (the cpu backend's stream workers: nothing would ever make
+        room); checked every 50 ms.
         """
         with self._room:
             self.room_waiters += 1
             try:
                 while self.full():
                     if self.closed or self.closing or not self._thread.is_alive():
+                        raise self.closed_error()
+                    if not self._healthy():
+                        self.death = self.death or RuntimeError("a backend worker thread died")
                         raise self.closed_error()
                     self._room.wait(POLL_S)
             finally:

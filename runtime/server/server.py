@@ -38,7 +38,7 @@ class StreamState:
     """Server-side state of one logical stream."""
 
     __slots__ = ("id", "raw", "pos", "synced", "event", "event_pos", "errors", "state",
-                 "pool", "warm", "warm_bytes", "warm_peak",
+                 "pool", "warm", "warm_bytes", "warm_peak", "warm_pool_free",
                  "window", "primed", "fences", "done_pos", "graphs")
 
     def __init__(self, sid, raw):
@@ -55,6 +55,7 @@ class StreamState:
         self.pool = None              # the GraphPool (memory.py) of the capture being prepared
         self.warm: set = set()        # handles allocated on it since graph_prepare, still live
         self.warm_bytes = self.warm_peak = 0   # their bytes, and the most at once (estimate)
+        self.warm_pool_free = 0       # what its graph pool could serve at graph_prepare
         self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
@@ -227,6 +228,7 @@ class ComputeServer:
             err = InvalidHandle(f"{what}: handle {hid} is unknown or freed on server {self.name}; "
                                 "keep the Handle alive while it is in use")
             s.errors.append(err)
+            fold_errors(s.errors)            # a stream that never blocks: bounded
         return st
 
     def _event_at(self, src: StreamState, pos: int):
@@ -329,6 +331,7 @@ class ComputeServer:
                     slot, fresh = self.pool.take(nbytes)
             except ServerError as e:
                 s.errors.append(e)
+                fold_errors(s.errors)            # a stream that never blocks: bounded
                 return
         st = self.handles[hid] = HandleState(hid, slot, nbytes, sid)
         if s.state == cap.PREPARE:              # the estimate of what the window will need
@@ -369,6 +372,7 @@ class ComputeServer:
             self.backend.copy_in(s.raw, st.slot.buf, data)
         except ServerError as e:              # queued on the stream like any fire-and-forget error
             s.errors.append(e)
+            fold_errors(s.errors)            # a stream that never blocks: bounded
             self.marks.fail((st,), ("write", hid, sid), e)
             return
         s.pos += 1
@@ -639,15 +643,17 @@ class ComputeServer:
             gp.stream = sid
         s.pool = gp
         s.warm, s.warm_bytes, s.warm_peak = set(), 0, 0
+        s.warm_pool_free = 0 if gp is None else gp.usage()["free_bytes"]
 
     def h_graph_estimate(self, sid) -> dict:
         """``ComputeClient.graph_estimate``: what the window of ``sid`` will need, from its
         warm-up so far: ``{"bytes": the most bytes its allocations held at once since
-        graph_prepare, "pool_free_bytes": what its graph pool can serve (0 without one)}``."""
+        graph_prepare, "pool_free_bytes": what its graph pool could serve when graph_prepare
+        ran (before the warm-up took from it; 0 without one), "new_bytes": bytes - pool_free_bytes,
+        at least 0: what the pool cannot serve}``."""
         s = self._stream(sid)
-        gp = s.pool
-        return {"bytes": s.warm_peak,
-                "pool_free_bytes": 0 if gp is None else gp.usage()["free_bytes"]}
+        return {"bytes": s.warm_peak, "pool_free_bytes": s.warm_pool_free,
+                "new_bytes": max(0, s.warm_peak - s.warm_pool_free)}
 
     def h_warmup_fence(self, sid) -> Completion:
         """First half of ``start_capture``: hand the warm-up to the device and return a
@@ -695,6 +701,8 @@ class ComputeServer:
         """
         self.queue.run_releases()     # frees dropped in the window are refused
         s = self._stream(sid)
+        if s.pool is not None and s.window is not None:
+            self._refuse_shared_state(s)
         g = self.capture.end(s, next(_graph_ids), retain)
         self.graphs[g.id] = g
         s.graphs += 1                 # the stream is not reclaimed while a graph replays there
@@ -703,11 +711,38 @@ class ComputeServer:
         if gp is not None:                      # its window's buffers join the graph pool
             gp.graphs.add(g.id)
             self.graph_pool_of[g.id] = gp
+            state = {id(st.slot) for st in g.sstates}
             for slot in g.alloc_slots:
-                gp.adopt(slot)
+                if id(slot) not in state:       # its state (read before written) stays its own
+                    gp.adopt(slot)
         if self.checker is not None:
             self.checker.on_graph(g)
         return g.id, bool(self.backend.hardware_graphs)
+
+    def _refuse_shared_state(self, s: StreamState) -> None:
+        """A window of a graph pool may share only temporaries (buffers each replay writes
+        before it reads them): a buffer the window allocated from the pool's shared buffers
+        (another graph's temporary) that the recording reads before writing it would be state
+        the other graphs overwrite on every replay. ``GraphStateError`` (the window is aborted,
+        no graph is made) naming the handle; its own new buffers holding state are simply kept
+        out of the pool (``h_stop_capture``)."""
+        w = s.window
+        shared = [st for st in w.allocs if st.slot.graph_pool is s.pool]
+        if not shared:
+            return
+        src = cap.sources(w.ops)
+        bad = [st.id for st in shared if st.id in src]
+        if bad:
+            pid = s.pool.id
+            self.capture.abort(s)
+            s.pool, s.warm, s.warm_bytes = None, set(), 0
+            raise GraphStateError(
+                f"stop_capture on stream {int(s.id)}: handle {bad[0]}, allocated in the window "
+                f"from graph pool {pid}'s shared buffers (another graph's temporary), is "
+                "read by the recording before it is written (state: an accumulator, a KV "
+                "cache); the pool's other graphs overwrite it on every replay, so no graph was "
+                "made. Allocate state before graph_prepare, or capture this graph without the "
+                "pool")
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
@@ -747,8 +782,12 @@ class ComputeServer:
                 s.pos += 1
                 s.done_pos = g.last_pos = s.pos
                 if failed is None:
+                    kept = self._kept_marks(g, None) if g.mstates else None
                     for st in g.wstates:
                         st.mark = CLEAN
+                    if kept:
+                        for st, m in kept:
+                            st.mark = m
                 return
         mark = Mark(("replay", gid), None, (), s, s.pos + 1)
         try:
@@ -764,8 +803,9 @@ class ComputeServer:
                 if self.checker is not None:
                     self.checker.violations.append(err)
                 raise err
-            if g.fences:
+            if g.fences:                    # once: the stream's waits (``synced``) remain
                 self._wait_for(s, g.fences)
+                g.fences = {}
             if self.checker is not None:
                 self.checker.on_replay(s, g)
             if reads:
@@ -780,9 +820,32 @@ class ComputeServer:
             raise err from (None if err is e else e)
         s.pos += 1
         g.last_pos = s.pos
+        kept = self._kept_marks(g, mark) if g.mstates else None
         for st in g.wstates:
             st.mark = mark
+        if kept:
+            for st, m in kept:
+                st.mark = m
         return True
+
+    def _kept_marks(self, g, mark) -> list:
+        """``[(handle state, mark)]`` for the buffers graph ``g`` writes only inside conditional
+        nodes (``GraphState.mstates``) whose last writer failed or may still fail: a replay may
+        not write them (the branch is decided on the device), so their failure outlives it. A
+        failed mark stays; one still pending is combined with the replay's ``mark`` (the buffer
+        fails if either does); ``mark`` None: the replay ran at once and cannot fail later."""
+        kept = []
+        for st in g.mstates:
+            old = st.mark
+            if old is CLEAN or self.marks.clean(st):
+                continue
+            if mark is None or old._error is not None:
+                kept.append((st, old))
+                continue
+            m = Mark(mark.op, None, (), mark.stream, mark.pos)
+            self.marks.inherit(m, [(st.id, old), (st.id, mark)])
+            kept.append((st, m))
+        return kept
 
     @staticmethod
     def _marked_sources(g) -> list:

@@ -249,12 +249,36 @@ def main(argv=None) -> int:
     if args.ray:                         # Ray Serve: the same settings, per replica
         return main_ray(args, settings)
     if args.trace:
-        from ..tracing import trace
-        with trace(args.trace, int(os.environ.get("RUNTIME_TRACE_EVENTS", 200_000))):
-            status = _serve(settings)
-        print(f"trace written to {args.trace}", file=sys.stderr)
-        return status
+        return _serve_traced(settings, args.trace)
     return _serve(settings)
+
+
+def _serve_traced(settings, path: str) -> int:
+    """``_serve`` inside ``runtime.trace(path)``; the file is written however the server stops.
+
+    uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default action
+    would then end the process inside the ``with`` before the trace is written (Ctrl-C raises
+    ``KeyboardInterrupt``, which unwinds it). So SIGTERM raises ``SystemExit(143)`` meanwhile
+    (the exit status a process killed by it reports in a shell).
+    """
+    import signal
+
+    from ..tracing import trace
+
+    def _term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _term)
+    try:
+        with trace(path, int(os.environ.get("RUNTIME_TRACE_EVENTS", 200_000))):
+            status = _serve(settings)
+    except (KeyboardInterrupt, SystemExit):
+        print(f"trace written to {path}", file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"trace written to {path}", file=sys.stderr)
+    return status
 
 
 def _serve(settings) -> int:

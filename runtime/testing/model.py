@@ -95,7 +95,11 @@ class Model:
         if got.shape != want.shape or got.dtype != want.dtype:
             return False
         if self.rtol is None:
-            return bool(np.array_equal(got, want, equal_nan=want.dtype.kind == "f"))
+            if want.dtype.kind != "f":
+                return bool(np.array_equal(got, want))
+            zero = want == 0                      # -0.0 and 0.0 differ too (1 / x, copysign)
+            return bool(np.array_equal(got, want, equal_nan=True)
+                        and np.array_equal(np.signbit(got[zero]), np.signbit(want[zero])))
         return bool(np.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True))
 
     def _apply(self, launch, propagate: bool = True) -> str:
@@ -357,13 +361,38 @@ class Model:
                 self.bufs[b].value, self.bufs[b].failed = None, True
             self._error(s, "unknown")      # its launches ran on stale data: they may fail
             return self._expect_ok(error, f"replay of g{op.graph}")
+        kept = [b for b in self._cond_only(launches) if self.bufs[b].failed]
         status = self._run_items(launches)
         if status != "ok":
             for b in writes:
                 self.bufs[b].value = None
                 self.bufs[b].failed = status == "failed"
+        for b in kept:                     # the server cannot see which branch ran: a failed
+            self.bufs[b].value, self.bufs[b].failed = None, True    # buffer stays failed
         self._error(s, status)
         return self._expect_ok(error, f"replay of g{op.graph}")
+
+    def _cond_only(self, items) -> set:
+        """Buffers a recording writes only inside conditional nodes
+        (``runtime.server.capture.maybe_written``): a replay may leave them unwritten, so a
+        failure on them outlives a replay that succeeds (docs/contract.md section 4b)."""
+        inner, top = set(), set()
+
+        def walk(items, at_top):
+            for it in items:
+                if isinstance(it, P.CaptureIf):
+                    walk(it.then, False)
+                    walk(it.other, False)
+                elif isinstance(it, P.CaptureWhile):
+                    walk(it.init, at_top)
+                    walk(it.body, False)
+                else:
+                    spec = self.p.kernels[it.kernel]
+                    out = {b for b, bind in zip(it.bufs, spec.kernel.bindings)
+                           if bind.access != "read"}
+                    (top if at_top else inner).update(out)
+        walk(items, True)
+        return inner - top
 
     def _thread(self, op, value, error):
         """A thread's writes and launches on its own stream (never capturing), in order; its

@@ -42,6 +42,20 @@ def test_compare_against_a_checkout_writes_every_core_row(tmp_path):
         assert math.isfinite(v["speedup"]) and v["speedup"] > 0, (r, v)
     assert set(data["floor"]["new"]) == {"1", "10", "100", "1000"}
     assert "REF/NEW" in proc.stdout and "sync" in proc.stdout
+    assert "goal >= 2x" not in proc.stdout          # the issue's goals are against aef0e49 only
+
+
+def test_the_report_marks_the_issue_goals_only_against_their_anchor():
+    from runtime.bench.refcompare import report
+    v = {"ref": 2.0, "ref_range": [2.0, 2.0], "new": 1.0, "new_range": [1.0, 1.0],
+         "speedup": 2.0, "speedup_range": [2.0, 2.0]}
+    res = {"rounds": [{}], "rows": {"launch": v, "enqueue_10": v, "e2e_10": v},
+           "floor": {"ref": {}, "new": {}}}
+    anchored = report(res, "aef0e49 (aef0e49ab)", "here").splitlines()
+    mine = report(res, "main (1234567)", "here").splitlines()
+    assert [ln for ln in anchored if "goal >= 2x" in ln][0].startswith("launch")
+    assert [ln for ln in anchored if "goal <= 3" in ln][0].startswith("enqueue_10")
+    assert not any("(goal" in ln for ln in mine if ln.startswith(("launch", "enqueue", "e2e")))
 
 
 def test_compare_refuses_an_unknown_ref(tmp_path):

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import runtime
 from runtime import kernels as K
-from runtime.errors import (CaptureRefused, LoopLimitExceeded, ReplayFailed, ServerUnhealthy,
-                            UnsupportedError)
+from runtime.errors import (CaptureRefused, LaunchError, LoopLimitExceeded, ReplayFailed,
+                            ServerUnhealthy, UnsupportedError)
 
 from graph_kernels import add_i32, capture, i32, set_i32
 
@@ -277,3 +277,37 @@ def test_random_conditions_match_the_eager_run(backend_name, prog, conds):
         g.replay()
         np.testing.assert_array_equal(c.read(b["acc"]), ref)
     g.release()
+
+
+def test_a_buffer_written_only_inside_a_branch_keeps_its_failure_when_a_replay_skips_it(
+        client, backend):
+    # z's last writer failed; a replay whose branch writing z is not taken leaves z as it was,
+    # so reads of z must keep raising (as eagerly: a branch not taken launches nothing). The
+    # replay used to install its clean mark on its whole write set: z read the stale values.
+    if backend == "cuda":
+        pytest.skip("PAST_END's out-of-bounds store is undefined behaviour on cuda")
+    from helpers import PAST_END
+    b = _bufs(client, z=np.zeros(4, np.float32), x=np.ones(4, np.float32),
+              out=np.zeros(4, np.float32), flag=i32(0))
+
+    def work():
+        client.capture_if(b["flag"], lambda: client.launch(K.fill, 1, [b["z"]],
+                                                           {"value": 3.0, "n": 4}))
+        client.launch(K.add_scalar, 1, [b["x"], b["out"]], {"alpha": 1.0, "n": 4})
+    g = _cond_or_skip(client, lambda: capture(client, work))
+    client.launch(PAST_END, 1, [b["z"]])               # z's last writer fails at execution
+    with pytest.raises(LaunchError):
+        client.sync()
+    for _ in range(2):
+        g.replay()                                      # flag 0: z is not written
+        np.testing.assert_array_equal(client.read(b["out"]), np.full(4, 2, np.float32))
+        with pytest.raises(ReplayFailed):
+            client.read(b["z"])
+    client.write(b["flag"], i32(1))
+    g.replay()                  # the branch runs, but which branch ran is the device's secret
+    with pytest.raises(ReplayFailed):
+        client.read(b["z"])
+    client.write(b["z"], np.zeros(4, np.float32))       # a host write clears it
+    g.replay()
+    np.testing.assert_array_equal(client.read(b["z"]), np.full(4, 3, np.float32))
+    np.testing.assert_array_equal(client.read(b["out"]), np.full(4, 2, np.float32))

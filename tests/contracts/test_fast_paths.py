@@ -215,3 +215,44 @@ def test_a_read_after_queued_tiny_work_runs_it_and_returns_its_values(c):
     for k in range(1, 4):
         g.replay()
         np.testing.assert_array_equal(c.read(x), np.full(N, 20 * k, np.float32))
+
+
+def test_a_graph_that_waited_for_another_stream_once_takes_the_fast_path_after(monkeypatch):
+    """A graph whose buffers were last written on another stream waits for it at its first
+    replay (``Window.fences``); later replays on the idle capture stream run at once (no mark),
+    with the values numpy gives."""
+    root = runtime.client("cpu")
+    a = root.with_stream(runtime.StreamId.new())
+    b = root.with_stream(runtime.StreamId.new())
+    x = a.create(np.arange(N, dtype=np.float32))
+    y = b.empty(N, np.float32)
+    b.graph_prepare()
+    b.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})
+    b.sync()
+    a.write(x, np.full(N, 5, np.float32))             # x's last write, on a: the window's fence
+    b.start_capture()
+    b.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})
+    g = b.stop_capture()
+    assert b._server.call(lambda: dict(b._server.graphs[g.id].fences))  # (private: it has one)
+    g.replay()                                        # orders after a's write, once
+    np.testing.assert_array_equal(b.read(y), np.full(N, 6, np.float32))
+    made = _counting(monkeypatch, marks_module.Mark)
+    for _ in range(5):
+        g.replay()
+        np.testing.assert_array_equal(b.read(y), np.full(N, 6, np.float32))
+    assert made == []
+
+
+def test_a_negative_zero_param_is_not_served_the_cached_call_of_zero(c):
+    # the cached resolved launch is keyed by its params, and -0.0 == 0.0 as a key: a launch
+    # with alpha=-0.0 ran the call bound with 0.0 (y = x * 0.0 = +0.0 instead of -0.0)
+    data = np.arange(1, N + 1, dtype=np.float32)
+    x = c.create(data)
+    y = c.empty(N, np.float32)
+    c.sync()
+    for alpha in (0.0, 0.0, -0.0, -0.0, 0.0, -0.0):
+        c.launch(K.mul_scalar, K.grid(N), [x, y], {"alpha": alpha, "n": N})
+        got = c.read(y)
+        want = data * np.float32(alpha)
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want)), alpha

@@ -173,6 +173,99 @@ def test_graph_estimate_reports_the_warmup_peak():
     t3 = c.empty(500, np.float32)
     est = c.graph_estimate()
     assert est["bytes"] >= 4000 + 12000 and est["bytes"] < 4000 + 12000 + 4096
-    assert est["pool_free_bytes"] == 0
+    assert est["pool_free_bytes"] == 0 and est["new_bytes"] == est["bytes"]
     del t3
     c.abort_capture()
+
+
+def test_graph_estimate_counts_what_the_pool_could_serve_before_the_warmup_took_it():
+    """With a pool whose graphs left a free temporary, the estimate says the pool serves the
+    window (new_bytes 0): what it could serve is taken when graph_prepare runs, not after the
+    warm-up took the temporary (which read 0 before)."""
+    c = _private().with_stream(runtime.StreamId.new())
+    xs, outs = _setup(c, (1024,))
+    pool = runtime.GraphPool()
+    g = _graph(c, xs[1024], outs[1024], 1024, 1.0, 2.0, pool)   # leaves one 4 KiB temporary
+    gc.collect()
+    c.sync()
+    free = pool.memory_usage()["free_bytes"]
+    assert free >= 1024 * 4
+    c.graph_prepare(pool=pool)
+    t = c.empty(1024, np.float32)                               # the warm-up takes it
+    est = c.graph_estimate()
+    assert est == {"bytes": 1024 * 4, "pool_free_bytes": free, "new_bytes": 0}
+    del t
+    c.abort_capture()
+    g.release()
+
+
+def _state_graph(c, x, out, n, pool, keep):
+    """Capture ``state += x; out = state`` with the state allocated inside the window (kept in
+    ``keep["state"]``): a buffer the graph reads before it writes it."""
+    def body():
+        state = c.empty(n, np.float32)
+        c.launch(K.accumulate, K.grid(n), [x, state], {"n": n})
+        c.launch(K.copy, K.grid(n), [state, out], {"n": n})
+        keep["state"] = state
+    c.graph_prepare(pool=pool)
+    body()
+    keep.clear()                  # the warm-up's buffer: primed for the recorded run
+    c.start_capture()
+    body()
+    return c.stop_capture()
+
+
+def test_a_pool_graphs_state_is_never_handed_to_another_graph_of_the_pool():
+    # graph A keeps state in a buffer its window allocated; once the caller drops the handle
+    # (A retains it), the next window of the pool must not take it as a temporary: B's
+    # warm-up and replays would overwrite A's state (A read 7 + 1 instead of 1, then 2)
+    n = 256
+    c = _private().with_stream(runtime.StreamId.new())
+    x = c.create(np.ones(n, np.float32))
+    out, out_b = c.empty(n, np.float32), c.empty(n, np.float32)
+    pool = runtime.GraphPool()
+    keep = {}
+    ga = _state_graph(c, x, out, n, pool, keep)
+    c.write(keep["state"], np.zeros(n, np.float32))      # the state, from the host
+    keep.clear()
+    gc.collect()
+    c.sync()
+
+    def body():
+        t = c.empty(n, np.float32)
+        c.launch(K.fill, K.grid(n), [t], {"value": 7.0, "n": n})
+        c.launch(K.copy, K.grid(n), [t, out_b], {"n": n})
+        del t
+    c.graph_prepare(pool=pool)
+    body()
+    c.start_capture()
+    body()
+    gb = c.stop_capture()
+    gc.collect()
+    for k in range(1, 4):
+        ga.replay()
+        np.testing.assert_array_equal(c.read(out), np.full(n, k, np.float32))
+        gb.replay()
+        np.testing.assert_array_equal(c.read(out_b), np.full(n, 7, np.float32))
+
+
+def test_a_window_that_takes_a_pool_temporary_as_its_state_is_refused():
+    # the window's buffer comes from the pool's shared temporaries (graph P's), and the
+    # recording reads it before writing it: P would overwrite that state on every replay
+    n = 256
+    c = _private().with_stream(runtime.StreamId.new())
+    xs, outs = _setup(c, (n,))
+    pool = runtime.GraphPool()
+    gp = _graph(c, xs[n], outs[n], n, 1.0, 2.0, pool)
+    gc.collect()
+    assert pool.memory_usage()["free_bytes"] == n * 4
+    out = c.empty(n, np.float32)
+    with pytest.raises(runtime.GraphStateError, match="read by the recording before"):
+        _state_graph(c, xs[n], out, n, pool, {})
+    gc.collect()
+    # nothing was made, the stream is back to no capture, the pool graph still works
+    gp.replay()
+    np.testing.assert_array_equal(c.read(outs[n]), (np.arange(n, dtype=np.float32) + 1) * 2)
+    g = _graph(c, xs[n], out, n, 3.0, 1.0, pool)
+    g.replay()
+    np.testing.assert_array_equal(c.read(out), np.arange(n, dtype=np.float32) + 3)

@@ -333,3 +333,20 @@ def test_fallback_reason_says_why_the_last_update_rebuilt_and_clears_after_a_pat
     assert g.fallback_reason is None
     g.replay()
     np.testing.assert_array_equal(c.read(y), np.arange(4, dtype=np.float32) + 3)
+
+
+def test_an_update_to_negative_zero_is_an_update(client):
+    # -0.0 == 0.0 in Python, but x * -0.0 is -0.0: an update from alpha=0.0 to -0.0 (and
+    # back) changes what the graph computes, so it must not be taken for "no change"
+    n = 8
+    x = client.create(np.arange(1, n + 1, dtype=np.float32))
+    y = client.create(np.ones(n, np.float32))
+    g = capture(client, lambda: client.launch(K.mul_scalar, K.grid(n), [x, y],
+                                              {"alpha": 0.0, "n": n}))
+    for alpha in (0.0, -0.0, 0.0, -0.0):
+        g.update(params={0: {"alpha": alpha}})
+        g.replay()
+        got = client.read(y)
+        want = np.arange(1, n + 1, dtype=np.float32) * np.float32(alpha)
+        np.testing.assert_array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want)), alpha

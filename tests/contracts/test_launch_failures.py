@@ -251,3 +251,61 @@ def test_a_read_that_raises_waited_for_the_buffers_writer_on_another_stream():
     assert server.checker.violations == []
     g.release()
     c.shutdown()
+
+
+class _Unprintable(Exception):
+    """An exception whose message cannot be formatted (its ``__str__`` raises)."""
+
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+def _unprintable(x, y, *, n, count):
+    if x[0] < 0:
+        raise _Unprintable()
+    y[:n] = x[:n] * 2
+
+
+def _unprintable_fast(x, y, *, n, count):
+    _unprintable(x, y, n=n, count=count)
+
+
+_unprintable_fast.bind = lambda x, y, *, count, n: (
+    lambda: _unprintable(x, y, n=n, count=count))
+#: ``y = 2x``, raising an exception whose ``str`` raises on a negative input; the second has a
+#: ``bind`` (tiny launches and replays of it run on the caller's thread: issue 26's fast paths)
+UNPRINTABLE = {
+    "worker": runtime.Kernel("unprintable", [("x", "f32", "read"), ("y", "f32", "write")],
+                             [("n", "u32")], cpu=_unprintable),
+    "fast": runtime.Kernel("unprintable_fast", [("x", "f32", "read"), ("y", "f32", "write")],
+                           [("n", "u32")], cpu=_unprintable_fast)}
+
+
+@pytest.mark.parametrize("path", ["worker", "fast"])
+@pytest.mark.parametrize("how", ["launch", "replay"])
+def test_a_kernel_raising_an_exception_whose_message_fails_still_marks_its_outputs(path, how):
+    # formatting the LaunchError called str() of the body's exception, which raised inside the
+    # handler: the mark was never failed, so after the stream's error was raised once, reads of
+    # y returned the stale zeros as if the launch had landed
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    n = 16
+    x = c.create(np.arange(n, dtype=np.float32))
+    y = c.create(np.zeros(n, np.float32))
+    kern = UNPRINTABLE[path]
+    if how == "replay":
+        c.graph_prepare()
+        c.launch(kern, 1, [x, y], {"n": n})
+        c.sync()
+        c.start_capture()
+        c.launch(kern, 1, [x, y], {"n": n})
+        g = c.stop_capture()
+    c.write(x, np.full(n, -1, np.float32))
+    c.sync()
+    g.replay() if how == "replay" else c.launch(kern, 1, [x, y], {"n": n})
+    for i in range(3):
+        with pytest.raises(ReplayFailed) as e:
+            c.read(y)
+        assert "_Unprintable" in str(e.value)
+    c.write(x, np.ones(n, np.float32))              # recovery: a launch from clean inputs
+    g.replay() if how == "replay" else c.launch(kern, 1, [x, y], {"n": n})
+    np.testing.assert_array_equal(c.read(y), np.full(n, 2, np.float32))

@@ -191,16 +191,19 @@ def _rule_with_fake_blas(monkeypatch):
     return rule, lib
 
 
-def test_thread_rule_sizes_blas_while_items_execute_and_yields_to_the_user(monkeypatch):
+def test_thread_rule_keeps_blas_at_one_thread_and_yields_to_the_user(monkeypatch):
     rule, lib = _rule_with_fake_blas(monkeypatch)
     rule.enter()                                           # one stream: both cores
+    assert rule.threads() == 2
     rule.enter()                                           # a second stream: one thread each
+    assert rule.threads() == 1
     rule.exit()
     rule.exit()
     rule.enter()
-    assert lib.calls == [2, 1, 2]                          # set only when the count changes
     rule.set_cores(4)
-    assert lib.calls == [2, 1, 2, 4]
+    assert rule.threads() == 4
+    assert lib.calls == [1]                                # BLAS at one thread, set once
+    rule.exit()
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
     assert not ThreadRule(cores=2).adapt_blas              # the user's setting wins
     assert limit_blas_threads(1) is None
@@ -216,7 +219,7 @@ def test_pinned_blas_leaves_the_rule(monkeypatch):
     rule.exit()
     rule.exit()
     assert rule.threads() == 2 and rule.active == 0
-    assert lib.calls == [2, 1, 2]
+    assert lib.calls == [1]
     limits = []
     monkeypatch.setattr("runtime.cpu_threads.limit_blas_threads",
                         lambda n, force=False: limits.append((n, force)))
@@ -227,33 +230,42 @@ def test_pinned_blas_leaves_the_rule(monkeypatch):
     assert limits == [(1, True)] and not rule.adapt_blas
     rule.enter()
     rule.enter()
-    assert lib.calls == [2, 1, 2]                          # no more BLAS changes
+    assert lib.calls == [1]                                # no more BLAS changes
     rule.exit()
     rule.exit()
 
 
-def test_the_thread_rule_reaches_numpys_openblas():
-    # in a fresh process: OpenBLAS's count is process-wide, and this one's cpu workers move it
+def test_the_thread_rule_reaches_numpys_openblas_whichever_thread_runs_the_item():
+    # in a fresh process: OpenBLAS's count is process-wide, and numpy's OpenBLAS drops a count
+    # set by any thread but the first to set one (runtime.cpu_threads.BlasOwner): a rule set from
+    # a worker and then from the main thread must reach it from both (before, the main
+    # thread's setting was dropped and its sgemm ran on 2 threads)
     code = """if True:
-        import os
+        import os, threading
         for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.pop(v, None)
         import numpy
         from threadpoolctl import threadpool_info
-        from runtime.cpu_threads import ThreadRule
+        from runtime.cpu_threads import ThreadRule, limit_blas_threads
         def blas():
             return sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
         rule = ThreadRule(cores=2)
         rule.cpu.busy = False
         rule.cpu.sample = lambda *a: None          # a free host, however loaded this one is
-        rule.enter(); a = blas()
-        rule.enter(); b = blas()
-        rule.exit(); c = blas()
-        print(a, b, c)
+        entered, done = threading.Event(), threading.Event()
+        def worker():                              # an item on a worker that stays alive
+            rule.enter(); entered.set(); done.wait(30); rule.exit()
+        t = threading.Thread(target=worker); t.start(); entered.wait(30)
+        a = blas()
+        rule.enter(); b = blas()                   # a second item, on the main thread
+        limit_blas_threads(2, force=True); c = blas()
+        limit_blas_threads(1, force=True); d = blas()
+        rule.exit(); done.set(); t.join()
+        print(a, b, c, d)
     """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["[2]", "[1]", "[2]"]
+    assert out.stdout.split() == ["[1]", "[1]", "[2]", "[1]"]
 
 
 def test_numbas_pool_starts_passive_without_leaking_the_setting():
@@ -310,3 +322,69 @@ def test_cpu_backend_refuses_a_bad_blas_threads():
     for bad in (0, "two", True):
         with pytest.raises(ValueError, match="blas_threads"):
             runtime.client("cpu", blas_threads=bad)
+
+
+def test_matmul_blocks_cover_the_output_once():
+    for M, N, K, threads in ((128, 1152, 384, 2), (128, 384, 1536, 2), (4096, 384, 384, 2),
+                             (512, 384, 384, 3), (16, 384, 384, 2), (128, 1152, 384, 1)):
+        pieces = nn.mm_pieces(M, N, K, threads)
+        cover = np.zeros((M, N), np.int32)
+        for r0, r1, c0, c1 in pieces:
+            cover[r0:r1, c0:c1] += 1
+            assert c0 % 16 == 0 and r0 < r1 and c0 < c1
+        assert (cover == 1).all()
+        big = M * N * K >= 2 * nn.MM_PIECE_MACS and threads > 1
+        assert (len(pieces) > 1) == big, (M, N, K, threads)
+        assert len(pieces) <= nn.MM_PIECES_PER_THREAD * threads
+    assert len({c0 for _, _, c0, _ in nn.mm_pieces(128, 1152, 384, 2)}) > 1     # by columns
+    assert len({r0 for r0, _, _, _ in nn.mm_pieces(4096, 384, 384, 2)}) > 1     # by rows
+
+
+@pytest.mark.parametrize("M,K,N,act", [(128, 384, 1152, "gelu"), (600, 384, 160, None)])
+def test_a_matmul_is_dealt_out_in_blocks_to_the_rules_threads(cpu, monkeypatch, M, K, N, act):
+    # before, the product was one call to OpenBLAS's own (statically split, spinning) pool
+    monkeypatch.setattr(RULE, "cores", 2)
+    jobs = []
+    run = nn.FAN_OUT.run
+
+    def spy(fn, pieces, threads):
+        pieces = list(pieces)
+        jobs.append((len(pieces), threads))
+        return run(fn, pieces, threads)
+    monkeypatch.setattr(nn.FAN_OUT, "run", spy)
+    a = RNG.standard_normal((M, K)).astype(np.float32)
+    w = (RNG.standard_normal((K, N)) * 0.05).astype(np.float32)
+    b = RNG.standard_normal(N).astype(np.float32)
+    got = Tensor.from_numpy(cpu, a).matmul(Tensor.from_numpy(cpu, w), Tensor.from_numpy(cpu, b),
+                                           activation=act).numpy()
+    ref = a.astype(np.float64) @ w + b
+    if act:
+        ref = gelu_ref(ref)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert jobs and all(n > 1 and t == 2 for n, t in jobs), jobs
+
+
+def test_a_large_layer_norm_is_dealt_out_in_rows_and_a_small_one_is_not(cpu, monkeypatch):
+    monkeypatch.setattr(RULE, "cores", 2)
+    jobs = []
+    run = nn.FAN_OUT.run
+
+    def spy(fn, pieces, threads):
+        pieces = list(pieces)
+        jobs.append(len(pieces))
+        return run(fn, pieces, threads)
+    monkeypatch.setattr(nn.FAN_OUT, "run", spy)
+    for rows, expect in ((401, True), (7, False)):
+        jobs.clear()
+        n = 384
+        x = RNG.standard_normal((rows, n)).astype(np.float32)
+        r = RNG.standard_normal((rows, n)).astype(np.float32)
+        g = RNG.standard_normal(n).astype(np.float32)
+        b = RNG.standard_normal(n).astype(np.float32)
+        t = lambda v: Tensor.from_numpy(cpu, v)             # noqa: E731
+        got = t(x).layer_norm(t(g), t(b), 1e-12, residual=t(r)).numpy()
+        v = x.astype(np.float64) + r
+        ref = (v - v.mean(1, keepdims=True)) / np.sqrt(v.var(1, keepdims=True) + 1e-12) * g + b
+        np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+        assert (rows * n >= nn.LOOP_GRAIN) == expect
+        assert bool(jobs and jobs[0] > 1) == expect, jobs

@@ -77,3 +77,23 @@ def test_decoder_under_the_interleaving_scheduler_and_checker():
     eager = d.generate([5, 9, 2], 12)
     np.testing.assert_array_equal(d.generate([5, 9, 2], 12, graph=True), eager)
     np.testing.assert_array_equal(eager, reference_generate(d.weights, SMALL, [5, 9, 2], 12))
+
+
+def test_timings_count_the_steps_each_mode_ran_with_an_end_token(decoder):
+    """Per sequence the device loop stops after the end token; the per-step modes decode all
+    ``n`` steps and cut. ``steps`` used to be ``n`` in every mode, so the per-sequence per-token
+    time (and the example's speed-up) was divided by steps that never ran."""
+    prompt, n = [5, 9, 2], 24
+    full = decoder.generate(prompt, n)
+    end = int(full[4])
+    cut = full[:int(np.flatnonzero(full == end)[0]) + 1]
+    t = {}
+    np.testing.assert_array_equal(decoder.generate(prompt, n, timings=t, end_token=end), cut)
+    assert t["steps"] == len(prompt) - 1 + n and t["tokens"] == cut.size
+    try:
+        got = decoder.generate(prompt, n, timings=(t := {}), end_token=end, per_sequence=True)
+    except runtime.UnsupportedError:
+        pytest.skip("no loop nodes on this backend")
+    np.testing.assert_array_equal(got, cut)
+    assert t["steps"] == len(prompt) - 1 + cut.size and t["tokens"] == cut.size
+    assert t["per_token_ms"] == pytest.approx(1e3 * t["seconds"] / t["steps"])

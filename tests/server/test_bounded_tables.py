@@ -488,3 +488,25 @@ def test_batches_cut_short_are_forgotten_once_they_ran(backend):
         del hs
     _until(lambda: srv.call(lambda: srv.queue.pending_releases) == 0, "the releases to run")
     assert srv.call(lambda: len(srv.queue._carry)) == 0
+
+
+def test_allocations_refused_on_a_stream_that_never_blocks_keep_a_bounded_error_queue():
+    """``empty`` past the device's memory is refused at the server (``OutOfMemory`` queued on
+    the stream, fire-and-forget): 2,000 of them on a stream nobody syncs kept 2,000 errors; now
+    they are folded like every queued error and the next blocking call reports them all."""
+    from runtime.errors import MAX_QUEUED_ERRORS, OutOfMemory
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) - 9)     # a server of its own
+    c.set_stream(runtime.StreamId.new())
+    srv = c._server
+    sid = int(c.stream)
+    try:
+        for _ in range(2000):
+            c.empty(1 << 46)                      # 64 TiB: numpy refuses at once
+        size = srv.call(lambda: len(srv.streams[sid].errors))
+        assert size <= MAX_QUEUED_ERRORS, size
+        with pytest.raises(OutOfMemory) as ei:
+            c.sync()
+        assert "more queued errors" in str(ei.value)
+        c.sync()
+    finally:
+        c.shutdown()

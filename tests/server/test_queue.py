@@ -96,3 +96,33 @@ def test_servers_start_lazily_and_shutdown_stops_them():
         c.sync()
     c2 = runtime.client("cpu")                      # a new server starts on demand
     assert c2.read(c2.create(np.ones(1, np.float32)))[0] == 1
+
+
+def test_a_producer_waiting_for_room_gets_server_closed_when_a_backend_worker_died():
+    """The backlog only shrinks while the backend's workers run it: once one died (``healthy``
+    turns False), a producer waiting for room would wait forever (it checked only the device
+    thread); it gets ``ServerClosed`` saying a worker died, as a waiting reader does."""
+    import time
+    alive = [True]
+    q = DeviceQueue("test-dead-worker", lambda e: None, healthy=lambda: alive[0],
+                    load=lambda: (10 ** 9, 0))          # a backlog nobody will run
+    out = []
+
+    def producer():
+        try:
+            q.submit(lambda: None)
+            out.append("queued")
+        except BaseException as e:  # noqa: BLE001 - what the producer got
+            out.append(e)
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and q.room_waiters == 1          # waiting for room, as it should
+    alive[0] = False                                     # the worker dies
+    t.join(5)
+    try:
+        assert not t.is_alive(), "the producer still waits for room after the worker died"
+        assert len(out) == 1 and isinstance(out[0], ServerClosed), out
+        assert "worker" in str(out[0])
+    finally:
+        q.close(lambda: None)

@@ -226,19 +226,23 @@ class Builder:
         self.live[b] = dtype
         return b
 
-    def _bind(self, spec):
-        """Distinct live buffers of the bindings' dtypes, or None."""
+    def _bind(self, spec, fresh=()):
+        """Distinct live buffers of the bindings' dtypes, or None; a written binding takes a
+        buffer not in ``fresh`` when one fits (a body that writes what nothing else in its
+        window writes: a buffer written only inside a conditional node)."""
         chosen = []
         for bind in spec.kernel.bindings:
             cands = [b for b, d in sorted(self.live.items()) if d == bind.dtype and b not in chosen]
             if not cands:
                 return None
+            if fresh and bind.access != "read":
+                cands = [b for b in cands if b not in fresh] or cands
             chosen.append(self.pick(cands))
         return tuple(chosen)
 
-    def _launch_op(self, k, ki):
+    def _launch_op(self, k, ki, fresh=()):
         spec = self.cfg["kernels"][ki]
-        bufs = self._bind(spec)
+        bufs = self._bind(spec, fresh)
         if bufs is None:
             return None
         params = []
@@ -323,6 +327,10 @@ class Builder:
             back = self._feed_back(k, launches)
             if back is not None:
                 launches.append(back)
+        node = self.flag() and self.flag()  # the window records a conditional node: buffers
+        loop = node and self.flag()         # written only in its bodies keep a failure mark
+        if node:                            # across replays that skip them (contract 4b)
+            self._flag(k, "loop" if loop else "if")     # made while the stream is idle
         self.ops.append(P.Prepare(k))
         if self.flag():
             for op in launches:
@@ -331,6 +339,8 @@ class Builder:
         self.windows[self.stream(k)] = _Window(k)
         for op in launches:
             self._issue(op)
+        if node:
+            self.cond(k, loop)
 
     def _feed_back(self, k, launches):
         """``copy32(out -> state)``: a buffer the launches write copied back into one they read
@@ -546,17 +556,22 @@ class Builder:
 
     def _body(self, k, most: int) -> tuple:
         from hypothesis import strategies as st
-        ops = [self._launch_op(k, self.pick(range(self.cfg["user_kernels"])))
+        w = self.windows.get(self.stream(k))
+        fresh = {b for b, wr in w.uses.items() if wr} if w is not None else ()
+        ops = [self._launch_op(k, self.pick(range(self.cfg["user_kernels"])), fresh)
                for _ in range(self.draw(st.integers(0, most)))]
         return tuple(op for op in ops if op is not None)
 
-    def cond(self):
+    def cond(self, k=None, loop=None):
         """``capture_if`` over a flag, or ``capture_while`` over a counter the op sets to at
         most ``max_iterations`` (so the loop always ends), with 0-2 of your launches per body:
-        eager on an idle stream, recorded as a conditional node inside a window."""
-        k = self.pick(range(self.cfg["clients"]))
+        eager on an idle stream, recorded as a conditional node inside a window. ``k``,
+        ``loop``: the client and the kind (drawn when None)."""
+        if k is None:
+            k = self.pick(range(self.cfg["clients"]))
         s = self.stream(k)
-        loop = self.flag()
+        if loop is None:
+            loop = self.flag()
         b = self._flag(k, "loop" if loop else "if")
         if b is None:
             return

@@ -55,10 +55,16 @@ _checked_double_fast.bind = _bind_checked_double
 checked_double_fast = runtime.Kernel("checked_double_fast", [("x", "f32", "read"),
                                                              ("y", "f32", "read_write")],
                                      [("n", "u32")], cpu=_checked_double_fast)
+#: the same body with its output declared ``write`` (it rewrites ``y`` without reading it): a
+#: failure of it is no input of a later replay, so a graph that writes ``y`` only inside a
+#: conditional node must keep ``y``'s failure across replays that skip the node (contract 4b)
+checked_double_w = runtime.Kernel("checked_double_w",
+                                  [("x", "f32", "read"), ("y", "f32", "write")],
+                                  [("n", "u32")], cpu=_checked_double)
 #: the failing kernel is listed twice: drawn as often as two kernels, so its failures meet
 #: their readers, marked reads and later blocking calls often (issue 17's bugs hid there)
 KERNELS = [(K.add_scalar, {"alpha": 1.5}), (K.mul_scalar, {"alpha": -0.5}), K.copy, K.accumulate,
-           K.add, checked_double, checked_double]
+           K.add, checked_double, checked_double_w]
 #: two streams shared by three clients, or one stream per client
 PROGRAMS = st.one_of(*(programs(KERNELS, buffers=5, streams=s, clients=3, steps=60,
                                 failures=True) for s in (2, 3)))

@@ -128,7 +128,7 @@ def test_generated_programs_use_every_call_and_pass():
     seen = set()
     ks = [(K.add_scalar, {"alpha": 1.5}), K.copy, K.add]
 
-    @settings(max_examples=100, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(programs(ks, streams=2, clients=3))
     def one(prog):
@@ -193,13 +193,14 @@ def test_calls_meant_for_a_window_that_did_not_open_are_ordered_like_eager_calls
     for _ in range(3):                            # b0, b1, b2 on stream 0
         b.script += [0, "f32"]
         b.create()
-    b.script += [1, 1, copy, 0, 1, False, False]  # g0 on stream 1: copy(b0 -> b1), no warm-up
+    # g0 on stream 1: copy(b0 -> b1), no feed-back, no conditional node, no warm-up
+    b.script += [1, 1, copy, 0, 1, False, False, False]
     b.capture()
     b.script += [1]
     b.end()
     b.script += [0, 1, True]                      # replay g0 once, after a sync of stream 0
     b.replay()
-    b.script += [0, 1, fails, 0, 2, False, True]  # stream 0: a warm-up that fails
+    b.script += [0, 1, fails, 0, 2, False, False, True]  # stream 0: a warm-up that fails
     b.capture()
     b.script += [0, copy, 0, 1]                   # meant for the window: copy(b0 -> b1)
     b.launch()                                    # ...runs eagerly, over g0's pending write
@@ -209,7 +210,7 @@ def test_calls_meant_for_a_window_that_did_not_open_are_ordered_like_eager_calls
     b.replay()
     b.script += [1]
     b.sync()
-    b.script += [1, 1, fails, 0, 2, False, True]  # stream 1: a warm-up that fails
+    b.script += [1, 1, fails, 0, 2, False, False, True]  # stream 1: a warm-up that fails
     b.capture()
     b.script += [0, copy, 1, 0]                   # stream 0 copies b1 -> b0 (g0 reads b0)
     b.launch()
@@ -236,12 +237,12 @@ def test_a_graph_whose_input_was_freed_is_not_replayed_even_inside_a_window():
     for _ in range(3):
         b.script += [0, "f32"]
         b.create()
-    b.script += [1, 1, copy, 0, 1, False, False, 1]  # g0 on stream 1: copy(b0 -> b1)
+    b.script += [1, 1, copy, 0, 1, False, False, False, 1]  # g0 on stream 1: copy(b0 -> b1)
     b.capture()
     b.end()
     b.script += [0, 0]                            # free b0 (from client 0)
     b.free()
-    b.script += [1, 1, fails, 1, 2, False, True]  # stream 1: a warm-up that fails
+    b.script += [1, 1, fails, 1, 2, False, False, True]  # stream 1: a warm-up that fails
     b.capture()
     b.script += [0]
     b.replay()                                    # g0 is not replayed

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import sys
 import threading
 from functools import partial
 
@@ -404,6 +405,18 @@ class CpuBackend(Backend):
                 if q and self.scheduler.waiting:
                     cv.notify()
 
+    def reentrant(self) -> bool:
+        """Whether the calling thread is running a kernel body at once under the server's lock
+        (``launch_now``, ``launch_graph_now``, ``flush``): a blocking runtime call it makes
+        would wait for that lock forever. Walks the calling thread's frames: called only by a
+        wait that has lasted a poll interval (``DeviceQueue.wait``), never on a hot path."""
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code in _INLINE_CODES:
+                return True
+            f = f.f_back
+        return False
+
     def idle(self, stream):
         return not stream.q and not stream.busy and not stream.errors and not self.closed
 
@@ -630,3 +643,8 @@ class CpuBackend(Backend):
                 kind, payload = s.q.popleft()
                 if kind == _SIGNAL and isinstance(payload, Completion):
                     payload.fail(err)
+
+
+#: the code of the methods that run kernel bodies on the server's owner (``reentrant``)
+_INLINE_CODES = frozenset(m.__code__ for m in (CpuBackend.launch_now,
+                                                CpuBackend.launch_graph_now, CpuBackend.flush))

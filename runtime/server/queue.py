@@ -38,7 +38,7 @@ import threading
 import traceback
 import weakref
 
-from ..errors import ServerClosed, ServerForked, unhealthy
+from ..errors import ServerClosed, ServerForked, UnsupportedError, unhealthy
 
 #: seconds between health checks while a caller waits for an answer.
 POLL_S = 0.05
@@ -92,13 +92,18 @@ class DeviceQueue:
             backend's stream workers); a waiting caller then gets ``ServerClosed``.
         load: a callable returning the backend's backlog ``(items, bytes)`` (see module doc);
             the backend calls :meth:`notify_room` when it shrinks.
+        reentrant: a callable, True on a thread that holds the owner lock while it runs user
+            code (the cpu backend's kernel bodies on its fast paths): asked by a wait that
+            lasted a poll interval; such a blocking call or wait for room can never be
+            answered, so it raises ``UnsupportedError`` (its message is taken back unrun).
         max_messages, max_bytes, max_load: the bounds (module doc); attributes, changeable.
     """
 
     def __init__(self, name: str, on_async_error, healthy=None, load=None,
                  max_messages: int = MAX_MESSAGES, max_bytes: int = MAX_BYTES,
-                 max_load: int = MAX_LOAD):
+                 max_load: int = MAX_LOAD, reentrant=None):
         self._healthy = healthy or (lambda: True)
+        self._reentrant = reentrant or (lambda: False)
         self._load = load or (lambda: (0, 0))
         self._q = collections.deque()
         self._owner = threading.Lock()
@@ -146,6 +151,8 @@ class DeviceQueue:
                         self.death = self.death or RuntimeError("a backend worker thread died")
                         raise self.closed_error()
                     self._room.wait(POLL_S)
+                    if self.full() and self._owner.locked() and self._reentrant():
+                        raise self._reentry()     # only this thread's owner lock makes room
             finally:
                 self.room_waiters -= 1
 
@@ -314,27 +321,51 @@ class DeviceQueue:
                     if q and not self.closed and self._owner.acquire(False):
                         self._drain()
             slot = Reply()
-            q.append((fn, args, slot))
+            msg = (fn, args, slot)
+            q.append(msg)
             self._drain()
         else:
             slot = Reply()
-            q.append((fn, args, slot))
+            msg = (fn, args, slot)
+            q.append(msg)
             if self._owner.acquire(False):
                 self._drain()
             else:
                 self._wake.set()
         if not slot.done:
-            self.wait(slot)
+            self.wait(slot, msg)
         if slot.error is not None:
             raise slot.error
         return slot.value
 
-    def wait(self, waitable) -> None:
+    def _reentry(self, msg=None) -> UnsupportedError:
+        """The caller holds the owner lock itself (``reentrant``): take ``msg`` back out of the
+        queue (it must not run after the caller was told it failed) and say why."""
+        if msg is not None:               # by identity (this thread is the owner: nothing
+            q = self._q                   # else pops; appends go to the right)
+            for i, m in enumerate(list(q)):
+                if m is msg:
+                    del q[i]
+                    break
+        return UnsupportedError(
+            "a blocking runtime call (read, sync, replay, ...) or a wait for room in the queue "
+            "from inside a cpu kernel body that runs at once under the server's lock (a tiny "
+            "launch or replay on an idle stream, or a read's flush: issue 26's fast paths) "
+            "could never be answered; call the runtime outside kernel bodies")
+
+    def wait(self, waitable, msg=None) -> None:
         """Wait for ``waitable.wait(timeout)`` to turn True, checking health every 50 ms.
 
-        Raises: ``ServerClosed`` when the server stopped or its thread died meanwhile.
+        Args:
+            msg: the queued message ``waitable`` answers (``call``), taken back if the caller
+                itself holds the owner lock (see ``reentrant``).
+        Raises: ``ServerClosed`` when the server stopped or its thread died meanwhile;
+            ``UnsupportedError`` when the caller holds the owner lock itself (a kernel body
+            on the cpu fast paths calling the runtime): nothing else could answer.
         """
         while not waitable.wait(POLL_S):
+            if msg is not None and self._owner.locked() and self._reentrant():
+                raise self._reentry(msg)
             if self.closed or not self._thread.is_alive() or not self._healthy():
                 if waitable.wait(0):
                     return

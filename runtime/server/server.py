@@ -115,7 +115,8 @@ class ComputeServer:
         if check:
             from .checker import Checker
             self.checker = marks.checker = Checker(self)
-        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load)
+        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
+                                 reentrant=getattr(backend, "reentrant", None))
         backend.on_room = self.queue.notify_room
         watch_thread_ends(self)
         self.submit = self.queue.submit

@@ -256,3 +256,52 @@ def test_a_negative_zero_param_is_not_served_the_cached_call_of_zero(c):
         want = data * np.float32(alpha)
         np.testing.assert_array_equal(got, want)
         assert np.array_equal(np.signbit(got), np.signbit(want)), alpha
+
+
+@pytest.mark.parametrize("call", ["read", "sync", "replay"])
+def test_a_kernel_body_that_calls_the_runtime_on_the_fast_path_raises_instead_of_hanging(call):
+    # a tiny launch of a kernel with a bind runs on the calling thread under the server's lock;
+    # a blocking call from its body queued a message only the lock's holder (this very thread)
+    # could run, and waited forever. Now the call raises (UnsupportedError, a LaunchError of
+    # the kernel, its output marked) and the message is taken back: it never runs later.
+    import threading
+    root = runtime.client("cpu", max_idle_bytes=(1 << 30) + 41)   # a server of its own
+    a = root.with_stream(runtime.StreamId.new())
+    b = root.with_stream(runtime.StreamId.new())
+    other = b.create(np.full(4, 7, np.float32))
+    bumped = b.create(np.zeros(4, np.float32))
+    g = None
+    if call == "replay":
+        b.graph_prepare()
+        b.sync()
+        b.start_capture()
+        b.launch(K.add_scalar, 1, [other, bumped], {"alpha": 1.0, "n": 4})
+        g = b.stop_capture()
+    b.sync()
+
+    def body(x, y, *, n, count):
+        {"read": lambda: b.read(other), "sync": b.sync, "replay": lambda: g.replay()}[call]()
+        y[:n] = x[:n]
+    body.bind = lambda x, y, *, count, n: (lambda: body(x, y, n=n, count=count))
+    calling = runtime.Kernel("calls_the_runtime", [("x", "f32", "read"), ("y", "f32", "write")],
+                             [("n", "u32")], cpu=body)
+    x = a.create(np.ones(4, np.float32))
+    y = a.create(np.zeros(4, np.float32))
+    a.sync()
+    got = []
+
+    def run():
+        try:
+            a.launch(calling, 1, [x, y], {"n": 4})
+            got.append(a.read(y))
+        except BaseException as e:  # noqa: BLE001 - what the caller got
+            got.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the launch's caller still waits: a hang"
+    assert len(got) == 1 and isinstance(got[0], ReplayFailed), got
+    assert "UnsupportedError" in str(got[0]) and "kernel bod" in str(got[0])
+    b.sync()
+    np.testing.assert_array_equal(b.read(bumped), np.zeros(4, np.float32))  # never replayed
+    root.shutdown()

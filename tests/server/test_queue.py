@@ -126,3 +126,30 @@ def test_a_producer_waiting_for_room_gets_server_closed_when_a_backend_worker_di
         assert "worker" in str(out[0])
     finally:
         q.close(lambda: None)
+
+
+def test_a_blocking_call_from_code_that_holds_the_owner_lock_is_refused_and_never_runs():
+    """User code that runs inside a message (the cpu backend's kernel bodies on its fast
+    paths) and makes a blocking call queues a message only its own thread could run: the
+    call raises ``UnsupportedError`` after one poll interval (``reentrant``), and the message
+    is taken back, so it never runs after the caller was told it failed."""
+    here = threading.local()
+    q = DeviceQueue("test-reentrant", lambda e: None,
+                    reentrant=lambda: getattr(here, "inside", False))
+    ran, got = [], []
+
+    def message():
+        here.inside = True
+        try:
+            q.call(ran.append, "nested")
+        except Exception as e:  # noqa: BLE001 - what the nested call raised
+            got.append(e)
+        finally:
+            here.inside = False
+    try:
+        q.call(message)
+        assert len(got) == 1 and isinstance(got[0], runtime.UnsupportedError), got
+        q.call(lambda: None)                 # the queue runs on; the nested call never ran
+        assert ran == []
+    finally:
+        q.close(lambda: None)

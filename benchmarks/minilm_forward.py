@@ -59,8 +59,10 @@ def _threads() -> dict:
     out: dict = {}
     try:
         from threadpoolctl import threadpool_info
-        for i in threadpool_info():
-            out[f"{i['user_api']}:{i.get('prefix') or i['internal_api']}"] = i["num_threads"]
+        for i in threadpool_info():       # numpy's and scipy's OpenBLAS share a prefix
+            where = os.path.basename(os.path.dirname(i.get("filepath") or ""))
+            out[f"{i['user_api']}:{where}/{i.get('prefix') or i['internal_api']}"] = \
+                i["num_threads"]
     except ImportError:
         pass
     if "torch" in sys.modules:

@@ -234,7 +234,7 @@ def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
             raise err from e
     if mark is not None and not where:
         mark.ran = True                 # known done (Marks.done); its chain is cut at once
-        if mark.parents:
+        if mark.parents or mark.also:
             mark.finished()
 
 
@@ -571,7 +571,7 @@ class CpuBackend(Backend):
                 _run_nodes(launches, mark)
                 if mark is not None:
                     mark.ran = True
-                    if mark.parents:
+                    if mark.parents or mark.also:
                         mark.finished()
             self._enqueue(stream, _RUN, run)
             return
@@ -591,7 +591,7 @@ class CpuBackend(Backend):
                 raise err from e
             if mark is not None:
                 mark.ran = True     # known done (Marks.done); its chain is cut at once
-                if mark.parents:
+                if mark.parents or mark.also:
                     mark.finished()
         self._enqueue(stream, (_TINY if graph.tiny else _CALL) if graph.plain else _RUN, replay,
                       graph.small)

@@ -60,10 +60,11 @@ class Mark:
             None: nothing can fail later, e.g. a host write).
         ran: set (on the backend's worker) once the operation ran without failing: it is
             known done without a fence, so a chain of marks of work that ran is cut at once
-            (``Marks.done``) and stays as long as the work not yet run.
+            (``Marks.done``) and stays as long as the work not yet run; ``also``: other marks
+            of the same operation, finished with it.
     """
 
-    __slots__ = ("op", "_error", "parents", "stream", "pos", "since", "seen", "ran")
+    __slots__ = ("op", "_error", "parents", "stream", "pos", "since", "seen", "ran", "also")
 
     #: failures recorded on any mark so far (only grows): a chain none of whose marks existed
     #: before the latest failure cannot have inherited one (``since``), so it is not walked.
@@ -74,6 +75,7 @@ class Mark:
         self.op, self._error = op, None
         self.stream, self.pos = stream, pos
         self.ran = False                  # set by a backend once the operation ran cleanly
+        self.also = ()                    # marks finished with it (``finished``)
         self.seen = -1                    # ``Marks.epoch`` of the last prune walk through it
         self.since = Mark.failures        # the failure count when its oldest ancestor was made
         if parents:
@@ -125,6 +127,8 @@ class Mark:
         self.ran = True
         if self.parents and Mark.failures == self.since:
             self.parents = ()
+        for m in self.also:               # marks of the same operation (a replay's buffers
+            m.finished()                  # written only inside conditional nodes)
 
     def resolve(self, done=None):
         """The error of this mark, its own or inherited from a failed parent (cached: a failure

@@ -812,13 +812,16 @@ class ComputeServer:
                 g.fences = {}
             if self.checker is not None:
                 self.checker.on_replay(s, g)
+            if reads:
+                self.marks.inherit(mark, reads)
             kept = None
             if g.mstates:                   # written only inside conditional nodes
                 kept, pending = self._kept_marks(g)
-                if pending:
-                    reads = (reads or []) + [(st.id, m) for st, m in pending]
-            if reads:
-                self.marks.inherit(mark, reads)
+                for st, old in pending:     # fails if its last writer or this replay does
+                    m = Mark(mark.op, None, (), s, mark.pos)
+                    self.marks.inherit(m, [(st.id, old), (st.id, mark)])
+                    mark.also += (m,)       # finished with the replay (Mark.finished)
+                    kept.append((st, m))
             self.backend.launch_graph(s.raw, g.graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
@@ -841,9 +844,10 @@ class ComputeServer:
         (``GraphState.mstates``): a replay may not write them (the branch is decided on the
         device), so a failure of their last writer outlives it. Returns ``(kept, pending)``:
         ``kept`` = ``[(handle state, mark)]`` of failed marks, left in place after the replay;
-        ``pending`` = ``[(handle state, mark)]`` of marks that may still fail: an enqueued replay's
-        mark inherits them like a source's (its writes fail with them; the chain is cut once
-        they ran: ``Marks.done``), a replay run at once leaves them in place."""
+        ``pending`` = ``[(handle state, mark)]`` of marks that may still fail: an enqueued
+        replay gives such a buffer a mark of its own that fails if either that mark or the
+        replay's does (finished with the replay, so chains stay short: ``Mark.also``); a replay
+        run at once leaves them in place."""
         kept, pending = [], []
         for st in g.mstates:
             old = st.mark

@@ -311,3 +311,29 @@ def test_a_buffer_written_only_inside_a_branch_keeps_its_failure_when_a_replay_s
     g.replay()
     np.testing.assert_array_equal(client.read(b["z"]), np.full(4, 3, np.float32))
     np.testing.assert_array_equal(client.read(b["out"]), np.full(4, 2, np.float32))
+
+
+def test_a_pending_failure_of_a_conditional_only_buffer_marks_that_buffer_alone():
+    # z (written only inside the graph's node) has a last writer whose failure is found only
+    # after the replay is enqueued (the interleaving scheduler runs nothing until a wait): z
+    # must keep that failure, and the graph's other outputs, computed from clean inputs, must
+    # not take it (an earlier version failed the whole write set; older code cleared z)
+    from helpers import PAST_END
+    c = runtime.client("cpu", scheduler="interleave", seed=0)
+    c = c.with_stream(runtime.StreamId.new())
+    b = _bufs(c, z=np.zeros(4, np.float32), x=np.ones(4, np.float32),
+              out=np.zeros(4, np.float32), flag=i32(0))
+
+    def work():
+        c.capture_if(b["flag"], lambda: c.launch(K.fill, 1, [b["z"]], {"value": 3.0, "n": 4}))
+        c.launch(K.add_scalar, 1, [b["x"], b["out"]], {"alpha": 1.0, "n": 4})
+    g = capture(c, work)
+    c.sync()
+    c.launch(PAST_END, 1, [b["z"]])                    # fails when it runs: after the replay
+    g.replay()                                          # flag 0: z is not written
+    with pytest.raises(LaunchError):
+        c.sync()                                        # PAST_END's error, raised once
+    np.testing.assert_array_equal(c.read(b["out"]), np.full(4, 2, np.float32))
+    with pytest.raises(ReplayFailed):
+        c.read(b["z"])
+    c.shutdown()

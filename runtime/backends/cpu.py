@@ -232,6 +232,10 @@ def _run_launch(fn, views, kwargs, count, name, mark=None, where=""):
             if mark is not None:
                 err = mark.fail(err)
             raise err from e
+    if mark is not None and not where:
+        mark.ran = True                 # known done (Marks.done); its chain is cut at once
+        if mark.parents:
+            mark.finished()
 
 
 class CpuBackend(Backend):
@@ -563,7 +567,13 @@ class CpuBackend(Backend):
     def launch_graph(self, stream, graph, mark=None):
         if graph.nodes:
             launches = graph.launches
-            self._enqueue(stream, _RUN, lambda: _run_nodes(launches, mark))
+            def run():
+                _run_nodes(launches, mark)
+                if mark is not None:
+                    mark.ran = True
+                    if mark.parents:
+                        mark.finished()
+            self._enqueue(stream, _RUN, run)
             return
         calls, names = graph.calls, graph.names
 
@@ -579,6 +589,10 @@ class CpuBackend(Backend):
                 if mark is not None:
                     err = mark.fail(err)
                 raise err from e
+            if mark is not None:
+                mark.ran = True     # known done (Marks.done); its chain is cut at once
+                if mark.parents:
+                    mark.finished()
         self._enqueue(stream, (_TINY if graph.tiny else _CALL) if graph.plain else _RUN, replay,
                       graph.small)
 

@@ -58,9 +58,12 @@ class Mark:
             ``read`` bindings that were not final when it was enqueued.
         stream, pos: the server's ``StreamState`` and position of the operation (``stream``
             None: nothing can fail later, e.g. a host write).
+        ran: set (on the backend's worker) once the operation ran without failing: it is
+            known done without a fence, so a chain of marks of work that ran is cut at once
+            (``Marks.done``) and stays as long as the work not yet run.
     """
 
-    __slots__ = ("op", "_error", "parents", "stream", "pos", "since", "seen")
+    __slots__ = ("op", "_error", "parents", "stream", "pos", "since", "seen", "ran")
 
     #: failures recorded on any mark so far (only grows): a chain none of whose marks existed
     #: before the latest failure cannot have inherited one (``since``), so it is not walked.
@@ -70,6 +73,7 @@ class Mark:
     def __init__(self, op, error=None, parents=(), stream=None, pos=0):
         self.op, self._error = op, None
         self.stream, self.pos = stream, pos
+        self.ran = False                  # set by a backend once the operation ran cleanly
         self.seen = -1                    # ``Marks.epoch`` of the last prune walk through it
         self.since = Mark.failures        # the failure count when its oldest ancestor was made
         if parents:
@@ -111,6 +115,16 @@ class Mark:
         if self._error is None:
             self._error = _kept(error)      # kept while the mark lives: no caller's frames
         return error
+
+    def finished(self) -> None:
+        """The operation ran without failing (any thread: a backend worker, once it ran): it
+        is known done (``Marks.done``), and when no failure was recorded anywhere since its
+        oldest ancestor was made (``since``) none of its parents can have failed (they ran
+        before it), so it drops them at once: a chain of marks is then only as long as the
+        work not yet run, without waiting for a fence."""
+        self.ran = True
+        if self.parents and Mark.failures == self.since:
+            self.parents = ()
 
     def resolve(self, done=None):
         """The error of this mark, its own or inherited from a failed parent (cached: a failure
@@ -366,7 +380,7 @@ class Marks:
         """Whether the operation of ``mark`` is known to have run (a fence after it finished;
         a stream runs in order, so any finished fence covers everything before it)."""
         s = mark.stream
-        if mark.pos <= s.done_pos:
+        if mark.pos <= s.done_pos or mark.ran:
             return True
         if self.fenced:                   # a fence of any stream may cover it (``fence``)
             for f in list(self.fenced):

@@ -783,7 +783,10 @@ class ComputeServer:
                 s.pos += 1
                 s.done_pos = g.last_pos = s.pos
                 if failed is None:
-                    kept = self._kept_marks(g, None) if g.mstates else None
+                    kept = None
+                    if g.mstates:           # marks that are not known clean stay
+                        kept, pending = self._kept_marks(g)
+                        kept += pending
                     for st in g.wstates:
                         st.mark = CLEAN
                     if kept:
@@ -809,6 +812,11 @@ class ComputeServer:
                 g.fences = {}
             if self.checker is not None:
                 self.checker.on_replay(s, g)
+            kept = None
+            if g.mstates:                   # written only inside conditional nodes
+                kept, pending = self._kept_marks(g)
+                if pending:
+                    reads = (reads or []) + [(st.id, m) for st, m in pending]
             if reads:
                 self.marks.inherit(mark, reads)
             self.backend.launch_graph(s.raw, g.graph, mark)
@@ -821,7 +829,6 @@ class ComputeServer:
             raise err from (None if err is e else e)
         s.pos += 1
         g.last_pos = s.pos
-        kept = self._kept_marks(g, mark) if g.mstates else None
         for st in g.wstates:
             st.mark = mark
         if kept:
@@ -829,24 +836,24 @@ class ComputeServer:
                 st.mark = m
         return True
 
-    def _kept_marks(self, g, mark) -> list:
-        """``[(handle state, mark)]`` for the buffers graph ``g`` writes only inside conditional
-        nodes (``GraphState.mstates``) whose last writer failed or may still fail: a replay may
-        not write them (the branch is decided on the device), so their failure outlives it. A
-        failed mark stays; one still pending is combined with the replay's ``mark`` (the buffer
-        fails if either does); ``mark`` None: the replay ran at once and cannot fail later."""
-        kept = []
+    def _kept_marks(self, g) -> tuple:
+        """For the buffers graph ``g`` writes only inside conditional nodes
+        (``GraphState.mstates``): a replay may not write them (the branch is decided on the
+        device), so a failure of their last writer outlives it. Returns ``(kept, pending)``:
+        ``kept`` = ``[(handle state, mark)]`` of failed marks, left in place after the replay;
+        ``pending`` = ``[(handle state, mark)]`` of marks that may still fail: an enqueued replay's
+        mark inherits them like a source's (its writes fail with them; the chain is cut once
+        they ran: ``Marks.done``), a replay run at once leaves them in place."""
+        kept, pending = [], []
         for st in g.mstates:
             old = st.mark
             if old is CLEAN or self.marks.clean(st):
                 continue
-            if mark is None or old._error is not None:
+            if old._error is not None:
                 kept.append((st, old))
-                continue
-            m = Mark(mark.op, None, (), mark.stream, mark.pos)
-            self.marks.inherit(m, [(st.id, old), (st.id, mark)])
-            kept.append((st, m))
-        return kept
+            else:
+                pending.append((st, old))
+        return kept, pending
 
     @staticmethod
     def _marked_sources(g) -> list:

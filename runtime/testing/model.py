@@ -361,14 +361,17 @@ class Model:
                 self.bufs[b].value, self.bufs[b].failed = None, True
             self._error(s, "unknown")      # its launches ran on stale data: they may fail
             return self._expect_ok(error, f"replay of g{op.graph}")
-        kept = [b for b in self._cond_only(launches) if self.bufs[b].failed]
+        # the server cannot see which branch ran: a buffer written only inside a node keeps
+        # a failure (and one whose state is unknown, which may have failed, stays unknown)
+        kept = [(b, self.bufs[b].failed) for b in self._cond_only(launches)
+                if self.bufs[b].failed or self.bufs[b].value is None]
         status = self._run_items(launches)
         if status != "ok":
             for b in writes:
                 self.bufs[b].value = None
                 self.bufs[b].failed = status == "failed"
-        for b in kept:                     # the server cannot see which branch ran: a failed
-            self.bufs[b].value, self.bufs[b].failed = None, True    # buffer stays failed
+        for b, failed in kept:
+            self.bufs[b].value, self.bufs[b].failed = None, failed
         self._error(s, status)
         return self._expect_ok(error, f"replay of g{op.graph}")
 

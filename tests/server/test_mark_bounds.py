@@ -93,3 +93,46 @@ def test_event_waits_and_a_sync_on_a_third_stream_make_marks_final(client):
             c.sync()
     assert _chain_marks(c._server) <= 64
     np.testing.assert_array_equal(c.read(y), np.full(N, 1200.0, np.float32))
+
+
+@pytest.mark.parametrize("shape", ["accumulate", "stateful graph", "conditional graph"])
+def test_marks_of_work_that_ran_are_dropped_without_a_read_or_sync(shape):
+    """A stream that only enqueues (no read, no sync), each step reading what the step before
+    wrote (an accumulator, a graph's state, a buffer written only inside a conditional node):
+    every mark inherited the one before, and nothing made them final, so 5,000 steps kept a
+    chain of 5,000 marks (and it stayed after a sync, until the buffer was touched again). A
+    mark whose work ran without failing now drops its parents (``Mark.finished``): the chain
+    is as long as the work not yet run, bounded by the queue (``max_load``). cpu only (the
+    backend that reports it)."""
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 47).with_stream(runtime.StreamId.new())
+    n = 1 << 15                                   # 128 KB: enqueued, never run at once
+    x = c.create(np.ones(n, np.float32))
+    acc = c.create(np.zeros(n, np.float32))
+    flag = c.create(np.array([1], np.int32))
+
+    def step():
+        if shape == "conditional graph":
+            c.capture_if(flag, lambda: c.launch(K.add_scalar, K.grid(n), [x, acc],
+                                                {"alpha": 1.0, "n": n}))
+        else:
+            c.launch(K.accumulate, K.grid(n), [x, acc], {"n": n})
+    run = step
+    if shape != "accumulate":
+        c.graph_prepare()
+        step()
+        c.sync()
+        c.start_capture()
+        step()
+        run = c.stop_capture().replay
+    c.sync()
+    base = _live_marks()
+    bound = c._server.queue.max_load + 64
+    for i in range(5000):
+        run()
+        if i % 1000 == 999:
+            assert _live_marks() - base <= bound, i
+    c.sync()
+    assert _live_marks() - base <= 8
+    want = {"accumulate": 5000, "stateful graph": 5001, "conditional graph": 2}[shape]
+    np.testing.assert_array_equal(c.read(acc), np.full(n, want, np.float32))
+    c.shutdown()

@@ -261,17 +261,6 @@ def limit_blas_threads(n: int = 1, force: bool = False) -> int | None:
     return prev
 
 
-def _thread_schedstat():
-    """``(ns on the cpu, ns runnable but waiting for a cpu)`` of the calling thread
-    (``/proc/thread-self/schedstat``), or ``None`` where the kernel does not say."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            run, wait = f.read().split()[:2]
-        return int(run), int(wait)
-    except (OSError, ValueError):
-        return None
-
-
 class ProcessSchedstat:
     """``(ns on the cpu, ns runnable but waiting for a cpu)`` summed over every thread of the
     process (``/proc/self/task/*/schedstat``), as running totals that never go back when a

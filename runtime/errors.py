@@ -195,7 +195,7 @@ def fold_errors(errors: list, limit: int = MAX_QUEUED_ERRORS) -> None:
         errors.append(folded)
 
 
-class ErrorQueue:
+class ErrorQueue(list):
     """Errors found after their work was enqueued, waiting for the blocking call that reports
     them: a backend stream's (raised by its next completion) or a backend's unattributed
     ``failures`` (raised by the next blocking call on any stream). Appended on any thread (a
@@ -203,55 +203,59 @@ class ErrorQueue:
     own queues (:func:`fold_errors`: past ``limit`` the newest are folded into one
     ``FoldedErrors``, counted, never dropped), so a stream that never blocks cannot grow it.
     The one bounding rule every backend uses (design.md section 1: every list is bounded by
-    live work)."""
+    live work).
 
-    __slots__ = ("_items", "_lock", "limit")
+    A ``list`` whose adding and taking methods hold a lock: its emptiness test, which every
+    launch, replay, read and sync asks of a stream, stays the list's own (no Python call).
+    Mutate it only through ``append``, ``extend``, ``take`` and ``popleft``."""
+
+    __slots__ = ("_lock", "limit")
 
     def __init__(self, limit: int = MAX_QUEUED_ERRORS):
-        self._items: list = []
+        super().__init__()
         self._lock = threading.Lock()
         self.limit = limit
+
+    def _fold(self) -> None:
+        """(lock held) ``fold_errors`` in place, through the list's own methods."""
+        limit = self.limit
+        tail = self[limit - 1]
+        folded = tail if isinstance(tail, FoldedErrors) else FoldedErrors.of(tail)
+        for e in self[limit:]:
+            folded.add(e)
+        del self[limit - 1:]
+        list.append(self, folded)
 
     def append(self, error) -> None:
         """Queue ``error`` (folded past ``limit``); any thread."""
         with self._lock:
-            items = self._items
-            items.append(error)
-            if len(items) > self.limit:
-                fold_errors(items, self.limit)
+            list.append(self, error)
+            if len(self) > self.limit:
+                self._fold()
 
     def extend(self, errors) -> None:
         """Queue each of ``errors``, in order; any thread."""
         with self._lock:
-            items = self._items
-            items.extend(errors)
-            if len(items) > self.limit:
-                fold_errors(items, self.limit)
+            list.extend(self, errors)
+            if len(self) > self.limit:
+                self._fold()
 
     def take(self) -> list:
-        """Every queued error, in order, emptied; ``[]`` when none."""
-        if not self._items:
+        """Every queued error, in order, emptied (a plain list); ``[]`` when none."""
+        if not self:
             return []
         with self._lock:
-            items, self._items = self._items, []
+            items = list(self)
+            del self[:]
         return items
 
     def popleft(self):
         """The oldest queued error, removed. Raises ``IndexError`` when none."""
         with self._lock:
-            return self._items.pop(0)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self):
-        return iter(list(self._items))      # a snapshot: appends may go on meanwhile
-
-    def __bool__(self) -> bool:
-        return bool(self._items)
+            return self.pop(0)
 
     def __repr__(self) -> str:
-        return f"ErrorQueue({self._items!r})"
+        return f"ErrorQueue({list.__repr__(self)})"
 
 
 def detach(error):

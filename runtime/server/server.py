@@ -485,14 +485,10 @@ class ComputeServer:
                 if b.access != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if b.access != "write" and (m := st.mark) is not CLEAN:
-                    if (m._error is None and not m.parents and m.stream is not None
-                            and m.pos <= m.stream.done_pos):
-                        st.mark = CLEAN         # final and clean: the cheap test next time
-                        continue
+                if b.access != "write" and st.mark is not CLEAN and not Marks.clean(st):
                     if reads is None:
                         reads = []
-                    reads.append((st.id, m))
+                    reads.append((st.id, st.mark))
             if cst is not None:
                 if not self.backend.indirect_dispatch:
                     raise LaunchError(f"indirect launch of {kernel.name}: the "
@@ -864,7 +860,7 @@ class ComputeServer:
         """``[(handle id, Mark)]`` of the sources of graph ``g`` (buffers it reads before it
         writes them) whose marks may carry a failure: marks known final and clean are skipped."""
         reads = []
-        for st in g.sstates:
+        for st in g.sstates:                # (Marks.clean's test, inlined: every replay)
             m = st.mark
             if m is CLEAN:
                 continue

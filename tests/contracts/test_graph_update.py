@@ -203,7 +203,8 @@ def test_describe_str_and_dot(client):
 
 
 def _same_recording(c):
-    """The same three-launch recording, with a conditional node when the backend has them."""
+    """The same three-launch recording over 8 floats: ``(graph, (x, t, y))`` (keep the
+    buffers alive while the graph replays)."""
     x = c.create(np.arange(8, dtype=np.float32))
     t = c.create(np.zeros(8, np.float32))
     y = c.create(np.zeros(8, np.float32))
@@ -212,7 +213,7 @@ def _same_recording(c):
         c.launch(K.add_scalar, 1, [x, t], {"alpha": 2.0, "n": 8})
         c.launch(K.mul, 1, [x, t, y], {"n": 8})
         c.launch(K.accumulate, 1, [t, y], {"n": 8})
-    return capture(c, work)
+    return capture(c, work), (x, t, y)
 
 
 def test_describe_and_dot_match_across_backends():
@@ -222,7 +223,7 @@ def test_describe_and_dot_match_across_backends():
 
     if backend_unavailable("wgpu"):
         pytest.skip(backend_unavailable("wgpu"))
-    graphs = {b: _same_recording(runtime.client(b).with_stream(runtime.StreamId.new()))
+    graphs = {b: _same_recording(runtime.client(b).with_stream(runtime.StreamId.new()))[0]
               for b in ("cpu", "wgpu")}
 
     def norm(d):
@@ -273,15 +274,7 @@ def test_wgpu_update_rebuilds_only_the_changed_bind_groups():
     if backend_unavailable("wgpu"):
         pytest.skip(backend_unavailable("wgpu"))
     c = runtime.client("wgpu").with_stream(runtime.StreamId.new())
-    x = c.create(np.arange(8, dtype=np.float32))
-    t = c.create(np.zeros(8, np.float32))
-    y = c.create(np.zeros(8, np.float32))
-
-    def work():
-        c.launch(K.add_scalar, 1, [x, t], {"alpha": 2.0, "n": 8})
-        c.launch(K.mul, 1, [x, t, y], {"n": 8})
-        c.launch(K.accumulate, 1, [t, y], {"n": 8})
-    g = capture(c, work)
+    g, (x, t, y) = _same_recording(c)
     be = c._server.backend               # private: count the wgpu bind groups made
     made = []
     real = be.dev.create_bind_group

@@ -34,6 +34,7 @@ from ..errors import (ErrorQueue, LaunchError, LoopLimitExceeded, OutOfMemory, S
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
+from .cpu_fuse import fuse
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
                            TraceScheduler, decode_trace, encode_trace)
 from .cpu_schedule import CALL as _CALL, RUN as _RUN, SIGNAL as _SIGNAL, TINY as _TINY, \
@@ -94,19 +95,24 @@ class CpuGraph:
         """Resolve ``launches`` into ``calls`` and ``names`` again (none with nodes)."""
         self.nodes = any(type(x) is not tuple for x in self.launches)
         calls, names, largest, plain, touched = [], [], 0, not self.nodes, 0
+        kept = []
         for launch in () if self.nodes else self.launches:
             call = _bind(*launch)
             if call is not None:
                 calls.append(call)
                 names.append(launch[4])
+                kept.append(launch)
                 one = sum(v.nbytes for v in launch[1])
                 largest, touched = max(largest, one), touched + one
                 plain = plain and hasattr(launch[0], "bind") and launch[3].__class__ is tuple
+        # runs of pointwise launches become one compiled call each (cpu_fuse); cost: the
+        # calls a replay makes, a fused one counted by its work
+        calls, names, cost = fuse(kept, calls, names)
         self.calls, self.names = tuple(calls), tuple(names)
         self.small = not self.nodes and largest <= DEFER_BYTES  # tiny kernels: a waiter runs it
         self.plain = plain                      # numpy ufunc calls only: no library pool
         self.tiny = plain and touched <= TINY_BYTES     # a flush may run it on the owner
-        self.inline = self.tiny and len(calls) <= INLINE_CALLS  # a replay may run it at once
+        self.inline = self.tiny and cost <= INLINE_CALLS  # a replay may run it at once
 
 
 class CpuRecording:

@@ -599,8 +599,11 @@ class CpuBackend(Backend):
                 mark.ran = True     # known done (Marks.done); its chain is cut at once
                 if mark.parents or mark.also:
                     mark.finished()
-        self._enqueue(stream, (_TINY if graph.tiny else _CALL) if graph.plain else _RUN, replay,
-                      graph.small)
+        if self.closed:                 # (_enqueue, inlined: every enqueued replay)
+            raise ServerClosed("cpu backend is closed")
+        self.enqueued += 1
+        self.scheduler.push(stream, ((_TINY if graph.tiny else _CALL) if graph.plain else _RUN,
+                                     replay), graph.small)
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list

@@ -765,16 +765,17 @@ class ComputeServer:
             if st.mark is not CLEAN:
                 reads = self._marked_sources(g)
                 break
+        graph = g.graph
         if (not reads and s.window is None and not g.freed and not g.fences
-                and self.checker is None):
+                and self.checker is None and getattr(graph, "inline", True)):
             failed = None
             try:                            # tiny work on an idle stream runs here, at once
-                ran = self.backend.launch_graph_now(s.raw, g.graph)
+                ran = self.backend.launch_graph_now(s.raw, graph)
             except LaunchError as e:        # it ran and failed: as if found at execution
-                ran = failed = Mark(("replay", gid)).fail(e)
+                ran = failed = Mark(g.op).fail(e)
                 s.errors.append(failed)
                 fold_errors(s.errors)       # a stream that never blocks: bounded
-                self.marks.fail(g.wstates, ("replay", gid), failed)
+                self.marks.fail(g.wstates, g.op, failed)
             if ran:
                 s.pos += 1
                 s.done_pos = g.last_pos = s.pos
@@ -789,7 +790,7 @@ class ComputeServer:
                         for st, m in kept:
                             st.mark = m
                 return
-        mark = Mark(("replay", gid), None, (), s, s.pos + 1)
+        mark = Mark(g.op, None, (), s, s.pos + 1)
         try:
             if s.window is not None:
                 self.capture.on_event(s, f"replay of graph {gid}")
@@ -818,7 +819,7 @@ class ComputeServer:
                     self.marks.inherit(m, [(st.id, old), (st.id, mark)])
                     mark.also += (m,)       # finished with the replay (Mark.finished)
                     kept.append((st, m))
-            self.backend.launch_graph(s.raw, g.graph, mark)
+            self.backend.launch_graph(s.raw, graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
                 f"replay of graph {gid} failed on {self.backend.name}: {e}")

@@ -116,7 +116,8 @@ class ComputeServer:
             from .checker import Checker
             self.checker = marks.checker = Checker(self)
         self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
-                                 reentrant=getattr(backend, "reentrant", None))
+                                 reentrant=getattr(backend, "reentrant", None),
+                                 in_kernel=getattr(backend, "in_kernel", None))
         backend.on_room = self.queue.notify_room
         watch_thread_ends(self)
         self.submit = self.queue.submit

@@ -936,12 +936,33 @@ class ComputeServer:
 
     def h_graph_instantiate(self, gid: int, rebind: dict, sid) -> tuple:
         """``Graph.instantiate``: a new graph from the recording of ``gid`` against other
-        buffers; returns ``(graph id, stream id, is_hardware)``."""
+        buffers; returns ``(graph id, stream id, is_hardware)``.
+
+        An instance that keeps buffers of ``gid``'s graph pool (temporaries the pool's graphs
+        share, not rebound) joins that pool: its replays rewrite them like any graph of the
+        pool, so it must replay in order with them, on the pool's stream. Raises
+        ``GraphStateError`` for such an instance on another stream (nothing made)."""
         g = self._graph(gid, "instantiate")
+        gp = self.graph_pool_of.get(gid)
+        if gp is not None:
+            shared = {st.id for st in g.handles if id(st.slot) in gp.slots}
+            shared -= set(rebind or ())
+            target = g.stream if sid is None else int(sid)
+            if not shared:
+                gp = None
+            elif gp.stream is not None and target != gp.stream:
+                raise GraphStateError(
+                    f"instantiate of graph {gid} on stream {target}: it would keep buffers "
+                    f"{sorted(shared)[:8]} of graph pool {gp.id}, which the pool's graphs share "
+                    f"and rewrite in order on stream {int(gp.stream)}; instantiate on that "
+                    "stream, or rebind those buffers to handles of your own")
         ng = graphs.instantiate(self, g, rebind, next(_graph_ids),
                                 None if sid is None else int(sid))
         self.graphs[ng.id] = ng
         self.streams[ng.stream].graphs += 1
+        if gp is not None:                      # it rewrites the pool's buffers: a member
+            gp.graphs.add(ng.id)
+            self.graph_pool_of[ng.id] = gp
         if self.checker is not None:
             self.checker.on_graph(ng)
         return ng.id, ng.stream, bool(self.backend.hardware_graphs)

@@ -215,50 +215,65 @@ def _self_check(k) -> None:
         np.add(ww, np.float32(-0.0), ww)
         np.copyto(wy, ww)
         np.add(wy, ww, wy)
-    call = _fused_call(k, ops, ["check"] * len(ops))
-    call()
+    _fused_call(k, _array_ops(ops), len(ops))()
     for got, ref in zip((y, z, w), want):
         if not np.array_equal(got.view(np.uint32), ref.view(np.uint32)):
             raise ArithmeticError("the compiled interpreter's float32 results differ from "
                                   "numpy's bit for bit; fusion is off")
     fill = np.empty(3, np.float32)
-    _fused_call(k, [("fill", fill, None, None, x[4]), ("copy", fill, fill, None, None)],
-                ["check"] * 2)()
+    _fused_call(k, _array_ops([("fill", fill, None, None, x[4]),
+                               ("copy", fill, fill, None, None)]), 2)()
     if not np.array_equal(fill.view(np.uint32), np.full(3, bits[4], np.uint32)):
         raise ArithmeticError("the compiled interpreter's fill changes the 32 bits")
 
 
-def describe(launch):
-    """The op ``(code, out, a, b, param)`` of one resolved launch ``(fn, views, kwargs, count,
-    name)`` when it may join a fused run, else None: the kernel's cpu callable has a ``fuse``
-    description (``runtime.kernels.pointwise``), the count is direct, and numpy would run it
-    as one plain float32 elementwise loop (see the module doc). ``("none", ...)``: a launch that
-    does nothing (``noop``)."""
+def describe(launch, seen):
+    """The op ``(code, m, out, a, b, param)`` of one resolved launch ``(fn, views, kwargs,
+    count, name)`` when it may join a fused run, else None: the kernel's cpu callable has a
+    ``fuse`` description (``runtime.kernels.pointwise``), the count is direct, and numpy would
+    run it as one plain float32 elementwise loop over ``m`` elements (see the module doc).
+    ``out``, ``a``, ``b``: addresses (``a``/``b`` 0 where unused; a fill's value and a scalar
+    op's param are ``param``). ``("none", ...)``: a launch that does nothing (``noop``).
+    ``seen``: ``{id(view): (view, address, plain, writable)}`` shared by one graph's calls."""
     fn, views, kwargs, count, _ = launch
     how = getattr(fn, "fuse", None)
     if how is None or type(count) is not tuple:
         return None
     try:
-        with np.errstate(all="ignore"):        # the bind warned already, if at all
-            op = how(*views, count=count, **kwargs)
+        code, n, out, a, b, param = how(*views, count=count, **kwargs)
     except Exception:  # noqa: BLE001 - anything odd: the unfused call keeps its behaviour
         return None
-    code, out, a, b, param = op
     if code == "none":
-        return op
-    if code not in CODES or not _plain(out) or not out.flags.writeable:
+        return ("none", 0, 0, 0, 0, None)
+    if code not in CODES or (param is not None and type(param) is not np.float32):
         return None
-    for v in (a, b):
-        if v is not None and not (_plain(v) and len(v) == len(out)):
+    m = -1
+    addrs = []
+    for k in (out, a, b):
+        if k is None:
+            addrs.append(0)
+            continue
+        v = views[k]
+        info = seen.get(id(v))
+        if info is None:
+            info = seen[id(v)] = (v, *_address(v))
+        _, addr, plain, writable = info
+        length = min(n, len(v))             # len(v[:n]), the slice the unfused call binds
+        if not plain or (m >= 0 and length != m) or (k == out and not writable):
             return None
-    if param is not None and not (type(param) is np.float32):
-        return None
-    return op
+        m = length
+        addrs.append(addr)
+    return (code, m, *addrs, param)
 
 
-def _plain(v) -> bool:
-    return (type(v) is np.ndarray and v.dtype == _F32 and v.ndim == 1
-            and (v.strides[0] == 4 or len(v) <= 1) and v.ctypes.data % 4 == 0)
+def _address(v) -> tuple:
+    """``(address, plain, writable)`` of a view: plain = float32, 1-D, contiguous, 4-byte
+    aligned (what the interpreter's loads and stores assume)."""
+    if type(v) is not np.ndarray or v.dtype != _F32 or v.ndim != 1:
+        return 0, False, False
+    addr = v.ctypes.data
+    plain = (v.strides[0] == 4 or len(v) <= 1) and addr % 4 == 0
+    return addr, plain, bool(v.flags.writeable)
 
 
 class _Regions:
@@ -273,60 +288,59 @@ class _Regions:
     def admits(self, op) -> bool:
         """Whether every array of ``op`` is the same memory as (same start) or disjoint from
         every array of the run; records them if so."""
-        new = {}
-        for v in op[1:4]:
-            if v is None or len(v) == 0:
-                continue
-            p = v.ctypes.data
-            e = p + 4 * len(v)
-            new[p] = max(e, new.get(p, e))
+        m = op[1]
+        if m <= 0:
+            return True
         ends = self.ends
-        if len(ends) + len(new) > MAX_REGIONS:
-            return False
-        for p, e in new.items():
+        for p in op[2:5]:                          # an op's arrays all have m elements
+            e = p + 4 * m
+            if not p or ends.get(p, 0) >= e:       # unused, or within a range checked before
+                continue
+            if p not in ends and len(ends) >= MAX_REGIONS:
+                return False
             for q, f in ends.items():
                 if q != p and p < f and q < e:
-                    return False
-            for q, f in new.items():
-                if q != p and p < f and q < e:
-                    return False
-        for p, e in new.items():
-            if e > ends.get(p, 0):
-                ends[p] = e
+                    return False                   # (the run ends: what was added is dropped)
+            ends[p] = e
         return True
 
 
-def _fused_call(k, ops, names):
-    """One zero-argument call running ``ops`` (see :func:`describe`) through the interpreter
-    ``k``; attributes ``work`` (op-elements), ``launches`` (how many launches it replaces),
-    ``keep`` (the arrays whose addresses the table holds: alive as long as the call)."""
+def _fused_call(k, ops, launches, keep=()):
+    """One zero-argument call running ``ops`` (see :func:`describe`; ``"none"`` ops dropped)
+    through the interpreter ``k`` (a dispatcher, or ``(held, released)``); attributes ``work``
+    (op-elements), ``launches`` (how many launches it replaces), ``keep`` (the params array and
+    ``keep``: the arrays whose memory the table addresses, alive as long as the call, which a
+    queued replay holds without the graph)."""
     rows = [op for op in ops if op[0] != "none"]
     params = np.zeros(max(1, len(rows)), np.float32)
     base = params.ctypes.data
-    prog = np.zeros(2 + _ROW * len(rows), np.int64)
+    table = [len(rows), 0]
     total = work = 0
-    keep = [params]
-    for j, (code, out, a, b, param) in enumerate(rows):
-        m = len(out)
+    for j, (code, m, out, a, b, param) in enumerate(rows):
         if param is not None:
             params[j] = param
             if code == "fill":
-                a = None
-        r = 2 + _ROW * j
-        prog[r] = CODES[code]
-        prog[r + 1] = out.ctypes.data
-        prog[r + 2] = base + 4 * j if code == "fill" else a.ctypes.data
-        prog[r + 3] = (base + 4 * j if param is not None and code != "fill"
-                       else b.ctypes.data if b is not None else 0)
-        prog[r + 4] = m
-        keep += [v for v in (out, a, b) if v is not None]
-        total, work = max(total, m), work + m
-    prog[0], prog[1] = len(rows), total
+                a = base + 4 * j
+            else:
+                b = base + 4 * j
+        table += (CODES[code], out, a, b, m)
+        total = m if m > total else total
+        work += m
+    table[1] = total
+    prog = np.array(table, np.int64)
     if type(k) is tuple:
         k = k[work >= RELEASE_GIL]
     call = partial(k, prog)
-    call.work, call.launches, call.keep = work, len(ops), keep
+    call.work, call.launches, call.keep = work, launches, (params, keep)
     return call
+
+
+def _array_ops(ops) -> list:
+    """``[(code, out, a, b, param)]`` over float32 arrays (``a``/``b`` None where unused) as
+    :func:`describe` ops over the whole arrays (the self-check and tests; the caller keeps the
+    arrays alive while the call lives)."""
+    return [(code, len(out), out.ctypes.data, 0 if a is None else a.ctypes.data,
+             0 if b is None else b.ctypes.data, param) for code, out, a, b, param in ops]
 
 
 def _name(names) -> str:
@@ -354,7 +368,9 @@ def fuse(launches, calls, names):
     """
     if not ENABLED or len(calls) < 2:
         return calls, names, len(calls)
-    ops = [describe(launch) for launch in launches]
+    seen: dict = {}
+    with np.errstate(all="ignore"):            # a param's cast warned at bind already, if at all
+        ops = [describe(launch, seen) for launch in launches]
     runs, start, regions = [], None, None          # runs: (first, end) index ranges
     for i, op in enumerate(ops):
         if op is None:
@@ -377,10 +393,11 @@ def fuse(launches, calls, names):
     if k is None:
         return calls, names, len(calls)
     out_calls, out_names, cost, at = [], [], 0, 0
+    keep = tuple(info[0] for info in seen.values())     # the views the tables address
     for s, e in runs:
         out_calls += calls[at:s]
         out_names += names[at:s]
-        call = _fused_call(k, ops[s:e], names[s:e])
+        call = _fused_call(k, ops[s:e], e - s, keep)
         out_calls.append(call)
         out_names.append(_name(names[s:e]))
         cost += (s - at) + 1 + call.work // UNIT

@@ -51,12 +51,13 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,
         bind: ``bind(*views, n=..., **params) -> callable()``: the same work as one
             zero-argument call with views and params bound once (the cpu ``bind`` of
             ``runtime.kernel``: what a software graph replays); optional.
-        fuse: ``fuse(*views, n=..., **params) -> (code, out, a, b, param)``: the launch as one
-            op of ``runtime.backends.cpu_fuse`` (``code`` one of its ``CODES`` or ``"none"``;
-            ``out``, ``a``, ``b`` the float32 slices ``bind`` binds, or None; ``param`` the
-            float32 scalar ``bind`` binds, or None), so a software graph may run a chain of
-            such launches as one compiled call (issue 26); only for kernels whose numpy call
-            is exactly one float32 IEEE operation per element; optional.
+        fuse: ``fuse(*views, n=..., **params) -> (code, n, out, a, b, param)``: the launch as
+            one op of ``runtime.backends.cpu_fuse`` (``code`` one of its ``CODES`` or
+            ``"none"``; ``out``, ``a``, ``b`` the indices of the views ``bind`` slices to
+            ``[:n]``, or None; ``param`` the float32 scalar ``bind`` binds, or None), so a
+            software graph may run a chain of such launches as one compiled call (issue 26);
+            only for kernels whose numpy call is exactly one float32 IEEE operation per
+            element; optional.
     Returns: a ``Kernel`` launched over ``grid(n)`` workgroups of ``WORKGROUP`` invocations.
     Raises: ``ValueError`` for a malformed description (from ``Kernel``).
     """
@@ -159,34 +160,35 @@ def _bind_noop(y, *, n):
     return _nothing
 
 
-# fuse: the op each bind above runs, with the same slices and the same float32 param
-# (``runtime.backends.cpu_fuse``): (code, out, a, b, param)
+# fuse: the op each bind above runs (``runtime.backends.cpu_fuse``): (code, n, out, a, b,
+# param) with out/a/b indices of the views the bind slices to ``[:n]`` (None where unused) and
+# the same float32 param the bind binds
 def _fuse_fill(y, *, value, n):
-    return ("fill", y[:n], None, None, y.dtype.type(value))
+    return ("fill", n, 0, None, None, y.dtype.type(value))
 
 
 def _fuse_copy(x, y, *, n):
-    return ("copy", y[:n], x[:n], None, None)
+    return ("copy", n, 1, 0, None, None)
 
 
 def _fuse_ufunc2(code):
     def fuse(a, b, out, *, n):
-        return (code, out[:n], a[:n], b[:n], None)
+        return (code, n, 2, 0, 1, None)
     return fuse
 
 
 def _fuse_scalar(code):
     def fuse(x, y, *, alpha, n):
-        return (code, y[:n], x[:n], None, y.dtype.type(alpha))
+        return (code, n, 1, 0, None, y.dtype.type(alpha))
     return fuse
 
 
 def _fuse_accumulate(x, y, *, n):
-    return ("add", y[:n], y[:n], x[:n], None)
+    return ("add", n, 1, 1, 0, None)           # np.add(y, x, y): y first
 
 
 def _fuse_noop(y, *, n):
-    return ("none", None, None, None, None)
+    return ("none", n, None, None, None, None)
 
 
 R, RW, W = "read", "read_write", "write"

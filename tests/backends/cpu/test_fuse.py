@@ -22,6 +22,8 @@ accumulate/noop launches as one compiled call. These tests pin what fusion must 
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -268,6 +270,23 @@ def test_a_partial_overlap_ends_the_run_and_disjoint_views_of_one_arena_fuse(be)
         assert len(g.calls) == (3 if runs == 0 else 1)
 
 
+def test_a_fused_call_keeps_the_memory_it_addresses_alive(be):
+    """A queued replay holds the graph's calls, not the graph (an update or a release may drop
+    the launch list meanwhile): the fused call alone keeps its buffers' memory alive."""
+    x = CpuBuffer(np.arange(64, dtype=np.float32).view(np.uint8).copy())
+    y = CpuBuffer(np.zeros(256, np.uint8))
+    alive = weakref.ref(x.data), weakref.ref(y.data)
+    g = CpuGraph((be._resolve(K.add_scalar, K.grid(64), [(x, 256), (y, 256)], (1.0, 64)),
+                  be._resolve(K.mul_scalar, K.grid(64), [(y, 256), (x, 256)], (2.0, 64))))
+    calls = g.calls
+    del g, x, y
+    gc.collect()
+    assert all(r() is not None for r in alive)
+    calls[0]()
+    np.testing.assert_array_equal(alive[0]().view(np.float32),
+                                  (np.arange(64, dtype=np.float32) + 1) * 2)
+
+
 def test_inline_counts_a_fused_call_by_its_work(be):
     """A replay of at most INLINE_CALLS tiny calls runs on the caller; a fused chain of 10 (and
     100) launches over 64 floats counts by its work and may; 10,000 may not (the replay's
@@ -463,8 +482,9 @@ def test_the_interpreter_matches_numpy_on_special_values():
                     np.uint32)
     x = bits.view(np.float32).copy()
     y, z = np.empty_like(x), np.empty_like(x)
-    F._fused_call(k, [("copy", y, x, None, None), ("add_scalar", z, y, None, np.float32(2)),
-                      ("mul_scalar", z, z, None, np.float32(-1))], ["t"] * 3)()
+    F._fused_call(k, F._array_ops([("copy", y, x, None, None),
+                                   ("add_scalar", z, y, None, np.float32(2)),
+                                   ("mul_scalar", z, z, None, np.float32(-1))]), 3)()
     want = np.empty_like(x)
     with np.errstate(all="ignore"):
         np.multiply(np.add(x, np.float32(2)), np.float32(-1), want)

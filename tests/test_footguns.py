@@ -11,6 +11,8 @@ Silent mismatches (the graph replays happily and the numbers are wrong):
 Errors raised (loud, so less bad):
   7. Reading or syncing the capturing stream inside the window.
   8. start_capture() without graph_prepare().
+  9. A cpu kernel body that calls the runtime and waits (CUDA: a host function may not call
+     CUDA): it raises UnsupportedError in the body instead of waiting for itself forever.
 """
 
 import numpy as np
@@ -112,3 +114,81 @@ def test_7_reading_the_capturing_stream_is_refused(c):
 def test_8_start_capture_needs_graph_prepare(c):
     with pytest.raises(runtime.GraphStateError, match="graph_prepare"):
         c.start_capture()
+
+
+def _blocking_body(c, where, other=None):
+    """A cpu kernel whose body blocks on ``c``'s stream (``where`` = "sync" or "read"), or
+    syncs client ``other`` (another stream) when given."""
+    from runtime import Kernel
+    from runtime.kernel import Binding
+
+    def body(y, *, count):
+        if other is not None:
+            other.sync()
+        elif where == "sync":
+            c.sync()
+        else:
+            c.read(c._blocked_on)
+    return Kernel(f"blocks_{where}", [Binding("y", "f32", "read_write")], cpu=body)
+
+
+def _raising_kernel():
+    from runtime import Kernel
+    from runtime.kernel import Binding
+
+    def body(y, *, count):
+        raise ValueError("raised on purpose")
+    return Kernel("raises_first", [Binding("y", "f32", "read_write")], cpu=body)
+
+
+@pytest.mark.parametrize("path", ["helper", "worker", "replay"])
+@pytest.mark.parametrize("where", ["sync", "read"])
+def test_9_a_kernel_body_that_waits_for_its_own_stream_raises_instead_of_hanging(path, where):
+    """Before: the body's sync/read waited for the completion of the work it is part of, and
+    the stream (and every caller after it) hung forever. Each path a body runs on: the waiter
+    helping its stream (a sync runs the queued body), a worker (the body ran before the sync),
+    a graph replay's body. An error queued before the body is not lost: the refusal comes
+    before the body's call takes the stream's errors."""
+    import time
+    c = runtime.client("cpu")
+    c.set_stream(runtime.StreamId.new())
+    x = c.create(np.zeros(1 << 18, np.float32))      # 1 MiB: past the fast paths' sizes
+    c._blocked_on = c.create(np.zeros(4, np.float32))
+    k = _blocking_body(c, where)
+    if path == "replay":
+        c.graph_prepare()
+        c.start_capture()
+        c.launch(k, (1, 1, 1), [x])
+        g = c.stop_capture()
+        c.launch(_raising_kernel(), (1, 1, 1), [c._blocked_on])    # a failure queued before
+        g.replay()
+    else:
+        c.launch(_raising_kernel(), (1, 1, 1), [c._blocked_on])
+        c.launch(k, (1, 1, 1), [x])
+    if path == "worker":
+        time.sleep(0.3)                               # a worker runs it (and it gives up)
+    with pytest.raises(runtime.ServerError) as info:
+        c.sync()
+    text = str(info.value)
+    assert "kernel body on its own stream" in text and "blocks_" in text, text
+    assert "raises_first" in text, text                       # the earlier failure, raised with it
+    c.write(x, np.ones(1 << 18, np.float32))          # the stream goes on
+    np.testing.assert_array_equal(c.read(x)[:4], np.ones(4, np.float32))
+
+
+def test_9_a_kernel_body_waiting_for_a_stream_that_waits_for_it_raises_after_a_poll():
+    """A cycle through another stream (the body syncs stream B, B waits for an event recorded
+    after the body): the body's wait gives up after one poll interval (``in_kernel``) with
+    UnsupportedError instead of hanging both streams."""
+    a = runtime.client("cpu")
+    a.set_stream(runtime.StreamId.new())
+    b = a.with_stream(runtime.StreamId.new())
+    x = a.create(np.zeros(1 << 18, np.float32))
+    a.launch(_blocking_body(a, "sync", other=b), (1, 1, 1), [x])
+    b.wait_event(a.record_event())
+    with pytest.raises(runtime.ServerError) as info:
+        a.sync()
+    assert "from inside a cpu kernel body" in str(info.value), str(info.value)
+    b.sync()                                          # both streams go on
+    a.write(x, np.ones(1 << 18, np.float32))
+    np.testing.assert_array_equal(a.read(x)[:4], np.ones(4, np.float32))

@@ -30,10 +30,11 @@ from functools import partial
 import numpy as np
 
 from ..errors import (ErrorQueue, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
-                      detach, unhealthy)
+                      UnsupportedError, detach, unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
+from .cpu_fuse import fuse
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
                            TraceScheduler, decode_trace, encode_trace)
 from .cpu_schedule import CALL as _CALL, RUN as _RUN, SIGNAL as _SIGNAL, TINY as _TINY, \
@@ -64,12 +65,14 @@ class CpuBuffer:
 class CpuStream:
     """An in-order queue of ``(kind, payload)`` items and the errors its work raised;
     ``index`` (never reused) names it in traces, ``busy``/``sched``/``pending`` belong to the
-    scheduler."""
+    scheduler; ``runner``: the thread ident that set ``busy`` last (a kernel body blocking on
+    its own stream is refused: :meth:`CpuBackend.flush`)."""
 
-    __slots__ = ("q", "errors", "index", "busy", "sched", "pending")
+    __slots__ = ("q", "errors", "index", "busy", "sched", "pending", "runner")
 
     def __init__(self, index):
         self.busy = self.pending = False
+        self.runner = 0
         self.sched = 0
         self.q = collections.deque()
         self.errors = ErrorQueue()
@@ -94,19 +97,24 @@ class CpuGraph:
         """Resolve ``launches`` into ``calls`` and ``names`` again (none with nodes)."""
         self.nodes = any(type(x) is not tuple for x in self.launches)
         calls, names, largest, plain, touched = [], [], 0, not self.nodes, 0
+        kept = []
         for launch in () if self.nodes else self.launches:
             call = _bind(*launch)
             if call is not None:
                 calls.append(call)
                 names.append(launch[4])
+                kept.append(launch)
                 one = sum(v.nbytes for v in launch[1])
                 largest, touched = max(largest, one), touched + one
                 plain = plain and hasattr(launch[0], "bind") and launch[3].__class__ is tuple
+        # runs of pointwise launches become one compiled call each (cpu_fuse); cost: the
+        # calls a replay makes, a fused one counted by its work
+        calls, names, cost = fuse(kept, calls, names)
         self.calls, self.names = tuple(calls), tuple(names)
         self.small = not self.nodes and largest <= DEFER_BYTES  # tiny kernels: a waiter runs it
         self.plain = plain                      # numpy ufunc calls only: no library pool
         self.tiny = plain and touched <= TINY_BYTES     # a flush may run it on the owner
-        self.inline = self.tiny and len(calls) <= INLINE_CALLS  # a replay may run it at once
+        self.inline = self.tiny and cost <= INLINE_CALLS  # a replay may run it at once
 
 
 class CpuRecording:
@@ -390,7 +398,17 @@ class CpuBackend(Backend):
         of at most :data:`TINY_BYTES` each: tens of µs) and no worker holds the stream: the
         read's copy then happens at once, with no completion to wait for (issue 26). Errors
         it raises are reported as from a worker (``stream.errors``, the launches' marks).
-        Anything else stays queued for the helper or a worker."""
+        Anything else stays queued for the helper or a worker.
+
+        Raises: ``UnsupportedError`` when the calling thread is running ``stream``'s work (a
+        kernel body that reads or syncs its own stream would wait for itself forever; CUDA
+        host functions may not call CUDA either): every blocking handler flushes first, before
+        it takes the stream's errors, so nothing is lost."""
+        if stream.busy and stream.runner == threading.get_ident():
+            raise UnsupportedError(
+                "a blocking runtime call (read, sync, ...) from inside a cpu kernel body on its "
+                "own stream would wait for that body forever; call the runtime outside kernel "
+                "bodies (as CUDA host functions may not call CUDA)")
         q = stream.q
         if not q or not self._threaded:
             return
@@ -399,6 +417,7 @@ class CpuBackend(Backend):
             if stream.busy or len(q) > INLINE_ITEMS or any(k != _TINY for k, _ in q):
                 return
             stream.busy = True
+            stream.runner = threading.get_ident()
         try:
             while q:
                 kind, payload = q.popleft()
@@ -417,6 +436,18 @@ class CpuBackend(Backend):
         f = sys._getframe(1)
         while f is not None:
             if f.f_code in _INLINE_CODES:
+                return True
+            f = f.f_back
+        return False
+
+    def in_kernel(self) -> bool:
+        """Whether the calling thread is running a kernel body (on a worker, on a waiter that
+        helps its stream, or at once on the fast paths): a blocking runtime call it makes may
+        wait for that very body. Walks the frames; asked only by a wait that has lasted a poll
+        interval (``DeviceQueue.wait``)."""
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code in _KERNEL_CODES:
                 return True
             f = f.f_back
         return False
@@ -593,8 +624,11 @@ class CpuBackend(Backend):
                 mark.ran = True     # known done (Marks.done); its chain is cut at once
                 if mark.parents or mark.also:
                     mark.finished()
-        self._enqueue(stream, (_TINY if graph.tiny else _CALL) if graph.plain else _RUN, replay,
-                      graph.small)
+        if self.closed:                 # (_enqueue, inlined: every enqueued replay)
+            raise ServerClosed("cpu backend is closed")
+        self.enqueued += 1
+        self.scheduler.push(stream, ((_TINY if graph.tiny else _CALL) if graph.plain else _RUN,
+                                     replay), graph.small)
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list
@@ -662,3 +696,5 @@ class CpuBackend(Backend):
 #: the code of the methods that run kernel bodies on the server's owner (``reentrant``)
 _INLINE_CODES = frozenset(m.__code__ for m in (CpuBackend.launch_now,
                                                 CpuBackend.launch_graph_now, CpuBackend.flush))
+#: ... and of every method that runs kernel bodies on any thread (``in_kernel``)
+_KERNEL_CODES = _INLINE_CODES | {CpuBackend._execute.__code__}

@@ -205,6 +205,7 @@ class ThreadScheduler(Scheduler):
                 payload.waiters.append(s)
                 continue
             s.busy = True                       # before popleft: see is_idle
+            s.runner = threading.get_ident()
             s.q.popleft()
             return s, kind, payload
         return None
@@ -259,6 +260,7 @@ class ThreadScheduler(Scheduler):
                     cv.notify_all()
                 return
             stream.busy = True
+            stream.runner = threading.get_ident()
         q, execute = stream.q, self.backend.execute
         try:
             while not comp.done and q:

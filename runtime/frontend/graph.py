@@ -235,10 +235,13 @@ class Graph:
             rebind: ``{old Handle: new Handle}`` as in :meth:`update`.
             stream: the new graph's capture stream (a ``StreamId``; default: this graph's).
                 Buffers not rebound are shared with this graph: replays on another stream must
-                not overlap a replay of this one (seed 001: no concurrent use).
+                not overlap a replay of this one (seed 001: no concurrent use). An instance
+                that keeps temporaries of this graph's ``GraphPool`` joins the pool and must
+                stay on the pool's stream (the pool's graphs rewrite those buffers in order).
         Returns: a ``Graph`` (its own id, released independently).
         Raises: as :meth:`update`; ``InvalidHandle`` when a caller-owned handle it would use
-            was freed and is not rebound.
+            was freed and is not rebound; ``GraphStateError`` for an instance on another stream
+            that would keep buffers of this graph's pool.
         """
         from ..streams import StreamId
 

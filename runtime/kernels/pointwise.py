@@ -34,7 +34,8 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
     return (-(-groups // y), y, 1)
 
 
-def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None) -> Kernel:
+def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,
+                fuse=None) -> Kernel:
     """Build an elementwise kernel ``out = expr`` over ``i < n``: a thin wrapper over
     :func:`~runtime.kernels.shader.program`, the one source generator.
 
@@ -50,6 +51,12 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None) 
         bind: ``bind(*views, n=..., **params) -> callable()``: the same work as one
             zero-argument call with views and params bound once (the cpu ``bind`` of
             ``runtime.kernel``: what a software graph replays); optional.
+        fuse: ``fuse(*views, n=..., **params) -> (code, out, a, b, param)``: the launch as one
+            op of ``runtime.backends.cpu_fuse`` (``code`` one of its ``CODES`` or ``"none"``;
+            ``out``, ``a``, ``b`` the float32 slices ``bind`` binds, or None; ``param`` the
+            float32 scalar ``bind`` binds, or None), so a software graph may run a chain of
+            such launches as one compiled call (issue 26); only for kernels whose numpy call
+            is exactly one float32 IEEE operation per element; optional.
     Returns: a ``Kernel`` launched over ``grid(n)`` workgroups of ``WORKGROUP`` invocations.
     Raises: ``ValueError`` for a malformed description (from ``Kernel``).
     """
@@ -60,23 +67,30 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None) 
     body = (f"    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;\n"
             f"    if (i < p.n) {{ {store} }}")
     return program(name, bindings, list(params) + [("n", "u32")], (WORKGROUP,), body,
-                   cpu=None if cpu is None else _bounded(cpu, bind))
+                   cpu=None if cpu is None else _bounded(cpu, bind, fuse))
 
 
-def _bounded(fn, bind=None):
+def _bounded(fn, bind=None, fuse=None):
     """Run ``fn`` over the elements the launch covers, as the GPU sources do:
     ``min(n, count.x * count.y * WORKGROUP)`` (an indirect or short count covers fewer).
-    With ``bind``, the callable gets a ``bind`` attribute with the same bound (``runtime.kernel``)."""
+    With ``bind`` (``fuse``), the callable gets a ``bind`` (``fuse``) attribute with the same
+    bound (``runtime.kernel``, ``runtime.backends.cpu_fuse``)."""
     def cpu(*views, count, n, **params):
         m = count[0] * count[1] * WORKGROUP
         return fn(*views, count=count, n=n if n < m else m, **params)
     cpu.__name__ = cpu.__qualname__ = fn.__name__
-    if bind is not None:
-        def bound(*views, count, n, **params):
-            m = count[0] * count[1] * WORKGROUP
-            return bind(*views, n=n if n < m else m, **params)
-        cpu.bind = bound
+    for attr, how in (("bind", bind), ("fuse", fuse)):
+        if how is not None:
+            setattr(cpu, attr, _with_bound(how))
     return cpu
+
+
+def _with_bound(how):
+    """``how(*views, n=..., **params)`` called with the launch's element bound."""
+    def bound(*views, count, n, **params):
+        m = count[0] * count[1] * WORKGROUP
+        return how(*views, n=n if n < m else m, **params)
+    return bound
 
 
 def _fill(y, *, value, n, count):
@@ -145,29 +159,62 @@ def _bind_noop(y, *, n):
     return _nothing
 
 
+# fuse: the op each bind above runs, with the same slices and the same float32 param
+# (``runtime.backends.cpu_fuse``): (code, out, a, b, param)
+def _fuse_fill(y, *, value, n):
+    return ("fill", y[:n], None, None, y.dtype.type(value))
+
+
+def _fuse_copy(x, y, *, n):
+    return ("copy", y[:n], x[:n], None, None)
+
+
+def _fuse_ufunc2(code):
+    def fuse(a, b, out, *, n):
+        return (code, out[:n], a[:n], b[:n], None)
+    return fuse
+
+
+def _fuse_scalar(code):
+    def fuse(x, y, *, alpha, n):
+        return (code, y[:n], x[:n], None, y.dtype.type(alpha))
+    return fuse
+
+
+def _fuse_accumulate(x, y, *, n):
+    return ("add", y[:n], y[:n], x[:n], None)
+
+
+def _fuse_noop(y, *, n):
+    return ("none", None, None, None, None)
+
+
 R, RW, W = "read", "read_write", "write"
 #: ``y[i] = value``
-fill = elementwise("fill", [("y", "f32", W)], "{value}", [("value", "f32")], _fill, _bind_fill)
+fill = elementwise("fill", [("y", "f32", W)], "{value}", [("value", "f32")], _fill, _bind_fill,
+                   _fuse_fill)
 #: ``y[i] = x[i]``
 copy = elementwise("copy", [("x", "f32", R), ("y", "f32", W)], "x[i]", cpu=_copy,
-                  bind=_bind_copy)
+                   bind=_bind_copy, fuse=_fuse_copy)
 #: ``out[i] = a[i] + b[i]``
 add = elementwise("add", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] + b[i]", cpu=_add,
-                 bind=_bind_ufunc2(np.add))
+                  bind=_bind_ufunc2(np.add), fuse=_fuse_ufunc2("add"))
 #: ``out[i] = a[i] * b[i]``
 mul = elementwise("mul", [("a", "f32", R), ("b", "f32", R), ("out", "f32", W)], "a[i] * b[i]", cpu=_mul,
-                 bind=_bind_ufunc2(np.multiply))
+                  bind=_bind_ufunc2(np.multiply), fuse=_fuse_ufunc2("mul"))
 #: ``y[i] = x[i] + alpha``
 add_scalar = elementwise("add_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] + {alpha}",
-                         [("alpha", "f32")], _add_scalar, _bind_scalar(np.add))
+                         [("alpha", "f32")], _add_scalar, _bind_scalar(np.add),
+                         _fuse_scalar("add_scalar"))
 #: ``y[i] = x[i] * alpha``
 mul_scalar = elementwise("mul_scalar", [("x", "f32", R), ("y", "f32", W)], "x[i] * {alpha}",
-                         [("alpha", "f32")], _mul_scalar, _bind_scalar(np.multiply))
+                         [("alpha", "f32")], _mul_scalar, _bind_scalar(np.multiply),
+                         _fuse_scalar("mul_scalar"))
 #: ``y[i] += x[i]``
 accumulate = elementwise("accumulate", [("x", "f32", R), ("y", "f32", RW)], "y[i] + x[i]", cpu=_accumulate,
-                        bind=_bind_accumulate)
+                         bind=_bind_accumulate, fuse=_fuse_accumulate)
 #: ``y[i] = x[i]`` for ``i < n`` 4-byte words, bit for bit (bind f32 buffers too: the words are
 #: moved as ``i32``, never through float registers). Launch over ``grid(n)``.
 copy_words = elementwise("copy_words", [("x", "i32", R), ("y", "i32", W)], "x[i]", cpu=_copy)
 #: an empty kernel (one read_write binding, no work): measures pure launch overhead.
-noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop, bind=_bind_noop)
+noop = elementwise("noop", [("y", "f32", RW)], "", cpu=_noop, bind=_bind_noop, fuse=_fuse_noop)

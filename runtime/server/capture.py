@@ -175,15 +175,17 @@ class GraphState:
         allocated: how many handles the window allocated (retained on software graphs).
         fences: cross-stream fences the first replay waits for (``Window.fences``).
         last_pos: the capture-stream position of its latest replay.
+        op: ``("replay", id)``, the operation its replays' marks name (made once).
     """
 
-    __slots__ = ("id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
+    __slots__ = ("op", "id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
                  "wstates", "istates", "sstates", "mstates", "retained", "allocated", "required",
                  "freed", "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
                  "fallback_reason")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
+        self.op = ("replay", gid)
         self.reads, self.writes = frozenset(window.reads), frozenset(window.writes)
         self.inputs = frozenset(window.inputs)
         self.sources = sources(window.ops)

@@ -96,14 +96,19 @@ class DeviceQueue:
             code (the cpu backend's kernel bodies on its fast paths): asked by a wait that
             lasted a poll interval; such a blocking call or wait for room can never be
             answered, so it raises ``UnsupportedError`` (its message is taken back unrun).
+        in_kernel: a callable, True on a thread that is running a kernel body (a backend
+            worker's, or a waiter helping its stream): asked by a wait for a completion that
+            lasted a poll interval, which then raises ``UnsupportedError`` (the body may be
+            what the completion waits for: it would hang).
         max_messages, max_bytes, max_load: the bounds (module doc); attributes, changeable.
     """
 
     def __init__(self, name: str, on_async_error, healthy=None, load=None,
                  max_messages: int = MAX_MESSAGES, max_bytes: int = MAX_BYTES,
-                 max_load: int = MAX_LOAD, reentrant=None):
+                 max_load: int = MAX_LOAD, reentrant=None, in_kernel=None):
         self._healthy = healthy or (lambda: True)
         self._reentrant = reentrant or (lambda: False)
+        self._in_kernel = in_kernel or (lambda: False)
         self._load = load or (lambda: (0, 0))
         self._q = collections.deque()
         self._owner = threading.Lock()
@@ -361,11 +366,18 @@ class DeviceQueue:
                 itself holds the owner lock (see ``reentrant``).
         Raises: ``ServerClosed`` when the server stopped or its thread died meanwhile;
             ``UnsupportedError`` when the caller holds the owner lock itself (a kernel body
-            on the cpu fast paths calling the runtime): nothing else could answer.
+            on the cpu fast paths calling the runtime): nothing else could answer; or when a
+            kernel body waits for a completion for a poll interval (``in_kernel``).
         """
         while not waitable.wait(POLL_S):
             if msg is not None and self._owner.locked() and self._reentrant():
                 raise self._reentry(msg)
+            if msg is None and self._in_kernel():
+                raise UnsupportedError(
+                    "a blocking runtime call (read, sync, ...) from inside a cpu kernel body "
+                    "waited for work that the body itself holds up (its own stream's, or work "
+                    "ordered after it): it could never return; call the runtime outside kernel "
+                    "bodies (as CUDA host functions may not call CUDA)")
             if self.closed or not self._thread.is_alive() or not self._healthy():
                 if waitable.wait(0):
                     return

@@ -116,7 +116,8 @@ class ComputeServer:
             from .checker import Checker
             self.checker = marks.checker = Checker(self)
         self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
-                                 reentrant=getattr(backend, "reentrant", None))
+                                 reentrant=getattr(backend, "reentrant", None),
+                                 in_kernel=getattr(backend, "in_kernel", None))
         backend.on_room = self.queue.notify_room
         watch_thread_ends(self)
         self.submit = self.queue.submit
@@ -768,16 +769,17 @@ class ComputeServer:
             if st.mark is not CLEAN:
                 reads = self._marked_sources(g)
                 break
+        graph = g.graph
         if (not reads and s.window is None and not g.freed and not g.fences
-                and self.checker is None):
+                and self.checker is None and getattr(graph, "inline", True)):
             failed = None
             try:                            # tiny work on an idle stream runs here, at once
-                ran = self.backend.launch_graph_now(s.raw, g.graph)
+                ran = self.backend.launch_graph_now(s.raw, graph)
             except LaunchError as e:        # it ran and failed: as if found at execution
-                ran = failed = Mark(("replay", gid)).fail(e)
+                ran = failed = Mark(g.op).fail(e)
                 s.errors.append(failed)
                 fold_errors(s.errors)       # a stream that never blocks: bounded
-                self.marks.fail(g.wstates, ("replay", gid), failed)
+                self.marks.fail(g.wstates, g.op, failed)
             if ran:
                 s.pos += 1
                 s.done_pos = g.last_pos = s.pos
@@ -792,7 +794,7 @@ class ComputeServer:
                         for st, m in kept:
                             st.mark = m
                 return
-        mark = Mark(("replay", gid), None, (), s, s.pos + 1)
+        mark = Mark(g.op, None, (), s, s.pos + 1)
         try:
             if s.window is not None:
                 self.capture.on_event(s, f"replay of graph {gid}")
@@ -821,7 +823,7 @@ class ComputeServer:
                     self.marks.inherit(m, [(st.id, old), (st.id, mark)])
                     mark.also += (m,)       # finished with the replay (Mark.finished)
                     kept.append((st, m))
-            self.backend.launch_graph(s.raw, g.graph, mark)
+            self.backend.launch_graph(s.raw, graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
                 f"replay of graph {gid} failed on {self.backend.name}: {e}")
@@ -937,12 +939,33 @@ class ComputeServer:
 
     def h_graph_instantiate(self, gid: int, rebind: dict, sid) -> tuple:
         """``Graph.instantiate``: a new graph from the recording of ``gid`` against other
-        buffers; returns ``(graph id, stream id, is_hardware)``."""
+        buffers; returns ``(graph id, stream id, is_hardware)``.
+
+        An instance that keeps buffers of ``gid``'s graph pool (temporaries the pool's graphs
+        share, not rebound) joins that pool: its replays rewrite them like any graph of the
+        pool, so it must replay in order with them, on the pool's stream. Raises
+        ``GraphStateError`` for such an instance on another stream (nothing made)."""
         g = self._graph(gid, "instantiate")
+        gp = self.graph_pool_of.get(gid)
+        if gp is not None:
+            shared = {st.id for st in g.handles if id(st.slot) in gp.slots}
+            shared -= set(rebind or ())
+            target = g.stream if sid is None else int(sid)
+            if not shared:
+                gp = None
+            elif gp.stream is not None and target != gp.stream:
+                raise GraphStateError(
+                    f"instantiate of graph {gid} on stream {target}: it would keep buffers "
+                    f"{sorted(shared)[:8]} of graph pool {gp.id}, which the pool's graphs share "
+                    f"and rewrite in order on stream {int(gp.stream)}; instantiate on that "
+                    "stream, or rebind those buffers to handles of your own")
         ng = graphs.instantiate(self, g, rebind, next(_graph_ids),
                                 None if sid is None else int(sid))
         self.graphs[ng.id] = ng
         self.streams[ng.stream].graphs += 1
+        if gp is not None:                      # it rewrites the pool's buffers: a member
+            gp.graphs.add(ng.id)
+            self.graph_pool_of[ng.id] = gp
         if self.checker is not None:
             self.checker.on_graph(ng)
         return ng.id, ng.stream, bool(self.backend.hardware_graphs)

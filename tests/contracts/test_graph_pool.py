@@ -269,3 +269,38 @@ def test_a_window_that_takes_a_pool_temporary_as_its_state_is_refused():
     g = _graph(c, xs[n], out, n, 3.0, 1.0, pool)
     g.replay()
     np.testing.assert_array_equal(c.read(out), np.arange(n, dtype=np.float32) + 3)
+
+
+def test_an_instance_that_keeps_pool_buffers_joins_the_pool_and_stays_on_its_stream():
+    """``Graph.instantiate`` of a pool graph keeps the pool temporaries it does not rebind:
+    before, an instance on another stream replayed them there while the pool's other graphs
+    rewrote them on the pool's stream (a race no error reported, nothing in the user's code
+    naming those buffers). Now that is refused with GraphStateError (nothing made), and an
+    instance on the pool's stream joins the pool and replays in order with its graphs."""
+    c = _private()
+    c = c.with_stream(runtime.StreamId.new())
+    xs, outs = _setup(c, (256, 1024))
+    pool = runtime.GraphPool()
+    g1 = _graph(c, xs[1024], outs[1024], 1024, 1.0, 2.0, pool)
+    g2 = _graph(c, xs[256], outs[256], 256, 3.0, 4.0, pool)
+    gc.collect()
+    c.sync()
+    before = len(c._server.graphs)
+    with pytest.raises(runtime.GraphStateError, match="graph pool"):
+        g1.instantiate(stream=runtime.StreamId.new())
+    assert len(c._server.graphs) == before                 # nothing made
+    out2 = c.empty(1024, np.float32)
+    inst = g1.instantiate(rebind={outs[1024]: out2})        # same stream: a member
+    assert pool.memory_usage()["graphs"] == 3
+    assert inst.memory_usage()["pool"] == g1.memory_usage()["pool"]
+    x = np.arange(1024, dtype=np.float32)
+    for _ in range(3):                                      # interleaved, in order
+        inst.replay()
+        g2.replay()
+        g1.replay()
+    np.testing.assert_allclose(c.read(out2), (x + 1.0) * 2.0)
+    np.testing.assert_allclose(c.read(outs[1024]), (x + 1.0) * 2.0)
+    np.testing.assert_allclose(c.read(outs[256]), (x[:256] + 3.0) * 4.0)
+    inst.release()
+    c.sync()
+    assert pool.memory_usage()["graphs"] == 2

@@ -13,6 +13,7 @@ start.
     g = c.stop_capture(); g.replay(); c.read(y)   # -> [1, 2, 3, 4]
 """
 
+from . import _fork  # noqa: F401 - first: its fork handler runs before the others
 from .errors import (CaptureRefused, GraphStateError, InvalidHandle, LaunchError, LivenessError,
                      LoopLimitExceeded, OutOfMemory, ReplayFailed, ServerClosed, ServerError,
                      ServerForked, ServerUnhealthy, StreamRaceError, UnknownGraph,

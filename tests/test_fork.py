@@ -156,3 +156,140 @@ def test_process_pool_executor_with_fork_maps_numba_kernels():
         print(all(e < 1e-4 for e in errors), len(errors))
     """)
     assert out.split() == ["True", "6"]
+
+
+#: a fresh interpreter that has run nothing yet (no warm-up: the first work of the process is
+#: what is pending at the fork), with the child's wait under a timeout
+FRESH = textwrap.dedent("""
+    import os, sys, threading, time
+    import numpy as np
+    import runtime
+    from runtime.tensor import Tensor
+
+    def wait_child(pid, timeout=60.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return "hung"
+
+    def in_child(fn):
+        # fork, run fn() in the child under a timeout; the child's exit status, or "hung"
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                import faulthandler
+                faulthandler.dump_traceback_later(50, exit=True)
+                fn()
+                code = 0
+            finally:
+                os._exit(code)
+        return wait_child(pid)
+""")
+
+
+def _run_fresh(body: str, timeout: float = 240) -> str:
+    out = subprocess.run([sys.executable, "-c", FRESH + textwrap.dedent(body)],
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-4000:]}"
+    return out.stdout
+
+
+def test_a_fork_while_a_worker_imports_a_module_leaves_the_child_able_to_import_it(tmp_path):
+    """A cpu worker importing a module at the fork (the runtime's first stream item imports
+    threadpoolctl, its first nn kernel numba) held that module's import lock, which stays held
+    in the child: its first import of the module hung forever (found by ADV2). The kernel here
+    imports a module whose import waits until the parent forked."""
+    (tmp_path / "slow_module.py").write_text(textwrap.dedent("""
+        import time
+        while not __import__("os").path.exists(__file__ + ".go"):
+            time.sleep(0.01)
+        VALUE = 7
+    """))
+    out = _run_fresh(f"""
+        sys.path.insert(0, {str(tmp_path)!r})
+
+        def body(y, *, count):
+            import slow_module               # on a worker, blocked until after the fork
+            y[:] = slow_module.VALUE
+        k = runtime.Kernel("imports", [runtime.Binding("y", "f32", "write")], cpu=body)
+        c = runtime.client("cpu")
+        y = c.empty(1 << 20, np.float32)     # large: a worker runs it, not the caller
+        c.launch(k, 1, [y])
+        while "slow_module" not in sys.modules:
+            time.sleep(0.005)
+
+        def child():
+            open({str(tmp_path / "slow_module.py")!r} + ".go", "w").close()
+            cc = runtime.client("cpu")
+            z = cc.empty(4, np.float32)
+            cc.launch(k, 1, [z])
+            assert cc.read(z).tolist() == [7.0] * 4
+        print("child", in_child(child))
+        print("parent", c.read(y)[:2].tolist())
+    """)
+    assert out.split() == ["child", "0", "parent", "[7.0,", "7.0]"]
+
+
+def test_a_fork_while_a_worker_holds_numbas_compiler_lock_leaves_the_child_able_to_compile():
+    """A cpu worker compiling a numba loop (or loading it from numba's cache) at the fork held
+    numba's compiler lock: the child's first compile waited for it forever (found by ADV2)."""
+    out = _run_fresh("""
+        from numba.core.compiler_lock import global_compiler_lock
+        held, go = threading.Event(), threading.Event()
+
+        def body(y, *, count):
+            with global_compiler_lock:       # as a compile on this worker does
+                held.set()
+                go.wait(30)
+            y[:] = 1
+        k = runtime.Kernel("compiles", [runtime.Binding("y", "f32", "write")], cpu=body)
+        c = runtime.client("cpu")
+        y = c.empty(1 << 20, np.float32)
+        c.launch(k, 1, [y])
+        assert held.wait(30)
+
+        def child():
+            cc = runtime.client("cpu")
+            rng = np.random.default_rng(0)
+            x = Tensor.from_numpy(cc, rng.standard_normal((8, 384)).astype(np.float32))
+            g = Tensor.from_numpy(cc, np.ones(384, np.float32))
+            b = Tensor.from_numpy(cc, np.zeros(384, np.float32))
+            got = x.layer_norm(g, b).numpy()
+            v = x.numpy().astype(np.float64)
+            d = v - v.mean(-1, keepdims=True)
+            want = d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-12)
+            assert np.abs(got - want).max() < 1e-4
+        print("child", in_child(child))
+        go.set()
+        print("parent", c.read(y)[0])
+    """)
+    assert out.split() == ["child", "0", "parent", "1.0"]
+
+
+def test_a_fork_while_the_first_work_of_the_process_is_pending_leaves_a_working_child():
+    """The first nn kernel of a fresh process pending on a worker (importing numba, loading its
+    loops) at the fork: the child runs its own (it hung at the import before; found by ADV2).
+    Forks at a few points of the parent's first kernel; each child must finish."""
+    out = _run_fresh("""
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((64, 384)).astype(np.float32)
+
+        def ln(c):
+            t = Tensor.from_numpy(c, x)
+            return t.layer_norm(Tensor.from_numpy(c, np.ones(384, np.float32)),
+                                Tensor.from_numpy(c, np.zeros(384, np.float32)))
+        c = runtime.client("cpu")
+        pending = ln(c)
+        statuses = []
+        for delay in (0.0, 0.02, 0.05, 0.1, 0.2):
+            time.sleep(delay)
+            statuses.append(in_child(lambda: ln(runtime.client("cpu")).numpy()))
+        print(statuses, pending.numpy().shape)
+    """)
+    assert out.strip() == "[0, 0, 0, 0, 0] (64, 384)"

@@ -63,13 +63,23 @@ def merge(fences: dict, more: dict, skip=None) -> None:
             fences[sid] = pos
 
 
+def surely_runs(op) -> bool:
+    """Whether every replay runs launch ``op`` (an ``ops.LaunchRec``): outside conditional
+    nodes, with a direct workgroup count none of whose dimensions is 0. A launch inside a node
+    may be skipped, a zero count (``Graph.update(count=...)``) runs nothing, and an indirect
+    count is read on the device, so it may be 0: such a launch may leave what it writes
+    unwritten."""
+    c = op.count
+    return not op.scope and c.__class__ is tuple and bool(c[0] and c[1] and c[2])
+
+
 def sources(ops) -> frozenset:
     """Handle ids whose contents a graph of ``ops`` (``ops.LaunchRec``/``CondRec``, in recorded
     order) may read before it writes them: its inputs and its state (a buffer it reads and
     writes, a KV cache, an accumulator). A ``read`` or ``read_write`` binding, an indirect count
-    or a condition reads; a ``write`` binding does not. A write inside a conditional node may
-    not run, so it does not hide a later read. A failure mark on a source marks what a replay
-    writes (docs/contract.md section 4)."""
+    or a condition reads; a ``write`` binding does not. A write that may not run (inside a
+    conditional node, a zero or indirect count: :func:`surely_runs`) does not hide a later
+    read. A failure mark on a source marks what a replay writes (docs/contract.md section 4)."""
     out, written = set(), set()
     for op in ops:
         if isinstance(op, LaunchRec):
@@ -77,7 +87,7 @@ def sources(ops) -> frozenset:
             out.update(h for b, h in binds if b.access != "write" and h not in written)
             if not isinstance(op.count, tuple) and op.count not in written:
                 out.add(op.count)
-            if not op.scope:
+            if surely_runs(op):
                 written.update(h for b, h in binds if b.access != "read")
         elif hasattr(op, "cond") and op.cond not in written:
             out.add(op.cond)
@@ -85,16 +95,17 @@ def sources(ops) -> frozenset:
 
 
 def maybe_written(ops) -> frozenset:
-    """Handle ids a graph of ``ops`` writes only inside conditional nodes: a replay may leave
-    them unwritten (the branch not taken, a loop run zero times), and the server cannot see
-    which branch ran (it is decided on the device). A failure mark on such a buffer therefore
-    outlives a replay that succeeds: only a write outside a conditional, a launch or a host
-    write clears it (docs/contract.md section 4b)."""
+    """Handle ids a graph of ``ops`` writes only through launches that may not run
+    (:func:`surely_runs`: inside conditional nodes, a zero or indirect workgroup count): a
+    replay may leave them unwritten (the branch not taken, a loop run zero times, a count of
+    0), and the server cannot see which ran (it is decided on the device). A failure mark on
+    such a buffer therefore outlives a replay that succeeds: only a write that surely runs, a
+    launch or a host write clears it (docs/contract.md section 4b)."""
     cond, top = set(), set()
     for op in ops:
         if isinstance(op, LaunchRec):
             out = {h for b, h in zip(op.kernel.bindings, op.hids) if b.access != "read"}
-            (cond if op.scope else top).update(out)
+            (top if surely_runs(op) else cond).update(out)
     return frozenset(cond - top)
 
 

@@ -444,7 +444,9 @@ class ComputeServer:
         written; so does one the backend finds later (``Mark.fail``). A launch reading a marked
         buffer through a ``read`` or ``read_write`` binding marks what it writes (the failure
         propagates, also when it is found after this launch was enqueued: ``Marks.inherit``);
-        only a ``write`` binding does not read (docs/contract.md section 4).
+        only a ``write`` binding does not read (docs/contract.md section 4), except in an
+        indirect launch, whose count may be 0 (it may write nothing: its outputs keep their
+        marks, as a graph's buffers written only by such launches do, section 4b).
         """
         s = self.streams.get(sid) or self._stream(sid)
         handles = self.handles
@@ -486,7 +488,8 @@ class ComputeServer:
                 if b.access != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if b.access != "write" and st.mark is not CLEAN and not Marks.clean(st):
+                if (b.access != "write" or cst is not None) and st.mark is not CLEAN and (
+                        not Marks.clean(st)):   # (an indirect count may be 0: writes nothing)
                     if reads is None:
                         reads = []
                     reads.append((st.id, st.mark))

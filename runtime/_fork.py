@@ -1,0 +1,77 @@
+"""Repairs a forked child needs before it can import or compile: imported first by ``runtime``.
+
+Only the forking thread comes along into a child (``os.fork()``, ``multiprocessing``'s ``fork``
+start method, gunicorn ``--preload``). A lock another thread held at the fork stays held forever
+there. Two such locks are taken by the runtime's own background threads (the cpu stream workers,
+the device thread) the first time work runs: Python's per-module import lock, while a worker
+imports a module on first use (``threadpoolctl`` at the first stream item, ``numba`` with
+``runtime.kernels.cpu_loops`` at the first nn kernel), and numba's compiler lock while a worker
+compiles (or loads from the cache) a loop. A fork while work is pending in a fresh process then
+made the child hang at its first use of that module or of numba (issue 24 item 4's kind).
+
+In the child, :func:`forget_imports_of_other_threads` drops every import another thread had in
+progress (the module, half initialised, leaves ``sys.modules`` with its lock; the child imports
+it afresh when it needs it), and :func:`free_numba_compiler_lock` replaces numba's compiler lock
+when another thread held it. Registered before the runtime's other fork handlers (which may
+import).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+
+def forget_imports_of_other_threads() -> list:
+    """(in a forked child) Forget the imports other threads had in progress at the fork: their
+    module locks are held by threads that do not exist here, so importing the module would wait
+    forever. Returns the module names dropped. An import the forking thread itself has in
+    progress (a fork at a module's top level) is left alone."""
+    bs = sys.modules.get("_frozen_importlib") or sys.modules.get("importlib._bootstrap")
+    locks = getattr(bs, "_module_locks", None)
+    if not locks:
+        return []
+    me = threading.get_ident()
+    dropped = []
+    for name, ref in list(locks.items()):
+        try:
+            lock = ref() if callable(ref) else ref
+        except Exception:  # noqa: BLE001 - an interpreter's own layout: leave it
+            continue
+        owner = getattr(lock, "owner", None)
+        if owner is None or owner == me:
+            continue
+        locks.pop(name, None)
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(getattr(mod, "__spec__", None), "_initializing", False):
+            dropped.append(name)        # half initialised: imported afresh on first use here
+    if dropped:                         # with its submodules: a package imported again binds
+        prefixes = tuple(n + "." for n in dropped)      # them as attributes only when it
+        for name in [n for n in sys.modules if n in dropped or n.startswith(prefixes)]:
+            del sys.modules[name]                       # imports them itself
+    return dropped
+
+
+def free_numba_compiler_lock() -> bool:
+    """(in a forked child) Replace numba's global compiler lock when a thread that did not come
+    along held it (a worker compiling, or loading from numba's cache, at the fork): the child's
+    first compile would wait for it forever. Returns whether it was replaced."""
+    cl = sys.modules.get("numba.core.compiler_lock")
+    lk = getattr(getattr(cl, "global_compiler_lock", None), "_lock", None)
+    if lk is None:
+        return False
+    if lk.acquire(blocking=False):
+        lk.release()
+        return False
+    cl.global_compiler_lock._lock = threading.RLock()
+    return True
+
+
+def _after_fork_in_child() -> None:
+    forget_imports_of_other_threads()
+    free_numba_compiler_lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

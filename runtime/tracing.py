@@ -13,7 +13,8 @@ Lanes (the trace-event format's processes and threads):
   (whichever thread ran it: the device thread or a caller on the combining fast path, one at a
   time), and one lane per stream shows its work as executed: each launch, write and read copy
   on cpu (timed on the worker that ran it); inside a replay, one child slice per recorded
-  launch on cpu and wgpu; one slice per graph launch on cuda. An arrow runs from a handler to
+  launch on cpu and wgpu (on cpu a run of pointwise launches fused into one call is one slice,
+  ``"<kernels> (N launches fused)"``); one slice per graph launch on cuda. An arrow runs from a handler to
   the work it enqueued (so ``replay()`` -> its handler -> the replay's execution), and from an
   event's record to the wait that released another stream (cpu: as executed; wgpu: the one
   queue orders them at submit, so the arrow joins the submits). On wgpu and cuda the stream
@@ -451,14 +452,31 @@ def _cpu_hooks():
 
     def launch_graph(self, stream, graph, mark=None):
         T = _active
-        if T is None or graph.nodes:             # nodes: one slice for the whole replay
+        if T is None:
             return plain_graph(self, stream, graph, mark)
         lane = T.stream_lane(self, stream)
-        proxy = object.__new__(type(graph))
-        for slot in type(graph).__slots__:
-            setattr(proxy, slot, getattr(graph, slot))
-        proxy.calls = tuple(_Child(T, lane, n, c) for c, n in zip(graph.calls, graph.names))
-        return plain_graph(self, stream, proxy, mark)
+        if not graph.nodes:                      # nodes: one slice for the whole replay
+            proxy = object.__new__(type(graph))
+            for slot in type(graph).__slots__:
+                setattr(proxy, slot, getattr(graph, slot))
+            proxy.calls = tuple(_Child(T, lane, n, c) for c, n in zip(graph.calls, graph.names))
+            graph = proxy
+        # launch_graph pushes its replay to the scheduler itself (its _enqueue inlined): the
+        # item is wrapped here, as _enqueue wraps the others (the owner alone pushes)
+        sched = self.scheduler
+        push = sched.push
+
+        def traced(s, item, defer=False):
+            kind, payload = item
+            if kind != SIGNAL and kind != WAIT and not isinstance(payload, _Work):
+                name, fid = _take(T)
+                item = (kind, _Work(T, lane, name, fid, payload))
+            return push(s, item, defer)
+        sched.push = traced
+        try:
+            return plain_graph(self, stream, graph, mark)
+        finally:
+            del sched.push
 
     def not_now(self, *args):
         """While tracing, no work takes the fast paths (run at once on the caller's thread),

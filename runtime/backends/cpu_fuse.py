@@ -89,6 +89,18 @@ _lock = threading.Lock()
 _kernel = None
 
 
+def _after_fork_in_child() -> None:
+    """Only the forking thread comes along into a child: a compile another thread had in
+    progress (holding ``_lock``) never finishes there, so the child gets a fresh lock and
+    compiles itself when it needs to (numba's own compiler lock: ``runtime._fork``)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _interpret(prog):             # compiled by _compile (numba), never called as Python
     ops = prog[0]
     total = prog[1]

@@ -520,3 +520,39 @@ def test_the_kits_programs_make_graphs_that_fuse(monkeypatch):
         run_program(program, scheduler="thread")
     run()
     assert seen["fused"] > 0
+
+
+def test_a_fork_while_the_first_fusion_compiles_leaves_the_child_able_to_fuse():
+    """Only the forking thread comes along into a child: a thread compiling the interpreter at
+    the fork (holding cpu_fuse's lock) left a child whose first fused capture would wait for
+    that lock forever. The child fuses and replays on its own."""
+    from test_fork import _run_fresh
+    out = _run_fresh("""
+        from runtime import kernels as K
+        from runtime.backends import cpu_fuse as F
+        held, go = threading.Event(), threading.Event()
+
+        def compiling():
+            with F._lock:                     # as the first fused capture does
+                held.set()
+                go.wait(30)
+        threading.Thread(target=compiling, daemon=True).start()
+        assert held.wait(30)
+
+        def child():
+            c = runtime.client("cpu")
+            x = c.create(np.arange(64, dtype=np.float32))
+            y = c.empty(64, np.float32)
+            z = c.empty(64, np.float32)
+            c.graph_prepare()
+            c.start_capture()
+            c.launch(K.add_scalar, K.grid(64), [x, y], {"alpha": 1.0, "n": 64})
+            c.launch(K.mul_scalar, K.grid(64), [y, z], {"alpha": 2.0, "n": 64})
+            g = c.stop_capture()
+            g.replay()
+            assert (c.read(z) == (np.arange(64) + 1) * 2).all()
+            assert F.STATE["compiled"], F.STATE
+        print("child", in_child(child))
+        go.set()
+    """)
+    assert out.split() == ["child", "0"]

@@ -216,30 +216,41 @@ def test_fused_replays_equal_unfused_replays_and_numpy_bit_for_bit(be, chain):
     assert sum(F.is_fused(f) for f in g.calls) == _expected_runs(steps)
 
 
-def _arena_views(draw_offsets, arena_bytes=1024):
-    arena = np.zeros(arena_bytes, np.uint8)
-    return arena, [CpuBuffer(arena[off:off + 4 * ELEMS]) for off in draw_offsets]
+def _replay_until_failure(graph):
+    """Replay; the name of the call that raised (its exception type too), or None."""
+    for f, name in zip(graph.calls, graph.names):
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001 - numpy refusing a launch
+            return name, type(e)
+    return None
 
 
 @settings(max_examples=200, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(_chains(buffers=3), st.lists(st.sampled_from([0, 0, 4, 8, 40, 80, 160, 320, 2, 6]),
-                                    min_size=3, max_size=3), st.integers(0, 2**32 - 1))
+                                    min_size=3, max_size=3),
+       st.lists(st.sampled_from([ELEMS, ELEMS, ELEMS // 2]), min_size=3, max_size=3),
+       st.integers(0, 2**32 - 1))
 def test_views_into_one_arena_fuse_only_where_they_are_the_same_memory_or_disjoint(
-        be, chain, offsets, seed):
+        be, chain, offsets, sizes, seed):
     """Handles that are views into one allocation at different offsets (partial overlaps,
-    identical starts, misaligned starts): the fused replay equals the unfused one."""
+    identical starts with other lengths, misaligned starts): the fused replay equals the
+    unfused one, also when a launch numpy refuses (operands of other lengths) stops both at
+    the same launch."""
     _, steps = chain
     fill = np.random.default_rng(seed).standard_normal(256).astype(np.float32)
-    results = []
+    results, failed = [], []
     for on in (True, False):
-        arena, bufs = _arena_views(offsets)
+        arena = np.zeros(1024, np.uint8)
         arena[:] = fill.view(np.uint8)
+        bufs = [CpuBuffer(arena[off:off + 4 * size]) for off, size in zip(offsets, sizes)]
         with _fusion(on), np.errstate(all="ignore"):
             g = CpuGraph(_launches(be, bufs, steps))
         with np.errstate(all="ignore"):
-            _replay(g)
+            failed.append(_replay_until_failure(g))
         results.append(arena.view(np.float32).copy())
+    assert failed[0] == failed[1]
     _assert_same([results[0]], [results[1]])
 
 

@@ -567,3 +567,25 @@ def test_a_fork_while_the_first_fusion_compiles_leaves_the_child_able_to_fuse():
         go.set()
     """)
     assert out.split() == ["child", "0"]
+
+
+def test_without_a_writable_cache_the_interpreter_compiles_in_memory():
+    """A read-only install with no writable cache directory: numba finds no cache locator
+    (it raises at ``cache=True``), and the interpreter is compiled in memory instead."""
+    import subprocess
+    import sys
+    script = (
+        "import numba.core.caching as c\n"
+        "c.CacheImpl._locator_classes = []\n"          # as where no directory is writable
+        "import numpy as np\n"
+        "from runtime.backends import cpu_fuse as F\n"
+        "k = F.kernel()\n"
+        "assert F.STATE == {'compiled': True, 'error': None}, F.STATE\n"
+        "x = np.arange(8, dtype=np.float32); y = np.empty_like(x)\n"
+        "F._fused_call(k, F._array_ops([('add_scalar', y, x, None, np.float32(1)),\n"
+        "                               ('mul', y, y, x, None)]), 2)()\n"
+        "assert (y == (x + 1) * x).all()\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]

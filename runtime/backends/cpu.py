@@ -627,8 +627,9 @@ class CpuBackend(Backend):
         if self.closed:                 # (_enqueue, inlined: every enqueued replay)
             raise ServerClosed("cpu backend is closed")
         self.enqueued += 1
-        self.scheduler.push(stream, ((_TINY if graph.tiny else _CALL) if graph.plain else _RUN,
-                                     replay), graph.small)
+        if self.scheduler.push(stream, ((_TINY if graph.tiny else _CALL) if graph.plain
+                                        else _RUN, replay), graph.small):
+            return False                # deferred: at most DEFER_MAX items are pending
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list

@@ -25,7 +25,11 @@ Exactness (the hard requirement: results bitwise equal to the unfused replay):
   subnormals come out the same; copies and fills move the 32 bits (a signalling NaN's payload
   included). Params are the float32 scalar the unfused call binds (``y.dtype.type(alpha)``),
   made by the kernel's own ``fuse`` description. The first compile is checked against numpy on
-  special values (:func:`_self_check`); a mismatch turns fusion off for the process.
+  special values (:func:`_self_check`); a mismatch turns fusion off for the process. The one
+  freedom: a NaN computed from two NaN operands (an add or mul of two NaNs) may carry the other
+  operand's payload than the unfused call's. IEEE 754 leaves the choice open, and numpy's own
+  loops differ by position (measured here: a 255-element add gives the first operand's payload
+  in the vector body, the second's in the tail), so no replay could match it bit for bit.
 - Element-by-element order equals launch-by-launch order only when no op reads an element
   another op writes at a different index. A run therefore only admits an op whose arrays are,
   against every array already in the run, the very same memory (same data pointer: element
@@ -47,9 +51,13 @@ the same values silently, as the GPU backends do.
 
 Compile cost: numba is imported and the interpreter compiled (or loaded from numba's on-disk
 cache, ``cache=True``; without a writable cache directory it compiles in memory) on the first
-capture that has a run to fuse, once per process (~0.2 s to compile, ~0.05 s from the cache);
-any failure (numba missing, a compile error, the self-check) leaves the unfused calls in place
-and is kept in :data:`STATE`. ``RUNTIME_CPU_FUSE=0`` turns fusion off.
+capture that has a run to fuse, once per process: ~0.2 s to import numba and ~0.4 s for its
+target's first use (which ``runtime.kernels.cpu_loops`` pays too), ~0.3 s more for the first
+compile ever. Any failure (numba missing, a compile error, the self-check) leaves the unfused
+calls in place and is kept in :data:`STATE`. ``RUNTIME_CPU_FUSE=0`` turns fusion off.
+
+Two compiled variants: one keeps the GIL (tiny work), one releases it (work of
+:data:`RELEASE_GIL` op-elements and more, so other threads run meanwhile).
 """
 
 from __future__ import annotations
@@ -87,6 +95,18 @@ _F32 = np.dtype(np.float32)
 STATE: dict = {"compiled": None, "error": None}
 _lock = threading.Lock()
 _kernel = None
+
+
+def _after_fork_in_child() -> None:
+    """Only the forking thread comes along into a child: a compile another thread had in
+    progress (holding ``_lock``) never finishes there, so the child gets a fresh lock and
+    compiles itself when it needs to (numba's own compiler lock: ``runtime._fork``)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _interpret(prog):             # compiled by _compile (numba), never called as Python

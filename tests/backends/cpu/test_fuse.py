@@ -216,30 +216,41 @@ def test_fused_replays_equal_unfused_replays_and_numpy_bit_for_bit(be, chain):
     assert sum(F.is_fused(f) for f in g.calls) == _expected_runs(steps)
 
 
-def _arena_views(draw_offsets, arena_bytes=1024):
-    arena = np.zeros(arena_bytes, np.uint8)
-    return arena, [CpuBuffer(arena[off:off + 4 * ELEMS]) for off in draw_offsets]
+def _replay_until_failure(graph):
+    """Replay; the name of the call that raised (its exception type too), or None."""
+    for f, name in zip(graph.calls, graph.names):
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001 - numpy refusing a launch
+            return name, type(e)
+    return None
 
 
 @settings(max_examples=200, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(_chains(buffers=3), st.lists(st.sampled_from([0, 0, 4, 8, 40, 80, 160, 320, 2, 6]),
-                                    min_size=3, max_size=3), st.integers(0, 2**32 - 1))
+                                    min_size=3, max_size=3),
+       st.lists(st.sampled_from([ELEMS, ELEMS, ELEMS // 2]), min_size=3, max_size=3),
+       st.integers(0, 2**32 - 1))
 def test_views_into_one_arena_fuse_only_where_they_are_the_same_memory_or_disjoint(
-        be, chain, offsets, seed):
+        be, chain, offsets, sizes, seed):
     """Handles that are views into one allocation at different offsets (partial overlaps,
-    identical starts, misaligned starts): the fused replay equals the unfused one."""
+    identical starts with other lengths, misaligned starts): the fused replay equals the
+    unfused one, also when a launch numpy refuses (operands of other lengths) stops both at
+    the same launch."""
     _, steps = chain
     fill = np.random.default_rng(seed).standard_normal(256).astype(np.float32)
-    results = []
+    results, failed = [], []
     for on in (True, False):
-        arena, bufs = _arena_views(offsets)
+        arena = np.zeros(1024, np.uint8)
         arena[:] = fill.view(np.uint8)
+        bufs = [CpuBuffer(arena[off:off + 4 * size]) for off, size in zip(offsets, sizes)]
         with _fusion(on), np.errstate(all="ignore"):
             g = CpuGraph(_launches(be, bufs, steps))
         with np.errstate(all="ignore"):
-            _replay(g)
+            failed.append(_replay_until_failure(g))
         results.append(arena.view(np.float32).copy())
+    assert failed[0] == failed[1]
     _assert_same([results[0]], [results[1]])
 
 
@@ -520,3 +531,61 @@ def test_the_kits_programs_make_graphs_that_fuse(monkeypatch):
         run_program(program, scheduler="thread")
     run()
     assert seen["fused"] > 0
+
+
+def test_a_fork_while_the_first_fusion_compiles_leaves_the_child_able_to_fuse():
+    """Only the forking thread comes along into a child: a thread compiling the interpreter at
+    the fork (holding cpu_fuse's lock) left a child whose first fused capture would wait for
+    that lock forever. The child fuses and replays on its own."""
+    from test_fork import _run_fresh
+    out = _run_fresh("""
+        from runtime import kernels as K
+        from runtime.backends import cpu_fuse as F
+        held, go = threading.Event(), threading.Event()
+
+        def compiling():
+            with F._lock:                     # as the first fused capture does
+                held.set()
+                go.wait(30)
+        threading.Thread(target=compiling, daemon=True).start()
+        assert held.wait(30)
+
+        def child():
+            c = runtime.client("cpu")
+            x = c.create(np.arange(64, dtype=np.float32))
+            y = c.empty(64, np.float32)
+            z = c.empty(64, np.float32)
+            c.graph_prepare()
+            c.start_capture()
+            c.launch(K.add_scalar, K.grid(64), [x, y], {"alpha": 1.0, "n": 64})
+            c.launch(K.mul_scalar, K.grid(64), [y, z], {"alpha": 2.0, "n": 64})
+            g = c.stop_capture()
+            g.replay()
+            assert (c.read(z) == (np.arange(64) + 1) * 2).all()
+            assert F.STATE["compiled"], F.STATE
+        print("child", in_child(child))
+        go.set()
+    """)
+    assert out.split() == ["child", "0"]
+
+
+def test_without_a_writable_cache_the_interpreter_compiles_in_memory():
+    """A read-only install with no writable cache directory: numba finds no cache locator
+    (it raises at ``cache=True``), and the interpreter is compiled in memory instead."""
+    import subprocess
+    import sys
+    script = (
+        "import numba.core.caching as c\n"
+        "c.CacheImpl._locator_classes = []\n"          # as where no directory is writable
+        "import numpy as np\n"
+        "from runtime.backends import cpu_fuse as F\n"
+        "k = F.kernel()\n"
+        "assert F.STATE == {'compiled': True, 'error': None}, F.STATE\n"
+        "x = np.arange(8, dtype=np.float32); y = np.empty_like(x)\n"
+        "F._fused_call(k, F._array_ops([('add_scalar', y, x, None, np.float32(1)),\n"
+        "                               ('mul', y, y, x, None)]), 2)()\n"
+        "assert (y == (x + 1) * x).all()\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]

@@ -481,14 +481,14 @@ class ComputeServer:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
             reads = None
-            for b, st in zip(bindings, states):
+            for acc, st in zip(kernel.accesses, states):
                 w = st.writes
                 if len(w) > 1 or sid not in w and w:    # (only this stream's: nothing to wait)
                     self._wait_for(s, w)
-                if b.access != "read":
+                if acc != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if (b.access != "write" or cst is not None) and st.mark is not CLEAN and (
+                if (acc != "write" or cst is not None) and st.mark is not CLEAN and (
                         not Marks.clean(st)):   # (an indirect count may be 0: writes nothing)
                     if reads is None:
                         reads = []
@@ -521,8 +521,8 @@ class ComputeServer:
             return
         s.pos += 1
         pos = s.pos
-        for b, st in zip(bindings, states):
-            if b.access == "read":
+        for acc, st in zip(kernel.accesses, states):
+            if acc == "read":
                 st.reads[sid] = pos
             else:
                 w = st.writes               # (every reader copies it: updated in place)

@@ -123,14 +123,31 @@ class ServerUnhealthy(ServerError):
 _UNHEALTHY_CLASSES: dict[tuple, type] = {}
 
 
+def _kinds(e) -> tuple:
+    """The ``ServerError`` classes a drain of ``e`` must be an instance of: its own, those of a
+    ``ServerUnhealthy``'s errors, those a ``FoldedErrors`` folded in."""
+    if isinstance(e, ServerUnhealthy):
+        out = ()
+        for x in e.errors:
+            out += _kinds(x)
+        return out
+    k = type(e)
+    return (k,) + getattr(e, "kinds", ()) if issubclass(k, ServerError) else ()
+
+
 def unhealthy(errors) -> ServerUnhealthy:
-    """Build a ``ServerUnhealthy`` that is also an instance of each drained error's class."""
+    """Build a ``ServerUnhealthy`` that is also an instance of each drained error's class
+    (errors folded into a ``FoldedErrors`` included)."""
     errors = list(errors)
     kinds = []
     for e in errors:
-        k = type(e)
-        if k not in kinds and k is not ServerUnhealthy and issubclass(k, ServerError):
-            kinds.append(k)
+        for k in (type(e),) + getattr(e, "kinds", ()):
+            if k not in kinds and k is not ServerUnhealthy and issubclass(k, ServerError):
+                kinds.append(k)
+    # a class another one derives from goes (ServerError itself, LaunchError beside
+    # LoopLimitExceeded): as a base listed before its subclass it made the MRO fail, and the
+    # drain fell back to a plain ServerUnhealthy that was an instance of none of them
+    kinds = [k for k in kinds if not any(o is not k and issubclass(o, k) for o in kinds)]
     key = tuple(kinds)
     cls = _UNHEALTHY_CLASSES.get(key)
     if cls is None:
@@ -159,6 +176,9 @@ class FoldedErrors(ServerError):
 
     count = 0
     last = None
+    #: the ``ServerError`` classes of the errors folded in, first seen first: the drain that
+    #: raises them is an instance of each (``unhealthy``), as if none had been folded
+    kinds = ()
 
     @classmethod
     def of(cls, first) -> "FoldedErrors":
@@ -168,18 +188,32 @@ class FoldedErrors(ServerError):
         return folded
 
     def add(self, err) -> None:
-        """Count ``err`` in (a ``FoldedErrors`` adds its count)."""
+        """Count ``err`` in (a ``FoldedErrors`` adds its count and classes)."""
         if isinstance(err, FoldedErrors):
             self.count += err.count
+            kinds = err.kinds
             err = err.last
         else:
             self.count += 1
+            kinds = _kinds(err)
+        for k in kinds:
+            if k not in self.kinds:
+                self.kinds += (k,)
         self.last = err
         self.args = (f"{self.count} more queued errors (the latest: {type(err).__name__}: "
                      f"{err})",)
 
     def __reduce__(self):
-        return (ServerError, self.args)       # a plain ServerError with the same message
+        # the same message, count and classes (so a drain rebuilt from it is still an instance
+        # of each); the last error itself stays behind (it may not pickle)
+        return (_refold, (self.args, self.count, self.kinds))
+
+
+def _refold(args, count, kinds) -> FoldedErrors:
+    """A ``FoldedErrors`` rebuilt by pickle (``FoldedErrors.__reduce__``)."""
+    folded = FoldedErrors(*args)
+    folded.count, folded.kinds = count, tuple(kinds)
+    return folded
 
 
 def fold_errors(errors: list, limit: int = MAX_QUEUED_ERRORS) -> None:

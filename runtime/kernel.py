@@ -86,7 +86,7 @@ class Kernel:
     """
 
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
-                 "param_names", "__weakref__")
+                 "param_names", "accesses", "_f32", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None):
@@ -111,6 +111,9 @@ class Kernel:
             raise ValueError(f"kernel {name}: give at least one source (wgsl=, cuda= or cpu=)")
         self.wgsl, self.cuda, self.cpu = wgsl, cuda, cpu
         self.param_names = tuple(p.name for p in self.params)
+        #: each binding's access, in order (what the launch path tests per binding)
+        self.accesses = tuple(b.access for b in self.bindings)
+        self._f32 = tuple(p.dtype == "f32" for p in self.params)
 
     def __repr__(self):
         return f"Kernel({self.name!r}, bindings={len(self.bindings)}, params={list(self.param_names)})"
@@ -129,14 +132,13 @@ class Kernel:
             values = ()
         if type(values) is dict and len(values) == len(self.params):
             try:                                  # fast path: exact names, plain numbers
-                out = tuple([values[n] for n in self.param_names])
+                out = tuple(map(values.__getitem__, self.param_names))
             except KeyError:
                 pass
             else:
-                for p, v in zip(self.params, out):
+                for f32, v in zip(self._f32, out):
                     t = type(v)
-                    if not (t is float and p.dtype == "f32" or t is int and p.dtype != "f32"
-                            and (0 <= v < 2**31)):
+                    if not (t is float if f32 else t is int and 0 <= v < 2147483648):
                         break
                 else:
                     return out

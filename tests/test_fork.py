@@ -293,3 +293,38 @@ def test_a_fork_while_the_first_work_of_the_process_is_pending_leaves_a_working_
         print(statuses, pending.numpy().shape)
     """)
     assert out.strip() == "[0, 0, 0, 0, 0] (64, 384)"
+
+
+def test_a_fork_while_a_worker_records_a_failure_leaves_the_child_able_to_fail():
+    """A worker recording a failure at the fork (``Mark.fail`` holds the failure counter's
+    lock for a few bytecodes) left that lock held in the child: its first failed launch hung
+    (found by ADV2). The lock is held by a thread here, as that worker would."""
+    out = _run_fresh("""
+        from runtime.server.marks import Mark
+        held, go = threading.Event(), threading.Event()
+
+        def holder():
+            with Mark._lock:
+                held.set()
+                go.wait(30)
+        t = threading.Thread(target=holder)
+        t.start()
+        assert held.wait(30)
+
+        def child():
+            def fails(y, *, count):
+                raise ValueError("planned")
+            k = runtime.Kernel("fails", [runtime.Binding("y", "f32", "write")], cpu=fails)
+            cc = runtime.client("cpu")
+            y = cc.create(np.zeros(4, np.float32))
+            cc.launch(k, 1, [y])
+            try:
+                cc.read(y)
+            except runtime.ReplayFailed:
+                return
+            raise AssertionError("the failed launch's output read returned")
+        print("child", in_child(child))
+        go.set()
+        t.join(30)
+    """)
+    assert out.split() == ["child", "0"]

@@ -265,7 +265,10 @@ class Backend:
 
     def launch_graph(self, stream, graph, mark=None) -> None:
         """Enqueue one replay of ``graph`` on ``stream``; return once it is enqueued; ``mark``:
-        see the module doc (a launch of the graph failed while it executed)."""
+        see the module doc (a launch of the graph failed while it executed). Returns None, or
+        False when the backlog is known to be far below the device queue's bounds (the cpu
+        backend's deferred work, at most ``DEFER_MAX`` items): the replay then skips looking
+        for room in the queue (``Graph.replay``)."""
         raise UnsupportedError(f"graph replay is not supported by the {self.name} backend")
 
     def launch_graph_now(self, stream, graph) -> bool:

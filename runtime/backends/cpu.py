@@ -433,24 +433,14 @@ class CpuBackend(Backend):
         (``launch_now``, ``launch_graph_now``, ``flush``): a blocking runtime call it makes
         would wait for that lock forever. Walks the calling thread's frames: called only by a
         wait that has lasted a poll interval (``DeviceQueue.wait``), never on a hot path."""
-        f = sys._getframe(1)
-        while f is not None:
-            if f.f_code in _INLINE_CODES:
-                return True
-            f = f.f_back
-        return False
+        return _on_stack(_INLINE_CODES)
 
     def in_kernel(self) -> bool:
         """Whether the calling thread is running a kernel body (on a worker, on a waiter that
         helps its stream, or at once on the fast paths): a blocking runtime call it makes may
         wait for that very body. Walks the frames; asked only by a wait that has lasted a poll
         interval (``DeviceQueue.wait``)."""
-        f = sys._getframe(1)
-        while f is not None:
-            if f.f_code in _KERNEL_CODES:
-                return True
-            f = f.f_back
-        return False
+        return _on_stack(_KERNEL_CODES)
 
     def idle(self, stream):
         return not stream.q and not stream.busy and not stream.errors and not self.closed
@@ -627,8 +617,9 @@ class CpuBackend(Backend):
         if self.closed:                 # (_enqueue, inlined: every enqueued replay)
             raise ServerClosed("cpu backend is closed")
         self.enqueued += 1
-        self.scheduler.push(stream, ((_TINY if graph.tiny else _CALL) if graph.plain else _RUN,
-                                     replay), graph.small)
+        if self.scheduler.push(stream, ((_TINY if graph.tiny else _CALL) if graph.plain
+                                        else _RUN, replay), graph.small):
+            return False                # deferred: at most DEFER_MAX items are pending
 
     def destroy_graph(self, stream, graph):
         pass  # queued replays hold their own references to the launch list
@@ -691,6 +682,16 @@ class CpuBackend(Backend):
                 kind, payload = s.q.popleft()
                 if kind == _SIGNAL and isinstance(payload, Completion):
                     payload.fail(err)
+
+
+def _on_stack(codes) -> bool:
+    """Whether a frame of the calling thread runs one of the code objects ``codes``."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code in codes:
+            return True
+        f = f.f_back
+    return False
 
 
 #: the code of the methods that run kernel bodies on the server's owner (``reentrant``)

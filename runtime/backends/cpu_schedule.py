@@ -60,10 +60,11 @@ class Scheduler:
     def notify(self) -> None:
         """Work was enqueued."""
 
-    def push(self, stream, item, defer: bool = False) -> None:
+    def push(self, stream, item, defer: bool = False):
         """Append ``item`` to ``stream``'s queue and let a worker know (``defer``: the work is
         small and a caller will probably wait for it soon; a scheduler may leave it for that
-        caller to run, see ``ThreadScheduler``)."""
+        caller to run, see ``ThreadScheduler``). Returns True when it was left so (the backlog
+        is then at most ``DEFER_MAX`` items), else None."""
         stream.q.append(item)
 
     def kick(self) -> None:
@@ -149,7 +150,7 @@ class ThreadScheduler(Scheduler):
                 if self.poller_asleep:      # (read after the count: see _loop)
                     with self.cv:
                         self.cv.notify_all()
-                return
+                return True
         with self.cv:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
             if s.sched == IDLE and not s.busy:

@@ -296,8 +296,7 @@ class ComputeClient:
                               f"{[b.name for b in kernel.bindings]}, got {len(handles)} handles")
         srv = self._server
         try:                                      # fast path: live handles of this server
-            hids = [h.id for h in handles if h._server is srv and not h.released
-                    and h.dtype.itemsize in (1, 4)]
+            hids = [h.id for h in handles if h._bindable is srv]
         except AttributeError:
             hids = ()
         if len(hids) != len(handles):

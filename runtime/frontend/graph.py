@@ -23,6 +23,8 @@ class _Owner:
             self.count += 1
 
     def drop(self):
+        if self.server.closed:  # nothing to release (also in a forked child, where a thread of
+            return              # the parent may have held the lock at the fork: never taken)
         with self.lock:
             self.count -= 1
             last = self.count == 0

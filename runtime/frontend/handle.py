@@ -25,7 +25,8 @@ class Handle:
     buffer reads or corrupts whatever lands there (seed 001: liveness).
     """
 
-    __slots__ = ("id", "nbytes", "dtype", "shape", "_server", "_stream", "released", "__weakref__")
+    __slots__ = ("id", "nbytes", "dtype", "shape", "_server", "_stream", "released", "_bindable",
+                 "__weakref__")
 
     def __init__(self, server, stream, nbytes: int, dtype, shape):
         self.id = next(_ids)
@@ -35,6 +36,9 @@ class Handle:
         self._server = server
         self._stream = stream
         self.released = False
+        # the server while the handle is live and a kernel may bind it (4-byte or raw bytes):
+        # the one identity test a launch makes per handle (ComputeClient.launch)
+        self._bindable = server if self.dtype.itemsize in (1, 4) else None
 
     @property
     def size(self) -> int:
@@ -45,6 +49,7 @@ class Handle:
         """Free the buffer now (idempotent). Later use of this handle raises ``InvalidHandle``."""
         if not self.released:
             self.released = True
+            self._bindable = None
             srv = self._server
             if not srv.closed:
                 srv.release(srv.h_free, self._stream, self.id)
@@ -53,6 +58,7 @@ class Handle:
         try:
             if not self.released:
                 self.released = True
+                self._bindable = None
                 srv = self._server
                 if not srv.closed:
                     srv.release(srv.h_free, self._stream, self.id)

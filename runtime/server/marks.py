@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 import threading
 
 from ..errors import LaunchError, ReplayFailed, ServerError, ServerUnhealthy, detach, unhealthy
@@ -208,6 +209,16 @@ class Mark:
 
 #: the mark of a buffer whose last writer cannot fail later (a host write, a fresh buffer).
 CLEAN = Mark(("host", "host write"))
+
+
+def _after_fork_in_child() -> None:
+    # a worker recording a failure at the fork held the failure counter's lock, which no
+    # thread of the child would ever release: every failure there (Mark.fail) hung
+    Mark._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Marks:

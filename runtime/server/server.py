@@ -481,14 +481,14 @@ class ComputeServer:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
             reads = None
-            for b, st in zip(bindings, states):
+            for acc, st in zip(kernel.accesses, states):
                 w = st.writes
                 if len(w) > 1 or sid not in w and w:    # (only this stream's: nothing to wait)
                     self._wait_for(s, w)
-                if b.access != "read":
+                if acc != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if (b.access != "write" or cst is not None) and st.mark is not CLEAN and (
+                if (acc != "write" or cst is not None) and st.mark is not CLEAN and (
                         not Marks.clean(st)):   # (an indirect count may be 0: writes nothing)
                     if reads is None:
                         reads = []
@@ -521,8 +521,8 @@ class ComputeServer:
             return
         s.pos += 1
         pos = s.pos
-        for b, st in zip(bindings, states):
-            if b.access == "read":
+        for acc, st in zip(kernel.accesses, states):
+            if acc == "read":
                 st.reads[sid] = pos
             else:
                 w = st.writes               # (every reader copies it: updated in place)
@@ -747,8 +747,9 @@ class ComputeServer:
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
-        True, or None when the backend ran it at once instead (``Backend.launch_graph_now``:
-        tiny work on an idle stream), so the caller need not look for room in the queue.
+        True (the caller looks for room in the queue), False (enqueued where the backend knows
+        its backlog is small: ``Backend.launch_graph``), or None when the backend ran it at once
+        instead (``Backend.launch_graph_now``: tiny work on an idle stream).
 
         The first replay waits for the work other streams had pending on the graph's buffers at
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
@@ -823,7 +824,7 @@ class ComputeServer:
                     self.marks.inherit(m, [(st.id, old), (st.id, mark)])
                     mark.also += (m,)       # finished with the replay (Mark.finished)
                     kept.append((st, m))
-            self.backend.launch_graph(s.raw, graph, mark)
+            room = self.backend.launch_graph(s.raw, graph, mark)
         except Exception as e:
             err = e if isinstance(e, ServerError) else UnsupportedError(
                 f"replay of graph {gid} failed on {self.backend.name}: {e}")
@@ -838,7 +839,7 @@ class ComputeServer:
         if kept:
             for st, m in kept:
                 st.mark = m
-        return True
+        return room is not False
 
     def _kept_marks(self, g) -> tuple:
         """For the buffers graph ``g`` writes only inside conditional nodes

@@ -28,7 +28,8 @@ Four tools, usable alone or together (README "Testing your stream ordering"):
 from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (CaptureIf, CaptureWhile, Clone, Create, CreateFlag, Empty, Free,
                       KernelSpec, Launch, Prepare, Program, Read, RecordEvent, Release, Replay,
-                      StartCapture, StopCapture, Sync, Thread, Update, WaitEvent, Write, copy32,
+                      StartCapture, StopCapture, Sync, Thread, Update, UpdateCount, WaitEvent, Write,
+                      copy32,
                       count_down, set_counter)
 from ..server import backend_unavailable
 from .run import ProgramMismatch, ProgramRun, Step, run_program
@@ -40,4 +41,5 @@ __all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", 
            "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
            "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
            "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
-           "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "set_counter", "count_down", "Thread"]
+           "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "UpdateCount", "set_counter",
+           "count_down", "Thread"]

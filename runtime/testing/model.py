@@ -46,6 +46,49 @@ class _Buf:
         self.dtype = dtype               # numpy dtype
 
 
+class _Zero(tuple):
+    """A recorded launch whose workgroup count ``g.update(count=...)`` set to 0: a replay runs
+    nothing for it, so what it writes keeps its state (a failure mark included: it is written
+    only by a launch that may not run, ``runtime.server.capture.maybe_written``) and it hides no
+    later read; its ``read`` bindings still count as the graph's sources (as the server counts
+    them)."""
+
+    __slots__ = ()
+
+    def __new__(cls, launch):
+        return tuple.__new__(cls, (launch,))
+
+    @property
+    def launch(self):
+        return self[0]
+
+    @property
+    def bufs(self):
+        return self[0].bufs
+
+
+def _flat(items) -> list:
+    """The recorded launches of ``items`` in ``g.launches()`` order (``_Zero`` s kept)."""
+    return P.flat_launches(items)
+
+
+def _map_launches(items, fn, counter):
+    """``items`` with each recorded launch (or ``_Zero``) ``x`` replaced by ``fn(i, x)``, ``i``
+    its index in ``g.launches()`` order (``counter``: a one-element list, the next index)."""
+    out = []
+    for it in items:
+        if isinstance(it, P.CaptureIf):
+            out.append(it._replace(then=_map_launches(it.then, fn, counter),
+                                   other=_map_launches(it.other, fn, counter)))
+        elif isinstance(it, P.CaptureWhile):
+            init = _map_launches(it.init, fn, counter)
+            out.append(it._replace(init=init, body=_map_launches(it.body, fn, counter)))
+        else:
+            out.append(fn(counter[0], it))
+            counter[0] += 1
+    return tuple(out)
+
+
 class _Window:
     __slots__ = ("launches", "allocs", "uses", "refused")
 
@@ -85,7 +128,8 @@ class Model:
 
     def skip(self, op):
         """Why ``op`` cannot be issued (it names a graph or event that was never made), or None."""
-        if isinstance(op, (P.Replay, P.Release, P.Clone, P.Update)) and op.graph not in self.graphs:
+        if isinstance(op, (P.Replay, P.Release, P.Clone, P.Update, P.UpdateCount)) and (
+                op.graph not in self.graphs):
             return f"g{op.graph} was not made"
         if isinstance(op, P.WaitEvent) and op.event not in self.events:
             return f"e{op.event} was not recorded"
@@ -339,13 +383,14 @@ class Model:
                         sources.add(it.counter)
                     walk(it.body, False)
                 else:
-                    spec = self.p.kernels[it.kernel]
+                    zero = isinstance(it, _Zero)
+                    spec = self.p.kernels[(it.launch if zero else it).kernel]
                     binds = list(zip(it.bufs, spec.kernel.bindings))
                     sources.update(b for b, bind in binds
                                    if bind.access != "write" and b not in written)
                     out = {b for b, bind in binds if bind.access != "read"}
                     writes.update(out)
-                    if top:
+                    if top and not zero:          # a count of 0 may write nothing
                         written.update(out)
         walk(items, True)
         return items, writes, sources
@@ -390,10 +435,11 @@ class Model:
                     walk(it.init, at_top)
                     walk(it.body, False)
                 else:
-                    spec = self.p.kernels[it.kernel]
+                    zero = isinstance(it, _Zero)
+                    spec = self.p.kernels[(it.launch if zero else it).kernel]
                     out = {b for b, bind in zip(it.bufs, spec.kernel.bindings)
                            if bind.access != "read"}
-                    (top if at_top else inner).update(out)
+                    (top if at_top and not zero else inner).update(out)
         walk(items, True)
         return inner - top
 
@@ -439,6 +485,8 @@ class Model:
                         break
                     status = self._run_items(item.body)
                     done += 1
+            elif isinstance(item, _Zero):
+                status = "ok"                     # a count of 0: runs nothing
             else:
                 status = self._apply(item, propagate=False)
             if status != "ok":
@@ -536,6 +584,8 @@ class Model:
             return op.new if b == op.old else b
 
         def rename(item):
+            if isinstance(item, _Zero):
+                return _Zero(rename(item.launch))
             if isinstance(item, P.Launch):
                 return item._replace(bufs=tuple(rb(b) for b in item.bufs))
             if isinstance(item, P.CaptureIf):
@@ -544,6 +594,26 @@ class Model:
             return item._replace(counter=rb(item.counter), init=tuple(map(rename, item.init)),
                                  body=tuple(map(rename, item.body)))
         new = (s,) + self._sets(tuple(rename(i) for i in items))
+        for g, info in list(self.graphs.items()):   # clones share the backend graph
+            if info[1] is items:
+                self.graphs[g] = new
+        return self._expect_ok(error, what)
+
+    def _updatecount(self, op, value, error):
+        s, items, writes, sources = self.graphs[op.graph]
+        what = f"update of g{op.graph} (count of launch {op.index})"
+        if s in self.windows:
+            return self._expect_raise(error, CaptureRefused, what + " (its stream is capturing)")
+        if op.index >= len(_flat(items)):
+            return self._expect_raise(error, ValueError, what + " (no such launch)")
+        zero = 0 in (op.x, op.y, op.z)
+
+        def swap(i, it):
+            if i != op.index:
+                return it
+            launch = it.launch if isinstance(it, _Zero) else it
+            return _Zero(launch) if zero else launch
+        new = (s,) + self._sets(_map_launches(items, swap, [0]))
         for g, info in list(self.graphs.items()):   # clones share the backend graph
             if info[1] is items:
                 self.graphs[g] = new

@@ -350,6 +350,16 @@ Update = _simple_op("Update", "client graph old new",
                     "for the replays enqueued after it.")
 
 
+UpdateCount = _simple_op("UpdateCount", "client graph index x y z",
+                         "g{graph}.update(count={{{index}: ({x}, {y}, {z})}})",
+                         lambda op, c, objs: objs.graphs[op.graph].update(
+                             count={op.index: (op.x, op.y, op.z)}),
+                         "``g.update(count={i: (x, y, z)})``: launch ``i`` of the graph (in "
+                         "``g.launches()`` order) runs ``(x, y, z)`` workgroups in the replays "
+                         "enqueued after it; ``(0, 1, 1)`` runs nothing (what it writes keeps its "
+                         "failure marks: docs/contract.md section 4b).")
+
+
 @dataclass(frozen=True, repr=False)
 class Program:
     """A generated program: ``ops`` then ``final`` (a sync of every stream and a read of every
@@ -437,4 +447,4 @@ class Program:
 OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, Sync, RecordEvent,
                                      WaitEvent, Prepare, StartCapture, StopCapture, Replay,
                                      Release, Clone, CreateFlag, CaptureIf, CaptureWhile,
-                                     Update, Thread)}
+                                     Update, UpdateCount, Thread)}

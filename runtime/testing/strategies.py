@@ -23,7 +23,7 @@ syncs only (``Builder._maybe``).
 
 from __future__ import annotations
 
-from ..kernel import DTYPES
+from ..kernel import DTYPES, normalize_count
 from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
@@ -43,20 +43,22 @@ def _choices(weight) -> tuple:
 
 
 class _Window:
-    __slots__ = ("client", "uses", "allocs", "refused")
+    __slots__ = ("client", "uses", "allocs", "refused", "launches")
 
     def __init__(self, client):
         self.client = client
         self.uses: dict = {}             # buf -> True if a recorded launch writes it
         self.allocs: set = set()
         self.refused = False
+        self.launches: list = []         # the recorded Launch ops, in g.launches() order
 
 
 class _Graph:
-    __slots__ = ("stream", "uses", "required")
+    __slots__ = ("stream", "uses", "required", "launches")
 
-    def __init__(self, stream, uses, required):
+    def __init__(self, stream, uses, required, launches=()):
         self.stream, self.uses, self.required = stream, uses, required
+        self.launches = tuple(launches)
 
 
 class Builder:
@@ -262,6 +264,7 @@ class Builder:
                 return
             for b, wr in uses.items():
                 w.uses[b] = w.uses.get(b, False) or wr
+            w.launches.append(op)
         elif not self._access(s, uses, False):
             return
         self.ops.append(op)
@@ -419,7 +422,7 @@ class Builder:
         self.ngraph += 1
         self.ops.append(P.StopCapture(w.client, g))
         if not w.refused:
-            self.graphs[g] = _Graph(s, dict(w.uses), set(w.uses) - w.allocs)
+            self.graphs[g] = _Graph(s, dict(w.uses), set(w.uses) - w.allocs, w.launches)
 
     def scratch(self, s=None):
         """A buffer allocated inside the window (of stream ``s``, drawn when None), filled by
@@ -492,7 +495,7 @@ class Builder:
         c = self.ngraph
         self.ngraph += 1
         self.ops.append(P.Clone(info.stream, g, c))
-        self.graphs[c] = _Graph(info.stream, info.uses, info.required)
+        self.graphs[c] = _Graph(info.stream, info.uses, info.required, info.launches)
         if self.flag():
             del self.graphs[g]
             self.ops.append(P.Release(info.stream, g))
@@ -595,17 +598,21 @@ class Builder:
                 return
             for buf, wr in uses.items():
                 w.uses[buf] = w.uses.get(buf, False) or wr
+            w.launches.extend(op.launches())
         elif not self._access(s, uses, False):
             return
         self.ops.append(op)
 
     def update(self):
         """``g.update(rebind={old: new})`` of a made graph whose stream is not recording:
-        ``old`` one of its buffers, ``new`` a live buffer of the same dtype it does not use."""
+        ``old`` one of its buffers, ``new`` a live buffer of the same dtype it does not use;
+        a third of the time ``g.update(count={i: ...})`` instead (:meth:`update_count`)."""
         g = self.pick(sorted(self.graphs))
         info = self.graphs[g]
         if info.stream in self.windows or info.required is None:
             return
+        if info.launches and self.draw_third():
+            return self.update_count(g)
         flags = set(self.flags.values())
         olds = [b for b in sorted(info.uses) if b in self.live and b not in flags]
         if not olds:
@@ -620,9 +627,29 @@ class Builder:
         else:
             return
         self.ops.append(P.Update(info.stream, g, old, new))
+        info.launches = tuple(la._replace(bufs=tuple(new if b == old else b for b in la.bufs))
+                              for la in info.launches)
         info.uses[new] = info.uses.pop(old)        # shared by its clones, like the graph
         info.required.discard(old)
         info.required.add(new)
+
+    def draw_third(self) -> bool:
+        from hypothesis import strategies as st
+        return self.draw(st.integers(0, 2)) == 0
+
+    def update_count(self, g):
+        """``g.update(count={i: (0, 1, 1)})`` (launch ``i`` then runs nothing: what it writes
+        keeps a failure mark, and it hides no later read, docs/contract.md section 4b), or back
+        to the launch's own count. Not a loop's counter launches (the loop must end)."""
+        info = self.graphs[g]
+        idx = [i for i, la in enumerate(info.launches)
+               if la.kernel not in (self.cfg["set_counter"], self.cfg["count_down"])]
+        if not idx:
+            return
+        i = self.pick(idx)
+        count = (0, 1, 1) if self.flag() else normalize_count(
+            self.cfg["kernels"][info.launches[i].kernel].count)
+        self.ops.append(P.UpdateCount(info.stream, g, i, *count))
 
     def program(self) -> P.Program:
         for s in sorted(self.windows):
@@ -652,7 +679,9 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             releases; ``capture_if``/``capture_while`` (eager, and recorded as conditional
             nodes inside a window) over per-stream 1-element i32 flags and loop counters
             (``CreateFlag``; the builtins ``set_counter``/``count_down`` bound each loop by its
-            ``max_iterations``); ``Graph.update(rebind=...)`` of a made graph.
+            ``max_iterations``); ``Graph.update(rebind=...)`` of a made graph, and
+            ``Graph.update(count=...)`` setting a launch's count to 0 (it runs nothing: what it
+            writes keeps a failure mark) or back.
         size: elements per buffer.
         steps: the most calls drawn (ordering calls the builder inserts come on top).
         values: ``{dtype: strategy of one element}``; default small integers (exact in f32).

@@ -260,14 +260,15 @@ def test_a_dead_backend_worker_wakes_the_waiting_reader():
             raise SystemExit("test: kill the worker")
         return execute(*args)
     backend.execute = dying
-    for _ in backend.scheduler.threads:
+    threads = backend.scheduler.threads   # every one dead (is_alive() turns False at the first:
+    n = 1 << 19                           # a survivor ran the work below under load, and the
+    deadline = time.time() + 10           # read returned): large launches, which a worker runs
+    while any(t.is_alive() for t in threads) and time.time() < deadline:
         k = c.with_stream(runtime.StreamId.new())
-        k.launch(K.fill, 1, [k.create(np.zeros(4, np.float32))], {"value": 1.0, "n": 4})
-    deadline = time.time() + 5
-    while backend.is_alive() and time.time() < deadline:
+        k.launch(K.fill, K.grid(n), [k.empty(n, np.float32)], {"value": 1.0, "n": n})
         time.sleep(0.01)
     backend.execute = execute
-    assert not backend.is_alive()
+    assert not any(t.is_alive() for t in threads)
     a = c.with_stream(runtime.StreamId.new())
     b = c.with_stream(runtime.StreamId.new())
     h = a.create(np.zeros(4, np.float32))        # queued on a; no worker will run it
@@ -275,3 +276,37 @@ def test_a_dead_backend_worker_wakes_the_waiting_reader():
     with pytest.raises(ServerClosed, match="worker"):
         b.read(h)
     c.shutdown()
+
+
+def test_a_drain_is_an_instance_of_each_class_it_raises_related_or_folded():
+    """A blocking call raises the errors queued on its stream as one ServerUnhealthy that is
+    an instance of each of their classes (section 1). Found by ADV2: (1) a drain of a
+    LaunchError and a LoopLimitExceeded (its subclass), or of a plain ServerError and any
+    other, was an instance of none of them (the combined class's MRO failed: a base listed
+    before its subclass); (2) errors folded past MAX_QUEUED_ERRORS (a stream that never
+    blocks) lost their classes: 70 refused allocations, then a launch whose kernel fails to
+    compile: ``except LaunchError`` missed the sync's error; a pickled copy too."""
+    import pickle
+
+    from runtime.errors import LoopLimitExceeded, OutOfMemory, unhealthy
+
+    e = unhealthy([LaunchError("a"), LoopLimitExceeded("b")])
+    assert isinstance(e, LaunchError) and isinstance(e, LoopLimitExceeded)
+    e = unhealthy([ServerError("internal"), OutOfMemory("b")])
+    assert isinstance(e, OutOfMemory)
+
+    c = runtime.client("cpu")
+    c.set_stream(runtime.StreamId.new())
+    h = c.create(np.zeros(4, np.float32))
+    no_cpu = runtime.Kernel("no_cpu_body", [runtime.Binding("y", "f32", "read_write")], wgsl="x")
+    for _ in range(70):
+        c.empty(1 << 46)                  # OutOfMemory, queued on the stream (nobody blocks)
+    c.launch(no_cpu, 1, [h])              # LaunchError (compile), queued after them: folded
+    with pytest.raises(ServerUnhealthy) as info:
+        c.sync()
+    err = info.value
+    assert isinstance(err, OutOfMemory) and isinstance(err, LaunchError), type(err).__mro__
+    assert "no_cpu_body" in str(err)
+    copy = pickle.loads(pickle.dumps(err))
+    assert isinstance(copy, OutOfMemory) and isinstance(copy, LaunchError)
+    c.sync()                              # drained once

@@ -17,7 +17,10 @@ Conventions every backend follows:
   callable()``: the same work as one zero-argument call with views, params and output bound once
   (e.g. ``functools.partial(np.add, x[:n], alpha, y[:n])``). A software graph on the cpu
   backend resolves each recorded launch into it at capture, so a replay is a loop of such calls
-  (issue 26); without it the graph calls ``cpu`` with the recorded arguments.
+  (issue 26); without it the graph calls ``cpu`` with the recorded arguments. A ``fuse``
+  attribute besides (``runtime.kernels.pointwise.elementwise``) describes the launch as one
+  float32 op of ``runtime.backends.cpu_fuse``, which runs a run of such launches as one
+  compiled call.
 """
 
 from __future__ import annotations

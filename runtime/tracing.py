@@ -356,14 +356,14 @@ def _client_call(plain):
 
 def _client_wait(plain):
     """The traced ``DeviceQueue.wait``: a ``wait`` slice inside the call that asked for it."""
-    def traced(queue, waitable):
+    def traced(queue, waitable, msg=None):
         T = _active
         if T is None:
-            return plain(queue, waitable)
+            return plain(queue, waitable, msg)
         lane = T.client_lane()
         t0 = T.now()
         try:
-            return plain(queue, waitable)
+            return plain(queue, waitable, msg)
         finally:
             end = T.now()
             T.emit("X", "wait", lane, t0, end - t0)

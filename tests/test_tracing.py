@@ -114,6 +114,31 @@ def test_tiny_work_on_an_idle_cpu_stream_shows_on_its_lane_while_tracing(tmp_pat
     assert sum(n.startswith("add_scalar") for n in on_stream) >= 2, on_stream
 
 
+def test_a_blocking_call_that_waits_for_the_device_thread_works_while_tracing():
+    """A call queued behind another thread's message waits for its answer
+    (``DeviceQueue.wait(slot, msg)``); the traced wait took no ``msg`` and raised TypeError
+    in every program with two threads calling at once (found by a new user's trial)."""
+    import threading
+    import time
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.arange(16, dtype=np.float32))
+    got = []
+    with runtime.trace() as t:
+        owner = c._server.queue._owner
+        owner.acquire()                       # another thread is inside a message
+        th = threading.Thread(target=lambda: got.append(c.read(x)))
+        try:
+            th.start()
+            time.sleep(0.2)                   # the read is queued and waits for its answer
+        finally:
+            owner.release()
+            c._server.queue._wake.set()
+        th.join(30)
+    assert not th.is_alive() and len(got) == 1, got
+    np.testing.assert_array_equal(got[0], np.arange(16, dtype=np.float32))
+    assert any(e["name"] == "wait" for e in t.events() if e["ph"] == "X")
+
+
 def test_a_cross_stream_wait_shows_its_arrow_from_the_record_to_the_wait():
     c = runtime.client("cpu", scheduler="interleave", seed=0)   # all work deferred: waits queue
     try:

@@ -328,3 +328,40 @@ def test_a_fork_while_a_worker_records_a_failure_leaves_the_child_able_to_fail()
         t.join(30)
     """)
     assert out.split() == ["child", "0"]
+
+
+def test_a_child_of_a_process_that_opened_a_wgpu_device_is_told_so_instead_of_hanging():
+    """wgpu-native and the Vulkan driver (lavapipe here) do not survive a fork: a child of a
+    process that opened a wgpu device hung forever at its own device's first submit (found by
+    ADV2). It now gets ``UnsupportedError`` from ``runtime.client("wgpu")`` (as CUDA refuses a
+    context inherited across fork), ``runtime.client()`` picks another backend, the cpu
+    backend works, and the parent's wgpu server goes on."""
+    from runtime.server import backend_unavailable
+    why = backend_unavailable("wgpu")
+    if why:
+        pytest.skip(why)
+    out = _run_fresh("""
+        from runtime import kernels as K
+        c = runtime.client("wgpu")
+        x = c.create(np.arange(4, dtype=np.float32))
+        y = c.empty(4, np.float32)
+        c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+        c.sync()
+
+        def child():
+            try:
+                runtime.client("wgpu")
+                raise AssertionError("a wgpu client opened in the child")
+            except runtime.UnsupportedError as e:
+                assert "fork" in str(e), e
+            d = runtime.client()
+            assert d.backend != "wgpu"
+            a = d.create(np.ones(4, np.float32))
+            b = d.empty(4, np.float32)
+            d.launch(K.add_scalar, 1, [a, b], {"alpha": 2.0, "n": 4})
+            assert d.read(b).tolist() == [3.0] * 4
+        print("child", in_child(child))
+        c.launch(K.add_scalar, 1, [x, y], {"alpha": 5.0, "n": 4})
+        print("parent", c.read(y).tolist())
+    """)
+    assert out.split() == ["child", "0", "parent", "[5.0,", "6.0,", "7.0,", "8.0]"], out

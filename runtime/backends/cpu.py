@@ -85,7 +85,9 @@ class CpuGraph:
     (``nodes``). Without nodes each launch is also resolved once into its cheapest call
     (``calls``, with the kernel ``names``; issue 26): the kernel's cpu ``bind`` (views, params
     and output bound at capture), else the callable with its arguments bound; zero-count
-    launches are dropped (they run nothing). Whoever changes ``launches`` calls :meth:`rebind`."""
+    launches are dropped (they run nothing); each run of pointwise launches is one compiled
+    call (:mod:`runtime.backends.cpu_fuse`, named ``"<kernels> (N launches fused)"``). Whoever
+    changes ``launches`` calls :meth:`rebind`."""
 
     __slots__ = ("launches", "nodes", "calls", "names", "small", "plain", "tiny", "inline")
 

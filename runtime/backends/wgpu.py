@@ -128,6 +128,24 @@ def select_adapter(device: int = 0, prefer: str | None = None):
     return adapters[device]
 
 
+#: the process that opened a wgpu device (None: none yet); a forked child inherits it
+_DEVICE_PID = None
+
+
+def _refuse_after_fork() -> None:
+    """Raise ``UnsupportedError`` in a forked child of a process that opened a wgpu device:
+    wgpu-native's (and the Vulkan driver's: lavapipe's) threads and locks stayed in the parent,
+    so a device opened here hangs at its first submit (found by ADV2). As CUDA refuses a
+    context inherited across fork (``cudaErrorInitializationError``)."""
+    if _DEVICE_PID is not None and _DEVICE_PID != os.getpid():
+        raise UnsupportedError(
+            f"wgpu: this process ({os.getpid()}) is a fork of process {_DEVICE_PID}, which "
+            "opened a wgpu device: wgpu-native and the Vulkan driver do not survive a fork "
+            "(their threads stayed in the parent; a device opened here would hang). Start "
+            "workers with multiprocessing's 'spawn' or 'forkserver' method, or open wgpu only "
+            "after the fork (the cpu backend works in a forked child)")
+
+
 def describe(adapter) -> str:
     """``"<adapter name> [<backend type>, <adapter type>]"``.
 
@@ -511,8 +529,10 @@ class WgpuBackend(Backend):
         """``{"hardware": bool, "device": name}`` of the adapter ``WgpuBackend()`` would open,
         without opening a device (``backend=None`` skips software adapters).
 
-        Raises: ``UnsupportedError`` when there is no adapter (with the install hint).
+        Raises: ``UnsupportedError`` when there is no adapter (with the install hint), or in a
+        forked child of a process that opened a device (:func:`_refuse_after_fork`).
         """
+        _refuse_after_fork()
         adapter = select_adapter(0)
         return {"hardware": adapter.info.get("adapter_type") in ("DiscreteGPU", "IntegratedGPU"),
                 "device": describe(adapter)}
@@ -520,6 +540,7 @@ class WgpuBackend(Backend):
     def __init__(self, device: int = 0, adapter: str | None = None, max_tasks: int | None = None,
                  max_inflight: int | None = None, **options):
         super().__init__(device, **options)
+        _refuse_after_fork()
         self.adapter = select_adapter(device, adapter)
         self.device_name = describe(self.adapter)
         have = self.adapter.limits
@@ -528,6 +549,8 @@ class WgpuBackend(Backend):
             self.dev = self.adapter.request_device_sync(required_limits=limits)
         except Exception as exc:  # noqa: BLE001 - any device-creation failure means unsupported
             raise UnsupportedError(f"wgpu: cannot open {self.device_name}: {exc}") from exc
+        global _DEVICE_PID
+        _DEVICE_PID = os.getpid()
         self.queue = self.dev.queue
         self.limits = self.dev.limits
         self.max_tasks = int(max_tasks or os.environ.get("RUNTIME_WGPU_MAX_TASKS", 32))

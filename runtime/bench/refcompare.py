@@ -95,12 +95,16 @@ def run_child(root: Path, reps: int, quick: bool, timeout: float = 600) -> dict:
 
 def compare(ref_root: Path, new_root: Path, rounds: int = 3, reps: int = 300,
             quick: bool = False, log=None) -> dict:
-    """Alternate fresh processes of both checkouts for ``rounds`` rounds (module docstring).
+    """Alternate fresh processes of both checkouts for ``rounds`` rounds (module docstring),
+    after one short untimed process of each (so neither side's first process pays alone for
+    cold file and compile caches).
 
     Returns: ``{"rounds": [{"ref": rows, "new": rows}], "rows": {row: {"ref", "new",
     "ref_range", "new_range", "speedup", "speedup_range"}}, "floor": {side: {L: ratio}}}``
     with medians in µs.
     """
+    for root in (ref_root, new_root):         # untimed: the first process of a run paid for
+        run_child(root, 10, True)             # cold imports and caches (1 round read 0.6-0.9x)
     runs = []
     for r in range(rounds):
         order = ("ref", "new") if r % 2 == 0 else ("new", "ref")

@@ -223,7 +223,8 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None) -> dict:
 # -- report: targets, markdown, plot (the Section hooks of runtime/bench/suite.py) ----------------
 #: targets (goals, not tests): ``Graph.replay()`` enqueue < 10 µs p50 at every graph length on
 #: cpu and cuda; replay end to end within 1.2x of the raw backend (cuda: of the faster of raw
-#: launches and a raw cupy graph) per row; large-kernel rows: replay / eager within 5% of 1.0x.
+#: launches and a raw cupy graph) per row; large-kernel rows: replay no slower than eager (at most
+#: 1.05x: a control, the launches dominate; a cpu graph that fuses elementwise runs is faster).
 GOAL_ENQUEUE_US, GOAL_FLOOR_X, GOAL_CONTROL = 10.0, 1.2, 0.05
 
 
@@ -255,8 +256,8 @@ def targets(result: dict) -> list:
             ctl = [r["replay"]["e2e"]["p50"] / r["eager"]["e2e"]["p50"]
                    for r in rows if r["size"] == "large"]
             if ctl:
-                ok = [x for x in ctl if abs(x - 1) <= GOAL_CONTROL]
-                out.append({"backend": b, "target": "large-kernel replay/eager within 5% of 1.0x",
+                ok = [x for x in ctl if x <= 1 + GOAL_CONTROL]
+                out.append({"backend": b, "target": "large-kernel replay/eager <= 1.05x",
                             "value": f"{len(ok)}/{len(ctl)} rows; "
                                      f"{min(ctl):.2f}x–{max(ctl):.2f}x",
                             "met": len(ok) == len(ctl)})

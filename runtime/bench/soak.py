@@ -369,7 +369,8 @@ def markdown(result: dict, img=None) -> list:
                                                                 "marks")}
         lines.append(f"| {b} | {r['seconds']} | {sum(r['ops'].values())} | {cell['streams']} | "
                      f"{cell['handles']} | {cell['graphs']} | {cell['marks']} | "
-                     f"{r['queue_max']} (bound {r['queue_bound']}) | {r['rss_start_mb']} -> "
+                     f"{r['queue_max']} (fire-and-forget bound {r['queue_bound']}) | "
+                     f"{r['rss_start_mb']} -> "
                      f"{r['rss_end_mb']} | {r['read_start']['p99']:.3g} -> "
                      f"{r['read_end']['p99']:.3g} | {len(r['unexpected'])} |")
     return lines

@@ -191,6 +191,7 @@ def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()
     _servers.clear()
+    _probes.clear()     # probed again here: a device the parent opened may not be usable
 
 
 atexit.register(shutdown)

@@ -191,7 +191,10 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     if hasattr(model, "graph_memory"):      # issue 26 item 3 (runtime.models.minilm)
         m.watch("graph_bytes", "Bytes the bucket graphs keep alive beyond the weights "
                 "(shared temporaries, inputs, outputs).", model.graph_memory)
-    app = FastAPI(title="runtime embeddings", version="0.1.0")
+    # with an API key every route but /health needs it: FastAPI's schema and interactive
+    # docs routes take no dependency, so they are off then (404), never open without the key
+    docs = {} if not api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="runtime embeddings", version="0.1.0", **docs)
     app.state.batcher, app.state.metrics, app.state.tracing = batcher, m, tracer
     hidden = int(batcher.hidden)
     backend = getattr(getattr(model, "client", None), "backend", None)

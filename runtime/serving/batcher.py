@@ -373,6 +373,10 @@ class Batcher:
         if lengths.max() > self.max_seq_length:   # the model's tokenizer already truncates
             raise ValueError(f"tokenize gave {lengths.max()} tokens, more than the model's "
                              f"max_seq_length {self.max_seq_length}")
+        if n > self.max_queue:                    # it could never be admitted: not a retry
+            raise ValueError(f"{n} texts in one request, more than the server ever queues "
+                             f"(max_queue={self.max_queue}); send at most {self.max_queue} "
+                             "texts per request")
         with self._count_lock:
             if self._queued + n > self.max_queue:
                 raise QueueFull(f"{self._queued} texts are waiting (max_queue={self.max_queue}); "

@@ -44,11 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     positive_int, positive_float = flags.positive(int), flags.positive(float)
     p = argparse.ArgumentParser(prog="python -m runtime serve",
                                 description="Serve all-MiniLM-L6-v2 embeddings over HTTP "
-                                "(OpenAI-compatible POST /v1/embeddings, /health, /metrics).")
+                                "(OpenAI-compatible POST /v1/embeddings, GET /v1/models, /health, /metrics).")
     p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
                    help="device backend (default: cpu, the embedded default; auto = best)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
-    p.add_argument("--port", type=flags.port, default=8000, help="TCP port (0: any free one)")
+    p.add_argument("--port", type=flags.port, default=8000, help="TCP port (default 8000; 0: any free one)")
     p.add_argument("--eager", action="store_true",
                    help="launch kernels one by one instead of replaying bucket graphs")
     p.add_argument("--max-graphs", type=positive_int, default=8,

@@ -173,7 +173,7 @@ def parse_request(body: bytes, *, model_id: str, hidden: int = 384, max_inputs: 
     dims = req.get("dimensions")
     if dims is not None and (not _is_int(dims) or dims != hidden):
         raise ApiError(400, f"'dimensions' must be {hidden} (this model's width) if given, "
-                       f"got {str(dims)[:40]}", param="dimensions")
+                       f"got {repr(dims)[:40]}", param="dimensions")
     user = req.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(400, "'user' must be a string", param="user")

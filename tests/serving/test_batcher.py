@@ -190,6 +190,20 @@ def test_a_full_queue_refuses_with_queue_full():
     b.close()
 
 
+def test_a_request_larger_than_the_queue_is_refused_as_bad_input_not_queue_full():
+    """A request of more texts than ``max_queue`` can never be admitted: before, it got
+    QueueFull (503 + Retry-After over HTTP) on an idle server, forever (found by a new user's
+    trial); now ValueError (400), and a request of ``max_queue`` texts still runs."""
+    b = Batcher(FakeModel(), max_queue=3)
+    try:
+        with pytest.raises(ValueError, match="max_queue=3"):
+            b.submit(["a", "b", "c", "d"])
+        assert b.queued == 0
+        assert b.embed(["a", "b", "c"], timeout=10).shape[0] == 3
+    finally:
+        b.close()
+
+
 def test_warmup_runs_each_bucket_once_and_respects_the_graph_bound():
     model = FakeModel(max_graphs=2)
     m = ServingMetrics()

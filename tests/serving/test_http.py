@@ -304,12 +304,16 @@ def test_an_api_key_is_required_except_for_health_and_the_openai_sdk_sends_it():
     with ServerThread(create_app(b, api_key=key)) as srv:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": key}):
             for method, path in (("POST", "/v1/embeddings"), ("GET", "/v1/models"),
-                                 ("GET", "/metrics"), ("GET", "/nope")):
+                                 ("GET", "/metrics"), ("GET", "/nope"), ("GET", "/docs"),
+                                 ("GET", "/redoc"), ("GET", "/openapi.json")):
                 r = httpx.request(method, srv.url + path, json={"input": "a"}, timeout=10,
                                   headers={k: v.encode() for k, v in headers.items()})
                 _check_error(r, 401)
                 assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        for path in ("/docs", "/redoc", "/openapi.json"):  # off with a key (before: open)
+            r = httpx.get(srv.url + path, timeout=10, headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 404, (path, r.status_code)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
         res = client.embeddings.create(model=MODEL_ID, input=["a", "b c"])
         with pytest.raises(openai.AuthenticationError):

@@ -54,6 +54,8 @@ from pathlib import Path
 DEFAULT_CAPACITY = 200_000
 #: seconds between two counter samples of one server.
 COUNTER_PERIOD_S = 0.001
+#: stream lanes a tracer remembers (``Tracer.stream_lane``); past it the oldest is forgotten.
+MAX_STREAM_LANES = 4096
 
 _active = None                 # the Tracer while tracing is on
 _lock = threading.Lock()
@@ -98,6 +100,7 @@ class Tracer:
         self._clients: dict = {}                      # thread ident -> tid
         self._backends: dict = {}                     # id(backend) -> pid
         self._streams: dict = {}                      # (pid, id(stream) or index) -> tid
+        self._unindexed: dict = {}                    # pid -> last number given a stream
         self._events: dict = {}                       # id(event) -> (pid, tid, ts), bounded
         self._sampled: dict = {}                      # pid -> last counter sample (s)
         self.current = None                           # the handler running now (a _Message)
@@ -134,16 +137,26 @@ class Tracer:
         return pid
 
     def stream_lane(self, backend, stream) -> tuple:
-        """``(pid, tid)`` of a backend stream's lane (``stream <index>``)."""
+        """``(pid, tid)`` of a backend stream's lane (``stream <index>``).
+
+        Bounded by live work, not work done: past :data:`MAX_STREAM_LANES` streams the oldest
+        lane's entry and name are forgotten (a service making a stream per request would
+        otherwise grow the table, and the trace's names, by one per request; a stream seen
+        again gets its lane back: cpu lanes are numbered by the stream's index)."""
         pid = self.backend_pid(backend)
         index = getattr(stream, "index", None)
         key = (pid, index if index is not None else id(stream))
         tid = self._streams.get(key)
         if tid is None:
-            n = sum(1 for k in self._streams if k[0] == pid)
-            tid = self._streams[key] = 1000 + (index if index is not None else n)
+            if index is None:
+                n = self._unindexed[pid] = self._unindexed.get(pid, -1) + 1
             label = index if index is not None else n
+            tid = self._streams[key] = 1000 + label
             self.names[(pid, tid)] = f"{getattr(backend, 'name', '?')} stream {label}"
+            if len(self._streams) > MAX_STREAM_LANES:
+                old, otid = next(iter(self._streams.items()))
+                del self._streams[old]
+                self.names.pop((old[0], otid), None)
         return (pid, tid)
 
     # -- events ----------------------------------------------------------------------------

@@ -282,3 +282,24 @@ def test_serve_trace_is_written_when_sigterm_stops_the_server(tmp_path):
     assert f"trace written to {out}" in r.stderr
     doc = json.loads(out.read_text())
     assert tracing.validate(doc) == [] and doc["traceEvents"]
+
+
+def test_a_trace_over_a_stream_per_request_keeps_its_lane_tables_bounded(monkeypatch):
+    """A service that makes a stream per request, traced (``serve --trace``): the tracer kept
+    a lane entry and a name per stream ever seen (2,000 requests: 2,000 of each, whatever the
+    ring's capacity), and a new stream's lane cost a scan of them all (quadratic: the 4th 5,000
+    of 20,000 requests took 4x the 1st). Found by ADV2. Past ``MAX_STREAM_LANES`` the oldest
+    lane is forgotten; the trace still validates, and the live stream's lane keeps its name."""
+    monkeypatch.setattr(tracing, "MAX_STREAM_LANES", 64, raising=False)
+    c = runtime.client("cpu")
+    x = c.create(np.ones(16, np.float32))
+    with runtime.trace(capacity=500) as T:
+        for _ in range(2000):
+            s = c.with_stream(runtime.StreamId.new())
+            y = s.empty(16, np.float32)
+            s.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 16})
+            np.testing.assert_array_equal(s.read(y), np.full(16, 2, np.float32))
+        lane = T.stream_lane(s._server.backend, s._server.streams[int(s.stream)].raw)
+    assert len(T._streams) <= 64 and len(T.names) <= 64 + 16, (len(T._streams), len(T.names))
+    assert lane in {(p, t) for (p, t) in T.names}
+    assert tracing.validate(T.events()) == []

@@ -74,6 +74,10 @@ def _threads() -> dict:
             os.path.dirname(getattr(sys.modules.get("runtime"), "__file__", "")):  # its share
         out["cpu share"] = round(rule.RULE.cpu.share, 2)
         out["busy host"] = rule.RULE.cpu.busy
+        whole = getattr(rule.RULE, "whole", None)
+        if whole is not None:        # whole calls on BLAS's threads: on now, times turned off
+            share = None if whole.share is None else round(whole.share, 2)
+            out["whole calls"] = f"on={whole.on} stops={whole.stops} share={share}"
     loops = sys.modules.get("runtime.kernels.cpu_loops")
     if loops is not None:                             # numba's OpenMP, as the runtime starts it
         out["numba OMP_WAIT_POLICY"] = _USER_ENV.get(

@@ -14,12 +14,19 @@ threads themselves (:class:`FanOutPool`): a matmul in blocks of its output, atte
 sequences or heads, a large layer norm in rows, each piece with one-thread BLAS and numba, as
 torch's CPU attention runs single-threaded GEMMs in a parallel loop. Pieces go to whichever
 thread asks next and waiting threads sleep, so a thread the OS does not run holds up one small
-piece, never a fixed share. numpy's OpenBLAS stays at one thread (:data:`BLAS_THREADS`, set from
-one owner thread: :class:`BlasOwner` says why); small compiled loops run on the calling thread
-and larger ones on numba's OpenMP pool at the rule's count (numba's count is per calling thread,
-``numba.set_num_threads``, applied by each kernel before its loops run). So one busy stream (one
-model forward at a time: a batcher, a benchmark) gets every core, two busy streams on two cores
-one thread each.
+piece, never a fixed share. numpy's OpenBLAS runs at one thread for the pieces
+(:data:`BLAS_THREADS`, set from one owner thread: :class:`BlasOwner` says why); small compiled
+loops run on the calling thread and larger ones on numba's OpenMP pool at the rule's count
+(numba's count is per calling thread, ``numba.set_num_threads``, applied by each kernel before
+its loops run). So one busy stream (one model forward at a time: a batcher, a benchmark) gets
+every core, two busy streams on two cores one thread each.
+
+While the process has the cores to itself, a kernel of up to 512 rows runs whole instead: one
+BLAS call on OpenBLAS's own threads (which share one packing of the input and hand off by
+spinning, faster than pieces on a quiet host), its loops on numba's threads
+(:meth:`ThreadRule.whole_call`). The kernels time those calls: when the calling thread was off
+its core for a fifth of a window of them (busy neighbours), it is pieces again for a pause that
+grows while tries fail (:class:`WholeCalls`).
 
 numba's OpenMP pool is told to sleep as soon as a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``
 while :mod:`runtime.kernels.cpu_loops` starts the pool, unless the variable is already set):
@@ -387,28 +394,114 @@ class CpuShare:
         return max(1, min(cores, round(cores * self.share)))
 
 
-#: the BLAS threads the rule gives numpy's OpenBLAS: one. The kernels that multiply matrices
-#: (:mod:`runtime.kernels.nn`) cut each product into blocks and deal them out to the fan-out pool
-#: (:class:`FanOutPool`: whichever thread asks next takes the next block, threads that wait
-#: sleep), so OpenBLAS's own pool, which splits a product statically and spin-waits after it,
-#: never runs: on a busy host its threads waited on partners the OS was not running (1x128
-#: products 10-70 ms instead of 4 ms with 2 busy processes beside), and on a quiet one its
-#: spinning took the core that numba's loops and the fan-out threads needed next.
+class WholeCalls:
+    """Whether a kernel may run as one call on its library's own threads (OpenBLAS's pool) instead
+    of in pieces dealt out to :class:`FanOutPool`: while the process has its cores to itself.
+
+    On a free host one OpenBLAS call on 2 threads is faster than the same product in pieces:
+    its threads share one packing of the input (each piece packs its own) and hand off by
+    spinning, not through the fan-out's sleeping condition variable and Python's GIL (MiniLM
+    at 128 tokens: the four products of a layer 2.1 ms on OpenBLAS's 2 threads against 2.8 ms
+    in 2 pieces and 3.5-4.2 ms in 4 on this 2-core machine, quiet). Beside busy processes the
+    same call waits for a partner the OS is not running, in a spin (10-70 ms instead of 4 ms),
+    where pieces lose one small piece at most.
+
+    So the kernels ask :meth:`allowed` before each call, and time every whole call they make
+    (:meth:`record`): the thread's CPU time over the call's wall time, summed over calls until
+    ``window_s`` of wall time. OpenBLAS's calling thread computes its share of the product, then
+    spin-waits for the others, so on a free host it is on a core the whole call (a share of
+    about 1); beside busy processes it is preempted, or yields to them in its spin (about 0.5
+    with two busy loops on two cores). A window under ``low`` turns whole calls off for
+    ``backoff_s`` seconds; then one window is tried again (the pause doubles, up to
+    ``max_backoff_s``, while tries fail, and is back to ``backoff_s`` after a good window). Under
+    lasting contention a try costs about ``window_s`` of slower calls every ``max_backoff_s``.
+    State: a few numbers (bounded); nothing spins or waits here.
+
+    ``RUNTIME_CPU_WHOLE=0`` (never whole) or ``1`` (always) fixes the choice (``mode``).
+
+    Args:
+        low: the share below which whole calls stop.
+        window_s: the wall time of whole calls one reading sums (seconds).
+        backoff_s, max_backoff_s: the first and the longest pause of whole calls (seconds).
+        mode: ``"auto"`` (adaptive), ``"0"`` or ``"1"``; ``None`` reads ``RUNTIME_CPU_WHOLE``.
+        clock: monotonic seconds (tests pass a fake).
+    """
+
+    def __init__(self, low: float = 0.8, window_s: float = 0.01, backoff_s: float = 0.5,
+                 max_backoff_s: float = 32.0, growth: float = 4.0, mode: str | None = None,
+                 clock=None):
+        if mode is None:
+            mode = os.environ.get("RUNTIME_CPU_WHOLE", "auto")
+        self.forced = {"0": False, "1": True}.get(str(mode).strip())
+        self.low, self.window_s = low, window_s
+        self.backoff_s, self.max_backoff_s, self.growth = backoff_s, max_backoff_s, growth
+        self.on = self.forced is not False          # whole calls allowed now
+        self.share = None                           # the last window's reading
+        self.stops = 0                              # windows that turned whole calls off
+        self._clock = clock or time.monotonic
+        self._pause = backoff_s                     # the next pause
+        self._until = 0.0                           # off until then
+        self._wall = self._cpu = 0.0                # the current window's sums
+        self._lock = threading.Lock()
+
+    def allowed(self) -> bool:
+        """Whether the next call may be whole (turns whole calls back on for a try once the
+        pause is over)."""
+        if self.on:
+            return True
+        if self.forced is not None or self._clock() < self._until:
+            return False
+        with self._lock:
+            self.on = True
+            self._wall = self._cpu = 0.0
+        return True
+
+    def record(self, wall: float, cpu: float) -> None:
+        """One whole call took ``wall`` seconds, ``cpu`` of them on a core for the calling
+        thread (``time.thread_time()`` around the call)."""
+        if self.forced is not None:
+            return
+        with self._lock:
+            self._wall += wall
+            self._cpu += cpu
+            if self._wall < self.window_s or not self.on:
+                return
+            self.share = share = self._cpu / self._wall
+            self._wall = self._cpu = 0.0
+            if share >= self.low:
+                self._pause = self.backoff_s
+                return
+            self.on = False
+            self.stops += 1
+            self._until = self._clock() + self._pause
+            self._pause = min(self.max_backoff_s, self._pause * self.growth)
+
+
+#: the BLAS threads the rule gives numpy's OpenBLAS outside whole calls: one. The kernels that
+#: multiply matrices (:mod:`runtime.kernels.nn`) cut each product into blocks and deal them out
+#: to the fan-out pool (:class:`FanOutPool`: whichever thread asks next takes the next block,
+#: threads that wait sleep), so OpenBLAS's own pool, which splits a product statically and
+#: spin-waits after it, runs only for whole calls on a free host (:class:`WholeCalls`): on a
+#: busy host its threads waited on partners the OS was not running (1x128 products 10-70 ms
+#: instead of 4 ms with 2 busy processes beside), and its spinning took the core that numba's
+#: loops and the fan-out threads needed next.
 BLAS_THREADS = 1
 
 
 class ThreadRule:
     """Counts the cpu stream items executing now and sizes the kernels' threads from that
-    count (numba's loops, the fan-out pool); OpenBLAS stays at :data:`BLAS_THREADS`.
+    count (numba's loops, the fan-out pool); OpenBLAS runs at :data:`BLAS_THREADS` but for
+    whole calls (:meth:`whole_call`, :class:`WholeCalls`).
 
     One per process (:data:`RULE`), since OpenBLAS's setting is process-wide. Thread-safe.
 
     Attributes:
         cores: the cores the rule shares out (default :func:`available_cores`).
         active: stream items executing now (every cpu backend of the process).
-        adapt_blas: whether the rule sets OpenBLAS's thread count (to :data:`BLAS_THREADS`, at
-            the first item; ``False`` when the user's environment fixes it, or after
-            :meth:`fix_blas`).
+        adapt_blas: whether the rule sets OpenBLAS's thread count (to :data:`BLAS_THREADS`, or
+            a whole call's; ``False`` when the user's environment fixes it, or after
+            :meth:`fix_blas`: then no whole calls).
+        whole: whether kernels may make whole calls now (:class:`WholeCalls`).
     """
 
     def __init__(self, cores: int | None = None):
@@ -420,6 +513,7 @@ class ThreadRule:
         self._lock = threading.Lock()
         self._blas = None                 # threadpoolctl controllers of the BLAS libraries
         self._blas_now = None             # the count last given to them
+        self.whole = WholeCalls()         # whether kernels may make whole calls now
 
     def threads(self) -> int:
         """Library threads a kernel starting now gets: ``max(1, cores // max(1, active))``,
@@ -428,12 +522,31 @@ class ThreadRule:
 
     def enter(self) -> None:
         """A stream item starts executing (the cpu backend calls it around each item, on the
-        thread that runs the item: the CPU share is sampled there)."""
+        thread that runs the item: the CPU share is sampled there). BLAS goes to
+        :data:`BLAS_THREADS` unless whole calls are on and this item runs alone (then it keeps
+        the count the last whole call set: :meth:`whole_call`)."""
         self.cpu.sample(self.cores)
         with self._lock:
             self.active += 1
-            if self.adapt_blas:
-                self._apply_blas()
+            if self.adapt_blas and (self.active > 1 or not self.whole.on):
+                self._apply_blas(BLAS_THREADS)
+
+    def whole_call(self) -> int:
+        """The threads a kernel starting now may run as one call on BLAS's own pool (OpenBLAS
+        sharing one packing of the input among its threads), or 0: deal the work out in pieces
+        (:class:`FanOutPool`). Whole when the rule sizes BLAS, the kernel gets more than one
+        thread (:meth:`threads`: no other item executing, a free host), no kernel runs pieces
+        now and the process has the cores to itself (:class:`WholeCalls`); BLAS is set to that
+        many threads (from the owner thread, when it changes). A kernel that makes the call
+        times it into ``self.whole`` (:meth:`WholeCalls.record`)."""
+        n = self.threads()
+        if n <= 1 or not self.adapt_blas or self.fan_outs or not self.whole.allowed():
+            return 0
+        with self._lock:
+            if self.fan_outs:                 # pieces started meanwhile: they need BLAS at 1
+                return 0
+            self._apply_blas(n)
+        return n
 
     def exit(self) -> None:
         """The item :meth:`enter` announced has finished (raised or not)."""
@@ -447,7 +560,7 @@ class ThreadRule:
         with self._lock:
             self.fan_outs += 1
             if self.adapt_blas:
-                self._apply_blas()
+                self._apply_blas(BLAS_THREADS)
         try:
             yield
         finally:
@@ -480,16 +593,15 @@ class ThreadRule:
         with self._lock:
             self.cores = int(cores) if cores is not None else available_cores()
             if self.adapt_blas:
-                self._apply_blas()
+                self._apply_blas(BLAS_THREADS)
 
     def fix_blas(self) -> None:
         """Stop adapting BLAS's thread count (the caller set it, or wants it left alone)."""
         with self._lock:
             self.adapt_blas = False
 
-    def _apply_blas(self) -> None:
-        # BLAS at one thread (BLAS_THREADS), set once, from the owner thread (BlasOwner)
-        n = BLAS_THREADS
+    def _apply_blas(self, n: int) -> None:
+        # BLAS at n threads (BLAS_THREADS, or a whole call's), from the owner thread (BlasOwner)
         if n == self._blas_now:
             return
         if self._blas is None:
@@ -620,6 +732,7 @@ def _after_fork_in_child() -> None:
     RULE._lock = threading.Lock()
     RULE.active = RULE.fan_outs = 0
     RULE.cpu = CpuShare()
+    RULE.whole = WholeCalls()
     RULE._blas_now = None                      # the owner thread stayed in the parent
     BLAS_OWNER.__init__(BLAS_OWNER.timeout_s)
     FAN_OUT.__init__()

@@ -15,7 +15,8 @@ reference to float32 noise.
 
 The cpu sources do the same arithmetic without allocating: matmuls are numpy's BLAS ``sgemm``
 on blocks of the output (``out=``), dealt out to the thread rule's threads
-(:mod:`runtime.cpu_threads`), with the bias/GELU epilogue applied in place per block, row and
+(:mod:`runtime.cpu_threads`), or one call on OpenBLAS's own threads while the process has the
+cores to itself (``WHOLE_ROWS``), with the bias/GELU epilogue applied in place per block, row and
 elementwise kernels are compiled loops (:mod:`runtime.kernels.cpu_loops`, numba, float64
 accumulation), and attention is batched BLAS around an in-place softmax (exact, not online) with
 its scratch owned by the worker thread.
@@ -24,6 +25,7 @@ its scratch owned by the worker thread.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -197,6 +199,11 @@ MM_PIECE_MACS = 1 << 22
 #: most pieces per thread a matmul is cut into (more balance the load when a thread stalls;
 #: each piece packs its own copy of the [M, K] input)
 MM_PIECES_PER_THREAD = 2
+#: most rows (tokens) of a kernel that runs as one call on BLAS's or numba's own threads while
+#: the process has the cores to itself (:meth:`runtime.cpu_threads.ThreadRule.whole_call`);
+#: larger ones are dealt out in pieces even then (MiniLM at 1,024 tokens, quiet: 62 sentences/s
+#: in pieces, 52 whole)
+WHOLE_ROWS = 512
 
 
 def mm_pieces(M: int, N: int, K: int, threads: int) -> list:
@@ -225,7 +232,9 @@ def _matmul_cpu(bias: bool, act: str | None):
         # (cpu_threads.FAN_OUT: whichever thread asks next takes the next block, BLAS at one
         # thread; threads that wait sleep), each block's bias/GELU epilogue applied in place
         # right after its product, on the same thread. OpenBLAS's own pool, which splits a
-        # product statically and spin-waits after it, is not used.
+        # product statically and spin-waits after it, runs only a whole product of at most
+        # WHOLE_ROWS rows while the process has the cores to itself (RULE.whole_call), timed
+        # so that busy neighbours turn it off (cpu_threads.WholeCalls).
         b, out = rest if bias else (None, rest[0])
         A, W = a[:M * K].reshape(M, K), w[:K * N].reshape(K, N)
         y = out[:M * N].reshape(M, N)
@@ -237,6 +246,13 @@ def _matmul_cpu(bias: bool, act: str | None):
             np.matmul(A[r0:r1], W[:, c0:c1], out=y[r0:r1, c0:c1])
             if bias:
                 loops.bias_act_block(y, bb, code, r0, r1, c0, c1)
+        if M <= WHOLE_ROWS and RULE.whole_call():          # one call on BLAS's threads
+            t0, c0 = time.perf_counter(), time.thread_time()
+            np.matmul(A, W, out=y)
+            RULE.whole.record(time.perf_counter() - t0, time.thread_time() - c0)
+            if bias:
+                _loops(M * N).bias_act_block(y, bb, code, 0, M, 0, N)
+            return
         threads = RULE.threads()
         FAN_OUT.run(_one_thread_piece(piece), mm_pieces(M, N, K, threads), threads)
     return run
@@ -361,6 +377,9 @@ def _layer_norm_cpu(residual: bool):
                            out[:m].reshape(rows, n))
         loops, e = _loops(1), float(eps)
         threads = RULE.threads() if m >= LOOP_GRAIN else 1
+        if threads > 1 and rows <= WHOLE_ROWS and RULE.whole.on:   # numba's threads
+            _loops(m).layer_norm(X, Rs, residual, G, Bt, e, O)
+            return
         if threads <= 1:
             loops.layer_norm(X, Rs, residual, G, Bt, e, O)
             return
@@ -563,7 +582,9 @@ def _attention_cpu(q, k, v, mask, out, *, S, heads, hd, ld_in, q_off, k_off, v_o
     np.subtract(1.0, mask[:B * S].reshape(B, S), out=madd)     # the additive mask, once
     madd *= np.float32(-1e9)
     sc = np.float32(scale)
-    if want <= 1 or len(pieces) <= 1:
+    if B * S <= WHOLE_ROWS and RULE.whole_call():   # this thread; BLAS's threads inside
+        _attend(views, madd, pieces, S, hd, sc)
+    elif want <= 1 or len(pieces) <= 1:
         with RULE.fan_out():                    # BLAS at one thread, as in the pieces
             _attend(views, madd, pieces, S, hd, sc)
     else:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import runtime
-from runtime.cpu_threads import RULE, CpuShare, ThreadRule, limit_blas_threads
+from runtime.cpu_threads import RULE, CpuShare, ThreadRule, WholeCalls, limit_blas_threads
 from runtime.kernels import cpu_loops, nn
 from runtime.tensor import Arena, Tensor, embedding
 
@@ -29,6 +29,7 @@ def free_host(monkeypatch):
     """The thread rule sees a free host whatever else runs on this machine (its CPU share, which
     cuts the cores on a busy host, is tested in test_cpu_threads.py)."""
     monkeypatch.setattr(RULE, "cpu", CpuShare(read=lambda: None))
+    monkeypatch.setattr(RULE, "whole", WholeCalls(mode="0"))   # pieces (whole: own tests)
 
 
 @pytest.fixture
@@ -65,12 +66,14 @@ def test_gelu_loop_matches_exact_erf_and_propagates_nan():
     (33 * 33, 0, 3),                    # one head per piece, 3 threads
     (1 << 18, 0, 4),                    # several sequences per piece, fewer pieces than threads
 ])
+@pytest.mark.parametrize("whole", ["0", "1"])   # "1": on this thread, BLAS's own threads inside
 def test_attention_in_pieces_on_one_or_more_threads_matches_numpy(cpu, monkeypatch, chunk,
-                                                                   fan_out, cores):
+                                                                   fan_out, cores, whole):
     B, S, heads, hd = 5, 33, 3, 32
     H = heads * hd
     monkeypatch.setattr(nn, "ATTN_CPU_CHUNK", chunk)
     monkeypatch.setattr(nn, "ATTN_FAN_OUT_MACS", fan_out)
+    monkeypatch.setattr(RULE, "whole", WholeCalls(mode=whole))
     if cores:
         monkeypatch.setattr(RULE, "cores", cores)
     qkv = RNG.standard_normal((B, S, 3 * H)).astype(np.float32)
@@ -188,6 +191,7 @@ def _rule_with_fake_blas(monkeypatch):
     rule, lib = ThreadRule(cores=2), _FakeBlas()
     rule._blas = [lib]
     rule.cpu = CpuShare(read=lambda: None)                 # a free host
+    rule.whole = WholeCalls(mode="0")                      # pieces only
     return rule, lib
 
 
@@ -250,6 +254,7 @@ def test_the_thread_rule_reaches_numpys_openblas_whichever_thread_runs_the_item(
         def blas():
             return sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
         rule = ThreadRule(cores=2)
+        rule.whole.forced, rule.whole.on = False, False   # pieces only: BLAS at 1 per item
         rule.cpu.busy = False
         rule.cpu.sample = lambda *a: None          # a free host, however loaded this one is
         entered, done = threading.Event(), threading.Event()
@@ -340,18 +345,20 @@ def test_matmul_blocks_cover_the_output_once():
     assert len({r0 for r0, _, _, _ in nn.mm_pieces(4096, 384, 384, 2)}) > 1     # by rows
 
 
-@pytest.mark.parametrize("M,K,N,act", [(128, 384, 1152, "gelu"), (600, 384, 160, None)])
-def test_a_matmul_is_dealt_out_in_blocks_to_the_rules_threads(cpu, monkeypatch, M, K, N, act):
-    # before, the product was one call to OpenBLAS's own (statically split, spinning) pool
-    monkeypatch.setattr(RULE, "cores", 2)
-    jobs = []
-    run = nn.FAN_OUT.run
+def _spy_fan_out(monkeypatch) -> list:
+    """Records ``(pieces, threads)`` of every ``FAN_OUT.run`` the kernels make (and runs it)."""
+    jobs, run = [], nn.FAN_OUT.run
 
     def spy(fn, pieces, threads):
         pieces = list(pieces)
         jobs.append((len(pieces), threads))
         return run(fn, pieces, threads)
     monkeypatch.setattr(nn.FAN_OUT, "run", spy)
+    return jobs
+
+
+def _check_matmul(cpu, M, K, N, act):
+    """``Tensor.matmul`` with a bias (and ``act``) against float64 numpy."""
     a = RNG.standard_normal((M, K)).astype(np.float32)
     w = (RNG.standard_normal((K, N)) * 0.05).astype(np.float32)
     b = RNG.standard_normal(N).astype(np.float32)
@@ -361,19 +368,20 @@ def test_a_matmul_is_dealt_out_in_blocks_to_the_rules_threads(cpu, monkeypatch, 
     if act:
         ref = gelu_ref(ref)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("M,K,N,act", [(128, 384, 1152, "gelu"), (600, 384, 160, None)])
+def test_a_matmul_is_dealt_out_in_blocks_to_the_rules_threads(cpu, monkeypatch, M, K, N, act):
+    # before, the product was one call to OpenBLAS's own (statically split, spinning) pool
+    monkeypatch.setattr(RULE, "cores", 2)
+    jobs = _spy_fan_out(monkeypatch)
+    _check_matmul(cpu, M, K, N, act)
     assert jobs and all(n > 1 and t == 2 for n, t in jobs), jobs
 
 
 def test_a_large_layer_norm_is_dealt_out_in_rows_and_a_small_one_is_not(cpu, monkeypatch):
     monkeypatch.setattr(RULE, "cores", 2)
-    jobs = []
-    run = nn.FAN_OUT.run
-
-    def spy(fn, pieces, threads):
-        pieces = list(pieces)
-        jobs.append(len(pieces))
-        return run(fn, pieces, threads)
-    monkeypatch.setattr(nn.FAN_OUT, "run", spy)
+    jobs = _spy_fan_out(monkeypatch)
     for rows, expect in ((401, True), (7, False)):
         jobs.clear()
         n = 384
@@ -387,4 +395,34 @@ def test_a_large_layer_norm_is_dealt_out_in_rows_and_a_small_one_is_not(cpu, mon
         ref = (v - v.mean(1, keepdims=True)) / np.sqrt(v.var(1, keepdims=True) + 1e-12) * g + b
         np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
         assert (rows * n >= nn.LOOP_GRAIN) == expect
-        assert bool(jobs and jobs[0] > 1) == expect, jobs
+        assert bool(jobs and jobs[0][0] > 1) == expect, jobs
+
+
+@pytest.mark.parametrize("M,K,N,act", [(128, 384, 1152, "gelu"), (64, 384, 160, None)])
+def test_a_whole_call_on_a_free_host_runs_the_product_once_and_matches(cpu, monkeypatch, M, K,
+                                                                       N, act):
+    # while whole calls are on (runtime.cpu_threads.WholeCalls), a product of at most
+    # WHOLE_ROWS rows is one call on BLAS's own threads, timed into the rule; the attention
+    # and layer norm of such rows run on this thread / numba's threads: no pieces at all
+    monkeypatch.setattr(RULE, "cores", 2)
+    monkeypatch.setattr(RULE, "adapt_blas", True)         # another test may have pinned BLAS
+    monkeypatch.setattr(RULE, "whole", WholeCalls(mode="auto", window_s=1e9))
+    jobs = _spy_fan_out(monkeypatch)
+    _check_matmul(cpu, M, K, N, act)
+    assert jobs == [] and RULE.whole._wall > 0             # one whole call, timed
+    t = lambda v: Tensor.from_numpy(cpu, v)                 # noqa: E731
+    x = RNG.standard_normal((M, 384)).astype(np.float32) * 3
+    g, bb = RNG.standard_normal(384).astype(np.float32), RNG.standard_normal(384).astype(np.float32)
+    got = t(x).layer_norm(t(g), t(bb), 1e-12).numpy()
+    v = x.astype(np.float64)
+    ref = (v - v.mean(1, keepdims=True)) / np.sqrt(v.var(1, keepdims=True) + 1e-12) * g + bb
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+    assert jobs == []
+
+
+def test_rows_over_the_whole_limit_are_dealt_out_even_on_a_free_host(cpu, monkeypatch):
+    monkeypatch.setattr(RULE, "cores", 2)
+    monkeypatch.setattr(RULE, "whole", WholeCalls(mode="1"))
+    jobs = _spy_fan_out(monkeypatch)
+    _check_matmul(cpu, nn.WHOLE_ROWS + 88, 384, 160, None)
+    assert jobs and jobs[0][0] > 1

@@ -250,6 +250,7 @@ def _rule_with_fake_blas(monkeypatch):
     rule, lib = ct.ThreadRule(cores=2), Lib()
     rule._blas = [lib]
     rule.cpu = ct.CpuShare(read=lambda: None)
+    rule.whole = ct.WholeCalls(mode="0")               # pieces only (whole calls: own tests)
     return rule, lib
 
 
@@ -320,3 +321,84 @@ def test_the_blas_owner_runs_every_call_on_one_thread_and_hands_errors_back():
     with pytest.raises(ZeroDivisionError):
         owner.call(lambda: 1 / 0)
     assert owner.call(lambda: 5) == 5
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_whole_calls_stop_on_a_busy_window_and_are_tried_again_after_a_growing_pause(
+        monkeypatch):
+    # one call on OpenBLAS's own threads while the calling thread is on a core for the whole
+    # call; beside busy processes it waits for its partner and is preempted or yields: pieces
+    # for a pause that grows while tries fail (0.5, 2, then 4 s here) and is back to 0.5 s after
+    # a good window
+    clock = _Clock()
+    w = ct.WholeCalls(low=0.8, window_s=0.03, backoff_s=0.5, max_backoff_s=4.0, growth=4.0,
+                      mode="auto", clock=clock)
+    assert w.allowed() and w.on
+    w.record(0.02, 0.019)                              # under one window: no reading
+    assert w.share is None and w.on
+    w.record(0.02, 0.019)                              # 0.95: the cores are the process's
+    assert w.on and w.share == pytest.approx(0.95)
+    w.record(0.04, 0.02)                               # 0.5: two busy neighbours
+    assert not w.on and w.stops == 1 and not w.allowed()
+    w.record(0.1, 0.0)                                 # a call that started before the stop
+    assert w.stops == 1
+    for pause in (0.5, 2.0, 4.0, 4.0):                 # tries that fail: the pause grows
+        clock.t += pause - 0.01
+        assert not w.allowed()
+        clock.t += 0.02
+        assert w.allowed() and w.on                    # one window is tried
+        w.record(0.03, 0.012)
+        assert not w.on
+    clock.t += 4.01
+    assert w.allowed()
+    w.record(0.03, 0.029)                              # free again
+    assert w.on and w.stops == 5
+    w.record(0.03, 0.0)                                # the next stop pauses 0.5 s again
+    clock.t += 0.51
+    assert w.allowed()
+    for mode, on in (("0", False), ("1", True)):      # fixed: never read, never changes
+        f = ct.WholeCalls(mode=mode, clock=clock)
+        f.record(1.0, 0.0)
+        clock.t += 100
+        assert f.allowed() is on and f.stops == 0 and f.share is None
+    monkeypatch.setenv("RUNTIME_CPU_WHOLE", "0")
+    assert not ct.WholeCalls().allowed()
+    monkeypatch.setenv("RUNTIME_CPU_WHOLE", "auto")
+    assert ct.WholeCalls().allowed()
+
+
+def test_the_rule_makes_whole_calls_alone_on_a_free_host_and_sizes_blas_for_them(monkeypatch):
+    rule, lib = _rule_with_fake_blas(monkeypatch)
+    clock = _Clock()
+    rule.whole = ct.WholeCalls(window_s=0.01, clock=clock)
+    rule.enter()                                       # alone, whole calls on: BLAS untouched
+    assert lib.calls == []
+    assert rule.whole_call() == 2 and lib.calls == [2]
+    assert rule.whole_call() == 2 and lib.calls == [2]     # set once
+    with rule.fan_out():                               # pieces running: BLAS at 1, no whole
+        assert rule.whole_call() == 0
+    assert lib.calls == [2, 1]
+    rule.enter()                                       # a second item: one thread each
+    assert rule.threads() == 1 and rule.whole_call() == 0
+    rule.exit()
+    assert rule.whole_call() == 2 and lib.calls == [2, 1, 2]
+    rule.whole.record(0.02, 0.006)                     # a busy window: pieces from now on
+    assert rule.whole_call() == 0
+    rule.exit()
+    rule.enter()                                       # an item with whole calls off: BLAS 1
+    assert lib.calls == [2, 1, 2, 1]
+    clock.t += 1.0                                     # the pause is over: tried again
+    assert rule.whole_call() == 2
+    rule.cpu.busy, rule.cpu.share = True, 0.05         # a starved host: one thread, no whole
+    assert rule.whole_call() == 0
+    rule.cpu.busy = False
+    rule.fix_blas()                                    # BLAS left alone: no whole calls
+    assert rule.whole_call() == 0
+    rule.exit()

@@ -54,19 +54,33 @@ def forget_imports_of_other_threads() -> list:
     return dropped
 
 
-def free_numba_compiler_lock() -> bool:
-    """(in a forked child) Replace numba's global compiler lock when a thread that did not come
-    along held it (a worker compiling, or loading from numba's cache, at the fork): the child's
-    first compile would wait for it forever. Returns whether it was replaced."""
-    cl = sys.modules.get("numba.core.compiler_lock")
-    lk = getattr(getattr(cl, "global_compiler_lock", None), "_lock", None)
-    if lk is None:
+def _held_elsewhere(lock) -> bool:
+    """Whether re-entrant ``lock`` is held by a thread other than this one."""
+    if lock.acquire(blocking=False):
+        lock.release()
         return False
-    if lk.acquire(blocking=False):
-        lk.release()
-        return False
-    cl.global_compiler_lock._lock = threading.RLock()
     return True
+
+
+def free_numba_compiler_lock() -> bool:
+    """(in a forked child) Replace numba's global compiler lock and llvmlite's LLVM lock when
+    a thread that did not come along held them (a worker compiling, or loading from numba's
+    cache, at the fork): the child's first compile would wait for them forever. Returns
+    whether one was replaced."""
+    replaced = False
+    cl = sys.modules.get("numba.core.compiler_lock")
+    holder = getattr(cl, "global_compiler_lock", None)
+    lk = getattr(holder, "_lock", None)
+    if lk is not None and _held_elsewhere(lk):
+        holder._lock = threading.RLock()
+        replaced = True
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    holder = getattr(getattr(ffi, "lib", None), "_lock", None)     # llvmlite's _LLVMLock
+    lk = getattr(holder, "_lock", None)
+    if lk is not None and _held_elsewhere(lk):
+        holder._lock = threading.RLock()
+        replaced = True
+    return replaced
 
 
 #: objects whose locks a forked child makes afresh: ``{object: {attribute: factory}}``

@@ -236,15 +236,20 @@ def test_a_fork_while_a_worker_imports_a_module_leaves_the_child_able_to_import_
     assert out.split() == ["child", "0", "parent", "[7.0,", "7.0]"]
 
 
-def test_a_fork_while_a_worker_holds_numbas_compiler_lock_leaves_the_child_able_to_compile():
+@pytest.mark.parametrize("lock", ["numba", "llvm"])
+def test_a_fork_while_a_worker_holds_numbas_compiler_lock_leaves_the_child_able_to_compile(lock):
     """A cpu worker compiling a numba loop (or loading it from numba's cache) at the fork held
-    numba's compiler lock: the child's first compile waited for it forever (found by ADV2)."""
-    out = _run_fresh("""
+    numba's compiler lock (and llvmlite's LLVM lock): the child's first compile waited for it
+    forever (found by ADV2; the LLVM lock hung one run of the first-work test below)."""
+    out = _run_fresh(f"""
+        LOCK = {lock!r}""" + """
         from numba.core.compiler_lock import global_compiler_lock
+        import llvmlite.binding.ffi
         held, go = threading.Event(), threading.Event()
+        the_lock = global_compiler_lock if LOCK == "numba" else llvmlite.binding.ffi.lib._lock
 
         def body(y, *, count):
-            with global_compiler_lock:       # as a compile on this worker does
+            with the_lock:                   # as a compile on this worker does
                 held.set()
                 go.wait(30)
             y[:] = 1

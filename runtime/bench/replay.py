@@ -284,7 +284,7 @@ def _e2e_md(rows: list) -> list:
         if cuda:
             cells.append(cell(r["floor_graph"]["e2e"]) if "floor_graph" in r else "")
         x_eager, x_floor = rp["p50"] / e["p50"], rp["p50"] / fl["p50"]
-        ctl = f" ({mark(abs(x_eager - 1) <= GOAL_CONTROL)})" if r["size"] == "large" else ""
+        ctl = f" ({mark(x_eager <= 1 + GOAL_CONTROL)})" if r["size"] == "large" else ""
         cells += [f"{x_eager:.2f}x{ctl}", f"{x_floor:.2f}x ({mark(x_floor <= GOAL_FLOOR_X)})",
                   f"{100 * r['eager']['enqueue']['p50'] / e['p50']:.0f}%",
                   num(r["replay"]["enqueue"]["p50"])]

@@ -287,6 +287,8 @@ def _csv_types(path, text_column: str) -> tuple:
 
 
 def _need_column(names, text_column: str) -> None:
+    if not names:
+        raise ValueError("the input has no rows (no columns to read): nothing to embed")
     if text_column not in names:
         raise ValueError(f"text column {text_column!r} not in the input's columns {list(names)}; "
                          "pass --text-column")

@@ -125,6 +125,13 @@ class Checker:
         self.bufs: dict = {}        # PooledBuffer -> _Buf (outlives the handles that held it)
         self.replays: dict = {}     # graph id -> (op tag, ((slot, handle id, writes it), ...))
         self.violations: list = []
+        # a buffer given back to the device leaves bufs (its history and the buffer itself
+        # were kept for every buffer ever pooled: a server churning sizes grew without bound)
+        server.pool.on_free = self.on_free
+
+    def on_free(self, slot) -> None:
+        """Pooled buffer ``slot`` went back to the device (``Pool.trim``): forget it."""
+        self.bufs.pop(slot, None)
 
     # -- clocks ---------------------------------------------------------------------------------
     def _clock(self, sid) -> dict:

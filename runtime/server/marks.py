@@ -259,7 +259,8 @@ class Marks:
     def on_async_error(self, exc) -> None:
         """A fire-and-forget handler raised past its own error handling: report it at the next
         drain of any stream (typed: a ``ServerError``)."""
-        self.async_errors.append(exc if isinstance(exc, ServerError)
+        # detached: its frames (the caller's too, on the combining path) would stay alive
+        self.async_errors.append(detach(exc) if isinstance(exc, ServerError)
                                  else ServerError(f"internal error in a queued message: {exc!r}"))
 
     def collect(self) -> None:

@@ -57,6 +57,8 @@ class Pool:
         self.bytes_in_use = 0
         self.idle_bytes = 0
         self.max_idle = MAX_IDLE if max_idle is None else int(max_idle)
+        #: called with each slot :meth:`trim` gives back to the device (the checker forgets it)
+        self.on_free = None
 
     def take(self, nbytes: int):
         """A slot of ``size_class(nbytes)``: reused (LIFO) or fresh. Raises ``OutOfMemory``."""
@@ -90,6 +92,8 @@ class Pool:
             while lst and self.idle_bytes > keep:
                 slot = lst.pop(0)
                 self._backend.free(slot.buf)
+                if self.on_free is not None:
+                    self.on_free(slot)
                 self.idle_bytes -= cls
                 freed += cls
             if not lst:

@@ -23,7 +23,7 @@ from ..backends.base import Completion
 from ..streams import watch_thread_ends
 from ..errors import (MAX_QUEUED_ERRORS, GraphStateError, InvalidHandle, LaunchError,
                       LivenessError, OutOfMemory, ServerError, UnknownGraph, UnsupportedError,
-                      fold_errors)
+                      detach, fold_errors)
 from . import capture as cap
 from . import graphs
 from .capture import merge
@@ -264,7 +264,7 @@ class ComputeServer:
             try:
                 prog = self.backend.compile(kernel)
             except ServerError as e:
-                s.errors.append(e)
+                s.errors.append(detach(e))  # (its frames would keep the caller's alive)
                 return None
             except Exception as e:  # noqa: BLE001 - a backend compiler's own exception type
                 s.errors.append(LaunchError(f"kernel {kernel.name} failed to compile on "
@@ -332,7 +332,7 @@ class ComputeServer:
                         raise
                     slot, fresh = self.pool.take(nbytes)
             except ServerError as e:
-                s.errors.append(e)
+                s.errors.append(detach(e))
                 fold_errors(s.errors)            # a stream that never blocks: bounded
                 return
         st = self.handles[hid] = HandleState(hid, slot, nbytes, sid)
@@ -373,7 +373,7 @@ class ComputeServer:
         try:
             self.backend.copy_in(s.raw, st.slot.buf, data)
         except ServerError as e:              # queued on the stream like any fire-and-forget error
-            s.errors.append(e)
+            s.errors.append(detach(e))
             fold_errors(s.errors)            # a stream that never blocks: bounded
             self.marks.fail((st,), ("write", hid, sid), e)
             return
@@ -513,9 +513,9 @@ class ComputeServer:
                     self.marks.inherit(mark, reads)
                 self.backend.launch(s.raw, prog, count, args, params, mark)
         except Exception as e:  # noqa: BLE001 - a device API's own exception type
-            err = e if isinstance(e, ServerError) else LaunchError(
+            err = detach(e) if isinstance(e, ServerError) else LaunchError(
                 f"launch of {kernel.name} on stream {sid} failed: {e}")
-            s.errors.append(err)
+            s.errors.append(err)            # (detached: its frames keep no caller alive)
             outs = [st for b, st in zip(bindings, states) if b.access != "read"]
             self._launch_failed(s, outs, kernel, err)
             return
@@ -666,7 +666,7 @@ class ComputeServer:
         try:
             self.backend.flush(s.raw)
         except ServerError as e:
-            s.errors.append(e)
+            s.errors.append(detach(e))
             return Completion.ready()
         # also when errors are queued already: the warm-up's failures found at execution are
         # raised with them by start_capture, never left for a later call

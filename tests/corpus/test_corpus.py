@@ -72,6 +72,10 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
     (tmp_path / "e.csv").write_text("id,text\n")
     with pytest.raises(ValueError, match="no rows"):
         embed_corpus(tmp_path / "e.csv", tmp_path / "o.parquet", progress=False)
+    for empty in ("e.jsonl",):                          # an empty file: not a column problem
+        (tmp_path / empty).write_text("")
+        with pytest.raises(ValueError, match="no rows"):
+            embed_corpus(tmp_path / empty, tmp_path / "o.parquet", progress=False)
     r = subprocess.run([sys.executable, "-m", "runtime", "embed-corpus", str(tmp_path / "c.csv"),
                         "--out", str(tmp_path / "o.parquet")], cwd=REPO, capture_output=True,
                        text=True, timeout=120)

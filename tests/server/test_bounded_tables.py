@@ -625,3 +625,78 @@ def test_a_service_loop_of_per_request_streams_graphs_and_failures_stays_bounded
         base.pop(k), after.pop(k)
     assert after == base, (base, after)
     assert views <= 16
+
+
+def test_the_checker_forgets_buffers_given_back_to_the_device():
+    """With the stream-ordering checker on, every pooled buffer ever used kept an entry (and
+    with it the buffer's memory) in the checker's history, also after the pool gave the
+    buffer back to the device: 3,000 requests over 50 sizes with a small idle bound grew it
+    by one per buffer trimmed (found by ADV2). Now bounded by the buffers the pool holds."""
+    c = runtime.client("cpu", check=True, max_idle_bytes=(1 << 16) + 11)   # a server of its own
+    srv = c._server
+    try:
+        for i in range(3000):
+            n = 16 + (i % 50) * 4
+            x = c.create(np.ones(n, np.float32))
+            y = c.empty(n, np.float32)
+            c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": n})
+            assert c.read(y)[0] == 2
+            del x, y
+        c.empty_cache()
+        u = c.memory_usage()
+        assert u["handles"] == 0 and u["bytes_reserved"] == 0
+        assert len(srv.checker.bufs) == 0, len(srv.checker.bufs)
+    finally:
+        c.shutdown()
+
+
+def _raise_now(y, *, count):
+    raise ValueError("planned")
+
+
+_raise_now.bind = lambda y, *, count: (lambda: _raise_now(y, count=count))
+#: a tiny kernel with a ``bind`` that raises: on an idle cpu stream it runs (and fails) at once
+#: on the caller's thread, inside the launch's handler (issue 26's fast path)
+RAISE_NOW = runtime.Kernel("raise_now", [runtime.Binding("y", "f32", "write")], cpu=_raise_now)
+NO_CPU = runtime.Kernel("no_cpu_body", [runtime.Binding("y", "f32", "read_write")], wgsl="x")
+
+
+@pytest.mark.parametrize("failure", ["compile", "allocation", "fast launch"])
+def test_a_request_whose_error_stays_queued_keeps_nothing_of_it_alive(failure):
+    """An error found at enqueue and queued on the request's stream (nobody blocks on it: a
+    fire-and-forget request) kept its traceback, whose frames reach the caller's: the
+    request's handles, its StreamId and so its stream (never reclaimed: it holds the error),
+    for ever; a kernel that fails to compile left every such request alive (found by ADV2).
+    Queued errors are detached; the errors are still raised by a later blocking call."""
+    import weakref
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) - 13)       # a server of its own
+    c.set_stream(runtime.StreamId.new())
+    alive = []
+
+    class Marker:
+        pass
+
+    def request():
+        r = c.with_stream(runtime.StreamId.new())
+        big = r.empty(1 << 16, np.float32)
+        marker = Marker()
+        alive.extend([weakref.ref(big), weakref.ref(marker)])
+        y = r.empty(4, np.float32)
+        if failure == "compile":
+            r.launch(NO_CPU, 1, [y])
+        elif failure == "allocation":
+            r.empty(1 << 46)
+        else:
+            r.launch(RAISE_NOW, 1, [y])
+    try:
+        for _ in range(5):
+            request()
+        gc.collect()
+        assert not [w for w in alive if w() is not None]
+        _until(lambda: _streams(c) <= 1, "the requests' streams to be reclaimed")
+        kind = {"compile": LaunchError, "allocation": runtime.OutOfMemory,
+                "fast launch": LaunchError}[failure]
+        with pytest.raises(kind):                # never dropped: the next blocking call
+            c.sync()
+    finally:
+        c.shutdown()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 
 
 def forget_imports_of_other_threads() -> list:
@@ -103,10 +104,39 @@ def _release_held() -> None:
         _held.pop().release()
 
 
+#: objects whose locks a forked child makes afresh: ``{object: {attribute: factory}}``
+_renewed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def lock_for(obj, attr: str = "_lock", factory=threading.RLock):
+    """Set ``obj.<attr>`` to a new lock (``factory()``) that a forked child gets afresh, and
+    return it: for objects that outlive a fork (a ``StaticGraph``, a ``CapturedGraph``, a model,
+    a graph's owner) and serialise calls with a lock. A parent thread inside such a call at the
+    fork (a serving loop) held the lock for ever in the child, so the child's call hung there
+    instead of raising ``ServerForked`` from the server it cannot use (found by ADV2). The lock
+    stays a plain ``threading`` lock (no cost per acquire); the child's fork handler replaces
+    it (the forking thread's own hold, if any, is lost: the child never unwinds into it)."""
+    lock = factory()
+    setattr(obj, attr, lock)
+    _renewed.setdefault(obj, {})[attr] = factory
+    return lock
+
+
+def renew_locks() -> int:
+    """(in a forked child) Replace every lock made by :func:`lock_for`; returns how many."""
+    n = 0
+    for obj, attrs in list(_renewed.items()):
+        for attr, factory in attrs.items():
+            setattr(obj, attr, factory())
+            n += 1
+    return n
+
+
 def _after_fork_in_child() -> None:
     _release_held()                     # the forking thread is this child's thread: its own
     forget_imports_of_other_threads()
     free_numba_compiler_lock()
+    renew_locks()
 
 
 if hasattr(os, "register_at_fork"):

@@ -61,10 +61,10 @@ For a graph that owns its inputs and outputs and checks every call, see ``runtim
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
+from . import _fork
 from .frontend import ComputeClient, Handle
 from .errors import CaptureRefused, UnknownGraph, UnsupportedError
 from .tensor import Tensor
@@ -118,7 +118,7 @@ class CapturedGraph:
         self.recorded = graph is not None
         self.is_hardware = bool(graph is not None and graph.is_hardware)
         self.fallback_reason = reason
-        self._lock = threading.RLock()
+        _fork.lock_for(self)              # self._lock (a forked child gets it afresh)
 
     def replay(self):
         """Run the captured work once more and return its output.

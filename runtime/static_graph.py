@@ -71,10 +71,9 @@ body on every call with the same checks and ordering; ``is_hardware``/``recorded
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
+from . import _fork
 from .captured import capture
 from .frontend import ComputeClient, Handle
 from .streams import StreamId
@@ -198,7 +197,7 @@ class StaticGraph:
         self._warmups = warmup if isinstance(warmup, (int, np.integer)) else 0
         self.client = client.with_stream(StreamId.new())
         self.stream = self.client.stream
-        self._lock = threading.RLock()
+        _fork.lock_for(self)                # self._lock (a forked child gets it afresh)
         self._tensors = {n: Tensor.from_numpy(self.client, s.init) for n, s in self._specs.items()}
         self._body = body
         self._cap = capture(self._run_body, client=self.client, warmup=warmup)

@@ -365,3 +365,42 @@ def test_a_child_of_a_process_that_opened_a_wgpu_device_is_told_so_instead_of_ha
         print("parent", c.read(y).tolist())
     """)
     assert out.split() == ["child", "0", "parent", "[5.0,", "6.0,", "7.0,", "8.0]"], out
+
+
+def test_a_child_calling_a_parents_graph_object_mid_call_gets_server_forked():
+    """A parent thread inside a ``StaticGraph`` / ``runtime.capture`` graph call at the fork (a
+    serving loop) held the object's lock for ever in the child: the child's call hung there
+    instead of raising ``ServerForked`` (19 of 20 forks beside two busy threads; found by
+    ADV2). The lock is held by a thread here, as that call would."""
+    out = _run_fresh("""
+        c = runtime.client("cpu")
+        one = Tensor.from_numpy(c, np.ones(8, np.float32))
+        sg = runtime.StaticGraph(c, inputs={"u": ((8,), "f32")}, outputs={"v": ((8,), "f32")},
+                                 body=lambda u, v: {"v": u.add(one)})
+        cg = runtime.capture(lambda: one.add(one), client=c)
+        held, go = threading.Event(), threading.Event()
+
+        def holder():
+            with sg._lock, cg._lock:
+                held.set()
+                go.wait(30)
+        t = threading.Thread(target=holder)
+        t.start()
+        assert held.wait(30)
+
+        def child():
+            for call in (lambda: sg(u=np.zeros(8, np.float32)), cg.replay, cg.read):
+                try:
+                    call()
+                    raise AssertionError("a parent's graph ran in the child")
+                except runtime.ServerForked:
+                    pass
+            cc = runtime.client("cpu")           # the child's own work goes on
+            x = cc.create(np.ones(4, np.float32))
+            assert cc.read(x).tolist() == [1.0] * 4
+        print("child", in_child(child))
+        go.set()
+        t.join(30)
+        print("parent", sg(u=np.zeros(8, np.float32))["v"].tolist()[:2], cg.read().tolist()[:2])
+    """)
+    assert out.split() == ["child", "0", "parent", "[1.0,", "1.0]", "[2.0,", "2.0]"], out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from .. import _fork
 from ..errors import UnknownGraph
 from . import graph_text
 
@@ -11,11 +12,11 @@ from . import graph_text
 class _Owner:
     """Shared by every clone of one graph; the last release destroys the backend graph."""
 
-    __slots__ = ("server", "id", "count", "lock", "fallback_reason")
+    __slots__ = ("server", "id", "count", "lock", "fallback_reason", "__weakref__")
 
     def __init__(self, server, gid):
         self.server, self.id, self.count = server, gid, 0
-        self.lock = threading.Lock()
+        _fork.lock_for(self, "lock", threading.Lock)   # (a forked child gets it afresh)
         self.fallback_reason = None      # set by Graph.update when the graph was rebuilt
 
     def acquire(self):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import threading
 
+from .. import _fork
+
 _ids = itertools.count(1)
 
 
@@ -41,7 +43,7 @@ class GraphPool:
     def __init__(self):
         self.id = next(_ids)
         self._server = None
-        self._lock = threading.Lock()
+        _fork.lock_for(self, "_lock", threading.Lock)  # (a forked child gets it afresh)
 
     def _bind(self, server) -> int:
         """Bind to ``server`` on first use; returns the id. Raises ``ValueError`` for another."""

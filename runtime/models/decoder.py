@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _fork
 from ..streams import StreamId
 from ..kernels import decode as D
 from ..kernels.pointwise import grid
@@ -137,7 +138,7 @@ class Decoder:
         self.weights = weights if weights is not None else init_weights(cfg)
         self.w = {n: Tensor.from_numpy(self.client, a) for n, a in self.weights.items()}
         self._graph: StaticGraph | None = None
-        self._lock = threading.Lock()
+        _fork.lock_for(self, "_lock", threading.Lock)   # (a forked child gets it afresh)
         self._loops: dict = {}       # max_tokens -> (Graph, state tensors) (loop_graph)
         self._sequences: dict = {}   # max_tokens -> StaticGraph (sequence_graph)
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import threading
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
+from .. import _fork
 from ..captured import capture
 from ..frontend.pool import GraphPool
 from ..streams import StreamId
@@ -134,7 +134,7 @@ class MiniLM:
         # GraphPool, so the set costs about what its largest bucket costs alone
         self.arena = Arena(self.client, best_fit=True)
         self.graph_pool = GraphPool()
-        self._lock = threading.RLock()
+        _fork.lock_for(self)              # self._lock (a forked child gets it afresh)
         self.graph_captures = 0
 
     def _upload(self, a) -> Tensor:

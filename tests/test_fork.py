@@ -247,6 +247,8 @@ def test_a_fork_while_a_worker_holds_numbas_compiler_lock_leaves_the_child_able_
         import llvmlite.binding.ffi
         held, go = threading.Event(), threading.Event()
         the_lock = global_compiler_lock if LOCK == "numba" else llvmlite.binding.ffi.lib._lock
+        runtime._fork.FORK_WAIT_S = 0.5     # the fork's wait for a compile gives up: the
+                                            # child must still get the locks afresh
 
         def body(y, *, count):
             with the_lock:                   # as a compile on this worker does

@@ -9,7 +9,9 @@ imports a module on first use (``threadpoolctl`` at the first stream item, ``num
 compiles (or loads from the cache) a loop. A fork while work is pending in a fresh process then
 made the child hang at its first use of that module or of numba (issue 24 item 4's kind).
 
-In the child, :func:`forget_imports_of_other_threads` drops every import another thread had in
+Before the fork, :func:`_before_fork` waits for a compile another thread has in progress (its
+half-built numba and LLVM state would be copied into the child). In the child,
+:func:`forget_imports_of_other_threads` drops every import another thread had in
 progress (the module, half initialised, leaves ``sys.modules`` with its lock; the child imports
 it afresh when it needs it), and :func:`free_numba_compiler_lock` replaces numba's compiler lock
 when another thread held it. Registered before the runtime's other fork handlers (which may
@@ -69,6 +71,39 @@ def free_numba_compiler_lock() -> bool:
     return True
 
 
+#: seconds a fork waits for a compile another thread has in progress (:func:`_before_fork`)
+FORK_WAIT_S = 60.0
+_held: list = []            # the compile locks the forking thread took for the fork
+
+
+def _compile_locks() -> list:
+    """numba's compiler lock and llvmlite's library lock (the order numba takes them in), those
+    of the modules imported so far."""
+    cl = sys.modules.get("numba.core.compiler_lock")
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    locks = [getattr(getattr(cl, "global_compiler_lock", None), "_lock", None),
+             getattr(getattr(getattr(ffi, "lib", None), "_lock", None), "_lock", None)]
+    return [lk for lk in locks if lk is not None]
+
+
+def _before_fork() -> None:
+    """(in the parent, before a fork) Wait for a compile another thread has in progress (a cpu
+    worker compiling, or loading from numba's cache, a kernel's loops): its half-built state of
+    numba and LLVM would be copied into the child, whose own first compile then hung inside
+    LLVM (``ExecutionEngine.add_module``) even with numba's lock replaced there. The forking
+    thread takes the locks (at most :data:`FORK_WAIT_S` each; past that the fork goes on and
+    the child relies on :func:`free_numba_compiler_lock`), and both sides release them after."""
+    for lk in _compile_locks():
+        if not lk.acquire(timeout=FORK_WAIT_S):
+            break
+        _held.append(lk)
+
+
+def _release_held() -> None:
+    while _held:
+        _held.pop().release()
+
+
 #: objects whose locks a forked child makes afresh: ``{object: {attribute: factory}}``
 _renewed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -98,10 +133,12 @@ def renew_locks() -> int:
 
 
 def _after_fork_in_child() -> None:
+    _release_held()                     # the forking thread is this child's thread: its own
     forget_imports_of_other_threads()
     free_numba_compiler_lock()
     renew_locks()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_release_held,
+                        after_in_child=_after_fork_in_child)

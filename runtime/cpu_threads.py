@@ -412,10 +412,13 @@ class WholeCalls:
     spin-waits for the others, so on a free host it is on a core the whole call (a share of
     about 1); beside busy processes it is preempted, or yields to them in its spin (about 0.5
     with two busy loops on two cores). A window under ``low`` turns whole calls off for
-    ``backoff_s`` seconds; then one window is tried again (the pause doubles, up to
-    ``max_backoff_s``, while tries fail, and is back to ``backoff_s`` after a good window). Under
-    lasting contention a try costs about ``window_s`` of slower calls every ``max_backoff_s``.
-    State: a few numbers (bounded); nothing spins or waits here.
+    ``backoff_s`` seconds, as soon as the thread was off its core for more than
+    ``(1 - low) * window_s`` of it (2 ms: a try beside busy processes ends within a few calls);
+    then one window is tried again (the pause grows ``growth`` times, up to ``max_backoff_s``,
+    while tries fail, and is back to ``backoff_s`` after a good window). Under lasting
+    contention a try costs a few slower calls (and OpenBLAS's idle workers spinning for ~0.1 s
+    after them) every ``max_backoff_s``. State: a few numbers (bounded); nothing spins or waits
+    here.
 
     ``RUNTIME_CPU_WHOLE=0`` (never whole) or ``1`` (always) fixes the choice (``mode``).
 
@@ -423,11 +426,12 @@ class WholeCalls:
         low: the share below which whole calls stop.
         window_s: the wall time of whole calls one reading sums (seconds).
         backoff_s, max_backoff_s: the first and the longest pause of whole calls (seconds).
+        growth: the factor the pause grows by after each failed try.
         mode: ``"auto"`` (adaptive), ``"0"`` or ``"1"``; ``None`` reads ``RUNTIME_CPU_WHOLE``.
         clock: monotonic seconds (tests pass a fake).
     """
 
-    def __init__(self, low: float = 0.8, window_s: float = 0.01, backoff_s: float = 0.5,
+    def __init__(self, low: float = 0.8, window_s: float = 0.01, backoff_s: float = 1.0,
                  max_backoff_s: float = 32.0, growth: float = 4.0, mode: str | None = None,
                  clock=None):
         if mode is None:
@@ -462,10 +466,13 @@ class WholeCalls:
         if self.forced is not None:
             return
         with self._lock:
+            if not self.on:                 # a call that started before a stop
+                return
             self._wall += wall
             self._cpu += cpu
-            if self._wall < self.window_s or not self.on:
-                return
+            if (self._wall < self.window_s
+                    and self._wall - self._cpu <= (1 - self.low) * self.window_s):
+                return                      # no window yet, and not yet too long off a core
             self.share = share = self._cpu / self._wall
             self._wall = self._cpu = 0.0
             if share >= self.low:

@@ -345,8 +345,10 @@ def test_whole_calls_stop_on_a_busy_window_and_are_tried_again_after_a_growing_p
     assert w.share is None and w.on
     w.record(0.02, 0.019)                              # 0.95: the cores are the process's
     assert w.on and w.share == pytest.approx(0.95)
-    w.record(0.04, 0.02)                               # 0.5: two busy neighbours
-    assert not w.on and w.stops == 1 and not w.allowed()
+    w.record(0.01, 0.0095)
+    w.record(0.01, 0.003)                              # off its core 7.5 ms of 20: under 0.8
+    assert not w.on and w.stops == 1 and not w.allowed()   # before the window is full
+    assert w.share == pytest.approx(0.625)
     w.record(0.1, 0.0)                                 # a call that started before the stop
     assert w.stops == 1
     for pause in (0.5, 2.0, 4.0, 4.0):                 # tries that fail: the pause grows

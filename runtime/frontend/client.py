@@ -235,10 +235,15 @@ class ComputeClient:
             ``ReplayFailed`` and the ``LaunchError`` of this stream's failed launch), once.
         See also: ``cudaMemcpyAsync`` + event sync (cuda), ``map_async`` of a staging buffer (wgpu).
         """
-        if not isinstance(handle, Handle):
-            raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
-        hid = handle._check(self._server, "read")
         srv = self._server
+        try:                                # a live handle of this server: one identity test
+            hid = handle.id if handle._bindable is srv else None
+        except AttributeError:
+            hid = None
+        if hid is None:
+            if not isinstance(handle, Handle):
+                raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
+            hid = handle._check(srv, "read")
         raw = srv.call(srv.h_read, self._sid, hid)
         if raw.__class__ is not np.ndarray:         # (an ndarray: copied at once, clean)
             raw = self._finish_read(raw, hid)

@@ -408,7 +408,8 @@ class ComputeServer:
                 self._wait_for(s, w)        # (an event wait queued: not idle any more)
             data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes)
             if data is not None:            # idle: everything before it ran
-                self.marks.ran(s)
+                if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
+                    self.marks.ran(s)
                 if st.mark is CLEAN or self.marks.clean(st):
                     s.pos += 1
                     s.done_pos = s.pos

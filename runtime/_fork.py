@@ -13,9 +13,12 @@ Before the fork, :func:`_before_fork` waits for a compile another thread has in 
 half-built numba and LLVM state would be copied into the child). In the child,
 :func:`forget_imports_of_other_threads` drops every import another thread had in
 progress (the module, half initialised, leaves ``sys.modules`` with its lock; the child imports
-it afresh when it needs it), and :func:`free_numba_compiler_lock` replaces numba's compiler lock
-when another thread held it. Registered before the runtime's other fork handlers (which may
-import).
+it afresh when it needs it), :func:`free_numba_compiler_lock` replaces numba's compiler lock and
+llvmlite's LLVM lock when another thread held them (a compile that outlasted that wait), and
+:func:`renew_locks` replaces the locks of objects that outlive a fork (:func:`lock_for`: a
+``StaticGraph``, a ``CapturedGraph``, a model, a graph's owner), so calling a parent's object
+raises ``ServerForked`` instead of waiting for a parent thread's call. Registered before the
+runtime's other fork handlers (which may import).
 """
 
 from __future__ import annotations

@@ -173,7 +173,13 @@ class Kernel:
     def uniform_bytes(self, values: tuple) -> bytes:
         """Params packed as a WGSL uniform struct: 4 bytes each, padded to 16 bytes."""
         fmt = "<" + "".join(DTYPES[p.dtype].char for p in self.params)
-        data = struct.pack(fmt, *values)
+        try:
+            data = struct.pack(fmt, *values)
+        except OverflowError:   # an f32 param past float32's range: +-inf, as numpy rounds it
+            with np.errstate(over="ignore"):        # (the cpu backend computes with that too;
+                values = tuple(float(np.float32(v)) if p.dtype == "f32" else v   # struct raised)
+                               for p, v in zip(self.params, values))
+            data = struct.pack(fmt, *values)
         return data + b"\0" * (-len(data) % 16 or (16 if not data else 0))
 
 

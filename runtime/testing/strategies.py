@@ -606,12 +606,12 @@ class Builder:
     def update(self):
         """``g.update(rebind={old: new})`` of a made graph whose stream is not recording:
         ``old`` one of its buffers, ``new`` a live buffer of the same dtype it does not use;
-        a third of the time ``g.update(count={i: ...})`` instead (:meth:`update_count`)."""
+        half the time ``g.update(count={i: ...})`` instead (:meth:`update_count`)."""
         g = self.pick(sorted(self.graphs))
         info = self.graphs[g]
         if info.stream in self.windows or info.required is None:
             return
-        if info.launches and self.draw_third():
+        if info.launches and self.flag():
             return self.update_count(g)
         flags = set(self.flags.values())
         olds = [b for b in sorted(info.uses) if b in self.live and b not in flags]
@@ -638,16 +638,17 @@ class Builder:
         return self.draw(st.integers(0, 2)) == 0
 
     def update_count(self, g):
-        """``g.update(count={i: (0, 1, 1)})`` (launch ``i`` then runs nothing: what it writes
-        keeps a failure mark, and it hides no later read, docs/contract.md section 4b), or back
-        to the launch's own count. Not a loop's counter launches (the loop must end)."""
+        """``g.update(count={i: (0, 1, 1)})`` (two times in three: launch ``i`` then runs
+        nothing: what it writes keeps a failure mark, and it hides no later read,
+        docs/contract.md section 4b), or back to the launch's own count. Not a loop's counter
+        launches (the loop must end)."""
         info = self.graphs[g]
         idx = [i for i, la in enumerate(info.launches)
                if la.kernel not in (self.cfg["set_counter"], self.cfg["count_down"])]
         if not idx:
             return
         i = self.pick(idx)
-        count = (0, 1, 1) if self.flag() else normalize_count(
+        count = (0, 1, 1) if not self.draw_third() else normalize_count(
             self.cfg["kernels"][info.launches[i].kernel].count)
         self.ops.append(P.UpdateCount(info.stream, g, i, *count))
 

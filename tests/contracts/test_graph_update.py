@@ -343,3 +343,20 @@ def test_an_update_to_negative_zero_is_an_update(client):
         want = np.arange(1, n + 1, dtype=np.float32) * np.float32(alpha)
         np.testing.assert_array_equal(got, want)
         assert np.array_equal(np.signbit(got), np.signbit(want)), alpha
+
+
+def test_an_f32_param_past_float32s_range_is_inf_on_every_backend(client):
+    """alpha=1e40 rounds to +inf in float32, as numpy (the cpu backend) computes it. wgpu
+    packed params with struct, which raised OverflowError: an eager launch queued a
+    LaunchError, and Graph.update raised the raw OverflowError (neither the ValueError of a
+    bad value nor a ServerError; found by ADV2). A program behaves the same everywhere."""
+    x = client.create(np.arange(4, dtype=np.float32))
+    y = client.create(np.zeros(4, np.float32))
+    with np.errstate(over="ignore"):
+        client.launch(K.mul_scalar, 1, [x, y], {"alpha": 1e40, "n": 4})
+        np.testing.assert_array_equal(client.read(y), [np.nan, np.inf, np.inf, np.inf])
+        g = capture(client, lambda: client.launch(K.mul_scalar, 1, [x, y],
+                                                  {"alpha": 2.0, "n": 4}))
+        g.update(params={0: {"alpha": -1e40}})
+        g.replay()
+        np.testing.assert_array_equal(client.read(y), [np.nan, -np.inf, -np.inf, -np.inf])

@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.ray:
         from ..cluster import init_ray
+        from .run import check_dataset_folder, dataset_folder
+        # refused before Ray starts (seconds), not after
+        check_dataset_folder(dataset_folder(args.out, args.single_file), args.resume)
         init_ray(args.address)
     try:
         summary = embed_corpus(args.input, args.out, text_column=args.text_column,

@@ -171,18 +171,31 @@ class BlockWriter:
         return out
 
 
+def dataset_folder(output, single_file: bool = False) -> Path:
+    """The folder a Ray run writes its part files to: ``output`` (``<output>.parts`` with
+    ``single_file``)."""
+    output = Path(output)
+    return output.with_name(output.name + ".parts") if single_file else output
+
+
+def check_dataset_folder(out_dir: Path, resume: bool) -> None:
+    """Refuse a dataset folder a Ray run cannot write: a file, or a folder that is not empty
+    without ``resume`` (``ValueError``). The CLI asks before it starts Ray (seconds)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} is a file; with --ray it is a folder "
+                         "(or pass --single-file)")
+    if not resume and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ValueError(f"{str(out_dir)!r} is not empty: pass --resume to finish that run, "
+                         "or remove it")
+
+
 def _prepare(plan, out_dir: Path, resume: bool) -> set:
     """Check or create the dataset folder; returns the finished blocks (their part files).
     Half-written temporary files of a stopped run are removed."""
     manifest = out_dir / MANIFEST
     key = plan.key()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {str(out_dir)!r} is a file; with --ray it is a folder "
-                         "(or pass --single-file)")
+    check_dataset_folder(out_dir, resume)
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not resume:
-            raise ValueError(f"{str(out_dir)!r} is not empty: pass --resume to finish that run, "
-                             "or remove it")
         old = json.loads(manifest.read_text()) if manifest.is_file() else None
         if old != key:
             raise ValueError(f"{str(out_dir)!r} holds another run's output (input, block size "
@@ -210,7 +223,7 @@ def _ray_run(plan, output: Path, actors, batch_size, actor_cpus, actor_gpus, pro
              single_file, settings) -> CorpusSummary:
     import ray.data
 
-    out_dir = output.with_name(output.name + ".parts") if single_file else output
+    out_dir = dataset_folder(output, single_file)
     done = _prepare(plan, out_dir, resume)
     summary = CorpusSummary(str(output), blocks=len(plan.blocks), resumed=len(done))
     failures = []

@@ -259,3 +259,31 @@ def test_sigterm_leaves_no_partial_file(tmp_path):
         proc.kill()
     assert proc.returncode == 130, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"], err
+
+
+def test_a_ray_run_into_a_folder_that_is_not_empty_is_refused_before_ray_starts(tmp_path,
+                                                                                monkeypatch):
+    """From a new user's trial: ``embed-corpus --ray`` into a non-empty --out was refused only
+    after Ray had started (~10 s); the folder is checked first now (also ``--single-file``'s
+    ``.parts`` folder), and ``--resume`` still goes on to Ray."""
+    import runtime.cluster
+    from runtime.corpus import cli
+
+    started = []
+    monkeypatch.setattr(runtime.cluster, "init_ray", lambda *a, **k: started.append(a) or
+                        (_ for _ in ()).throw(RuntimeError("ray started")))
+    (tmp_path / "c.jsonl").write_text('{"text": "a"}\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("")
+    parts = tmp_path / "one.parquet.parts"
+    parts.mkdir()
+    (parts / "y").write_text("")
+    for argv in ([str(tmp_path / "c.jsonl"), "--out", str(out), "--ray"],
+                 [str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "one.parquet"), "--ray",
+                  "--single-file"]):
+        with pytest.raises(ValueError, match="not empty"):
+            cli.main(argv)
+    assert started == []
+    with pytest.raises(RuntimeError, match="ray started"):
+        cli.main([str(tmp_path / "c.jsonl"), "--out", str(out), "--ray", "--resume"])

@@ -554,9 +554,11 @@ class ComputeClient:
         a CUDA 12.4 conditional WHILE node).
         Raises: ``TypeError``/``ValueError`` (bad arguments; wgpu capture without
             ``max_iterations``); ``LoopLimitExceeded`` eagerly when ``cond`` is still non-zero
-            after ``max_iterations`` iterations; ``UnsupportedError`` at capture on a backend
-            without loop nodes. In a replay an exceeded limit (every backend) marks the graph's
-            write set with ``LoopLimitExceeded`` (``ReplayFailed`` on read).
+            after ``max_iterations`` iterations (the buffers the loop wrote on this stream are
+            marked with it: ``ReplayFailed`` on read until rewritten); ``UnsupportedError`` at
+            capture on a backend without loop nodes. In a replay an exceeded limit (every
+            backend) marks the graph's write set with ``LoopLimitExceeded`` (``ReplayFailed``
+            on read).
         See also: CUDA conditional WHILE nodes, Warp ``capture_while``.
         """
         hid = self._cond_handle(cond, "capture_while")
@@ -573,11 +575,16 @@ class ComputeClient:
                         None if max_iterations is None else int(max_iterations),
                         _dtype_name(cond)):
             done = 0
+            since = srv.call(srv.h_position, sid)
             while self._cond_value(cond):
                 if done >= limit:
-                    raise LoopLimitExceeded(
+                    err = LoopLimitExceeded(
                         f"capture_while on stream {int(sid)}: condition handle {hid} was still "
                         f"non-zero after max_iterations={limit} iterations; the loop stopped")
+                    # what the loop wrote is marked, as a replay's write set is: another
+                    # reader gets ReplayFailed, never the truncated values without an error
+                    srv.call(srv.h_written_since_failed, sid, since, err)
+                    raise err
                 body()
                 done += 1
             return

@@ -977,6 +977,18 @@ class ComputeServer:
         is not capturing (the client runs it eagerly)."""
         return graphs.cond_begin(self, self._stream(sid), kind, hid, max_iterations, dtype)
 
+    def h_position(self, sid) -> int:
+        """The position of stream ``sid`` (operations enqueued on it so far)."""
+        return self._stream(sid).pos
+
+    def h_written_since_failed(self, sid, since: int, err) -> None:
+        """An eager ``capture_while`` on ``sid`` stopped at its limit with ``err``: mark every
+        buffer written on ``sid`` after position ``since`` (what the loop wrote) as written by
+        the failed loop, as a replay's write set is (``ReplayFailed`` on read until a later
+        write lands). Walks the handle table: only on this failure."""
+        states = [st for st in self.handles.values() if st.writes.get(sid, -1) > since]
+        self.marks.fail(states, ("loop", f"capture_while on stream {int(sid)}"), err)
+
     def h_cond_else(self, sid) -> None:
         graphs.cond_else(self, self._stream(sid))
 

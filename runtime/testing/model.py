@@ -566,6 +566,12 @@ class Model:
             if cnt == 0:
                 break
             if k == op.max_iterations:
+                if k:                   # what the stopped loop wrote is marked (server rule)
+                    for launch in op.body:
+                        spec = self.p.kernels[launch.kernel]
+                        for b, bind in zip(launch.bufs, spec.kernel.bindings):
+                            if bind.access != "read":
+                                self.bufs[b].value, self.bufs[b].failed = None, True
                 return self._expect_raise(error, LoopLimitExceeded, what)
             for launch in op.body:
                 self._error(s, self._apply(launch))

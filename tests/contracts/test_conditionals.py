@@ -91,7 +91,16 @@ def test_loop_limit_is_a_typed_failure(client):
     work = _countdown(client, b, 3)
     with pytest.raises(LoopLimitExceeded):
         work()                                          # eager: raised at the call
-    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 3, np.float32))
+    # what the stopped loop wrote is marked, as a replay's write set is (found by ADV2: another
+    # reader got the truncated values, 3 of 5 iterations, with no error); x was only read
+    other = client.with_stream(runtime.StreamId.new())
+    for reader in (client, other):
+        with pytest.raises(ReplayFailed) as info:
+            reader.read(b["y"])
+        assert "LoopLimitExceeded" in str(info.value) and "capture_while" in str(info.value)
+    np.testing.assert_array_equal(other.read(b["x"]), np.ones(N, np.float32))
+    client.write(b["y"], np.zeros(N, np.float32))       # a later write clears the mark
+    np.testing.assert_array_equal(other.read(b["y"]), np.zeros(N, np.float32))
     client.write(b["cnt"], i32(0))
     g = _cond_or_skip(client, lambda: capture(client, work, warmup=False))
     client.write(b["cnt"], i32(9))

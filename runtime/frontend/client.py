@@ -88,8 +88,9 @@ class ComputeClient:
                 "indirect_dispatch": bool(srv.backend.indirect_dispatch)}
 
     def checker_violations(self) -> list:
-        """Every ``LivenessError`` / ``StreamRaceError`` the stream-ordering checker of this
-        client's server found so far, oldest first (a copy; each was also raised to the call
+        """The ``LivenessError`` / ``StreamRaceError`` s the stream-ordering checker of this
+        client's server found so far, oldest first: the first 10,000
+        (``runtime.server.checker.MAX_VIOLATIONS``; a copy; each was also raised to the call
         that made it, or queued on its stream). All clients of the server share the list.
 
         Raises: ``UnsupportedError`` when the server runs without the checker (open it with

@@ -56,6 +56,10 @@ from __future__ import annotations
 
 from ..errors import StreamRaceError
 
+#: violations a checker keeps (the oldest: the first race is usually the one to fix); later
+#: ones are counted (``Checker.found``), so a long run with a race grows no list
+MAX_VIOLATIONS = 10_000
+
 
 class _Buf:
     """The access history of one pooled buffer since its last write (any handle holding it)."""
@@ -112,8 +116,9 @@ class Checker:
     """Happens-before bookkeeping for one ``ComputeServer``; every hook runs on its owner.
 
     Attributes:
-        violations: every ``LivenessError`` / ``StreamRaceError`` found so far, in order (also
-            the ones queued on a stream and not raised yet).
+        violations: the ``LivenessError`` / ``StreamRaceError`` s found so far, in order (also
+            the ones queued on a stream and not raised yet): the first :data:`MAX_VIOLATIONS`.
+        found: how many were found in all (each is raised to its call either way).
     """
 
     def __init__(self, server):
@@ -125,6 +130,7 @@ class Checker:
         self.bufs: dict = {}        # PooledBuffer -> _Buf (outlives the handles that held it)
         self.replays: dict = {}     # graph id -> (op tag, ((slot, handle id, writes it), ...))
         self.violations: list = []
+        self.found = 0
         # a buffer given back to the device leaves bufs (its history and the buffer itself
         # were kept for every buffer ever pooled: a server churning sizes grew without bound)
         server.pool.on_free = self.on_free
@@ -238,8 +244,14 @@ class Checker:
         err = StreamRaceError(f"{a} on stream {psid} is not ordered before {b} on stream {sid}; "
                               f"{fix}")
         err.handle, err.streams, err.ops = hid, (psid, sid), (_kind(pop), _kind(op))
-        self.violations.append(err)
+        self.record(err)
         return err
+
+    def record(self, err) -> None:
+        """Keep violation ``err`` (the first :data:`MAX_VIOLATIONS`), count it (``found``)."""
+        self.found += 1
+        if len(self.violations) < MAX_VIOLATIONS:
+            self.violations.append(err)
 
     def on_access(self, s, st, op, is_write: bool) -> None:
         """Stream ``s`` is about to enqueue ``op`` (``"write"``, ``"read"`` or a launch's kernel)

@@ -808,7 +808,7 @@ class ComputeServer:
                     "the capture window, or use runtime.capture, so the graph retains it)")
                 err.handle, err.graph = hid, gid
                 if self.checker is not None:
-                    self.checker.violations.append(err)
+                    self.checker.record(err)
                 raise err
             if g.fences:                    # once: the stream's waits (``synced``) remain
                 self._wait_for(s, g.fences)

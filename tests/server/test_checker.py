@@ -343,3 +343,23 @@ def test_the_checker_flags_each_violation_on_every_backend(backend):
     with pytest.raises(runtime.LivenessError):
         g.replay()
     g.release()
+
+
+def test_the_violations_kept_are_bounded_and_every_one_is_still_raised(monkeypatch):
+    """A long run with a race found on every request kept every violation (a list growing with
+    work done; found by ADV2): the checker keeps the first MAX_VIOLATIONS, counts them all, and
+    each is still raised to its call."""
+    from runtime.server import checker as C
+    monkeypatch.setattr(C, "MAX_VIOLATIONS", 5)
+    p = Prog()
+    try:
+        xid = p.x.id
+        p.x.release()
+        p.a.create(f32(100, 100, 100, 100))
+        for _ in range(40):
+            with pytest.raises(runtime.LivenessError, match=f"handle {xid}"):
+                p.g.replay()
+        assert len(p.violations()) == 5
+        assert p.a._server.checker.found == 40
+    finally:
+        p.close()

@@ -279,6 +279,7 @@ class Batcher:
         self._closed = False
         self._deadline = 0.0                 # perf_counter time after which queued work fails
         self._thread = None
+        self._inflight: list = []           # the batch running now (its requests)
         self._s_per_text = None              # running estimate of compute seconds per text
         self._last_head = None               # the request that led the last batch
         self.batches_run = 0
@@ -511,6 +512,18 @@ class Batcher:
 
     def _loop(self) -> None:
         ring: deque = deque()                     # requests with texts waiting, in turn order
+        try:
+            self._serve(ring)
+        except BaseException as e:  # noqa: BLE001 - a bug here must not strand the waiters
+            self._closed = True                   # submits refuse from now on
+            err = BatcherClosed(f"the batcher's worker stopped ({type(e).__name__}: {e})")
+            for it in self._inflight:
+                it.req.fail(err)
+            self._fail_queued(ring, err)
+            raise
+        self._fail_queued(ring)
+
+    def _serve(self, ring: deque) -> None:
         stop = False
         while True:
             if not ring and not stop:
@@ -526,7 +539,6 @@ class Batcher:
                 break
             if ring:
                 self._run(self._take(ring), ring)
-        self._fail_queued(ring)
 
     def _company(self, ring: deque) -> bool:
         """After an idle period: wait up to ``max_wait`` for more requests. True on stop."""
@@ -574,8 +586,8 @@ class Batcher:
         if self.metrics is not None and cancelled:
             self.metrics.cancelled.inc(cancelled)
 
-    def _fail_queued(self, ring: deque) -> None:
-        closed = BatcherClosed("the batcher closed before this request ran")
+    def _fail_queued(self, ring: deque, closed=None) -> None:
+        closed = closed or BatcherClosed("the batcher closed before this request ran")
         while True:
             try:
                 got = self._q.get_nowait()
@@ -671,6 +683,7 @@ class Batcher:
         for r, it in enumerate(batch):
             ids[r, :len(it.ids)] = it.ids
             mask[r, :len(it.ids)] = 1
+        self._inflight = batch                    # failed by _loop if the worker dies
         t0 = time.perf_counter()
         t0_ns = time.time_ns()
         if m is not None:

@@ -308,3 +308,22 @@ def test_drain_finishes_queued_work_then_fails_the_rest_and_refuses_new_work():
     b2.close()
 
 
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_outside_a_batch_fails_every_waiting_request():
+    """A bug in the batcher's own loop (outside a forward, whose errors fail only their batch)
+    killed the worker thread and left every queued request waiting for ever (noticed by ADV2);
+    now they fail with BatcherClosed naming the error, and later submits are refused."""
+    b = Batcher(FakeModel(), start=False)
+
+    def broken(ring):
+        raise RuntimeError("a bug in the loop")
+    b._sweep = broken
+    fut = b.submit(["a", "b"])
+    b.start()
+    with pytest.raises(BatcherClosed, match="a bug in the loop"):
+        fut.result(10)
+    with pytest.raises(BatcherClosed):
+        b.submit(["c"])
+    b.close()

@@ -412,8 +412,13 @@ class WholeCalls:
     spin-waits for the others, so on a free host it is on a core the whole call (a share of
     about 1); beside busy processes it is preempted, or yields to them in its spin (about 0.5
     with two busy loops on two cores). A window under ``low`` turns whole calls off for
-    ``backoff_s`` seconds, as soon as the thread was off its core for more than
-    ``(1 - low) * window_s`` of it (2 ms: a try beside busy processes ends within a few calls);
+    ``backoff_s`` seconds (``windows`` low windows in a row; a try: one), a window ending as soon
+    as the thread was off its core for more than ``(1 - low) * window_s`` of it (2 ms: a try
+    beside busy processes ends within a few calls),
+    unless the process itself used at least ``own`` of the call's cores meanwhile (its own
+    threads kept the thread off its core: a capture recording beside the worker, an HTTP
+    server). The process's first window is not read: OpenBLAS's workers' first calls read 0.31
+    on a quiet host (and would have sent a quiet benchmark's first rows to pieces for 1 s).
     then one window is tried again (the pause grows ``growth`` times, up to ``max_backoff_s``,
     while tries fail, and is back to ``backoff_s`` after a good window). Under lasting
     contention a try costs a few slower calls (and OpenBLAS's idle workers spinning for ~0.1 s
@@ -427,25 +432,34 @@ class WholeCalls:
         window_s: the wall time of whole calls one reading sums (seconds).
         backoff_s, max_backoff_s: the first and the longest pause of whole calls (seconds).
         growth: the factor the pause grows by after each failed try.
+        own: the fraction of the call's cores the process must use itself, over the window,
+            for a low share to count as its own threads' doing (no stop).
+        windows: the low windows in a row that stop whole calls (after a pause: one).
         mode: ``"auto"`` (adaptive), ``"0"`` or ``"1"``; ``None`` reads ``RUNTIME_CPU_WHOLE``.
         clock: monotonic seconds (tests pass a fake).
+        cpu_time: the process's CPU seconds (tests pass a fake); default ``time.process_time``.
     """
 
     def __init__(self, low: float = 0.8, window_s: float = 0.01, backoff_s: float = 1.0,
-                 max_backoff_s: float = 32.0, growth: float = 4.0, mode: str | None = None,
-                 clock=None):
+                 max_backoff_s: float = 32.0, growth: float = 4.0, own: float = 0.8,
+                 windows: int = 2, mode: str | None = None, clock=None, cpu_time=None):
         if mode is None:
             mode = os.environ.get("RUNTIME_CPU_WHOLE", "auto")
         self.forced = {"0": False, "1": True}.get(str(mode).strip())
-        self.low, self.window_s = low, window_s
+        self.low, self.window_s, self.own, self.windows = low, window_s, own, windows
+        self._low = 0                               # low windows in a row
         self.backoff_s, self.max_backoff_s, self.growth = backoff_s, max_backoff_s, growth
         self.on = self.forced is not False          # whole calls allowed now
         self.share = None                           # the last window's reading
+        self.used = None                            # the cores the process used in it
         self.stops = 0                              # windows that turned whole calls off
         self._clock = clock or time.monotonic
+        self._cpu_time = cpu_time or time.process_time
         self._pause = backoff_s                     # the next pause
         self._until = 0.0                           # off until then
         self._wall = self._cpu = 0.0                # the current window's sums
+        self._start = None                          # (clock, process CPU s) at its first call
+        self._cold = 1                              # windows not read: the process's first
         self._lock = threading.Lock()
 
     def allowed(self) -> bool:
@@ -458,26 +472,43 @@ class WholeCalls:
         with self._lock:
             self.on = True
             self._wall = self._cpu = 0.0
+            self._start = None
+            self._low = self.windows - 1            # a try: one low window stops it
         return True
 
-    def record(self, wall: float, cpu: float) -> None:
-        """One whole call took ``wall`` seconds, ``cpu`` of them on a core for the calling
-        thread (``time.thread_time()`` around the call)."""
+    def record(self, wall: float, cpu: float, threads: int = 1) -> None:
+        """One whole call on ``threads`` threads took ``wall`` seconds, ``cpu`` of them on a
+        core for the calling thread (``time.thread_time()`` around the call)."""
         if self.forced is not None:
             return
         with self._lock:
             if not self.on:                 # a call that started before a stop
                 return
+            if self._start is None:         # the process's CPU counted from the end of the
+                self._start = (self._clock() - wall, self._cpu_time())   # first call (low side)
             self._wall += wall
             self._cpu += cpu
             if (self._wall < self.window_s
                     and self._wall - self._cpu <= (1 - self.low) * self.window_s):
                 return                      # no window yet, and not yet too long off a core
-            self.share = share = self._cpu / self._wall
+            share = self._cpu / self._wall
             self._wall = self._cpu = 0.0
-            if share >= self.low:
-                self._pause = self.backoff_s
+            t0, p0 = self._start
+            self._start = None
+            if self._cold:                  # OpenBLAS's workers' first calls (their buffers
+                self._cold -= 1             # first touched): read 0.31 on a quiet host
                 return
+            self.share = share
+            now = self._clock()
+            self.used = (self._cpu_time() - p0) / max(now - t0, 1e-9)
+            if share >= self.low or self.used >= self.own * threads:
+                self._pause = self.backoff_s        # a free host, or the process's own
+                self._low = 0                       # threads kept it off the core
+                return
+            self._low += 1
+            if self._low < self.windows:            # one low window: a blip, read another
+                return
+            self._low = 0
             self.on = False
             self.stops += 1
             self._until = self._clock() + self._pause

@@ -246,10 +246,11 @@ def _matmul_cpu(bias: bool, act: str | None):
             np.matmul(A[r0:r1], W[:, c0:c1], out=y[r0:r1, c0:c1])
             if bias:
                 loops.bias_act_block(y, bb, code, r0, r1, c0, c1)
-        if M <= WHOLE_ROWS and RULE.whole_call():          # one call on BLAS's threads
+        n = RULE.whole_call() if M <= WHOLE_ROWS else 0
+        if n:                                               # one call on BLAS's threads
             t0, c0 = time.perf_counter(), time.thread_time()
             np.matmul(A, W, out=y)
-            RULE.whole.record(time.perf_counter() - t0, time.thread_time() - c0)
+            RULE.whole.record(time.perf_counter() - t0, time.thread_time() - c0, n)
             if bias:
                 _loops(M * N).bias_act_block(y, bb, code, 0, M, 0, N)
             return

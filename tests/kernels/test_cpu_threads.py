@@ -337,14 +337,19 @@ def test_whole_calls_stop_on_a_busy_window_and_are_tried_again_after_a_growing_p
     # call; beside busy processes it waits for its partner and is preempted or yields: pieces
     # for a pause that grows while tries fail (0.5, 2, then 4 s here) and is back to 0.5 s after
     # a good window
-    clock = _Clock()
+    clock, used = _Clock(), [0.0]
     w = ct.WholeCalls(low=0.8, window_s=0.03, backoff_s=0.5, max_backoff_s=4.0, growth=4.0,
-                      mode="auto", clock=clock)
+                      mode="auto", clock=clock, cpu_time=lambda: used[0])
+    assert w.windows == 2
     assert w.allowed() and w.on
+    w.record(0.03, 0.0)                                # the process's first window: not read
+    assert w.on and w.share is None and w.stops == 0
     w.record(0.02, 0.019)                              # under one window: no reading
     assert w.share is None and w.on
     w.record(0.02, 0.019)                              # 0.95: the cores are the process's
     assert w.on and w.share == pytest.approx(0.95)
+    w.record(0.03, 0.012)                              # one low window (0.4): a blip
+    assert w.on and w.share == pytest.approx(0.4) and w.stops == 0
     w.record(0.01, 0.0095)
     w.record(0.01, 0.003)                              # off its core 7.5 ms of 20: under 0.8
     assert not w.on and w.stops == 1 and not w.allowed()   # before the window is full
@@ -362,9 +367,24 @@ def test_whole_calls_stop_on_a_busy_window_and_are_tried_again_after_a_growing_p
     assert w.allowed()
     w.record(0.03, 0.029)                              # free again
     assert w.on and w.stops == 5
+    w.record(0.03, 0.0)
     w.record(0.03, 0.0)                                # the next stop pauses 0.5 s again
     clock.t += 0.51
     assert w.allowed()
+    # off its core while the process itself used the call's cores (a capture recording beside
+    # the worker, its HTTP server): its own threads' doing, no stop
+    w.record(0.01, 0.005, 2)
+    clock.t += 0.02
+    used[0] += 0.054                                   # 1.8 of its 2 cores over the window
+    w.record(0.02, 0.005, 2)
+    assert w.on and w.share == pytest.approx(1 / 3) and w.used == pytest.approx(1.8)
+    assert w.stops == 6
+    for _ in range(2):
+        w.record(0.01, 0.005, 2)
+        clock.t += 0.02
+        used[0] += 0.01                                # 1/3 of a core: other processes' doing
+        w.record(0.02, 0.005, 2)
+    assert not w.on and w.stops == 7
     for mode, on in (("0", False), ("1", True)):      # fixed: never read, never changes
         f = ct.WholeCalls(mode=mode, clock=clock)
         f.record(1.0, 0.0)
@@ -379,7 +399,8 @@ def test_whole_calls_stop_on_a_busy_window_and_are_tried_again_after_a_growing_p
 def test_the_rule_makes_whole_calls_alone_on_a_free_host_and_sizes_blas_for_them(monkeypatch):
     rule, lib = _rule_with_fake_blas(monkeypatch)
     clock = _Clock()
-    rule.whole = ct.WholeCalls(window_s=0.01, clock=clock)
+    rule.whole = ct.WholeCalls(window_s=0.01, clock=clock, cpu_time=lambda: 0.0)
+    rule.whole._cold, rule.whole.windows = 0, 1        # no cold first window; stop at once
     rule.enter()                                       # alone, whole calls on: BLAS untouched
     assert lib.calls == []
     assert rule.whole_call() == 2 and lib.calls == [2]

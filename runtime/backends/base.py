@@ -271,6 +271,12 @@ class Backend:
         for room in the queue (``Graph.replay``)."""
         raise UnsupportedError(f"graph replay is not supported by the {self.name} backend")
 
+    def held_by_caller(self, stream) -> bool:
+        """Whether the calling thread is itself running ``stream``'s work now (a cpu kernel
+        body): the server then refuses the thread's blocking calls on ``stream``, which would
+        wait for that work forever. Default: False (device work never runs host code)."""
+        return False
+
     def launch_graph_now(self, stream, graph) -> bool:
         """:meth:`launch_now` for one replay of ``graph``: False (not run: enqueue it with
         :meth:`launch_graph`), True (it ran), or ``LaunchError`` (it ran and failed; the launches

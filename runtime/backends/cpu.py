@@ -30,7 +30,7 @@ from functools import partial
 import numpy as np
 
 from ..errors import (ErrorQueue, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
-                      UnsupportedError, detach, unhealthy)
+                      detach, unhealthy)
 from ..kernel import DTYPES
 from ..cpu_threads import RULE, limit_blas_threads
 from .base import Backend, Completion
@@ -66,7 +66,7 @@ class CpuStream:
     """An in-order queue of ``(kind, payload)`` items and the errors its work raised;
     ``index`` (never reused) names it in traces, ``busy``/``sched``/``pending`` belong to the
     scheduler; ``runner``: the thread ident that set ``busy`` last (a kernel body blocking on
-    its own stream is refused: :meth:`CpuBackend.flush`)."""
+    its own stream is refused: :meth:`CpuBackend.held_by_caller`)."""
 
     __slots__ = ("q", "errors", "index", "busy", "sched", "pending", "runner")
 
@@ -400,17 +400,7 @@ class CpuBackend(Backend):
         of at most :data:`TINY_BYTES` each: tens of µs) and no worker holds the stream: the
         read's copy then happens at once, with no completion to wait for (issue 26). Errors
         it raises are reported as from a worker (``stream.errors``, the launches' marks).
-        Anything else stays queued for the helper or a worker.
-
-        Raises: ``UnsupportedError`` when the calling thread is running ``stream``'s work (a
-        kernel body that reads or syncs its own stream would wait for itself forever; CUDA
-        host functions may not call CUDA either): every blocking handler flushes first, before
-        it takes the stream's errors, so nothing is lost."""
-        if stream.busy and stream.runner == threading.get_ident():
-            raise UnsupportedError(
-                "a blocking runtime call (read, sync, ...) from inside a cpu kernel body on its "
-                "own stream would wait for that body forever; call the runtime outside kernel "
-                "bodies (as CUDA host functions may not call CUDA)")
+        Anything else stays queued for the helper or a worker."""
         q = stream.q
         if not q or not self._threaded:
             return
@@ -429,6 +419,11 @@ class CpuBackend(Backend):
                 stream.busy = False
                 if q and self.scheduler.waiting:
                     cv.notify()
+
+    def held_by_caller(self, stream) -> bool:
+        """Whether the calling thread is running ``stream``'s work now (it set ``busy``: a
+        worker, or a waiter helping its stream). See ``Backend.held_by_caller``."""
+        return stream.busy and stream.runner == threading.get_ident()
 
     def reentrant(self) -> bool:
         """Whether the calling thread is running a kernel body at once under the server's lock

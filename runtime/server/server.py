@@ -419,7 +419,7 @@ class ComputeServer:
             self.capture.on_event(s, f"read of handle {hid}")
         if st is None:
             raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
-        self.backend.flush(s.raw)           # failures of its batch surface now, on this stream
+        self._flush(s)                      # failures of its batch surface now, on this stream
         errs = self.marks.take_errors(s)
         if errs or (st.mark is not CLEAN and self.marks.error_of(st.mark) is not None):
             self._wait_for(s, st.writes)    # as a read that returns: after the buffer's writer
@@ -537,6 +537,19 @@ class ComputeServer:
         if cst is not None:
             cst.reads[sid] = pos
 
+    def _flush(self, s: StreamState) -> None:
+        """``Backend.flush`` of ``s``, which every handler that blocks or raises the stream's
+        errors calls first, before it takes them (so a refusal here loses none). Raises
+        ``UnsupportedError`` when the calling thread runs ``s``'s work itself (a cpu kernel body
+        reading or syncing its own stream: it would wait for that body forever; CUDA host
+        functions may not call CUDA either)."""
+        if self.backend.held_by_caller(s.raw):
+            raise UnsupportedError(
+                "a blocking runtime call (read, sync, ...) from inside a cpu kernel body on its "
+                "own stream would wait for that body forever; call the runtime outside kernel "
+                "bodies (as CUDA host functions may not call CUDA)")
+        self.backend.flush(s.raw)
+
     def _launch_failed(self, s: StreamState, outs, kernel, err) -> None:
         """A launch on ``s`` was refused with ``err`` (queued on ``s`` already): mark what it
         would have written, or, inside a window, invalidate the window (``Capture.refuse``)."""
@@ -564,7 +577,7 @@ class ComputeServer:
         s = self.streams.get(sid) or self._stream(sid)
         if s.window is not None:
             self.capture.on_event(s, "sync")
-        self.backend.flush(s.raw)
+        self._flush(s)
         return self.marks.fence_then_raise(s, self.marks.take_errors(s))
 
     def sync_idle(self, sid) -> bool:
@@ -591,7 +604,7 @@ class ComputeServer:
         """Hand batched work to the device and raise queued errors (not refused in a window:
         window refusals are reported by ``stop_capture``)."""
         s = self._stream(sid)
-        self.backend.flush(s.raw)
+        self._flush(s)
         self.marks.drain(s)
 
     def h_record_event(self, sid):
@@ -665,7 +678,7 @@ class ComputeServer:
         s = self._stream(sid)
         self.capture.check_begin(s)
         try:
-            self.backend.flush(s.raw)
+            self._flush(s)
         except ServerError as e:
             s.errors.append(detach(e))
             return Completion.ready()

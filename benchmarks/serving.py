@@ -53,8 +53,12 @@ Usage::
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
                                  [--paths graph,eager,sentence-transformers] [--rounds 1]
                                  [--isolate] [--batch-buckets 1,2,3,4,6,8,12,16,24,32]
-                                 [--seq-buckets 16,24,32,64,256]
+                                 [--seq-buckets 16,24,32,64,256] [--streams 1]
                                  [--contention 0]
+
+``--streams N`` serves the graph and eager paths with N copies of the model, each on its own
+stream with its own batcher (:class:`runtime.serving.BatcherGroup`, as ``serve --streams N``):
+each request goes to the least loaded, so on cpu N batches run at once, one thread each.
 
 ``--contention N`` runs N busy-loop processes beside every path for the whole run (a busy
 host; ``"contention"`` in the JSON's meta). ``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
@@ -189,15 +193,24 @@ async def drive(url: str, work: list) -> tuple:
 
 def start(model, graph: bool, quiet: bool, exact: bool = False):
     """A batcher (warmed up) and its loopback server; returns (batcher, server, metrics).
-    ``exact``: batches run at their own shape (``Batcher(exact_shapes=True)``)."""
+    ``model``: one model, or a list of models (``--streams``: a
+    :class:`runtime.serving.BatcherGroup` of a batcher per model, each request to the least
+    loaded). ``exact``: batches run at their own shape (``Batcher(exact_shapes=True)``)."""
     m = ServingMetrics()
     kw = dict(graph=graph, metrics=m, batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS,
               max_batch=BATCH_BUCKETS[-1])
-    try:
-        b = Batcher(model, exact_shapes=exact, max_padding=MAX_PADDING, **kw)
-    except TypeError:                 # an older checkout: no exact_shapes, buckets padded
-        print("this checkout's Batcher pads every batch to its bucket", file=sys.stderr)
-        b = Batcher(model, **kw)
+    models = model if isinstance(model, list) else [model]
+    batchers = []
+    for one in models:
+        try:
+            b = Batcher(one, exact_shapes=exact, max_padding=MAX_PADDING, **kw)
+        except TypeError:             # an older checkout: no exact_shapes, buckets padded
+            print("this checkout's Batcher pads every batch to its bucket", file=sys.stderr)
+            b = Batcher(one, **kw)
+        batchers.append(b)
+    if len(batchers) > 1:
+        from runtime.serving import BatcherGroup
+        b = BatcherGroup(batchers)
     if graph:
         b.warmup(WARMUP, progress=not quiet)
     srv = ServerThread(create_app(b, metrics=m))
@@ -344,8 +357,9 @@ def closed_rows(servers: dict, clients: list, args, round_: int = 0) -> list:
         order = names[k % len(names):] + names[:k % len(names)]
         for name in order:
             b, srv, m = servers[name]
-            b0, c0 = b.batches_run, captures(m)
+            b0, c0, cpu0 = b.batches_run, captures(m), time.process_time()
             lat, wall, fails = asyncio.run(drive(srv.url, plan(n, args.requests, args.texts)))
+            cpu = time.process_time() - cpu0          # this process: server, model, clients
             ms = np.array(lat) * 1e3
             batches = b.batches_run - b0
             rows.append({"path": name, "clients": n, "round": round_, "requests": len(lat),
@@ -355,13 +369,16 @@ def closed_rows(servers: dict, clients: list, args, round_: int = 0) -> list:
                          "p99_ms": pct(ms, 99), "batches": batches,
                          "rows_per_batch": len(lat) * args.texts / max(batches, 1),
                          "captures": int(captures(m) - c0), "failures": fails,
+                         "cpu_ms_per_request": cpu * 1e3 / max(len(lat), 1),
+                         "cores_used": cpu / wall,
                          "st_threads": st_thread_counts(args.st_threads)[0] if name == ST
                          else None})
             if not args.quiet:
                 r = rows[-1]
                 print(f"{label(r):22s} clients={n:3d}  {r['req_per_s']:7.1f} req/s  "
                       f"p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  "
-                      f"rows/batch {r['rows_per_batch']:.1f}", file=sys.stderr, flush=True)
+                      f"rows/batch {r['rows_per_batch']:.1f}  CPU {r['cpu_ms_per_request']:.1f} "
+                      f"ms/request", file=sys.stderr, flush=True)
     return rows
 
 
@@ -423,6 +440,8 @@ def summarize_closed(rows: list) -> list:
                     "req_per_s_max": max(rate),
                     "p50_ms_median": float(np.median([r["p50_ms"] for r in rs])),
                     "p99_ms_median": float(np.median([r["p99_ms"] for r in rs])),
+                    "cpu_ms_per_request_median": float(np.median(
+                        [r.get("cpu_ms_per_request", 0.0) for r in rs])),
                     "vs_st_median": float(np.median(ratios)) if ratios else None,
                     "vs_st_min": min(ratios) if ratios else None,
                     "vs_st_max": max(ratios) if ratios else None})
@@ -448,6 +467,7 @@ def isolated_rows(clients: list, args) -> list:
                        "--requests", str(args.requests), "--texts", str(args.texts),
                        "--rounds", "1", "--out", out, "--quiet",
                        "--batch-buckets", args.batch_buckets, "--seq-buckets", args.seq_buckets,
+                       "--streams", str(args.streams),
                        "--max-padding",
                        args.max_padding]
                 if threads:
@@ -462,7 +482,8 @@ def isolated_rows(clients: list, args) -> list:
                 if not args.quiet:
                     print(f"round {rnd} {label(r):22s} clients={r['clients']:3d}  "
                           f"{r['req_per_s']:7.1f} req/s  p50 {r['p50_ms']:8.1f} ms  "
-                          f"rows/batch {r['rows_per_batch']:.1f}  (own process)",
+                          f"rows/batch {r['rows_per_batch']:.1f}  CPU "
+                          f"{r.get('cpu_ms_per_request', 0):.1f} ms/request  (own process)",
                           file=sys.stderr, flush=True)
     return rows
 
@@ -649,6 +670,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq-buckets", default=",".join(map(str, SEQ_BUCKETS)),
                    help="the batcher's sequence buckets (tokens; the last >= 256); every one up "
                    f"to {WARMUP_SEQ} is captured at start-up with every batch bucket")
+    p.add_argument("--streams", type=int, default=1,
+                   help="graph and eager paths: a model per stream and a batcher per model, "
+                   "each request to the least loaded (runtime.serving.BatcherGroup; serve "
+                   "--streams); on cpu two batches then run at once, one thread each")
     p.add_argument("--max-padding", default="auto",
                    help="the graph and eager batchers' max_padding: auto, none or a fraction")
     p.add_argument("--rounds", type=int, default=1,
@@ -697,6 +722,8 @@ def main(argv=None) -> int:
         threads = st_thread_counts(args.st_threads)
     except ValueError as e:
         p.error(str(e))
+    if args.streams < 1:
+        p.error(f"--streams {args.streams}: at least 1")
     if len(threads) > 1 and not args.isolate:
         p.error("--st-threads with several counts needs --isolate (torch's threads are "
                 "per process)")
@@ -743,9 +770,16 @@ def _main(args) -> int:
     if sections & {"closed", "mixed"}:
         model = None
         if {"graph", "eager"} & set(paths):
-            model = load_model(None if args.backend == "auto" else args.backend,
-                               max_graphs=len(WARMUP))
-            backend = model.client.backend
+            model = [load_model(None if args.backend == "auto" else args.backend,
+                                max_graphs=len(WARMUP)) for _ in range(args.streams)]
+            backend = model[0].client.backend
+            if args.streams > 1:
+                try:
+                    from runtime.serving import BatcherGroup  # noqa: F401
+                except ImportError:
+                    print("this checkout has no BatcherGroup: one stream", file=sys.stderr)
+                    model = model[:1]
+            model = model if len(model) > 1 else model[0]
         servers = {name: start(model, name == "graph", args.quiet)
                    for name in ("graph", "eager") if name in paths}
         if ST in paths:
@@ -787,7 +821,8 @@ def _main(args) -> int:
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "sentence_transformers": st_note or "included", "paths": args.paths,
             "rounds": args.rounds, "isolated": bool(args.isolate),
-            "max_padding": args.max_padding, "contention": {"busy_processes": args.contention}}
+            "max_padding": args.max_padding, "streams": args.streams,
+            "contention": {"busy_processes": args.contention}}
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": closed, "summary": summarize_closed(closed),

@@ -474,6 +474,12 @@ class Batcher:
         """Requests with texts not yet taken into a batch."""
         return self._queued_requests
 
+    @property
+    def load(self) -> int:
+        """Texts queued plus texts in the batch running now (what
+        :class:`runtime.serving.group.BatcherGroup` balances)."""
+        return self._queued + len(self._inflight)
+
     def drain_estimate(self) -> float:
         """Seconds until the texts queued now have run, from the measured compute time per text
         (running average over recent batches); ``1.0`` before any batch ran."""
@@ -695,6 +701,7 @@ class Batcher:
                 raise RuntimeError(f"the model returned shape {out.shape} for {n} rows, "
                                    f"expected {(n, self.hidden)}")
         except Exception as e:  # noqa: BLE001 - fails this batch's requests, not the worker
+            self._inflight = []
             self.last_error = e
             if m is not None:
                 m.failed_batches.labels(path=self.path).inc()
@@ -729,3 +736,4 @@ class Batcher:
         for req, k in done.values():
             req.batches.append(BatchTiming(bucket, n, k, self.path, step, t0_ns, t1_ns))
             req.done_rows(k)
+        self._inflight = []                       # (load: the batch's texts are done)

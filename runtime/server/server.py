@@ -382,7 +382,7 @@ class ComputeServer:
         st.reads = {}
         st.mark = CLEAN
 
-    def h_read(self, sid, hid: int) -> tuple:
+    def h_read(self, sid, hid: int, dtype=None) -> tuple:
         """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
         waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
         failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
@@ -397,7 +397,9 @@ class ComputeServer:
         ``ServerUnhealthy`` (queued errors of this stream).
 
         Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
-        at once (``Backend.copy_out_now``) and the answer is the bytes themselves.
+        at once (``Backend.copy_out_now``) and the answer is the copy itself, an ``np.ndarray``
+        of ``dtype`` when the backend makes it (``uint8`` bytes when ``dtype`` is None or the
+        backend leaves it: the caller views them).
         """
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
@@ -406,7 +408,7 @@ class ComputeServer:
             w = st.writes
             if len(w) > 1 or sid not in w and w:
                 self._wait_for(s, w)        # (an event wait queued: not idle any more)
-            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes)
+            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
             if data is not None:            # idle: everything before it ran
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)

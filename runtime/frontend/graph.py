@@ -92,7 +92,7 @@ class Graph:
         if self._released:
             raise UnknownGraph(f"replay of graph {self.id}: this clone was released")
         srv = self._owner.server
-        if srv.call(srv.h_replay, self.id) and srv.queue.full():
+        if srv.replay(self.id) and srv.queue.full():
             srv.queue.wait_room()        # a replay loop with no read cannot pile up work
 
 

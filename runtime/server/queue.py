@@ -568,3 +568,7 @@ class _Counted:
 
 class _Fatal(BaseException):
     """Raised inside a message to kill the device thread (tests of the death path)."""
+
+
+#: what a message run directly may raise that ends the server (``_die``), not only the call
+DeviceQueue.FATAL = (SystemExit, KeyboardInterrupt, _Fatal)

@@ -418,7 +418,9 @@ class ComputeServer:
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
         if st is None:
-            raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
+            raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name} (or "
+                                "its allocation failed: the OutOfMemory is queued on the "
+                                "stream that created it)")
         self._flush(s)                      # failures of its batch surface now, on this stream
         errs = self.marks.take_errors(s)
         if errs or (st.mark is not CLEAN and self.marks.error_of(st.mark) is not None):

@@ -29,6 +29,7 @@ from . import graphs
 from .capture import merge
 from .marks import CLEAN, Mark, Marks
 from .memory import GraphPool, Pool
+from . import queue as queue_mod
 from .queue import DeviceQueue
 
 _graph_ids = itertools.count(1)
@@ -601,6 +602,8 @@ class ComputeServer:
             return True
         finally:
             queue._release()
+
+    queue_mod.OWNER_CODES.add(sync_idle.__code__)    # it takes the owner lock (queue.py)
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:

@@ -370,7 +370,7 @@ class CpuBackend(Backend):
     def alloc(self, nbytes):
         try:
             return CpuBuffer(np.zeros(nbytes, np.uint8))
-        except MemoryError as e:
+        except (MemoryError, ValueError) as e:  # ValueError: past numpy's largest array
             raise OutOfMemory(f"cpu: could not allocate {nbytes} bytes") from e
 
     def free(self, buf):

@@ -7,6 +7,7 @@ fire-and-forget work, ``call`` for blocking work.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -179,7 +180,7 @@ class ComputeClient:
         shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shp):
             raise ValueError(f"shape must be non-negative ints, got {shape!r}")
-        nbytes = int(np.prod(shp, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(int(d) for d in shp) * dtype.itemsize   # exact (np.prod wraps)
         srv = self._server
         sid = self._sid
         h = Handle(srv, sid, nbytes, dtype, shp)

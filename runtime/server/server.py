@@ -29,6 +29,7 @@ from . import graphs
 from .capture import merge
 from .marks import CLEAN, Mark, Marks
 from .memory import GraphPool, Pool
+from . import queue as queue_mod
 from .queue import DeviceQueue
 
 _graph_ids = itertools.count(1)
@@ -57,6 +58,10 @@ class StreamState:
         self.warm_bytes = self.warm_peak = 0   # their bytes, and the most at once (estimate)
         self.warm_pool_free = 0       # what its graph pool could serve at graph_prepare
         self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
+
+
+#: ``ComputeServer.replay``'s answer when the server was not idle (the caller queues the call).
+BUSY = object()
 
 
 class HandleState:
@@ -420,7 +425,9 @@ class ComputeServer:
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
         if st is None:
-            raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
+            raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name} (or "
+                                "its allocation failed: the OutOfMemory is queued on the "
+                                "stream that created it)")
         self._flush(s)                      # failures of its batch surface now, on this stream
         errs = self.marks.take_errors(s)
         if errs or (st.mark is not CLEAN and self.marks.error_of(st.mark) is not None):
@@ -602,6 +609,9 @@ class ComputeServer:
         finally:
             queue._release()
 
+    queue_mod.OWNER_CODES.add(sync_idle.__code__)    # it takes the owner lock (queue.py)
+    queue_mod.OWNER_CODES.add(replay.__code__)
+
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
         window refusals are reported by ``stop_capture``)."""
@@ -771,7 +781,9 @@ class ComputeServer:
         no buffer written only inside conditional nodes, no checker, no source whose mark may
         carry a failure. Everything else goes to :meth:`h_replay`. Returns what ``h_replay``
         returns (None when it ran at once) and raises what it raises (``ServerClosed`` once the
-        server stopped)."""
+        server stopped); :data:`BUSY` when the server was not idle: the caller then makes the
+        blocking ``call(h_replay, gid)`` itself (so no frame of this function, one of the owner
+        lock's holders, ``queue.OWNER_CODES``, is on a stack that only waits)."""
         queue = self.queue
         if not queue._q and queue._owner.acquire(False):
             try:
@@ -812,7 +824,7 @@ class ComputeServer:
                     queue.notify_room()
                 if queue._q and not queue.closed and queue._owner.acquire(False):
                     queue._drain()
-        return queue.call(self.h_replay, gid)
+        return BUSY
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:

@@ -610,7 +610,6 @@ class ComputeServer:
             queue._release()
 
     queue_mod.OWNER_CODES.add(sync_idle.__code__)    # it takes the owner lock (queue.py)
-    queue_mod.OWNER_CODES.add(replay.__code__)
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
@@ -825,6 +824,8 @@ class ComputeServer:
                 if queue._q and not queue.closed and queue._owner.acquire(False):
                     queue._drain()
         return BUSY
+
+    queue_mod.OWNER_CODES.add(replay.__code__)      # it takes the owner lock (queue.py)
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:

@@ -220,11 +220,12 @@ class Backend:
         completion's value is a ``uint8`` numpy array of ``nbytes``."""
         raise NotImplementedError
 
-    def copy_out_now(self, stream, buf, nbytes: int):
-        """The first ``nbytes`` of ``buf`` copied to the host at once (a new ``uint8`` array),
-        when ``stream`` is idle (nothing queued, running or failed) and the copy is cheap enough
-        to make on the calling thread (the server's owner); None otherwise (the server then uses
-        :meth:`copy_out`). Default: None (never)."""
+    def copy_out_now(self, stream, buf, nbytes: int, dtype=None):
+        """The first ``nbytes`` of ``buf`` copied to the host at once (a new array: of numpy
+        ``dtype`` when given and the backend types it, e.g. from a cached typed view, saving the
+        reader a view; else ``uint8``), when ``stream`` is idle (nothing queued, running or
+        failed) and the copy is cheap enough to make on the calling thread (the server's
+        owner); None otherwise (the server then uses :meth:`copy_out`). Default: None (never)."""
         return None
 
     # -- kernels --------------------------------------------------------------------------

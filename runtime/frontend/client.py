@@ -246,10 +246,12 @@ class ComputeClient:
             if not isinstance(handle, Handle):
                 raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
             hid = handle._check(srv, "read")
-        raw = srv.call(srv.h_read, self._sid, hid)
+        dtype = handle.dtype
+        raw = srv.call(srv.h_read, self._sid, hid, dtype)
         if raw.__class__ is not np.ndarray:         # (an ndarray: copied at once, clean)
             raw = self._finish_read(raw, hid)
-        raw = raw.view(handle.dtype)
+        if raw.dtype != dtype:                      # (bytes: not typed by the backend)
+            raw = raw.view(dtype)
         return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
 
     def _finish_read(self, answer, hid: int) -> np.ndarray:

@@ -629,6 +629,8 @@ class _Fatal(BaseException):
     """Raised inside a message to kill the device thread (tests of the death path)."""
 
 
+#: what a message run directly may raise that ends the server (``_die``), not only the call
+DeviceQueue.FATAL = (SystemExit, KeyboardInterrupt, _Fatal)
 OWNER_CODES.update(f.__code__ for f in (DeviceQueue.call, DeviceQueue.submit, DeviceQueue.close,
                                         DeviceQueue._drain, DeviceQueue._release))
 _WAIT_CODES.update(f.__code__ for f in (DeviceQueue.wait, DeviceQueue.wait_room, Reply.wait))

@@ -60,6 +60,10 @@ class StreamState:
         self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
+#: ``ComputeServer.replay``'s answer when the server was not idle (the caller queues the call).
+BUSY = object()
+
+
 class HandleState:
     """Server-side state of one handle: its pooled slot and its access history."""
 
@@ -383,7 +387,7 @@ class ComputeServer:
         st.reads = {}
         st.mark = CLEAN
 
-    def h_read(self, sid, hid: int) -> tuple:
+    def h_read(self, sid, hid: int, dtype=None) -> tuple:
         """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
         waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
         failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
@@ -398,7 +402,9 @@ class ComputeServer:
         ``ServerUnhealthy`` (queued errors of this stream).
 
         Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
-        at once (``Backend.copy_out_now``) and the answer is the bytes themselves.
+        at once (``Backend.copy_out_now``) and the answer is the copy itself, an ``np.ndarray``
+        of ``dtype`` when the backend makes it (``uint8`` bytes when ``dtype`` is None or the
+        backend leaves it: the caller views them).
         """
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
@@ -407,7 +413,7 @@ class ComputeServer:
             w = st.writes
             if len(w) > 1 or sid not in w and w:
                 self._wait_for(s, w)        # (an event wait queued: not idle any more)
-            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes)
+            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
             if data is not None:            # idle: everything before it ran
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)
@@ -764,11 +770,68 @@ class ComputeServer:
                 "made. Allocate state before graph_prepare, or capture this graph without the "
                 "pool")
 
+    def replay(self, gid: int):
+        """``Graph.replay``'s entry. While the server is idle the caller runs it, holding the
+        owner lock (``DeviceQueue.call``'s combining path, written out: a replay is the hot path
+        of issue 26); then a replay of tiny work on an idle stream runs at once, on this thread
+        (``Backend.launch_graph_now``: no mark, no hand-off; a failure is recorded as one found
+        at execution: on the stream and on the graph's write set), when nothing needs the
+        enqueue path: no capture window on the stream, no freed handle, no first-replay fences,
+        no buffer written only inside conditional nodes, no checker, no source whose mark may
+        carry a failure. Everything else goes to :meth:`h_replay`. Returns what ``h_replay``
+        returns (None when it ran at once) and raises what it raises (``ServerClosed`` once the
+        server stopped); :data:`BUSY` when the server was not idle: the caller then makes the
+        blocking ``call(h_replay, gid)`` itself (so no frame of this function, one of the owner
+        lock's holders, ``queue.OWNER_CODES``, is on a stack that only waits)."""
+        queue = self.queue
+        if not queue._q and queue._owner.acquire(False):
+            try:
+                if not queue._q and not queue.closed:
+                    g = self.graphs.get(gid)
+                    if g is None:
+                        return self.h_replay(gid)
+                    s = self.streams[g.stream]
+                    if (getattr(g.graph, "inline", True) and s.window is None and not g.freed
+                            and not g.fences and not g.mstates and self.checker is None):
+                        for st in g.sstates:    # a source's mark may carry a failure
+                            if st.mark is not CLEAN and self._marked_sources(g):
+                                break
+                        else:
+                            try:
+                                ran = self.backend.launch_graph_now(s.raw, g.graph)
+                            except LaunchError as e:    # it ran and failed: as if found at
+                                failed = Mark(g.op).fail(e)     # execution
+                                s.errors.append(failed)
+                                fold_errors(s.errors)   # a stream that never blocks: bounded
+                                self.marks.fail(g.wstates, g.op, failed)
+                                s.pos += 1
+                                s.done_pos = g.last_pos = s.pos
+                                return None
+                            if ran:
+                                s.pos += 1
+                                s.done_pos = g.last_pos = s.pos
+                                for st in g.wstates:
+                                    st.mark = CLEAN
+                                return None
+                    return self._enqueue_replay(g, s)
+            except queue.FATAL as e:
+                queue._die(e)
+                raise queue.closed_error() from None
+            finally:                        # (DeviceQueue._release, inlined)
+                queue._owner.release()
+                if queue.room_waiters:
+                    queue.notify_room()
+                if queue._q and not queue.closed and queue._owner.acquire(False):
+                    queue._drain()
+        return BUSY
+
+    queue_mod.OWNER_CODES.add(replay.__code__)      # it takes the owner lock (queue.py)
+
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
-        True (the caller looks for room in the queue), False (enqueued where the backend knows
-        its backlog is small: ``Backend.launch_graph``), or None when the backend ran it at once
-        instead (``Backend.launch_graph_now``: tiny work on an idle stream).
+        True (the caller looks for room in the queue) or False (enqueued where the backend knows
+        its backlog is small: ``Backend.launch_graph``). (:meth:`replay`, the caller's entry,
+        runs tiny work on an idle stream at once instead.)
 
         The first replay waits for the work other streams had pending on the graph's buffers at
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
@@ -783,37 +846,17 @@ class ComputeServer:
         if g is None:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
-        s = self.streams[g.stream]
+        return self._enqueue_replay(g, self.streams[g.stream])
+
+    def _enqueue_replay(self, g, s):
+        """:meth:`h_replay` of graph state ``g`` on its stream's state ``s``."""
+        gid = g.id
         reads = None
         for st in g.sstates:                # sources whose marks may carry a failure
             if st.mark is not CLEAN:
                 reads = self._marked_sources(g)
                 break
         graph = g.graph
-        if (not reads and s.window is None and not g.freed and not g.fences
-                and self.checker is None and getattr(graph, "inline", True)):
-            failed = None
-            try:                            # tiny work on an idle stream runs here, at once
-                ran = self.backend.launch_graph_now(s.raw, graph)
-            except LaunchError as e:        # it ran and failed: as if found at execution
-                ran = failed = Mark(g.op).fail(e)
-                s.errors.append(failed)
-                fold_errors(s.errors)       # a stream that never blocks: bounded
-                self.marks.fail(g.wstates, g.op, failed)
-            if ran:
-                s.pos += 1
-                s.done_pos = g.last_pos = s.pos
-                if failed is None:
-                    kept = None
-                    if g.mstates:           # marks that are not known clean stay
-                        kept, pending = self._kept_marks(g)
-                        kept += pending
-                    for st in g.wstates:
-                        st.mark = CLEAN
-                    if kept:
-                        for st, m in kept:
-                            st.mark = m
-                return
         mark = Mark(g.op, None, (), s, s.pos + 1)
         try:
             if s.window is not None:

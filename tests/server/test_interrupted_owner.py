@@ -110,6 +110,17 @@ def private(monkeypatch):
     _bounded(c.shutdown)
 
 
+def _captured_replay(c, x, y):
+    """Capture ``y = x + 1`` (one tiny launch) and replay it: ``ComputeServer.replay``."""
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    g = c.stop_capture()
+    c.sync()
+    g.replay()
+
+
 SITES = {
     # fn, the line that takes the lock, what the main thread runs, the exception
     "submit": (queue_mod.DeviceQueue.submit, "elif not q and self._owner.acquire(False)",
@@ -119,6 +130,8 @@ SITES = {
              lambda c, x, y: c.read(x), TimeoutError),
     "sync_idle": (ComputeServer.sync_idle, "queue._owner.acquire(False)",
                   lambda c, x, y: c.sync(), KeyboardInterrupt),
+    "replay": (ComputeServer.replay, "if not queue._q and queue._owner.acquire(False)",
+               _captured_replay, KeyboardInterrupt),
 }
 
 

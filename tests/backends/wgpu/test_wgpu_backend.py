@@ -180,7 +180,7 @@ def test_replay_is_one_submit_and_matches_numpy(be, s):
     for _ in range(be.max_tasks * 3):       # well past the batching threshold
         be.record_launch(graph, acc, K.grid(N), [(x, NB), (y, NB)], acc.kernel.pack_params([N]))
     graph = be.end_graph(graph)
-    assert be.submits and s.encoder is None
+    assert s.encoder is None                # recording opened no encoder on the stream
     before = be.submits
     be.launch_graph(s, graph)
     assert be.submits - before == 1
@@ -275,7 +275,7 @@ def test_a_kernel_is_compiled_once_however_often_it_launches(client, monkeypatch
     backend = client._server.backend
     compiled = []
     real = backend.compile
-    monkeypatch.setattr(backend, "compile", lambda k: (compiled.append(k), real(k))[1])
+    monkeypatch.setitem(vars(backend), "compile", lambda k: (compiled.append(k), real(k))[1])
     twice = K.elementwise("twice", [("x", "f32", "read"), ("y", "f32", "read_write")], "2.0 * x[i]",
                           cpu=lambda x, y, *, n, count: None)
     x = client.create(np.arange(N, dtype=np.float32))

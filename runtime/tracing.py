@@ -373,6 +373,11 @@ def _queued_replay(server, gid: int):
     return server.queue.call(server.h_replay, gid)
 
 
+def _queued_read(server, sid, hid: int, dtype=None):
+    """The traced ``ComputeServer.read``: through the (traced) ``DeviceQueue.call``."""
+    return server.queue.call(server.h_read, sid, hid, dtype)
+
+
 def _client_wait(plain):
     """The traced ``DeviceQueue.wait``: a ``wait`` slice inside the call that asked for it."""
     def traced(queue, waitable, msg=None):
@@ -646,6 +651,7 @@ def start(capacity: int = DEFAULT_CAPACITY) -> Tracer:
             raise RuntimeError("tracing is on already (one runtime.trace at a time)")
         tracer = Tracer(capacity)
         _swap(ComputeServer, "replay", _queued_replay)
+        _swap(ComputeServer, "read", _queued_read)
         _swap(DeviceQueue, "submit", _client_call(DeviceQueue.submit))
         _swap(DeviceQueue, "call", _client_call(DeviceQueue.call))
         _swap(DeviceQueue, "wait", _client_wait(DeviceQueue.wait))

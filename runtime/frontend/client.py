@@ -16,6 +16,7 @@ from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, Unsupported
                       unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
+from ..server.server import BUSY
 from .graph import Graph, _Owner
 from .handle import Handle
 from .pool import GraphPool
@@ -247,7 +248,9 @@ class ComputeClient:
                 raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
             hid = handle._check(srv, "read")
         dtype = handle.dtype
-        raw = srv.call(srv.h_read, self._sid, hid, dtype)
+        raw = srv.read(self._sid, hid, dtype)
+        if raw is BUSY:                             # the server was not idle: queued
+            raw = srv.call(srv.h_read, self._sid, hid, dtype)
         if raw.__class__ is not np.ndarray:         # (an ndarray: copied at once, clean)
             raw = self._finish_read(raw, hid)
         if raw.dtype != dtype:                      # (bytes: not typed by the backend)

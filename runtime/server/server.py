@@ -387,6 +387,25 @@ class ComputeServer:
         st.reads = {}
         st.mark = CLEAN
 
+    def read(self, sid, hid: int, dtype=None):
+        """``ComputeClient.read``'s entry: :meth:`h_read` on the calling thread while the server
+        is idle (``DeviceQueue.call``'s combining path written out, as :meth:`replay`), else
+        :data:`BUSY` (the caller then makes the blocking ``call(h_read, ...)``). Returns and
+        raises what ``h_read`` does."""
+        queue = self.queue
+        if not queue._q and queue._owner.acquire(False):
+            try:
+                if not queue._q and not queue.closed:
+                    return self.h_read(sid, hid, dtype)
+            except queue.FATAL as e:
+                queue._die(e)
+                raise queue.closed_error() from None
+            finally:
+                queue._release()
+        return BUSY
+
+    queue_mod.OWNER_CODES.add(read.__code__)        # it takes the owner lock (queue.py)
+
     def h_read(self, sid, hid: int, dtype=None) -> tuple:
         """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
         waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed

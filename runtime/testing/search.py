@@ -192,8 +192,8 @@ class Recording(InterleavingScheduler):
 
     # -- the server side ------------------------------------------------------------------
     def attach_server(self, server) -> None:
-        """Wrap ``server.submit``/``call``/``replay`` so each message carries the test's call
-        site."""
+        """Wrap ``server.submit``/``call``/``replay``/``read`` so each message carries the
+        test's call site."""
         self.server = server
         submit, call = server.submit, server.call
 
@@ -205,7 +205,11 @@ class Recording(InterleavingScheduler):
 
         def sited_replay(gid):          # (these schedulers never run a replay at once)
             return call(_Sited(self, server.h_replay, _user_site()), gid)
-        server.submit, server.call, server.replay = sited_submit, sited_call, sited_replay
+
+        def sited_read(sid, hid, dtype=None):
+            return call(_Sited(self, server.h_read, _user_site()), sid, hid, dtype)
+        server.submit, server.call = sited_submit, sited_call
+        server.replay, server.read = sited_replay, sited_read
 
     def _accesses(self, kind):
         """``(op, reads, writes, handles)`` of an item pushed now, from the running handler."""

@@ -134,11 +134,13 @@ SITES = {
                lambda c, x, y: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4}),
                KeyboardInterrupt),
     "call": (queue_mod.DeviceQueue.call, "if not q and self._owner.acquire(False)",
-             lambda c, x, y: c.read(x), TimeoutError),
+             lambda c, x, y: c.flush(), TimeoutError),
     "sync_idle": (ComputeServer.sync_idle, "queue._owner.acquire(False)",
                   lambda c, x, y: c.sync(), KeyboardInterrupt),
     "replay": (ComputeServer.replay, "if not queue._q and queue._owner.acquire(False)",
                _captured_replay, KeyboardInterrupt),
+    "read": (ComputeServer.read, "if not queue._q and queue._owner.acquire(False)",
+             lambda c, x, y: c.read(x), KeyboardInterrupt),
 }
 
 

@@ -400,6 +400,9 @@ class ComputeServer:
             except queue.FATAL as e:
                 queue._die(e)
                 raise queue.closed_error() from None
+            except BaseException:
+                queue._check_backend()      # (its flush interrupted: CpuBackend.broken)
+                raise
             finally:
                 queue._release()
         return BUSY

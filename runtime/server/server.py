@@ -276,7 +276,8 @@ class ComputeServer:
                                             f"{self.backend.name}: {e}"))
                 return None
             if len(self.programs) >= self.MAX_PROGRAMS:  # kernels made per request: bounded
-                del self.programs[next(iter(self.programs))]   # (the oldest; recompiled if used)
+                old = next(iter(self.programs))           # (the oldest; recompiled if used)
+                self.backend.release_program(self.programs.pop(old))
             self.programs[kernel] = prog
         return prog
 

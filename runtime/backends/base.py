@@ -234,6 +234,12 @@ class Backend:
         ``LaunchError`` (no source for this backend, or a compile failure)."""
         raise NotImplementedError
 
+    def release_program(self, program) -> None:
+        """The server dropped ``program`` from its table (kernels made per request: the oldest
+        past ``ComputeServer.MAX_PROGRAMS``): forget what the backend caches for it, so the
+        compiled program lives only as long as queued work and graphs use it. Default: nothing
+        cached."""
+
     def launch(self, stream, program, count, args, params: tuple, mark=None) -> None:
         """Enqueue one dispatch of ``program`` on ``stream``; ``mark``: see the module doc."""
         raise NotImplementedError

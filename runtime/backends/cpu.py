@@ -305,6 +305,13 @@ class CpuBackend(Backend):
         self._bytes = 0                      # host bytes held by queued writes
         self._bytes_lock = threading.Lock()
         self._threaded = isinstance(scheduler, ThreadScheduler)
+        #: the exception that interrupted a thread running this backend's queued work on a
+        #: caller's thread (a waiter's helper, a read's flush: KeyboardInterrupt or a signal
+        #: handler's exception) after it took an item and before the item was known done: the
+        #: item may be lost (a launch never run, its outputs unmarked) or half done, so the
+        #: backend reports itself dead (``is_alive``) and the server stops: every later call
+        #: raises ``ServerClosed`` instead of returning stale values
+        self.broken = None
         scheduler.attach(self)
         self.closed = False
 
@@ -410,10 +417,17 @@ class CpuBackend(Backend):
                 return
             stream.busy = True
             stream.runner = threading.get_ident()
+        taken = False
         try:
             while q:
+                taken = True
                 kind, payload = q.popleft()
                 self.execute(stream, kind, payload)
+                taken = False
+        except BaseException as e:
+            if taken:                       # interrupted with an item taken (see broken)
+                self.broken = self.broken or e
+            raise
         finally:
             with cv:
                 stream.busy = False
@@ -680,7 +694,7 @@ class CpuBackend(Backend):
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):
         alive = getattr(self.scheduler, "is_alive", None)
-        return not self.closed and (alive is None or alive())
+        return not self.closed and self.broken is None and (alive is None or alive())
 
     def close(self):
         self.closed = True

@@ -38,7 +38,7 @@ import threading
 import traceback
 import weakref
 
-from ..errors import ServerClosed, ServerForked, UnsupportedError, unhealthy
+from ..errors import ServerClosed, ServerError, ServerForked, UnsupportedError, unhealthy
 
 #: seconds between health checks while a caller waits for an answer.
 POLL_S = 0.05
@@ -322,6 +322,9 @@ class DeviceQueue:
                 except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                     self._die(e)
                     raise self.closed_error() from None
+                except BaseException:
+                    self._check_backend()   # (a read's flush interrupted: CpuBackend.broken)
+                    raise
                 finally:                    # (_release, inlined: the blocking calls' path)
                     self._owner.release()
                     if self.room_waiters:
@@ -372,21 +375,42 @@ class DeviceQueue:
             on the cpu fast paths calling the runtime): nothing else could answer; or when a
             kernel body waits for a completion for a poll interval (``in_kernel``).
         """
-        while not waitable.wait(POLL_S):
-            if msg is not None and self._owner.locked() and self._reentrant():
-                raise self._reentry(msg)
-            if msg is None and self._in_kernel():
-                raise UnsupportedError(
-                    "a blocking runtime call (read, sync, ...) from inside a cpu kernel body "
-                    "waited for work that the body itself holds up (its own stream's, or work "
-                    "ordered after it): it could never return; call the runtime outside kernel "
-                    "bodies (as CUDA host functions may not call CUDA)")
-            if self.closed or not self._thread.is_alive() or not self._healthy():
-                if waitable.wait(0):
-                    return
-                if not (self.closed or self.closing) and not self._healthy():
-                    self.death = self.death or RuntimeError("a backend worker thread died")
-                raise self.closed_error()
+        try:
+            while not waitable.wait(POLL_S):
+                self._poll(waitable, msg)
+        except ServerError:
+            raise
+        except BaseException:
+            self._check_backend()         # an interrupt while this thread ran queued work
+            raise
+
+    def _check_backend(self) -> None:
+        """After an exception escaped a handler or a wait: if the backend now reports itself
+        dead (a worker died, or a thread running a stream's queued work was interrupted with an
+        item taken: ``CpuBackend.broken``), queued work may have been lost, so the server stops
+        (every later call raises ``ServerClosed``) rather than answer from stale buffers."""
+        if not self.closed and not self._healthy():
+            self._die(RuntimeError(
+                "the backend stopped: a worker thread died, or a thread running a stream's "
+                "queued work was interrupted by an exception (KeyboardInterrupt, a signal "
+                "handler's) with an item taken, so queued work may have been lost"))
+
+    def _poll(self, waitable, msg) -> None:
+        """One poll interval of :meth:`wait` passed: raise what ends the wait, if anything."""
+        if msg is not None and self._owner.locked() and self._reentrant():
+            raise self._reentry(msg)
+        if msg is None and self._in_kernel():
+            raise UnsupportedError(
+                "a blocking runtime call (read, sync, ...) from inside a cpu kernel body "
+                "waited for work that the body itself holds up (its own stream's, or work "
+                "ordered after it): it could never return; call the runtime outside kernel "
+                "bodies (as CUDA host functions may not call CUDA)")
+        if self.closed or not self._thread.is_alive() or not self._healthy():
+            if waitable.wait(0):
+                return
+            if not (self.closed or self.closing) and not self._healthy():
+                self.death = self.death or RuntimeError("a backend worker thread died")
+            raise self.closed_error()
 
     # -- the owner ------------------------------------------------------------------------
     def _release(self) -> None:
@@ -417,6 +441,7 @@ class DeviceQueue:
                             self._on_async_error(e)
                         else:
                             slot.finish(None, e)
+                        self._check_backend()
                     else:
                         if slot is not None:
                             slot.finish(value, None)

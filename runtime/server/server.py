@@ -277,7 +277,8 @@ class ComputeServer:
                                             f"{self.backend.name}: {e}"))
                 return None
             if len(self.programs) >= self.MAX_PROGRAMS:  # kernels made per request: bounded
-                del self.programs[next(iter(self.programs))]   # (the oldest; recompiled if used)
+                old = next(iter(self.programs))           # (the oldest; recompiled if used)
+                self.backend.release_program(self.programs.pop(old))
             self.programs[kernel] = prog
         return prog
 
@@ -401,6 +402,9 @@ class ComputeServer:
             except queue.FATAL as e:
                 queue._die(e)
                 raise queue.closed_error() from None
+            except BaseException:
+                queue._check_backend()      # (its flush interrupted: CpuBackend.broken)
+                raise
             finally:
                 queue._release()
         return BUSY

@@ -25,6 +25,8 @@ import runtime
 from runtime import kernels as K
 from runtime.errors import ServerClosed, ServerError
 from runtime.server import queue as queue_mod
+from runtime.backends.cpu import CpuBackend
+from runtime.backends.cpu_schedule import ThreadScheduler
 from runtime.server.server import ComputeServer
 
 #: seconds a bounded wait in these tests lasts at most
@@ -41,12 +43,14 @@ def _line_of(fn, text: str) -> int:
     raise AssertionError(f"{fn.__qualname__} no longer contains {text!r}")
 
 
-def _interrupt_after(fn, text: str, exc, queue, hit: list):
+def _interrupt_after(fn, text: str, exc, queue, hit: list, nth: int = 1):
     """A trace function raising ``exc`` in ``fn`` right after the last call on its line with
-    ``text`` returned (where CPython runs a pending signal handler: after a call), once,
-    provided the owner lock is held then. Instruction-level, as a signal lands: a line-level
+    ``text`` returned (where CPython runs a pending signal handler: after a call), the
+    ``nth`` time it gets there, once,
+    provided the owner lock of ``queue`` is held then (``queue`` None: always). Instruction-level, as a signal lands: a line-level
     trace would also raise at ``try:`` lines, which no handler covers (an artefact)."""
     code, line = fn.__code__, _line_of(fn, text)
+    seen = []
     ins = list(dis.get_instructions(code))
     calls = [i for i, x in enumerate(ins) if x.positions.lineno == line
              and x.opname.startswith("CALL")]
@@ -56,7 +60,10 @@ def _interrupt_after(fn, text: str, exc, queue, hit: list):
     def local(frame, event, arg):
         frame.f_trace_opcodes = True
         if (event == "opcode" and not hit and frame.f_lasti == target
-                and queue._owner.locked()):
+                and (queue is None or queue._owner.locked())):
+            seen.append(1)
+            if len(seen) < nth:
+                return local
             hit.append(frame.f_lineno)
             raise exc("interrupted (injected by the test)")
         return local
@@ -212,3 +219,50 @@ def test_a_long_message_is_not_taken_for_a_lost_owner(private):
     assert out == {"value": None}
     np.testing.assert_array_equal(c2.read(z), np.full(4, 7, np.float32))
     assert not q.closed
+
+
+#: where a caller's thread runs a stream's queued work itself: a waiting read's helper (outside
+#: the owner lock) and a read's flush of tiny items (inside it)
+RUNNERS = {
+    "help": (ThreadScheduler.help, "q.popleft()", KeyboardInterrupt, 1 << 15),
+    "flush": (CpuBackend.flush, "q.popleft()", TimeoutError, 64),
+}
+
+
+@pytest.mark.parametrize("site", sorted(RUNNERS))
+def test_an_interrupt_while_a_caller_runs_its_streams_work_never_leaves_a_stale_value(
+        private, site):
+    """The main thread reads a buffer with launches queued on its stream and runs them itself
+    (issue 26); the interruption lands right after it took a launch off the stream's queue.
+    Before, that launch was lost without a trace: a later read returned the buffer without it
+    (an accumulator one short), no error (a Ctrl-C during a read or sync in a notebook). Now
+    the backend reports itself broken and the server stops: every later call raises
+    ``ServerClosed``, never a stale value."""
+    c, c2, x, z = private
+    fn, text, exc, n = RUNNERS[site]
+    one = c.create(np.ones(n, np.float32))
+    acc = c.create(np.zeros(n, np.float32))
+    c.sync()
+    hit, launched = [], 0
+    for _ in range(100):
+        c.write(one, np.ones(n, np.float32))      # queued first: the launches queue behind it
+        for _ in range(4):
+            c.launch(K.accumulate, K.grid(n), [one, acc], {"n": n})
+            launched += 1
+        sys.settrace(_interrupt_after(fn, text, exc, None, hit, nth=2))   # a launch
+        try:
+            got = c.read(acc)
+        except exc:
+            pass
+        else:
+            np.testing.assert_array_equal(got, np.full(n, launched, np.float32))
+        finally:
+            sys.settrace(None)
+        if hit:
+            break
+    assert hit, f"the interruption after {text!r} in {fn.__qualname__} never ran"
+    for client, h in ((c, acc), (c2, z)):
+        out = _bounded(lambda: client.read(h))
+        assert isinstance(out.get("error"), ServerClosed), (
+            f"a read after the interruption returned {out.get('value', out)!r} "
+            f"({launched} launches queued)")

@@ -367,6 +367,22 @@ def _client_call(plain):
     return traced
 
 
+def _queued_replay(server, gid: int):
+    """The traced ``ComputeServer.replay``: through the (traced) ``DeviceQueue.call``, so every
+    replay shows its client slice and its handler's (while tracing none runs at once)."""
+    return server.queue.call(server.h_replay, gid)
+
+
+def _queued_read(server, sid, hid: int, dtype=None):
+    """The traced ``ComputeServer.read``: through the (traced) ``DeviceQueue.call``."""
+    return server.queue.call(server.h_read, sid, hid, dtype)
+
+
+def _queued_launch(server, *args):
+    """The traced ``ComputeServer.launch``: through the (traced) ``DeviceQueue.submit``."""
+    server.queue.submit(server.h_launch, *args)
+
+
 def _client_wait(plain):
     """The traced ``DeviceQueue.wait``: a ``wait`` slice inside the call that asked for it."""
     def traced(queue, waitable, msg=None):
@@ -634,10 +650,14 @@ def start(capacity: int = DEFAULT_CAPACITY) -> Tracer:
     global _active
     from .backends.cpu import CpuBackend
     from .server.queue import DeviceQueue
+    from .server.server import ComputeServer
     with _lock:
         if _active is not None:
             raise RuntimeError("tracing is on already (one runtime.trace at a time)")
         tracer = Tracer(capacity)
+        _swap(ComputeServer, "replay", _queued_replay)
+        _swap(ComputeServer, "read", _queued_read)
+        _swap(ComputeServer, "launch", _queued_launch)
         _swap(DeviceQueue, "submit", _client_call(DeviceQueue.submit))
         _swap(DeviceQueue, "call", _client_call(DeviceQueue.call))
         _swap(DeviceQueue, "wait", _client_wait(DeviceQueue.wait))

@@ -220,11 +220,12 @@ class Backend:
         completion's value is a ``uint8`` numpy array of ``nbytes``."""
         raise NotImplementedError
 
-    def copy_out_now(self, stream, buf, nbytes: int):
-        """The first ``nbytes`` of ``buf`` copied to the host at once (a new ``uint8`` array),
-        when ``stream`` is idle (nothing queued, running or failed) and the copy is cheap enough
-        to make on the calling thread (the server's owner); None otherwise (the server then uses
-        :meth:`copy_out`). Default: None (never)."""
+    def copy_out_now(self, stream, buf, nbytes: int, dtype=None):
+        """The first ``nbytes`` of ``buf`` copied to the host at once (a new array: of numpy
+        ``dtype`` when given and the backend types it, e.g. from a cached typed view, saving the
+        reader a view; else ``uint8``), when ``stream`` is idle (nothing queued, running or
+        failed) and the copy is cheap enough to make on the calling thread (the server's
+        owner); None otherwise (the server then uses :meth:`copy_out`). Default: None (never)."""
         return None
 
     # -- kernels --------------------------------------------------------------------------
@@ -232,6 +233,12 @@ class Backend:
         """A program for ``kernel`` (a pipeline, a ``RawKernel``, the numpy callable). Raises
         ``LaunchError`` (no source for this backend, or a compile failure)."""
         raise NotImplementedError
+
+    def release_program(self, program) -> None:
+        """The server dropped ``program`` from its table (kernels made per request: the oldest
+        past ``ComputeServer.MAX_PROGRAMS``): forget what the backend caches for it, so the
+        compiled program lives only as long as queued work and graphs use it. Default: nothing
+        cached."""
 
     def launch(self, stream, program, count, args, params: tuple, mark=None) -> None:
         """Enqueue one dispatch of ``program`` on ``stream``; ``mark``: see the module doc."""

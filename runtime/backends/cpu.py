@@ -305,6 +305,13 @@ class CpuBackend(Backend):
         self._bytes = 0                      # host bytes held by queued writes
         self._bytes_lock = threading.Lock()
         self._threaded = isinstance(scheduler, ThreadScheduler)
+        #: the exception that interrupted a thread running this backend's queued work on a
+        #: caller's thread (a waiter's helper, a read's flush: KeyboardInterrupt or a signal
+        #: handler's exception) after it took an item and before the item was known done: the
+        #: item may be lost (a launch never run, its outputs unmarked) or half done, so the
+        #: backend reports itself dead (``is_alive``) and the server stops: every later call
+        #: raises ``ServerClosed`` instead of returning stale values
+        self.broken = None
         scheduler.attach(self)
         self.closed = False
 
@@ -370,7 +377,7 @@ class CpuBackend(Backend):
     def alloc(self, nbytes):
         try:
             return CpuBuffer(np.zeros(nbytes, np.uint8))
-        except MemoryError as e:
+        except (MemoryError, ValueError) as e:  # ValueError: past numpy's largest array
             raise OutOfMemory(f"cpu: could not allocate {nbytes} bytes") from e
 
     def free(self, buf):
@@ -410,10 +417,17 @@ class CpuBackend(Backend):
                 return
             stream.busy = True
             stream.runner = threading.get_ident()
+        taken = False
         try:
             while q:
+                taken = True
                 kind, payload = q.popleft()
                 self.execute(stream, kind, payload)
+                taken = False
+        except BaseException as e:
+            if taken:                       # interrupted with an item taken (see broken)
+                self.broken = self.broken or e
+            raise
         finally:
             with cv:
                 stream.busy = False
@@ -465,15 +479,27 @@ class CpuBackend(Backend):
         self._enqueue(stream, _TINY if n <= TINY_BYTES else _CALL if small else _RUN, write,
                       small)
 
-    def copy_out_now(self, stream, buf, nbytes):
+    def copy_out_now(self, stream, buf, nbytes, dtype=None):
         """The copy, at once, when ``stream`` is idle under the thread scheduler, after running
         its queued ``TINY`` work here (:meth:`flush`; see ``Backend.copy_out_now``); the
-        interleaving schedulers order every copy themselves."""
+        interleaving schedulers order every copy themselves. With ``dtype`` (whose itemsize
+        divides ``nbytes``) it copies the buffer's typed view (cached in ``buf.views``, bounded
+        by :data:`MAX_VIEWS`): one numpy call instead of a slice, a copy and a view."""
         if stream.q:
             self.flush(stream)
         if stream.q or stream.busy or stream.errors or not self._threaded or self.closed:
             return None
-        return buf.data[:nbytes].copy()
+        if dtype is None:
+            return buf.data[:nbytes].copy()
+        views = buf.views
+        v = views.get((nbytes, dtype))
+        if v is None:
+            if nbytes % dtype.itemsize:
+                return buf.data[:nbytes].copy()
+            if len(views) >= MAX_VIEWS:
+                views.clear()
+            v = views[(nbytes, dtype)] = buf.data[:nbytes].view(dtype)
+        return v.copy()
 
     def copy_out(self, stream, buf, nbytes):
         src = buf.data
@@ -668,7 +694,7 @@ class CpuBackend(Backend):
     # -- lifetime -----------------------------------------------------------------------------
     def is_alive(self):
         alive = getattr(self.scheduler, "is_alive", None)
-        return not self.closed and (alive is None or alive())
+        return not self.closed and self.broken is None and (alive is None or alive())
 
     def close(self):
         self.closed = True

@@ -263,13 +263,20 @@ class ThreadScheduler(Scheduler):
             stream.busy = True
             stream.runner = threading.get_ident()
         q, execute = stream.q, self.backend.execute
+        taken = False
         try:
             while not comp.done and q:
                 kind, payload = q[0]
                 if kind == WAIT and not payload.done:
                     break
+                taken = True
                 q.popleft()
                 execute(stream, kind, payload)
+                taken = False
+        except BaseException as e:
+            if taken:                       # interrupted with an item taken (see broken)
+                self.backend.broken = self.backend.broken or e
+            raise
         finally:
             with cv:
                 stream.busy = False

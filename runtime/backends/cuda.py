@@ -317,7 +317,7 @@ class CudaBackend(Backend):
         try:
             with _OnDevice(self.device):
                 return self._pool.malloc(max(int(nbytes), 1))
-        except cupy.cuda.memory.OutOfMemoryError as e:
+        except (cupy.cuda.memory.OutOfMemoryError, OverflowError, ValueError) as e:  # (size_t)
             raise OutOfMemory(f"cuda: could not allocate {nbytes} bytes on device "
                               f"{self.device}: {e}") from e
 

@@ -559,6 +559,7 @@ class WgpuBackend(Backend):
         self._uniforms: dict = {}        # uniform bytes -> GPUBuffer (immutable once made)
         self._groups: dict = {}          # (program, uniform bytes, args) -> GPUBindGroup
         self._groups_of: dict = {}       # GPUBuffer -> keys of the bind groups using it
+        self._groups_by: dict = {}       # WgpuProgram -> keys of its bind groups
         self._fence_src = self._new_buffer(4, _STORAGE)
         self._fence_dst = self._new_buffer(4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         self.qt = QueueThread(self, int(max_inflight
@@ -627,7 +628,7 @@ class WgpuBackend(Backend):
         submit; submitted work keeps the memory until it completes.
         """
         for key in self._groups_of.pop(buf, ()):
-            self._groups.pop(key, None)
+            self._forget_group(key, buf)
         self._submit_all()
         self.qt.push((_DESTROY, buf, 0))
 
@@ -845,10 +846,36 @@ class WgpuBackend(Backend):
         if len(self._groups) >= _CACHE_MAX:
             self._groups.clear()
             self._groups_of.clear()
+            self._groups_by.clear()
         self._groups[key] = group
         for buf, _ in args:
-            self._groups_of.setdefault(buf, []).append(key)
+            self._groups_of.setdefault(buf, set()).add(key)
+        self._groups_by.setdefault(program, set()).add(key)
         return group
+
+    def _forget_group(self, key, gone=None) -> None:
+        """Drop the cached bind group ``key`` and its entries in the indexes of its program and
+        buffers (but ``gone``'s, being popped): a long-lived buffer bound with per-request ones
+        kept a key per request in its index, the cache itself staying small."""
+        self._groups.pop(key, None)
+        keys = self._groups_by.get(key[0])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._groups_by[key[0]]
+        for buf, _ in key[2:]:
+            if buf is not gone:
+                keys = self._groups_of.get(buf)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self._groups_of[buf]
+
+    def release_program(self, program) -> None:
+        """Drop the cached bind groups of ``program`` (the server forgot it): they kept its
+        pipeline alive, 4,096 of them at most instead of the server's ``MAX_PROGRAMS``."""
+        for key in list(self._groups_by.get(program, ())):
+            self._forget_group(key)
 
     def _count(self, program: WgpuProgram, count):
         """``(xyz, None)`` for a static count, ``(None, buf)`` for an indirect one, or None when
@@ -1138,5 +1165,6 @@ class WgpuBackend(Backend):
         finally:
             self._groups.clear()
             self._groups_of.clear()
+            self._groups_by.clear()
             self._uniforms.clear()
             self._open.clear()

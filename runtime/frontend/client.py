@@ -7,6 +7,7 @@ fire-and-forget work, ``call`` for blocking work.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -15,6 +16,7 @@ from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, Unsupported
                       unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
+from ..server.server import BUSY
 from .graph import Graph, _Owner
 from .handle import Handle
 from .pool import GraphPool
@@ -179,7 +181,7 @@ class ComputeClient:
         shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shp):
             raise ValueError(f"shape must be non-negative ints, got {shape!r}")
-        nbytes = int(np.prod(shp, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(int(d) for d in shp) * dtype.itemsize   # exact (np.prod wraps)
         srv = self._server
         sid = self._sid
         h = Handle(srv, sid, nbytes, dtype, shp)
@@ -245,10 +247,14 @@ class ComputeClient:
             if not isinstance(handle, Handle):
                 raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
             hid = handle._check(srv, "read")
-        raw = srv.call(srv.h_read, self._sid, hid)
+        dtype = handle.dtype
+        raw = srv.read(self._sid, hid, dtype)
+        if raw is BUSY:                             # the server was not idle: queued
+            raw = srv.call(srv.h_read, self._sid, hid, dtype)
         if raw.__class__ is not np.ndarray:         # (an ndarray: copied at once, clean)
             raw = self._finish_read(raw, hid)
-        raw = raw.view(handle.dtype)
+        if raw.dtype != dtype:                      # (bytes: not typed by the backend)
+            raw = raw.view(dtype)
         return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
 
     def _finish_read(self, answer, hid: int) -> np.ndarray:
@@ -301,10 +307,14 @@ class ComputeClient:
             raise LaunchError(f"launch of {kernel.name}: it has {len(kernel.bindings)} bindings "
                               f"{[b.name for b in kernel.bindings]}, got {len(handles)} handles")
         srv = self._server
+        hids = []
         try:                                      # fast path: live handles of this server
-            hids = [h.id for h in handles if h._bindable is srv]
+            for h in handles:
+                if h._bindable is not srv:
+                    break
+                hids.append(h.id)
         except AttributeError:
-            hids = ()
+            pass
         if len(hids) != len(handles):
             hids = []
             for b, h in zip(kernel.bindings, handles):
@@ -339,7 +349,12 @@ class ComputeClient:
                 raise LaunchError(f"launch of {kernel.name}: workgroup count {cnt} exceeds the "
                                   f"{srv.backend.name} limit of {lim} per dimension; split the "
                                   "grid over y and z")
-        srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, kernel.pack_params(params))
+        params = kernel.pack_params(params)
+        room = srv.launch(self._sid, kernel, cnt, hids, params)
+        if room is BUSY:                            # the server was not idle: queued
+            srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, params)
+        elif room and srv.queue.full():             # enqueued on the device: bounded
+            srv.queue.wait_room()
 
     # -- synchronisation ----------------------------------------------------------------------
     def sync(self) -> None:

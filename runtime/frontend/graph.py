@@ -6,6 +6,7 @@ import threading
 
 from .. import _fork
 from ..errors import UnknownGraph
+from ..server.server import BUSY
 from . import graph_text
 
 
@@ -92,7 +93,10 @@ class Graph:
         if self._released:
             raise UnknownGraph(f"replay of graph {self.id}: this clone was released")
         srv = self._owner.server
-        if srv.call(srv.h_replay, self.id) and srv.queue.full():
+        room = srv.replay(self.id)
+        if room is BUSY:                # the server was not idle: queued like any call
+            room = srv.call(srv.h_replay, self.id)
+        if room and srv.queue.full():
             srv.queue.wait_room()        # a replay loop with no read cannot pile up work
 
 

@@ -139,8 +139,8 @@ class Decoder:
         self.w = {n: Tensor.from_numpy(self.client, a) for n, a in self.weights.items()}
         self._graph: StaticGraph | None = None
         _fork.lock_for(self, "_lock", threading.Lock)   # (a forked child gets it afresh)
-        self._loops: dict = {}       # max_tokens -> (Graph, state tensors) (loop_graph)
-        self._sequences: dict = {}   # max_tokens -> StaticGraph (sequence_graph)
+        self._loops: dict = {}       # loop bound (_bucket) -> (Graph, state tensors)
+        self._sequences: dict = {}   # loop bound (_bucket) -> StaticGraph (sequence_graph)
 
     # -- the step ---------------------------------------------------------------------------------
     def state_spec(self) -> dict:
@@ -217,10 +217,22 @@ class Decoder:
             raise ValueError(f"prompt ({p.size}) + n ({n}) exceeds max_len {cfg.max_len}")
         return p.astype(np.int32)
 
+    def _bucket(self, max_tokens: int) -> int:
+        """The loop bound a graph for ``max_tokens`` steps is built with: the next power of two,
+        at most ``max_len``. The loop stops on the device at ``stop[1]`` (the last position), so
+        a larger bound runs the same steps; one graph per bucket keeps the graphs (each with its
+        own KV cache) at ``log2(max_len) + 1`` however many lengths a service is asked for
+        (one per distinct ``n`` grew with the requests)."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+                or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        return int(min(self.config.max_len, 1 << (int(max_tokens) - 1).bit_length()))
+
     def loop_graph(self, max_tokens: int):
         """The decode loop in one graph: ``capture_while(go, step + decode_continue,
-        max_iterations=max_tokens)`` over its own state (built on first use per
-        ``max_tokens`` and kept). The loop test runs on the device
+        max_iterations=...)`` over its own state, the bound ``max_tokens`` rounded up to a
+        power of two (at most ``max_len``; built on first use per bucket and kept: at most
+        ``log2(max_len) + 1`` graphs). The loop test runs on the device
         (``kernels.decode.decode_continue``): it stops at ``stop[1]`` (the last position) or
         when the chosen token equals ``stop[0]`` (the end token, -1 for none).
 
@@ -229,6 +241,7 @@ class Decoder:
         Raises: ``UnsupportedError`` where the backend has no loop nodes (cuda without CUDA
             12.4 conditional nodes).
         """
+        max_tokens = self._bucket(max_tokens)
         hit = self._loops.get(max_tokens)
         if hit is not None:
             return hit
@@ -260,13 +273,15 @@ class Decoder:
         """The decode loop as a ``StaticGraph`` with ``loop="go"``: state :meth:`state_spec` plus
         ``go`` (``i32 [1]``) and ``stop`` (``i32 [2]``: end token or -1, last position), output
         ``next``; its body is the step then ``kernels.decode.decode_continue`` (the end test, on
-        the device), recorded inside ``capture_while(go, ..., max_iterations=max_tokens)``.
-        Built on first use per ``max_tokens`` and kept.
+        the device), recorded inside ``capture_while(go, ..., max_iterations=...)``, the bound
+        ``max_tokens`` rounded up to a power of two (at most ``max_len``). Built on first use per
+        bucket and kept (at most ``log2(max_len) + 1``).
 
         Use: ``g.reset()``; ``g.write(token=[t], stop=[end, last_pos], go=[1])``; ``g.replay()``
         (one replay for the whole sequence); ``g.read("hist")``.
         Raises: ``UnsupportedError`` where the backend has no loop nodes.
         """
+        max_tokens = self._bucket(max_tokens)
         g = self._sequences.get(max_tokens)
         if g is None:
             def body(next, go, stop, **state):  # noqa: A002 - the output's name

@@ -38,7 +38,7 @@ import threading
 import traceback
 import weakref
 
-from ..errors import ServerClosed, ServerForked, UnsupportedError, unhealthy
+from ..errors import ServerClosed, ServerError, ServerForked, UnsupportedError, unhealthy
 
 #: seconds between health checks while a caller waits for an answer.
 POLL_S = 0.05
@@ -51,6 +51,9 @@ MAX_BYTES = 256 << 20
 MAX_LOAD = 256
 #: release units (a free is 1, a graph destroy 1 + its handles / 8) run per release message.
 RELEASE_BATCH = 256
+#: seconds the device thread waits for the owner lock before it checks whether a thread that
+#: was interrupted left it held (``DeviceQueue._take_owner``).
+OWNER_CHECK_S = 1.0
 
 
 class Reply:
@@ -319,6 +322,9 @@ class DeviceQueue:
                 except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                     self._die(e)
                     raise self.closed_error() from None
+                except BaseException:
+                    self._check_backend()   # (a read's flush interrupted: CpuBackend.broken)
+                    raise
                 finally:                    # (_release, inlined: the blocking calls' path)
                     self._owner.release()
                     if self.room_waiters:
@@ -369,21 +375,42 @@ class DeviceQueue:
             on the cpu fast paths calling the runtime): nothing else could answer; or when a
             kernel body waits for a completion for a poll interval (``in_kernel``).
         """
-        while not waitable.wait(POLL_S):
-            if msg is not None and self._owner.locked() and self._reentrant():
-                raise self._reentry(msg)
-            if msg is None and self._in_kernel():
-                raise UnsupportedError(
-                    "a blocking runtime call (read, sync, ...) from inside a cpu kernel body "
-                    "waited for work that the body itself holds up (its own stream's, or work "
-                    "ordered after it): it could never return; call the runtime outside kernel "
-                    "bodies (as CUDA host functions may not call CUDA)")
-            if self.closed or not self._thread.is_alive() or not self._healthy():
-                if waitable.wait(0):
-                    return
-                if not (self.closed or self.closing) and not self._healthy():
-                    self.death = self.death or RuntimeError("a backend worker thread died")
-                raise self.closed_error()
+        try:
+            while not waitable.wait(POLL_S):
+                self._poll(waitable, msg)
+        except ServerError:
+            raise
+        except BaseException:
+            self._check_backend()         # an interrupt while this thread ran queued work
+            raise
+
+    def _check_backend(self) -> None:
+        """After an exception escaped a handler or a wait: if the backend now reports itself
+        dead (a worker died, or a thread running a stream's queued work was interrupted with an
+        item taken: ``CpuBackend.broken``), queued work may have been lost, so the server stops
+        (every later call raises ``ServerClosed``) rather than answer from stale buffers."""
+        if not self.closed and not self._healthy():
+            self._die(RuntimeError(
+                "the backend stopped: a worker thread died, or a thread running a stream's "
+                "queued work was interrupted by an exception (KeyboardInterrupt, a signal "
+                "handler's) with an item taken, so queued work may have been lost"))
+
+    def _poll(self, waitable, msg) -> None:
+        """One poll interval of :meth:`wait` passed: raise what ends the wait, if anything."""
+        if msg is not None and self._owner.locked() and self._reentrant():
+            raise self._reentry(msg)
+        if msg is None and self._in_kernel():
+            raise UnsupportedError(
+                "a blocking runtime call (read, sync, ...) from inside a cpu kernel body "
+                "waited for work that the body itself holds up (its own stream's, or work "
+                "ordered after it): it could never return; call the runtime outside kernel "
+                "bodies (as CUDA host functions may not call CUDA)")
+        if self.closed or not self._thread.is_alive() or not self._healthy():
+            if waitable.wait(0):
+                return
+            if not (self.closed or self.closing) and not self._healthy():
+                self.death = self.death or RuntimeError("a backend worker thread died")
+            raise self.closed_error()
 
     # -- the owner ------------------------------------------------------------------------
     def _release(self) -> None:
@@ -414,11 +441,19 @@ class DeviceQueue:
                             self._on_async_error(e)
                         else:
                             slot.finish(None, e)
+                        self._check_backend()
                     else:
                         if slot is not None:
                             slot.finish(value, None)
                     if self.room_waiters:
                         self.notify_room()
+            except BaseException as e:
+                # raised between messages, so by no handler: an asynchronous exception (a
+                # signal handler's, KeyboardInterrupt, PyThreadState_SetAsyncExc) right after
+                # popleft loses that message (a waiter would wait for ever, a launch would
+                # vanish silently): the server stops, every waiter gets ServerClosed
+                self._die(e)
+                raise
             finally:
                 self._owner.release()
             if not q or self.closed or not self._owner.acquire(False):
@@ -429,14 +464,39 @@ class DeviceQueue:
             while not self.closed:
                 self._wake.wait()
                 self._wake.clear()
-                if self._q:
-                    self._owner.acquire()
+                if self._q and (self._owner.acquire(timeout=OWNER_CHECK_S) or self._take_owner()):
                     self._drain()
         except BaseException as e:  # noqa: BLE001
             self._die(e)
         finally:
             if not self.closed:
                 self._die(RuntimeError("device thread exited"))
+
+    def _take_owner(self) -> bool:
+        """The device thread waited ``OWNER_CHECK_S`` for the owner lock with messages queued:
+        wait on, True once it holds the lock, False when the queue emptied or the server
+        closed meanwhile. If at two checks in a row the lock is held but no thread is running a
+        message (:func:`_running_a_message`), the lock was left held by a thread interrupted
+        between taking it and running (an asynchronous exception: KeyboardInterrupt or a
+        signal handler's exception on the main thread, ``PyThreadState_SetAsyncExc``) and
+        nothing could ever run a message again: the server stops (every waiter gets
+        ``ServerClosed``) instead of hanging. Off the hot path: only after the wait timed out."""
+        lost = 0
+        while not self.closed and self._q:
+            if self._owner.locked() and not _running_a_message():
+                lost += 1
+                if lost >= 2:
+                    self._die(RuntimeError(
+                        "the server's owner lock was left held by a thread that was interrupted "
+                        "(KeyboardInterrupt, an exception raised by a signal handler or an "
+                        "asynchronous exception) between taking it and running a message; "
+                        "no message could run again"))
+                    return False
+            else:
+                lost = 0
+            if self._owner.acquire(timeout=OWNER_CHECK_S):
+                return True
+        return False
 
     def _die(self, exc: BaseException) -> None:
         if self.death is None:
@@ -536,6 +596,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: code of the functions that take or hold the owner lock (the server adds its own: sync_idle)
+#: and of the waits a caller makes without it (see _running_a_message)
+OWNER_CODES: set = set()
+_WAIT_CODES: set = set()
+
+
+def _running_a_message() -> bool:
+    """Whether a thread other than the caller may hold the owner lock legitimately: one of its
+    frames is a function of ``OWNER_CODES`` that is not just waiting (its callee is not a wait
+    of ``_WAIT_CODES``: ``call`` and ``close`` wait after they released the lock, ``submit``
+    waits for room before it takes it). A thread interrupted while it held the lock has left
+    those functions. A frame walk: the device thread asks only after a wait timed out."""
+    me = threading.get_ident()
+    for tid, f in sys._current_frames().items():
+        if tid == me:
+            continue
+        child = None
+        while f is not None:
+            if f.f_code in OWNER_CODES and (child is None or child.f_code not in _WAIT_CODES):
+                return True
+            child, f = f, f.f_back
+    return False
+
+
 class _Batch(collections.deque):
     """Releases ``(fn, args)`` carried by one message; ``started`` once its runner began (no
     release joins it after that), ``carried`` while it was cut short and waits in ``_carry``."""
@@ -568,3 +652,10 @@ class _Counted:
 
 class _Fatal(BaseException):
     """Raised inside a message to kill the device thread (tests of the death path)."""
+
+
+#: what a message run directly may raise that ends the server (``_die``), not only the call
+DeviceQueue.FATAL = (SystemExit, KeyboardInterrupt, _Fatal)
+OWNER_CODES.update(f.__code__ for f in (DeviceQueue.call, DeviceQueue.submit, DeviceQueue.close,
+                                        DeviceQueue._drain, DeviceQueue._release))
+_WAIT_CODES.update(f.__code__ for f in (DeviceQueue.wait, DeviceQueue.wait_room, Reply.wait))

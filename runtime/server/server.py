@@ -29,6 +29,7 @@ from . import graphs
 from .capture import merge
 from .marks import CLEAN, Mark, Marks
 from .memory import GraphPool, Pool
+from . import queue as queue_mod
 from .queue import DeviceQueue
 
 _graph_ids = itertools.count(1)
@@ -59,14 +60,19 @@ class StreamState:
         self.graphs = 0               # live graphs that replay on it (not reclaimed meanwhile)
 
 
+#: ``ComputeServer.replay``'s answer when the server was not idle (the caller queues the call).
+BUSY = object()
+
+
 class HandleState:
     """Server-side state of one handle: its pooled slot and its access history."""
 
     __slots__ = ("id", "slot", "nbytes", "writes", "reads", "mark", "graphs", "replayed",
-                 "stream")
+                 "stream", "arg")
 
     def __init__(self, hid, slot, nbytes, stream):
         self.id, self.slot, self.nbytes, self.stream = hid, slot, nbytes, stream
+        self.arg = (slot.buf, nbytes)    # what a launch binds (Backend.launch's args item)
         self.writes = dict(slot.fences)  # a reused buffer inherits its earlier uses as writes
         self.reads: dict = {}
         self.mark = CLEAN                # the Mark of its last writer (marks.py)
@@ -271,7 +277,8 @@ class ComputeServer:
                                             f"{self.backend.name}: {e}"))
                 return None
             if len(self.programs) >= self.MAX_PROGRAMS:  # kernels made per request: bounded
-                del self.programs[next(iter(self.programs))]   # (the oldest; recompiled if used)
+                old = next(iter(self.programs))           # (the oldest; recompiled if used)
+                self.backend.release_program(self.programs.pop(old))
             self.programs[kernel] = prog
         return prog
 
@@ -382,7 +389,29 @@ class ComputeServer:
         st.reads = {}
         st.mark = CLEAN
 
-    def h_read(self, sid, hid: int) -> tuple:
+    def read(self, sid, hid: int, dtype=None):
+        """``ComputeClient.read``'s entry: :meth:`h_read` on the calling thread while the server
+        is idle (``DeviceQueue.call``'s combining path written out, as :meth:`replay`), else
+        :data:`BUSY` (the caller then makes the blocking ``call(h_read, ...)``). Returns and
+        raises what ``h_read`` does."""
+        queue = self.queue
+        if not queue._q and queue._owner.acquire(False):
+            try:
+                if not queue._q and not queue.closed:
+                    return self.h_read(sid, hid, dtype)
+            except queue.FATAL as e:
+                queue._die(e)
+                raise queue.closed_error() from None
+            except BaseException:
+                queue._check_backend()      # (its flush interrupted: CpuBackend.broken)
+                raise
+            finally:
+                queue._release()
+        return BUSY
+
+    queue_mod.OWNER_CODES.add(read.__code__)        # it takes the owner lock (queue.py)
+
+    def h_read(self, sid, hid: int, dtype=None) -> tuple:
         """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
         waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
         failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
@@ -397,7 +426,9 @@ class ComputeServer:
         ``ServerUnhealthy`` (queued errors of this stream).
 
         Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
-        at once (``Backend.copy_out_now``) and the answer is the bytes themselves.
+        at once (``Backend.copy_out_now``) and the answer is the copy itself, an ``np.ndarray``
+        of ``dtype`` when the backend makes it (``uint8`` bytes when ``dtype`` is None or the
+        backend leaves it: the caller views them).
         """
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
@@ -406,7 +437,7 @@ class ComputeServer:
             w = st.writes
             if len(w) > 1 or sid not in w and w:
                 self._wait_for(s, w)        # (an event wait queued: not idle any more)
-            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes)
+            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
             if data is not None:            # idle: everything before it ran
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)
@@ -418,7 +449,9 @@ class ComputeServer:
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
         if st is None:
-            raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name}")
+            raise InvalidHandle(f"read: handle {hid} is unknown or freed on server {self.name} (or "
+                                "its allocation failed: the OutOfMemory is queued on the "
+                                "stream that created it)")
         self._flush(s)                      # failures of its batch surface now, on this stream
         errs = self.marks.take_errors(s)
         if errs or (st.mark is not CLEAN and self.marks.error_of(st.mark) is not None):
@@ -437,7 +470,32 @@ class ComputeServer:
         return comp, st.mark, []
 
     # -- kernels --------------------------------------------------------------------------------
-    def h_launch(self, sid, kernel, count, hids, params) -> None:
+    def launch(self, sid, kernel, count, hids, params):
+        """``ComputeClient.launch``'s entry: :meth:`h_launch` on the caller's thread while the
+        server is idle (``DeviceQueue.submit``'s combining path written out, as :meth:`replay`;
+        what escapes the handler goes where a fire-and-forget message's error goes:
+        ``_on_async_error``, the next blocking call). Returns what ``h_launch`` returns (True:
+        enqueued, the caller then looks for room in the queue), or :data:`BUSY` when the server
+        was not idle: the caller then submits it (``DeviceQueue.submit``, which waits for room
+        first; ``ServerClosed`` once the server stopped)."""
+        queue = self.queue
+        if not queue._q and queue._owner.acquire(False):
+            try:
+                if not queue._q and not queue.closed:
+                    return self.h_launch(sid, kernel, count, hids, params)
+            except queue.FATAL as e:
+                queue._die(e)
+                return None
+            except BaseException as e:  # noqa: BLE001 - queued on a stream, as in _drain
+                self._on_async_error(e)
+                return None
+            finally:
+                queue._release()
+        return BUSY
+
+    queue_mod.OWNER_CODES.add(launch.__code__)      # it takes the owner lock (queue.py)
+
+    def h_launch(self, sid, kernel, count, hids, params):
         """Enqueue (or, inside a window, record) one launch of ``kernel`` on stream ``sid``.
 
         ``count`` is ``(x, y, z)`` workgroups or a handle id (indirect: three u32 read at run).
@@ -448,6 +506,10 @@ class ComputeServer:
         only a ``write`` binding does not read (docs/contract.md section 4), except in an
         indirect launch, whose count may be 0 (it may write nothing: its outputs keep their
         marks, as a graph's buffers written only by such launches do, section 4b).
+
+        Returns True when the launch was enqueued on the backend (the caller of :meth:`launch`
+        then looks for room in the queue), else None or False (it ran at once, was recorded or
+        refused).
         """
         s = self.streams.get(sid) or self._stream(sid)
         handles = self.handles
@@ -476,7 +538,7 @@ class ComputeServer:
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
-        args = [(st.slot.buf, st.nbytes) for st in states]
+        args = [st.arg for st in states]
         try:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
@@ -536,6 +598,7 @@ class ComputeServer:
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
+        return mark is not CLEAN                # enqueued on the backend
 
     def _flush(self, s: StreamState) -> None:
         """``Backend.flush`` of ``s``, which every handler that blocks or raises the stream's
@@ -599,6 +662,8 @@ class ComputeServer:
             return True
         finally:
             queue._release()
+
+    queue_mod.OWNER_CODES.add(sync_idle.__code__)    # it takes the owner lock (queue.py)
 
     def h_flush(self, sid) -> None:
         """Hand batched work to the device and raise queued errors (not refused in a window:
@@ -759,11 +824,68 @@ class ComputeServer:
                 "made. Allocate state before graph_prepare, or capture this graph without the "
                 "pool")
 
+    def replay(self, gid: int):
+        """``Graph.replay``'s entry. While the server is idle the caller runs it, holding the
+        owner lock (``DeviceQueue.call``'s combining path, written out: a replay is the hot path
+        of issue 26); then a replay of tiny work on an idle stream runs at once, on this thread
+        (``Backend.launch_graph_now``: no mark, no hand-off; a failure is recorded as one found
+        at execution: on the stream and on the graph's write set), when nothing needs the
+        enqueue path: no capture window on the stream, no freed handle, no first-replay fences,
+        no buffer written only inside conditional nodes, no checker, no source whose mark may
+        carry a failure. Everything else goes to :meth:`h_replay`. Returns what ``h_replay``
+        returns (None when it ran at once) and raises what it raises (``ServerClosed`` once the
+        server stopped); :data:`BUSY` when the server was not idle: the caller then makes the
+        blocking ``call(h_replay, gid)`` itself (so no frame of this function, one of the owner
+        lock's holders, ``queue.OWNER_CODES``, is on a stack that only waits)."""
+        queue = self.queue
+        if not queue._q and queue._owner.acquire(False):
+            try:
+                if not queue._q and not queue.closed:
+                    g = self.graphs.get(gid)
+                    if g is None:
+                        return self.h_replay(gid)
+                    s = self.streams[g.stream]
+                    if (getattr(g.graph, "inline", True) and s.window is None and not g.freed
+                            and not g.fences and not g.mstates and self.checker is None):
+                        for st in g.sstates:    # a source's mark may carry a failure
+                            if st.mark is not CLEAN and self._marked_sources(g):
+                                break
+                        else:
+                            try:
+                                ran = self.backend.launch_graph_now(s.raw, g.graph)
+                            except LaunchError as e:    # it ran and failed: as if found at
+                                failed = Mark(g.op).fail(e)     # execution
+                                s.errors.append(failed)
+                                fold_errors(s.errors)   # a stream that never blocks: bounded
+                                self.marks.fail(g.wstates, g.op, failed)
+                                s.pos += 1
+                                s.done_pos = g.last_pos = s.pos
+                                return None
+                            if ran:
+                                s.pos += 1
+                                s.done_pos = g.last_pos = s.pos
+                                for st in g.wstates:
+                                    st.mark = CLEAN
+                                return None
+                    return self._enqueue_replay(g, s)
+            except queue.FATAL as e:
+                queue._die(e)
+                raise queue.closed_error() from None
+            finally:                        # (DeviceQueue._release, inlined)
+                queue._owner.release()
+                if queue.room_waiters:
+                    queue.notify_room()
+                if queue._q and not queue.closed and queue._owner.acquire(False):
+                    queue._drain()
+        return BUSY
+
+    queue_mod.OWNER_CODES.add(replay.__code__)      # it takes the owner lock (queue.py)
+
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
-        True (the caller looks for room in the queue), False (enqueued where the backend knows
-        its backlog is small: ``Backend.launch_graph``), or None when the backend ran it at once
-        instead (``Backend.launch_graph_now``: tiny work on an idle stream).
+        True (the caller looks for room in the queue) or False (enqueued where the backend knows
+        its backlog is small: ``Backend.launch_graph``). (:meth:`replay`, the caller's entry,
+        runs tiny work on an idle stream at once instead.)
 
         The first replay waits for the work other streams had pending on the graph's buffers at
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
@@ -778,37 +900,17 @@ class ComputeServer:
         if g is None:
             raise UnknownGraph(f"replay of graph {gid}: unknown or already destroyed on server "
                                f"{self.name}; keep a Graph clone alive while you replay it")
-        s = self.streams[g.stream]
+        return self._enqueue_replay(g, self.streams[g.stream])
+
+    def _enqueue_replay(self, g, s):
+        """:meth:`h_replay` of graph state ``g`` on its stream's state ``s``."""
+        gid = g.id
         reads = None
         for st in g.sstates:                # sources whose marks may carry a failure
             if st.mark is not CLEAN:
                 reads = self._marked_sources(g)
                 break
         graph = g.graph
-        if (not reads and s.window is None and not g.freed and not g.fences
-                and self.checker is None and getattr(graph, "inline", True)):
-            failed = None
-            try:                            # tiny work on an idle stream runs here, at once
-                ran = self.backend.launch_graph_now(s.raw, graph)
-            except LaunchError as e:        # it ran and failed: as if found at execution
-                ran = failed = Mark(g.op).fail(e)
-                s.errors.append(failed)
-                fold_errors(s.errors)       # a stream that never blocks: bounded
-                self.marks.fail(g.wstates, g.op, failed)
-            if ran:
-                s.pos += 1
-                s.done_pos = g.last_pos = s.pos
-                if failed is None:
-                    kept = None
-                    if g.mstates:           # marks that are not known clean stay
-                        kept, pending = self._kept_marks(g)
-                        kept += pending
-                    for st in g.wstates:
-                        st.mark = CLEAN
-                    if kept:
-                        for st, m in kept:
-                            st.mark = m
-                return
         mark = Mark(g.op, None, (), s, s.pos + 1)
         try:
             if s.window is not None:

@@ -27,7 +27,7 @@ Four tools, usable alone or together (README "Testing your stream ordering"):
 
 from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (CaptureIf, CaptureWhile, Clone, Create, CreateFlag, Empty, Free,
-                      KernelSpec, Launch, Prepare, Program, Read, RecordEvent, Release, Replay,
+                      Instantiate, KernelSpec, Launch, Prepare, Program, Read, RecordEvent, Release, Replay,
                       StartCapture, StopCapture, Sync, Thread, Update, UpdateCount, WaitEvent, Write,
                       copy32,
                       count_down, set_counter)
@@ -41,5 +41,6 @@ __all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", 
            "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
            "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
            "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
-           "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "UpdateCount", "set_counter",
+           "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "UpdateCount", "Instantiate",
+           "set_counter",
            "count_down", "Thread"]

@@ -72,6 +72,24 @@ def _flat(items) -> list:
     return P.flat_launches(items)
 
 
+def _renamed(items, old: int, new: int) -> tuple:
+    """A new tuple of ``items`` with buffer ``old`` replaced by ``new`` everywhere."""
+    def rb(b):
+        return new if b == old else b
+
+    def rename(item):
+        if isinstance(item, _Zero):
+            return _Zero(rename(item.launch))
+        if isinstance(item, P.Launch):
+            return item._replace(bufs=tuple(rb(b) for b in item.bufs))
+        if isinstance(item, P.CaptureIf):
+            return item._replace(cond=rb(item.cond), then=tuple(map(rename, item.then)),
+                                 other=tuple(map(rename, item.other)))
+        return item._replace(counter=rb(item.counter), init=tuple(map(rename, item.init)),
+                             body=tuple(map(rename, item.body)))
+    return tuple(rename(i) for i in items)
+
+
 def _map_launches(items, fn, counter):
     """``items`` with each recorded launch (or ``_Zero``) ``x`` replaced by ``fn(i, x)``, ``i``
     its index in ``g.launches()`` order (``counter``: a one-element list, the next index)."""
@@ -128,7 +146,8 @@ class Model:
 
     def skip(self, op):
         """Why ``op`` cannot be issued (it names a graph or event that was never made), or None."""
-        if isinstance(op, (P.Replay, P.Release, P.Clone, P.Update, P.UpdateCount)) and (
+        if isinstance(op, (P.Replay, P.Release, P.Clone, P.Update, P.UpdateCount,
+                           P.Instantiate)) and (
                 op.graph not in self.graphs):
             return f"g{op.graph} was not made"
         if isinstance(op, P.WaitEvent) and op.event not in self.events:
@@ -586,23 +605,22 @@ class Model:
         if op.old not in used:
             return self._expect_raise(error, ValueError, what + f" (b{op.old} is not used)")
 
-        def rb(b):
-            return op.new if b == op.old else b
-
-        def rename(item):
-            if isinstance(item, _Zero):
-                return _Zero(rename(item.launch))
-            if isinstance(item, P.Launch):
-                return item._replace(bufs=tuple(rb(b) for b in item.bufs))
-            if isinstance(item, P.CaptureIf):
-                return item._replace(cond=rb(item.cond), then=tuple(map(rename, item.then)),
-                                     other=tuple(map(rename, item.other)))
-            return item._replace(counter=rb(item.counter), init=tuple(map(rename, item.init)),
-                                 body=tuple(map(rename, item.body)))
-        new = (s,) + self._sets(tuple(rename(i) for i in items))
+        new = (s,) + self._sets(_renamed(items, op.old, op.new))
         for g, info in list(self.graphs.items()):   # clones share the backend graph
             if info[1] is items:
                 self.graphs[g] = new
+        return self._expect_ok(error, what)
+
+    def _instantiate(self, op, value, error):
+        """A new graph of the recording (rebound when ``old != rebound``) on the target's
+        stream; it shares the other buffers, so their marks and values (state included), and
+        later updates of either graph leave the other alone."""
+        s, items, writes, sources = self.graphs[op.graph]
+        t = op.target % self.p.streams
+        what = f"instantiate of g{op.graph}"
+        if t in self.windows:
+            return self._expect_raise(error, CaptureRefused, what + " (its stream is capturing)")
+        self.graphs[op.new] = (t,) + self._sets(_renamed(items, op.old, op.rebound))
         return self._expect_ok(error, what)
 
     def _updatecount(self, op, value, error):

@@ -100,6 +100,7 @@ class Objects:
         self.bufs: dict = {}
         self.graphs: dict = {}
         self.events: dict = {}
+        self.streams: list = []          # the StreamId of each client (run.py sets it)
 
 
 class Create(NamedTuple):
@@ -360,6 +361,28 @@ UpdateCount = _simple_op("UpdateCount", "client graph index x y z",
                          "failure marks: docs/contract.md section 4b).")
 
 
+class Instantiate(NamedTuple):
+    """``g2 = g.instantiate(rebind={old: rebound}, stream=cK.stream)``: a new, independent graph
+    of ``g``'s recording (no warm-up, no capture) on client ``target``'s stream; ``old ==
+    rebound``: no rebind, so the instance shares every buffer with ``g``, its state too."""
+    client: int
+    graph: int
+    new: int
+    old: int
+    rebound: int
+    target: int
+
+    def _run(self, c, objs):
+        rb = {} if self.old == self.rebound else {objs.bufs[self.old]: objs.bufs[self.rebound]}
+        objs.graphs[self.new] = objs.graphs[self.graph].instantiate(
+            rebind=rb, stream=objs.streams[self.target])
+
+    def _code(self):
+        rb = "{}" if self.old == self.rebound else f"{{b{self.old}: b{self.rebound}}}"
+        return (f"g{self.new} = g{self.graph}.instantiate(rebind={rb}, "
+                f"stream=c{self.target}.stream)")
+
+
 @dataclass(frozen=True, repr=False)
 class Program:
     """A generated program: ``ops`` then ``final`` (a sync of every stream and a read of every
@@ -447,4 +470,4 @@ class Program:
 OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, Sync, RecordEvent,
                                      WaitEvent, Prepare, StartCapture, StopCapture, Replay,
                                      Release, Clone, CreateFlag, CaptureIf, CaptureWhile,
-                                     Update, UpdateCount, Thread)}
+                                     Update, UpdateCount, Instantiate, Thread)}

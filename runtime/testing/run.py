@@ -134,6 +134,7 @@ def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = F
     pools = [ThreadPoolExecutor(1, thread_name_prefix=f"runtime-testing-c{k}") if threads
              else None for k in range(program.clients)]
     objs = Objects(program.size, program.kernels)
+    objs.streams = [sids[k % program.streams] for k in range(program.clients)]
     try:
         for i, op in enumerate(program.ops + program.final):
             why = model.skip(op)

@@ -28,7 +28,7 @@ from . import program as P
 
 _KINDS = ("create", "launch", "read", "write", "sync", "free", "event", "wait", "capture",
           "end", "scratch", "replay", "release", "refuse", "clone", "handover", "cond",
-          "update", "thread")
+          "update", "thread", "instantiate")
 #: how many times a kind is listed among the choices: graphs are worth replaying often; racy
 #: programs (contract=False) write, free and replay more, so more races reach the device
 _WEIGHT = {"capture": 2, "end": 5, "replay": 4, "update": 3}
@@ -132,8 +132,11 @@ class Builder:
                 self._wait(s, e)
         return True
 
-    def _access(self, s, uses: dict, replay: bool) -> bool:
-        """Check, order and record an access to ``uses`` (``{buf: writes}``) on stream ``s``."""
+    def _access(self, s, uses: dict, replay: bool, may_skip: bool = False) -> bool:
+        """Check, order and record an access to ``uses`` (``{buf: writes}``) on stream ``s``.
+        ``may_skip``: the access may not happen (the body of an eager ``capture_if`` or
+        ``capture_while`` whose condition is off): it is ordered, but the waits the server would
+        insert for it are not counted on (it inserts none for a launch that never ran)."""
         if self.cfg["contract"]:
             need = set()
             for b, w in uses.items():
@@ -141,6 +144,12 @@ class Builder:
             if need and not self._order(s, need):
                 return False
         vc = self._vc(s)
+        if may_skip:
+            self.pos[s] += 1
+            for b, w in uses.items():
+                self.acc.setdefault(b, []).append((s, self.pos[s], w, replay, None))
+            self._wrote(uses)
+            return True
         if not replay:                   # the waits the server inserts between ordinary calls
             for b, w in uses.items():
                 for t, p, pw, _, snap in self.acc.get(b, ()):
@@ -213,6 +222,7 @@ class Builder:
               "refuse": self.windows and self.cfg["refusals"],
               "cond": self.cfg["capture"] and live,
               "update": self.cfg["capture"] and self.graphs and live,
+              "instantiate": self.cfg["capture"] and self.graphs and live,
               "thread": live}
         return {k for k in _KINDS if ok[k]}
 
@@ -599,7 +609,7 @@ class Builder:
             for buf, wr in uses.items():
                 w.uses[buf] = w.uses.get(buf, False) or wr
             w.launches.extend(op.launches())
-        elif not self._access(s, uses, False):
+        elif not self._access(s, uses, False, may_skip=True):
             return
         self.ops.append(op)
 
@@ -632,6 +642,48 @@ class Builder:
         info.uses[new] = info.uses.pop(old)        # shared by its clones, like the graph
         info.required.discard(old)
         info.required.add(new)
+
+    def instantiate(self):
+        """``g2 = g.instantiate(rebind=..., stream=...)`` of a made graph whose buffers are all
+        live: half the time rebinding one buffer (its state, an input or an output) to a live
+        buffer of the same dtype it does not use, else sharing all of them (state included);
+        on another idle stream when the graph uses no condition flag (a flag is used on its own
+        stream only), else on its own. Then maybe a replay of the instance."""
+        g = self.pick(sorted(self.graphs))
+        info = self.graphs[g]
+        if info.required is None or any(b not in self.live for b in info.required):
+            return                       # (a freed caller-owned buffer: InvalidHandle)
+        flags = set(self.flags.values())
+        targets = [k for k in self.idle_clients() if self.stream(k) < self.S]
+        if any(b in flags for b in info.uses):
+            targets = [k for k in targets if self.stream(k) == info.stream]
+        if not targets:
+            return
+        k = self.pick(targets)
+        old = new = -1
+        olds = [b for b in sorted(info.uses) if b in self.live and b not in flags]
+        if olds and self.flag():
+            old = self.pick(olds)
+            news = [b for b, d in sorted(self.live.items())
+                    if d == self.live[old] and b not in info.uses]
+            if not news:
+                return
+            new = self.pick(news)
+        n = self.ngraph
+        self.ngraph += 1
+        self.ops.append(P.Instantiate(info.stream, g, n, old, new, k))
+
+        def rb(b):
+            return new if b == old else b
+        uses = {}
+        for b, wr in info.uses.items():
+            uses[rb(b)] = uses.get(rb(b), False) or wr
+        required = {rb(b) for b in info.required}
+        launches = tuple(la._replace(bufs=tuple(rb(b) for b in la.bufs))
+                         for la in info.launches)
+        self.graphs[n] = _Graph(self.stream(k), uses, required, launches)
+        if self.flag():
+            self.replay(n)
 
     def draw_third(self) -> bool:
         from hypothesis import strategies as st
@@ -682,7 +734,9 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             (``CreateFlag``; the builtins ``set_counter``/``count_down`` bound each loop by its
             ``max_iterations``); ``Graph.update(rebind=...)`` of a made graph, and
             ``Graph.update(count=...)`` setting a launch's count to 0 (it runs nothing: what it
-            writes keeps a failure mark) or back.
+            writes keeps a failure mark) or back; ``Graph.instantiate(rebind=..., stream=...)``:
+            an independent graph of the same recording on the same or another stream, sharing
+            every buffer (state included) or with one rebound.
         size: elements per buffer.
         steps: the most calls drawn (ordering calls the builder inserts come on top).
         values: ``{dtype: strategy of one element}``; default small integers (exact in f32).

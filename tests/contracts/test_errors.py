@@ -8,8 +8,8 @@ import pytest
 
 import runtime
 from runtime import kernels as K
-from runtime.errors import (CaptureRefused, InvalidHandle, LaunchError, ServerClosed, ServerError,
-                            ServerUnhealthy, UnknownGraph)
+from runtime.errors import (CaptureRefused, InvalidHandle, LaunchError, OutOfMemory, ServerClosed,
+                            ServerError, ServerUnhealthy, UnknownGraph)
 
 
 def still_serves(client):
@@ -310,3 +310,29 @@ def test_a_drain_is_an_instance_of_each_class_it_raises_related_or_folded():
     copy = pickle.loads(pickle.dumps(err))
     assert isinstance(copy, OutOfMemory) and isinstance(copy, LaunchError)
     c.sync()                              # drained once
+
+
+@pytest.mark.parametrize("shape, dtype", [((1 << 40, 1 << 40), np.float32),
+                                          ((1 << 31, 1 << 33), np.uint8),
+                                          (1 << 62, np.float32)])
+def test_an_allocation_past_what_the_device_can_hold_is_out_of_memory(client, shape, dtype):
+    """``empty`` of a shape whose byte count passes 2**63 or numpy's largest array: the handle
+    says the exact size, the allocation fails with ``OutOfMemory`` (queued, raised by the next
+    blocking call of the stream) and a read of the handle raises a ``ServerError``. Before, the
+    byte count wrapped to 0 (np.prod in int64), so the handle held 0 bytes for 2**80 elements
+    and the read raised numpy's reshape ValueError; and the cpu backend's refusal of 2**64 bytes
+    was numpy's ValueError, queued as an internal error instead of OutOfMemory (ADV3)."""
+    h = client.empty(shape, dtype)
+    dims = (shape,) if isinstance(shape, int) else shape
+    want = np.dtype(dtype).itemsize
+    for d in dims:
+        want *= d
+    assert h.nbytes == want
+    with pytest.raises(ServerError):
+        client.read(h)
+    with pytest.raises(OutOfMemory):
+        client.sync()
+    client.sync()                       # raised once
+    x = client.create(np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(client.read(x), [0, 1, 2, 3])
+    still_serves(client)

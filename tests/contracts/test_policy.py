@@ -25,7 +25,7 @@ def test_a_buffer_bound_read_and_read_write_is_refused_on_every_backend(client):
 def test_a_count_over_the_backend_limit_is_refused_by_the_client(client, monkeypatch):
     be = client._server.backend          # private: declare a smaller limit on cpu
     if be.max_workgroups is None:                 # cpu: no limit of its own; declare one
-        monkeypatch.setattr(be, "max_workgroups", (8, 8, 8))
+        monkeypatch.setitem(vars(be), "max_workgroups", (8, 8, 8))
     lim = be.max_workgroups
     y = client.create(np.zeros(4, np.float32))
     with pytest.raises(LaunchError, match="per dimension"):

@@ -200,7 +200,7 @@ def _fail_replays_while(client, monkeypatch, bad):
         real(stream, graph, mark)
         if bad() and mark is not None:
             mark.fail(LaunchError("checked_copy: injected failure found after the enqueue"))
-    monkeypatch.setattr(be, "launch_graph", launch_graph)
+    monkeypatch.setitem(vars(be), "launch_graph", launch_graph)
 
 
 def test_a_failure_while_a_replay_executes_marks_its_write_set(client, monkeypatch):  # case 2

@@ -86,8 +86,8 @@ class _Flag:
             launch_graph(stream, graph, mark)
             if self.on and mark is not None:
                 late(stream, mark)
-        monkeypatch.setattr(be, "launch", patched_launch)
-        monkeypatch.setattr(be, "launch_graph", patched_graph)
+        monkeypatch.setitem(vars(be), "launch", patched_launch)
+        monkeypatch.setitem(vars(be), "launch_graph", patched_graph)
 
     def set(self, on: bool) -> None:
         self.c.write(self.buf, np.full(1, 1.0 if on else 0.0, np.float32))

@@ -106,3 +106,23 @@ def test_static_graph_loop_argument_errors(backend):
     with pytest.raises(ValueError, match="max_iterations is given without loop"):
         runtime.StaticGraph(c, inputs={}, outputs={"x": ((1,), "f32")}, body=body,
                             max_iterations=2)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["loop_graph", "sequence_graph"])
+def test_the_per_sequence_graphs_stay_bounded_over_many_lengths(decoder, graph):
+    """A service asks for many lengths: one graph per bucket (the loop bound rounded up to a
+    power of two, at most max_len), never one per distinct ``n``, each with its own KV cache
+    (before: one per n, 19 here, growing with the requests); the tokens are still the
+    reference's (the loop stops on the device at the last position, not at the bound). ADV3"""
+    ref = reference_generate(decoder.weights, decoder.config, [5], 19)
+    c = decoder.client
+    before = c.memory_usage()["graphs"]
+    for n in range(1, 20):
+        try:
+            got = decoder.generate([5], n, per_sequence=True, graph=graph)
+        except UnsupportedError as e:
+            pytest.skip(str(e))
+        np.testing.assert_array_equal(got, ref[:n])
+    made = c.memory_usage()["graphs"] - before
+    assert made <= 6, made                          # buckets 1, 2, 4, 8, 16, 32
+    assert len(decoder._sequences if graph else decoder._loops) == 6

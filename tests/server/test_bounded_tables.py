@@ -446,13 +446,13 @@ def test_a_wgpu_stream_that_never_blocks_keeps_bounded_error_queues(monkeypatch)
         err = LaunchError("add_scalar: injected failure (reported after the enqueue)")
         stream.errors.append(mark.fail(err) if mark is not None else err)
         be.failures.append(ServerError("an injected failure no stream owns"))
-    monkeypatch.setattr(be, "launch", late)
+    monkeypatch.setitem(vars(be), "launch", late)
     for _ in range(300):
         c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
     sid = int(c.stream)
     sizes = srv.call(lambda: (len(srv.streams[sid].raw.errors), len(be.failures)))
     assert max(sizes) <= MAX_QUEUED_ERRORS, sizes
-    monkeypatch.setattr(be, "launch", launch)
+    monkeypatch.setitem(vars(be), "launch", launch)
     with pytest.raises(ServerError) as ei:
         c.sync()
     text = str(ei.value)

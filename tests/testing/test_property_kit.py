@@ -8,7 +8,8 @@ with work pending, followed by window allocations on another stream: the pool ha
 over), events, capture windows with and without a warm-up, window allocations, calls the window
 refuses (``read``, ``sync``, ``record_event``, ``wait_event`` and replays at once, a write or
 the free of a buffer one or two windows use at ``stop_capture``), replays, clones, graph
-releases before and after their inputs are freed. One kernel fails on some inputs
+releases before and after their inputs are freed, instances (``Graph.instantiate``) sharing the
+graph's state or rebinding a buffer, on its stream or another. One kernel fails on some inputs
 (``failures=True``): eagerly, inside a warm-up (``start_capture`` raises, nothing is recorded)
 and inside a replayed graph. Every read must match the model built from the kernels' cpu
 bodies, and a buffer whose last writer failed (or was computed from one) must raise

@@ -92,12 +92,12 @@ def fake_be(monkeypatch):
     be.log = []
     be._bodies = [_Stream(0xB2), _Stream(0xB1), _Stream(0xB0)]      # the free list
     scratch = iter(range(0x5000, 0x6000, 0x10))
-    monkeypatch.setattr(be, "alloc", lambda n: _Buf(next(scratch)))
+    monkeypatch.setitem(vars(be), "alloc", lambda n: _Buf(next(scratch)))
 
     def gate(grid, block, args, stream=None):
         be.log.append(("gate", stream.ptr, int(args[4]), int(args[3]), int(args[2]),
                        int(args[1])))
-    monkeypatch.setattr(be, "_compile_gate", lambda: gate)
+    monkeypatch.setitem(vars(be), "_compile_gate", lambda: gate)
     be._conds = cuda_graph.Conditionals(be, be._compile_gate)
     return be
 

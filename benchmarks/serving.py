@@ -34,8 +34,12 @@ texts padded to the longest, as ``SentenceTransformer.encode`` runs them, not to
 when it is installed
 (``--no-st`` skips it; run this script with ``/work/venv-st/bin/python`` or any environment
 that has it). The cpu backend shares out the cores by its thread rule
-(``runtime.cpu_threads``, as ``serve`` does); torch keeps its default threads unless
-``--st-threads`` says otherwise. The paths take turns (order rotated), so slow drift hits all alike.
+(``runtime.cpu_threads``, as ``serve`` does); torch keeps its default threads (one per core)
+unless ``--st-threads`` says otherwise. ``--st-threads 1,2`` (with ``--isolate``) runs
+sentence-transformers once per thread count, each in its own process, and compares every other
+path with the best of them in the same round and client count (the anchor's best setting: on 2
+cores beside 2 busy processes torch at 1 thread served about twice what it did at 2). The
+paths take turns (order rotated), so slow drift hits all alike.
 
 The script only uses APIs an older checkout also has, so the same file measures before and
 after a change: ``PYTHONPATH=/path/to/old/checkout python benchmarks/serving.py`` imports that
@@ -45,11 +49,16 @@ Usage::
 
     python benchmarks/serving.py [--backend cpu] [--sections closed,mixed,largest,health]
                                  [--clients 1,8,64] [--requests 256] [--texts 1] [--no-st]
-                                 [--st-threads 0] [--mixed-requests 16] [--mixed-seconds 60]
+                                 [--st-threads 0|N|1,2] [--mixed-requests 16] [--mixed-seconds 60]
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
                                  [--paths graph,eager,sentence-transformers] [--rounds 1]
                                  [--isolate] [--batch-buckets 1,2,3,4,6,8,12,16,24,32]
+                                 [--seq-buckets 16,24,32,64,256] [--streams 1]
                                  [--contention 0]
+
+``--streams N`` serves the graph and eager paths with N copies of the model, each on its own
+stream with its own batcher (:class:`runtime.serving.BatcherGroup`, as ``serve --streams N``):
+each request goes to the least loaded, so on cpu N batches run at once, one thread each.
 
 ``--contention N`` runs N busy-loop processes beside every path for the whole run (a busy
 host; ``"contention"`` in the JSON's meta). ``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
@@ -86,8 +95,12 @@ SHORT = [s for s in SENTENCES if len(s) < 200]     # all within the 16/32-token 
 # denser than the batcher's default (1, 2, 4, 8, 16, 32): less padding for 20 graphs instead of
 # 12 (on 2 cores, 10-15% more requests/s at 8 clients; +260 MB, 5.8 s of captures)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-SEQ_BUCKETS = (16, 32, 64, 256)
-WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS]
+# a 24-token bucket between 16 and 32: the benchmark's texts of 17-20 tokens ran padded to 32
+# (1.6x their tokens; sentence-transformers pads to the longest text of each batch), so on 2
+# cores beside 2 busy processes a 12-text batch of them cost 82 ms at 32 against 60 at 24
+SEQ_BUCKETS = (16, 24, 32, 64, 256)
+WARMUP_SEQ = 32                     # the warm-up captures every batch bucket up to this length
+WARMUP = [(b, s) for s in SEQ_BUCKETS if s <= WARMUP_SEQ for b in BATCH_BUCKETS]
 MAX_PADDING = "auto"                # Batcher(max_padding=) of the graph and eager paths
 
 
@@ -180,15 +193,24 @@ async def drive(url: str, work: list) -> tuple:
 
 def start(model, graph: bool, quiet: bool, exact: bool = False):
     """A batcher (warmed up) and its loopback server; returns (batcher, server, metrics).
-    ``exact``: batches run at their own shape (``Batcher(exact_shapes=True)``)."""
+    ``model``: one model, or a list of models (``--streams``: a
+    :class:`runtime.serving.BatcherGroup` of a batcher per model, each request to the least
+    loaded). ``exact``: batches run at their own shape (``Batcher(exact_shapes=True)``)."""
     m = ServingMetrics()
     kw = dict(graph=graph, metrics=m, batch_buckets=BATCH_BUCKETS, seq_buckets=SEQ_BUCKETS,
               max_batch=BATCH_BUCKETS[-1])
-    try:
-        b = Batcher(model, exact_shapes=exact, max_padding=MAX_PADDING, **kw)
-    except TypeError:                 # an older checkout: no exact_shapes, buckets padded
-        print("this checkout's Batcher pads every batch to its bucket", file=sys.stderr)
-        b = Batcher(model, **kw)
+    models = model if isinstance(model, list) else [model]
+    batchers = []
+    for one in models:
+        try:
+            b = Batcher(one, exact_shapes=exact, max_padding=MAX_PADDING, **kw)
+        except TypeError:             # an older checkout: no exact_shapes, buckets padded
+            print("this checkout's Batcher pads every batch to its bucket", file=sys.stderr)
+            b = Batcher(one, **kw)
+        batchers.append(b)
+    if len(batchers) > 1:
+        from runtime.serving import BatcherGroup
+        b = BatcherGroup(batchers)
     if graph:
         b.warmup(WARMUP, progress=not quiet)
     srv = ServerThread(create_app(b, metrics=m))
@@ -335,8 +357,9 @@ def closed_rows(servers: dict, clients: list, args, round_: int = 0) -> list:
         order = names[k % len(names):] + names[:k % len(names)]
         for name in order:
             b, srv, m = servers[name]
-            b0, c0 = b.batches_run, captures(m)
+            b0, c0, cpu0 = b.batches_run, captures(m), time.process_time()
             lat, wall, fails = asyncio.run(drive(srv.url, plan(n, args.requests, args.texts)))
+            cpu = time.process_time() - cpu0          # this process: server, model, clients
             ms = np.array(lat) * 1e3
             batches = b.batches_run - b0
             rows.append({"path": name, "clients": n, "round": round_, "requests": len(lat),
@@ -345,35 +368,80 @@ def closed_rows(servers: dict, clients: list, args, round_: int = 0) -> list:
                          "p10_ms": pct(ms, 10), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90),
                          "p99_ms": pct(ms, 99), "batches": batches,
                          "rows_per_batch": len(lat) * args.texts / max(batches, 1),
-                         "captures": int(captures(m) - c0), "failures": fails})
+                         "captures": int(captures(m) - c0), "failures": fails,
+                         "cpu_ms_per_request": cpu * 1e3 / max(len(lat), 1),
+                         "cores_used": cpu / wall,
+                         "st_threads": st_thread_counts(args.st_threads)[0] if name == ST
+                         else None})
             if not args.quiet:
                 r = rows[-1]
-                print(f"{name:22s} clients={n:3d}  {r['req_per_s']:7.1f} req/s  "
+                print(f"{label(r):22s} clients={n:3d}  {r['req_per_s']:7.1f} req/s  "
                       f"p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  "
-                      f"rows/batch {r['rows_per_batch']:.1f}", file=sys.stderr, flush=True)
+                      f"rows/batch {r['rows_per_batch']:.1f}  CPU {r['cpu_ms_per_request']:.1f} "
+                      f"ms/request", file=sys.stderr, flush=True)
     return rows
 
 
-def summarize_closed(rows: list) -> list:
-    """Per (path, clients): the median, lowest and highest req/s over the rounds, and, when
-    sentence-transformers ran, the median of the per-round ratios to it (same round, same
-    client count)."""
+def st_thread_counts(spec) -> list:
+    """``--st-threads``'s thread counts (``"1,2"`` -> ``[1, 2]``; 0 is torch's default)."""
+    out = [int(x) for x in str(spec).split(",") if x.strip()]
+    if not out or any(n < 0 for n in out):
+        raise ValueError(f"--st-threads {spec!r}: thread counts >= 0, comma-separated")
+    return out
+
+
+def label(r: dict) -> str:
+    """A row's name in the tables: the path, and sentence-transformers' torch threads when
+    set (``"sentence-transformers 1t"``; ``best``: the best of them in each round)."""
+    t = r.get("st_threads")
+    return r["path"] if r["path"] != ST or t in (None, 0) else f"{ST} {t}t" \
+        if t != "best" else f"{ST} best"
+
+
+def best_st(rows: list) -> list:
+    """Per (round, clients), the sentence-transformers row with the most requests/s when it
+    ran at more than one thread count (``st_threads`` ``"best"``, the winner's count in
+    ``best_of``); nothing otherwise."""
+    st = [r for r in rows if r["path"] == ST]
+    if len({r.get("st_threads") for r in st}) < 2:
+        return []
     out = []
-    keys = sorted({(r["path"], r["clients"]) for r in rows}, key=lambda k: (k[1], k[0]))
-    for path, n in keys:
-        rs = [r for r in rows if r["path"] == path and r["clients"] == n]
+    for key in sorted({(r.get("round", 0), r["clients"]) for r in st}):
+        rs = [r for r in st if (r.get("round", 0), r["clients"]) == key]
+        top = max(rs, key=lambda r: r["req_per_s"])
+        out.append({**top, "st_threads": "best", "best_of": top.get("st_threads")})
+    return out
+
+
+def summarize_closed(rows: list) -> list:
+    """Per (path, clients) (sentence-transformers per thread count, and the best of them in
+    each round when it ran at several): the median, lowest and highest req/s over the rounds,
+    and, when sentence-transformers ran, the median of the per-round ratios to it (same round,
+    same client count; to its best thread count in that round when it ran at several)."""
+    out = []
+    rows = list(rows) + best_st(rows)
+    keys = sorted({(r["path"], str(r.get("st_threads")), r["clients"]) for r in rows},
+                  key=lambda k: (k[2], k[0], k[1]))
+    best = any(r.get("st_threads") == "best" for r in rows)
+    for path, threads, n in keys:
+        rs = [r for r in rows if r["path"] == path and r["clients"] == n and
+              str(r.get("st_threads")) == threads]
         rate = [r["req_per_s"] for r in rs]
         ratios = []
         for r in rs:
             st = [x for x in rows if x["path"] == ST and x["clients"] == n and
-                  x.get("round", 0) == r.get("round", 0)]
+                  x.get("round", 0) == r.get("round", 0) and
+                  (not best or x.get("st_threads") == "best")]
             if st and path != ST:
                 ratios.append(r["req_per_s"] / st[0]["req_per_s"])
         out.append({"path": path, "clients": n, "rounds": len(rs),
+                    "st_threads": rs[0].get("st_threads"), "label": label(rs[0]),
                     "req_per_s_median": float(np.median(rate)), "req_per_s_min": min(rate),
                     "req_per_s_max": max(rate),
                     "p50_ms_median": float(np.median([r["p50_ms"] for r in rs])),
                     "p99_ms_median": float(np.median([r["p99_ms"] for r in rs])),
+                    "cpu_ms_per_request_median": float(np.median(
+                        [r.get("cpu_ms_per_request", 0.0) for r in rs])),
                     "vs_st_median": float(np.median(ratios)) if ratios else None,
                     "vs_st_min": min(ratios) if ratios else None,
                     "vs_st_max": max(ratios) if ratios else None})
@@ -387,19 +455,23 @@ def isolated_rows(clients: list, args) -> list:
     import tempfile
 
     rows = []
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    runs = [(p.strip(), t if p.strip() == ST else None)
+            for p in args.paths.split(",") if p.strip()
+            for t in (st_thread_counts(args.st_threads) if p.strip() == ST else [None])]
     for rnd in range(args.rounds):
-        order = paths[rnd % len(paths):] + paths[:rnd % len(paths)]
-        for path in order:
+        order = runs[rnd % len(runs):] + runs[:rnd % len(runs)]
+        for path, threads in order:
             with tempfile.TemporaryDirectory() as out:
                 cmd = [sys.executable, os.path.abspath(__file__), "--backend", args.backend,
                        "--sections", "closed", "--paths", path, "--clients", args.clients,
                        "--requests", str(args.requests), "--texts", str(args.texts),
                        "--rounds", "1", "--out", out, "--quiet",
-                       "--batch-buckets", args.batch_buckets, "--max-padding",
+                       "--batch-buckets", args.batch_buckets, "--seq-buckets", args.seq_buckets,
+                       "--streams", str(args.streams),
+                       "--max-padding",
                        args.max_padding]
-                if args.st_threads:
-                    cmd += ["--st-threads", str(args.st_threads)]
+                if threads:
+                    cmd += ["--st-threads", str(threads)]
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 name = [f for f in os.listdir(out) if f.endswith(".json")][0]
                 with open(os.path.join(out, name)) as f:
@@ -408,9 +480,10 @@ def isolated_rows(clients: list, args) -> list:
                 r["round"] = rnd
                 rows.append(r)
                 if not args.quiet:
-                    print(f"round {rnd} {r['path']:22s} clients={r['clients']:3d}  "
+                    print(f"round {rnd} {label(r):22s} clients={r['clients']:3d}  "
                           f"{r['req_per_s']:7.1f} req/s  p50 {r['p50_ms']:8.1f} ms  "
-                          f"rows/batch {r['rows_per_batch']:.1f}  (own process)",
+                          f"rows/batch {r['rows_per_batch']:.1f}  CPU "
+                          f"{r.get('cpu_ms_per_request', 0):.1f} ms/request  (own process)",
                           file=sys.stderr, flush=True)
     return rows
 
@@ -537,20 +610,21 @@ def print_tables(closed: list, mixed: list, largest: list, health: list = ()) ->
             print(f"{r['kind'] + ' x' + str(r['senders']):30s} {r['body_bytes'] / 2**20:6.1f} "
                   f"{r['p50_ms']:7.1f} {r['p99_ms']:7.1f} {r['max_ms']:7.1f} {r['probes']:6d} "
                   f"{'ok' if r['p99_ms'] <= r['goal_p99_ms'] else 'MISS':>5s}")
-    if closed and max(r.get("round", 0) for r in closed) > 0:
-        print(f"\n{'path':22s} {'clients':>7s} {'rounds':>6s} {'req/s p50':>9s} {'min':>7s} "
-              f"{'max':>7s} {'p50 ms':>8s} {'vs ST':>6s} {'min':>6s} {'max':>6s}")
+    if closed and (max(r.get("round", 0) for r in closed) > 0 or best_st(closed)):
+        print(f"\n{'path':26s} {'clients':>7s} {'rounds':>6s} {'req/s p50':>9s} {'min':>7s} "
+              f"{'max':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'vs ST':>6s} {'min':>6s} {'max':>6s}")
         for s in summarize_closed(closed):
             vs = (f"{s['vs_st_median']:6.2f} {s['vs_st_min']:6.2f} {s['vs_st_max']:6.2f}"
                   if s["vs_st_median"] is not None else "")
-            print(f"{s['path']:22s} {s['clients']:7d} {s['rounds']:6d} "
+            print(f"{s['label']:26s} {s['clients']:7d} {s['rounds']:6d} "
                   f"{s['req_per_s_median']:9.1f} {s['req_per_s_min']:7.1f} "
-                  f"{s['req_per_s_max']:7.1f} {s['p50_ms_median']:8.1f} {vs}")
+                  f"{s['req_per_s_max']:7.1f} {s['p50_ms_median']:8.1f} "
+                  f"{s['p99_ms_median']:8.1f} {vs}")
     elif closed:
-        print(f"\n{'path':22s} {'clients':>7s} {'req/s':>8s} {'texts/s':>8s} {'p50 ms':>9s} "
+        print(f"\n{'path':26s} {'clients':>7s} {'req/s':>8s} {'texts/s':>8s} {'p50 ms':>9s} "
               f"{'p99 ms':>9s} {'batches':>7s} {'rows/b':>6s}")
         for r in closed:
-            print(f"{r['path']:22s} {r['clients']:7d} {r['req_per_s']:8.1f} "
+            print(f"{label(r):26s} {r['clients']:7d} {r['req_per_s']:8.1f} "
                   f"{r['texts_per_s']:8.1f} {r['p50_ms']:9.1f} {r['p99_ms']:9.1f} "
                   f"{r['batches']:7d} {r['rows_per_batch']:6.1f}")
     if mixed:
@@ -592,7 +666,14 @@ def main(argv=None) -> int:
                    help="comma list of the paths to serve (closed and mixed sections)")
     p.add_argument("--batch-buckets", default=",".join(map(str, BATCH_BUCKETS)),
                    help="the batcher's batch buckets (texts); every one is captured at start-up "
-                   "with sequence buckets 16 and 32")
+                   "with every sequence bucket up to 32")
+    p.add_argument("--seq-buckets", default=",".join(map(str, SEQ_BUCKETS)),
+                   help="the batcher's sequence buckets (tokens; the last >= 256); every one up "
+                   f"to {WARMUP_SEQ} is captured at start-up with every batch bucket")
+    p.add_argument("--streams", type=int, default=1,
+                   help="graph and eager paths: a model per stream and a batcher per model, "
+                   "each request to the least loaded (runtime.serving.BatcherGroup; serve "
+                   "--streams); on cpu two batches then run at once, one thread each")
     p.add_argument("--max-padding", default="auto",
                    help="the graph and eager batchers' max_padding: auto, none or a fraction")
     p.add_argument("--rounds", type=int, default=1,
@@ -600,8 +681,10 @@ def main(argv=None) -> int:
                    "order rotated; the summary gives medians, spread and per-round ratios")
     p.add_argument("--isolate", action="store_true",
                    help="closed section: each (round, path) in a fresh process of its own")
-    p.add_argument("--st-threads", type=int, default=0,
-                   help="torch threads for sentence-transformers (default 0: torch's default)")
+    p.add_argument("--st-threads", default="0",
+                   help="torch threads for sentence-transformers (default 0: torch's default); "
+                   "a comma list (e.g. 1,2, with --isolate) runs it at each and compares the "
+                   "other paths with the best of them per round")
     p.add_argument("--mixed-requests", type=int, default=16,
                    help="1-text requests per short client and phase (mixed section)")
     p.add_argument("--mixed-seconds", type=float, default=60.0,
@@ -635,6 +718,15 @@ def main(argv=None) -> int:
     p.add_argument("--contention", type=int, default=0, metavar="N",
                    help="run N busy-loop processes beside every path for the whole run")
     args = p.parse_args(argv)
+    try:
+        threads = st_thread_counts(args.st_threads)
+    except ValueError as e:
+        p.error(str(e))
+    if args.streams < 1:
+        p.error(f"--streams {args.streams}: at least 1")
+    if len(threads) > 1 and not args.isolate:
+        p.error("--st-threads with several counts needs --isolate (torch's threads are "
+                "per process)")
     with _busy_processes(args.contention):
         return _main(args)
 
@@ -652,9 +744,10 @@ def _busy_processes(n: int):
 
 
 def _main(args) -> int:
-    global BATCH_BUCKETS, WARMUP, MAX_PADDING
+    global BATCH_BUCKETS, SEQ_BUCKETS, WARMUP, MAX_PADDING
     BATCH_BUCKETS = tuple(int(b) for b in args.batch_buckets.split(","))
-    WARMUP = [(b, s) for s in (16, 32) for b in BATCH_BUCKETS]
+    SEQ_BUCKETS = tuple(int(b) for b in args.seq_buckets.split(","))
+    WARMUP = [(b, s) for s in SEQ_BUCKETS if s <= WARMUP_SEQ for b in BATCH_BUCKETS]
     MAX_PADDING = {"auto": "auto", "none": None}.get(args.max_padding.lower(), None)
     if args.max_padding.lower() not in ("auto", "none"):
         MAX_PADDING = float(args.max_padding)
@@ -677,16 +770,24 @@ def _main(args) -> int:
     if sections & {"closed", "mixed"}:
         model = None
         if {"graph", "eager"} & set(paths):
-            model = load_model(None if args.backend == "auto" else args.backend,
-                               max_graphs=len(WARMUP))
-            backend = model.client.backend
+            model = [load_model(None if args.backend == "auto" else args.backend,
+                                max_graphs=len(WARMUP)) for _ in range(args.streams)]
+            backend = model[0].client.backend
+            if args.streams > 1:
+                try:
+                    from runtime.serving import BatcherGroup  # noqa: F401
+                except ImportError:
+                    print("this checkout has no BatcherGroup: one stream", file=sys.stderr)
+                    model = model[:1]
+            model = model if len(model) > 1 else model[0]
         servers = {name: start(model, name == "graph", args.quiet)
                    for name in ("graph", "eager") if name in paths}
         if ST in paths:
             try:
                 from runtime.models import default_model_dir
                 servers["sentence-transformers"] = start(
-                    SentenceTransformersModel(default_model_dir(), args.st_threads or None),
+                    SentenceTransformersModel(default_model_dir(),
+                                              st_thread_counts(args.st_threads)[0] or None),
                     False, args.quiet, exact=True)
             except ImportError as e:
                 st_note = f"sentence-transformers not installed ({e}); skipped"
@@ -715,12 +816,13 @@ def _main(args) -> int:
             "clients": clients, "batch_buckets": BATCH_BUCKETS, "seq_buckets": SEQ_BUCKETS,
             "max_inputs": args.max_inputs, "max_body_bytes": args.max_body_bytes,
             "largest_inputs": args.largest_inputs or args.max_inputs,
-            "st_threads": args.st_threads or "torch default",
+            "st_threads": args.st_threads if args.st_threads != "0" else "torch default",
             "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "sentence_transformers": st_note or "included", "paths": args.paths,
             "rounds": args.rounds, "isolated": bool(args.isolate),
-            "max_padding": args.max_padding, "contention": {"busy_processes": args.contention}}
+            "max_padding": args.max_padding, "streams": args.streams,
+            "contention": {"busy_processes": args.contention}}
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": closed, "summary": summarize_closed(closed),
@@ -737,8 +839,9 @@ def _main(args) -> int:
         print(f"wrote {base}.json (matplotlib missing: no plot)")
         return 0
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, name in enumerate(names):
-        rs = sorted((r for r in rows if r["path"] == name), key=lambda r: r["clients"])
+    for k, name in enumerate(dict.fromkeys(r["label"] for r in rows
+                                           if r["path"] in names)):
+        rs = sorted((r for r in rows if r["label"] == name), key=lambda r: r["clients"])
         x, color = [r["clients"] for r in rs], f"C{k}"
         med = [r["req_per_s_median"] * args.texts for r in rs]
         a1.errorbar(x, med, yerr=[[m - r["req_per_s_min"] * args.texts for m, r in zip(med, rs)],

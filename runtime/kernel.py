@@ -26,6 +26,7 @@ Conventions every backend follows:
 
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Callable, NamedTuple
 
@@ -87,7 +88,7 @@ class Kernel:
     """
 
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
-                 "param_names", "accesses", "_f32", "__weakref__")
+                 "param_names", "accesses", "_f32", "_get", "_types", "_ints", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None):
@@ -115,6 +116,11 @@ class Kernel:
         #: each binding's access, in order (what the launch path tests per binding)
         self.accesses = tuple(b.access for b in self.bindings)
         self._f32 = tuple(p.dtype == "f32" for p in self.params)
+        # pack_params' fast path: one C call takes the values of >= 2 params out of a dict,
+        # then their Python types are compared at once (float for f32, int otherwise)
+        self._get = operator.itemgetter(*self.param_names) if len(self.params) >= 2 else None
+        self._types = tuple(float if f else int for f in self._f32)
+        self._ints = tuple(i for i, f in enumerate(self._f32) if not f)
 
     def __repr__(self):
         return f"Kernel({self.name!r}, bindings={len(self.bindings)}, params={list(self.param_names)})"
@@ -132,14 +138,15 @@ class Kernel:
         if values is None:
             values = ()
         if type(values) is dict and len(values) == len(self.params):
-            try:                                  # fast path: exact names, plain numbers
-                out = tuple(map(values.__getitem__, self.param_names))
+            get = self._get                       # fast path: exact names, plain numbers
+            try:
+                out = get(values) if get is not None else tuple(map(values.__getitem__,
+                                                                    self.param_names))
             except KeyError:
-                pass
-            else:
-                for f32, v in zip(self._f32, out):
-                    t = type(v)
-                    if not (t is float if f32 else t is int and 0 <= v < 2147483648):
+                out = None
+            if out is not None and tuple(map(type, out)) == self._types:
+                for i in self._ints:
+                    if not 0 <= out[i] < 2147483648:
                         break
                 else:
                     return out

@@ -378,6 +378,11 @@ def _queued_read(server, sid, hid: int, dtype=None):
     return server.queue.call(server.h_read, sid, hid, dtype)
 
 
+def _queued_launch(server, *args):
+    """The traced ``ComputeServer.launch``: through the (traced) ``DeviceQueue.submit``."""
+    server.queue.submit(server.h_launch, *args)
+
+
 def _client_wait(plain):
     """The traced ``DeviceQueue.wait``: a ``wait`` slice inside the call that asked for it."""
     def traced(queue, waitable, msg=None):
@@ -652,6 +657,7 @@ def start(capacity: int = DEFAULT_CAPACITY) -> Tracer:
         tracer = Tracer(capacity)
         _swap(ComputeServer, "replay", _queued_replay)
         _swap(ComputeServer, "read", _queued_read)
+        _swap(ComputeServer, "launch", _queued_launch)
         _swap(DeviceQueue, "submit", _client_call(DeviceQueue.submit))
         _swap(DeviceQueue, "call", _client_call(DeviceQueue.call))
         _swap(DeviceQueue, "wait", _client_wait(DeviceQueue.wait))

@@ -307,10 +307,14 @@ class ComputeClient:
             raise LaunchError(f"launch of {kernel.name}: it has {len(kernel.bindings)} bindings "
                               f"{[b.name for b in kernel.bindings]}, got {len(handles)} handles")
         srv = self._server
+        hids = []
         try:                                      # fast path: live handles of this server
-            hids = [h.id for h in handles if h._bindable is srv]
+            for h in handles:
+                if h._bindable is not srv:
+                    break
+                hids.append(h.id)
         except AttributeError:
-            hids = ()
+            pass
         if len(hids) != len(handles):
             hids = []
             for b, h in zip(kernel.bindings, handles):
@@ -345,7 +349,12 @@ class ComputeClient:
                 raise LaunchError(f"launch of {kernel.name}: workgroup count {cnt} exceeds the "
                                   f"{srv.backend.name} limit of {lim} per dimension; split the "
                                   "grid over y and z")
-        srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, kernel.pack_params(params))
+        params = kernel.pack_params(params)
+        room = srv.launch(self._sid, kernel, cnt, hids, params)
+        if room is BUSY:                            # the server was not idle: queued
+            srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, params)
+        elif room and srv.queue.full():             # enqueued on the device: bounded
+            srv.queue.wait_room()
 
     # -- synchronisation ----------------------------------------------------------------------
     def sync(self) -> None:

@@ -68,10 +68,11 @@ class HandleState:
     """Server-side state of one handle: its pooled slot and its access history."""
 
     __slots__ = ("id", "slot", "nbytes", "writes", "reads", "mark", "graphs", "replayed",
-                 "stream")
+                 "stream", "arg")
 
     def __init__(self, hid, slot, nbytes, stream):
         self.id, self.slot, self.nbytes, self.stream = hid, slot, nbytes, stream
+        self.arg = (slot.buf, nbytes)    # what a launch binds (Backend.launch's args item)
         self.writes = dict(slot.fences)  # a reused buffer inherits its earlier uses as writes
         self.reads: dict = {}
         self.mark = CLEAN                # the Mark of its last writer (marks.py)
@@ -469,7 +470,32 @@ class ComputeServer:
         return comp, st.mark, []
 
     # -- kernels --------------------------------------------------------------------------------
-    def h_launch(self, sid, kernel, count, hids, params) -> None:
+    def launch(self, sid, kernel, count, hids, params):
+        """``ComputeClient.launch``'s entry: :meth:`h_launch` on the caller's thread while the
+        server is idle (``DeviceQueue.submit``'s combining path written out, as :meth:`replay`;
+        what escapes the handler goes where a fire-and-forget message's error goes:
+        ``_on_async_error``, the next blocking call). Returns what ``h_launch`` returns (True:
+        enqueued, the caller then looks for room in the queue), or :data:`BUSY` when the server
+        was not idle: the caller then submits it (``DeviceQueue.submit``, which waits for room
+        first; ``ServerClosed`` once the server stopped)."""
+        queue = self.queue
+        if not queue._q and queue._owner.acquire(False):
+            try:
+                if not queue._q and not queue.closed:
+                    return self.h_launch(sid, kernel, count, hids, params)
+            except queue.FATAL as e:
+                queue._die(e)
+                return None
+            except BaseException as e:  # noqa: BLE001 - queued on a stream, as in _drain
+                self._on_async_error(e)
+                return None
+            finally:
+                queue._release()
+        return BUSY
+
+    queue_mod.OWNER_CODES.add(launch.__code__)      # it takes the owner lock (queue.py)
+
+    def h_launch(self, sid, kernel, count, hids, params):
         """Enqueue (or, inside a window, record) one launch of ``kernel`` on stream ``sid``.
 
         ``count`` is ``(x, y, z)`` workgroups or a handle id (indirect: three u32 read at run).
@@ -480,6 +506,10 @@ class ComputeServer:
         only a ``write`` binding does not read (docs/contract.md section 4), except in an
         indirect launch, whose count may be 0 (it may write nothing: its outputs keep their
         marks, as a graph's buffers written only by such launches do, section 4b).
+
+        Returns True when the launch was enqueued on the backend (the caller of :meth:`launch`
+        then looks for room in the queue), else None or False (it ran at once, was recorded or
+        refused).
         """
         s = self.streams.get(sid) or self._stream(sid)
         handles = self.handles
@@ -508,7 +538,7 @@ class ComputeServer:
             return
         if cst is not None:
             count = (cst.slot.buf, cst.nbytes)
-        args = [(st.slot.buf, st.nbytes) for st in states]
+        args = [st.arg for st in states]
         try:
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
@@ -568,6 +598,7 @@ class ComputeServer:
                 st.mark = mark
         if cst is not None:
             cst.reads[sid] = pos
+        return mark is not CLEAN                # enqueued on the backend
 
     def _flush(self, s: StreamState) -> None:
         """``Backend.flush`` of ``s``, which every handler that blocks or raises the stream's

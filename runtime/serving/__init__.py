@@ -3,6 +3,8 @@
 - :class:`Batcher` (``batcher.py``): groups texts from concurrent callers into padded
   ``(batch, seq_len)`` buckets (``runtime.models.buckets``) and runs them through the model's
   captured graphs (or eagerly).
+- :class:`BatcherGroup` (``group.py``): several batchers, a model per stream, each request to
+  the least loaded (``serve --streams N``).
 - :class:`~runtime.serving.replica.Settings`, :class:`~runtime.serving.replica.Replica` and
   :func:`~runtime.serving.replica.start_batcher` (``replica.py``): the one wiring path from the
   ``serve`` settings to a model, a batcher and the app, used by ``serve``, ``serve --ray``, the
@@ -27,7 +29,7 @@ _WHERE = {
     "Embeddings": "batcher", "QueueFull": "batcher", "bucket_up": "batcher",
     "choose_bucket": "batcher", "ServingMetrics": "metrics", "MODEL_ID": "app",
     "create_app": "app", "ServerThread": "http", "serve": "http", "Settings": "replica",
-    "Replica": "replica", "start_batcher": "replica",
+    "Replica": "replica", "start_batcher": "replica", "BatcherGroup": "group",
 }
 
 __all__ = sorted(_WHERE) + ["load_model", "limit_blas_threads"]

@@ -280,6 +280,7 @@ class Batcher:
         self._deadline = 0.0                 # perf_counter time after which queued work fails
         self._thread = None
         self._inflight: list = []           # the batch running now (its requests)
+        self._running = 0                   # its texts, until their rows are copied out
         self._s_per_text = None              # running estimate of compute seconds per text
         self._last_head = None               # the request that led the last batch
         self.batches_run = 0
@@ -473,6 +474,12 @@ class Batcher:
     def queued_requests(self) -> int:
         """Requests with texts not yet taken into a batch."""
         return self._queued_requests
+
+    @property
+    def load(self) -> int:
+        """Texts queued plus texts in the batch running now (what
+        :class:`runtime.serving.group.BatcherGroup` balances)."""
+        return self._queued + self._running
 
     def drain_estimate(self) -> float:
         """Seconds until the texts queued now have run, from the measured compute time per text
@@ -684,6 +691,7 @@ class Batcher:
             ids[r, :len(it.ids)] = it.ids
             mask[r, :len(it.ids)] = 1
         self._inflight = batch                    # failed by _loop if the worker dies
+        self._running = n                         # (load)
         t0 = time.perf_counter()
         t0_ns = time.time_ns()
         if m is not None:
@@ -695,6 +703,7 @@ class Batcher:
                 raise RuntimeError(f"the model returned shape {out.shape} for {n} rows, "
                                    f"expected {(n, self.hidden)}")
         except Exception as e:  # noqa: BLE001 - fails this batch's requests, not the worker
+            self._running = 0
             self.last_error = e
             if m is not None:
                 m.failed_batches.labels(path=self.path).inc()
@@ -722,6 +731,7 @@ class Batcher:
                 m.captures.inc()
         for r, it in enumerate(batch):           # row r is this text's; rows >= n never copied
             it.req.out[it.row] = out[r]
+        self._running = 0                         # before any caller hears of it
         done: dict = {}
         for it in batch:
             done[id(it.req)] = (it.req, done.get(id(it.req), (None, 0))[1] + 1)

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "256 = 8192)")
     p.add_argument("--max-wait-ms", type=flags.non_negative(float), default=2.0,
                    help="how long an idle batcher waits for more texts (ms, default 2)")
+    p.add_argument("--streams", type=positive_int, default=1,
+                   help="copies of the model, each on its own stream with its own batcher; "
+                   "each request goes to the least loaded (on cpu, concurrent batches run one "
+                   "thread each; one more model's memory per stream; default 1)")
     p.add_argument("--max-queue", type=positive_int, default=4096,
                    help="most texts waiting; beyond it 503 with Retry-After (default 4096)")
     p.add_argument("--max-inputs", type=positive_int, default=MAX_INPUTS,
@@ -168,7 +172,7 @@ def settings_from_args(args) -> Settings:
         warmup=tuple(args.warmup) if args.warmup else None, batch_buckets=args.batch_buckets,
         seq_buckets=args.seq_buckets, max_batch=args.max_batch,
         max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms,
-        max_queue=args.max_queue, max_input_chars=args.max_input_chars,
+        max_queue=args.max_queue, max_input_chars=args.max_input_chars, streams=args.streams,
         max_inputs=args.max_inputs, max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
         api_key=args.api_key or os.environ.get("RUNTIME_API_KEY") or None,

@@ -31,7 +31,9 @@ class Settings:
     ``batch_buckets``/``seq_buckets`` (texts; tokens, the last >= 256; ``None``: the defaults
     of :mod:`runtime.models.buckets`), ``max_batch`` (texts), ``max_batch_tokens`` (padded
     tokens per batch), ``max_wait_ms``, ``max_queue`` (texts waiting), ``max_input_chars``
-    (characters per text), ``cpu_threads`` (cores the cpu thread rule shares out).
+    (characters per text), ``cpu_threads`` (cores the cpu thread rule shares out), ``streams``
+    (copies of the model, each on its own stream with its own batcher:
+    :class:`runtime.serving.BatcherGroup`).
 
     App (:func:`runtime.serving.create_app`): ``max_inputs`` (per request), ``max_body_bytes``,
     ``body_timeout`` (s), ``api_key``, ``token_ids`` (``"refuse"``, ``"wordpiece"``,
@@ -55,6 +57,7 @@ class Settings:
     max_queue: int = 4096
     max_input_chars: int | None = MAX_INPUT_CHARS
     cpu_threads: int | None = None
+    streams: int = 1
     max_inputs: int = MAX_INPUTS
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout: float = BODY_TIMEOUT
@@ -85,7 +88,7 @@ class Settings:
 
 _BATCHER = ("backend", "model_dir", "max_graphs", "graph", "warmup", "batch_buckets",
             "seq_buckets", "max_batch", "max_batch_tokens", "max_wait_ms", "max_queue",
-            "max_input_chars", "cpu_threads")
+            "max_input_chars", "cpu_threads", "streams")
 _APP = ("max_inputs", "max_body_bytes", "body_timeout", "api_key", "token_ids")
 
 
@@ -94,8 +97,8 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
                   max_batch_tokens: int | None = None, max_wait_ms: float = 2.0,
                   max_queue: int = 4096, max_input_chars: int | None = None,
                   batch_buckets=None, seq_buckets=None, warmup=None,
-                  cpu_threads: int | None = None, metrics=None, progress: bool = False,
-                  **batcher_options) -> Batcher:
+                  cpu_threads: int | None = None, streams: int = 1, metrics=None,
+                  progress: bool = False, **batcher_options):
     """Load all-MiniLM-L6-v2 on this process's device (or take ``model``) and start a batcher.
 
     Args:
@@ -108,23 +111,46 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
             ``OMP_NUM_THREADS``, which Ray sets to a worker's ``num_cpus``, else every CPU the
             process may run on).
         metrics: a :class:`runtime.serving.ServingMetrics` to record into (``None``: none).
+        streams: copies of the model (``model`` or loaded), each on its own stream of the
+            process's device server with its own batcher; more than 1 returns a
+            :class:`runtime.serving.BatcherGroup` sending each request to the least loaded
+            (on cpu, concurrent batches run one thread each; :mod:`runtime.serving.group`).
+            A given ``model`` is the first copy; the others are loaded from ``model_dir``.
         progress: show the warm-up's progress bar.
         batcher_options: more :class:`Batcher` keywords (``max_padding``, ``exact_shapes``).
-    Returns: a started :class:`Batcher` (``close()`` it when done).
+    Returns: a started :class:`Batcher`, or a :class:`runtime.serving.BatcherGroup` of
+        ``streams`` of them (``close()`` it when done).
     Raises: ``FileNotFoundError`` (no model files); ``UnsupportedError`` (backend missing);
-        ``ValueError`` (bad buckets or limits, ``cpu_threads < 1``).
+        ``ValueError`` (bad buckets or limits, ``cpu_threads < 1``, ``streams < 1``).
     """
     from ..cpu_threads import RULE
     from . import load_model
 
+    if int(streams) < 1:
+        raise ValueError(f"streams must be >= 1, got {streams}")
     if backend in (None, "cpu") and cpu_threads and model is None:
         RULE.set_cores(cpu_threads)
     if model is None:
         model = load_model(backend, path=model_dir, max_graphs=max_graphs)
-    batcher = Batcher(model, graph=graph, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
-                      max_wait_ms=max_wait_ms, max_queue=max_queue,
-                      max_input_chars=max_input_chars, batch_buckets=batch_buckets,
-                      seq_buckets=seq_buckets, metrics=metrics, **batcher_options)
+    models = [model] + [load_model(backend, path=model_dir, max_graphs=max_graphs)
+                        for _ in range(int(streams) - 1)]
+    batchers = []
+    try:
+        for m in models:
+            batchers.append(Batcher(
+                m, graph=graph, max_batch=max_batch, max_batch_tokens=max_batch_tokens,
+                max_wait_ms=max_wait_ms, max_queue=max_queue, max_input_chars=max_input_chars,
+                batch_buckets=batch_buckets, seq_buckets=seq_buckets, metrics=metrics,
+                **batcher_options))
+    except BaseException:
+        for b in batchers:
+            b.close()
+        raise
+    if len(batchers) == 1:
+        batcher = batchers[0]
+    else:
+        from .group import BatcherGroup
+        batcher = BatcherGroup(batchers)
     if warmup:
         try:
             batcher.warmup(warmup, progress=progress)

@@ -192,8 +192,8 @@ class Recording(InterleavingScheduler):
 
     # -- the server side ------------------------------------------------------------------
     def attach_server(self, server) -> None:
-        """Wrap ``server.submit``/``call``/``replay``/``read`` so each message carries the
-        test's call site."""
+        """Wrap ``server.submit``/``call`` and the entries ``launch``/``replay``/``read`` so
+        each message carries the test's call site."""
         self.server = server
         submit, call = server.submit, server.call
 
@@ -208,8 +208,11 @@ class Recording(InterleavingScheduler):
 
         def sited_read(sid, hid, dtype=None):
             return call(_Sited(self, server.h_read, _user_site()), sid, hid, dtype)
+
+        def sited_launch(*args):
+            submit(_Sited(self, server.h_launch, _user_site()), *args)
         server.submit, server.call = sited_submit, sited_call
-        server.replay, server.read = sited_replay, sited_read
+        server.replay, server.read, server.launch = sited_replay, sited_read, sited_launch
 
     def _accesses(self, kind):
         """``(op, reads, writes, handles)`` of an item pushed now, from the running handler."""

@@ -131,6 +131,8 @@ def _captured_replay(c, x, y):
 SITES = {
     # fn, the line that takes the lock, what the main thread runs, the exception
     "submit": (queue_mod.DeviceQueue.submit, "elif not q and self._owner.acquire(False)",
+               lambda c, x, y: c.empty(4, np.float32), KeyboardInterrupt),
+    "launch": (ComputeServer.launch, "if not queue._q and queue._owner.acquire(False)",
                lambda c, x, y: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4}),
                KeyboardInterrupt),
     "call": (queue_mod.DeviceQueue.call, "if not q and self._owner.acquire(False)",

@@ -137,6 +137,10 @@ FLAGS = {
     "--max-wait-ms": (["--max-wait-ms", "7"],
                       lambda v: v["app"].state.batcher.max_wait == 0.007),
     "--max-queue": (["--max-queue", "4"], _queue_full),
+    "--streams": (["--streams", "2", "--warmup", "2x16"], lambda v: len({
+        id(b.model) for b in getattr(v["app"].state.batcher, "batchers", ())}) == 2 and all(
+        b.model.buckets == [(2, 16)] for b in v["app"].state.batcher.batchers)
+        and _post(v["app"], {"input": ["a", "b"]}).status_code == 200),
     "--max-inputs": (["--max-inputs", "2"],
                      lambda v: _post(v["app"], {"input": ["a", "b", "c"]}).status_code == 400
                      and _post(v["app"], {"input": ["a", "b"]}).status_code == 200),

@@ -1,0 +1,129 @@
+"""``runtime.serving.BatcherGroup``: several batchers, a model each, every request to the least
+loaded (``serve --streams N``). Fake models with gates (no timing), and one run of the real model
+on two cpu streams against one."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from runtime.serving.batcher import Batcher, BatcherClosed
+from runtime.serving.group import BatcherGroup
+from runtime.serving.metrics import ServingMetrics
+
+from fakes import FakeModel, expected
+
+WAIT = 30          # seconds a step may take at most (a hang fails; nothing is timed)
+
+
+def _group(*models):
+    return BatcherGroup([Batcher(m, batch_buckets=(1, 2, 4), seq_buckets=(16,)) for m in models])
+
+
+def test_load_counts_the_texts_queued_and_running():
+    gate = threading.Event()
+    model = FakeModel(gate=gate)
+    b = Batcher(model, batch_buckets=(1, 2, 4), seq_buckets=(16,))
+    assert b.load == 0
+    first = b.submit(["a", "b c", "d"])
+    assert model.entered.wait(WAIT)                 # the batch of 3 is running (gated)
+    second = b.submit(["e f", "g"])                 # queued behind it
+    assert b.load == 5 and b.queued == 2
+    gate.set()
+    first.result(WAIT), second.result(WAIT)
+    b.close()
+    assert b.load == 0
+
+
+def test_each_request_goes_whole_to_the_least_loaded_batcher():
+    gate = threading.Event()
+    busy, free = FakeModel(gate=gate), FakeModel()
+    g = _group(busy, free)
+    try:
+        a = g.submit(["a", "b"])                    # both idle: the first in turn
+        assert busy.entered.wait(WAIT)              # ... which is now running it (gated)
+        b = g.submit(["c d", "e", "f"])             # busy has 2 running: to free
+        assert b.result(WAIT)
+        c = g.submit(["g"])                         # busy 2, free 0: free again
+        assert c.result(WAIT)
+        assert g.load == 2 and g.queued == 0
+        gate.set()
+        for fut, texts, model in ((a, ["a", "b"], busy), (b, ["c d", "e", "f"], free),
+                                  (c, ["g"], free)):
+            rows = fut.result(WAIT).embeddings
+            for row, t in zip(rows, texts):
+                np.testing.assert_array_equal(row, expected(model, t))
+        assert sum(c[3] for c in busy.calls) == 2 and sum(c[3] for c in free.calls) == 4
+        assert g.batches_run == len(busy.calls) + len(free.calls)
+    finally:
+        gate.set()
+        g.close()
+
+
+def test_ties_take_turns_and_the_group_reports_its_batchers_together():
+    models = [FakeModel(), FakeModel(), FakeModel()]
+    g = _group(*models)
+    m = ServingMetrics()
+    g.metrics = m                                    # what create_app does: every batcher's
+    try:
+        for i in range(6):
+            g.embed([f"w{i}"], timeout=WAIT)         # each finishes first: always a tie
+        assert [len(x.calls) for x in models] == [2, 2, 2]
+        assert all(b.metrics is m for b in g.batchers)
+        assert g.model is models[0] and g.hidden == models[0].hidden and g.path == "graph"
+        assert g.alive and g.queued_requests == 0
+    finally:
+        g.close()
+
+
+def test_a_stopped_batcher_gets_no_requests_and_a_group_of_stopped_ones_refuses():
+    a, b = FakeModel(), FakeModel()
+    g = _group(a, b)
+    g.batchers[0].close()
+    for i in range(3):
+        g.embed([f"x{i}"], timeout=WAIT)
+    assert not a.calls and len(b.calls) == 3
+    g.close()
+    assert not g.alive
+    with pytest.raises(BatcherClosed):
+        g.submit(["y"])
+
+
+def test_a_group_needs_a_model_per_batcher():
+    m = FakeModel()
+    with pytest.raises(ValueError):
+        BatcherGroup([])
+    one = Batcher(m, start=False)
+    with pytest.raises(ValueError):
+        BatcherGroup([one, Batcher(m, start=False)])
+    one.close()
+
+
+def test_two_streams_of_the_real_model_embed_as_one():
+    from runtime.models import default_model_dir
+    try:
+        default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    from runtime.serving.replica import start_batcher
+
+    texts = ["a short one", "the quick brown fox jumps over the lazy dog", "x"]
+    one = start_batcher("cpu", max_graphs=2, warmup=[(4, 16)])
+    two = start_batcher("cpu", max_graphs=2, warmup=[(4, 16)], streams=2)
+    try:
+        assert isinstance(two, BatcherGroup) and len(two.batchers) == 2
+        m0, m1 = (b.model for b in two.batchers)
+        assert m0 is not m1 and m0.client.stream != m1.client.stream
+        assert m0.buckets == m1.buckets == [(4, 16)]          # each captured its own
+        want = one.embed(texts, timeout=120)
+        futs = [two.submit(texts) for _ in range(4)]          # both streams get work
+        for f in futs:
+            np.testing.assert_allclose(f.result(120).embeddings, want, atol=1e-5)
+        assert all(b.batches_run for b in two.batchers)
+    finally:
+        one.close()
+        two.close()
+    with pytest.raises(ValueError):
+        start_batcher("cpu", model=FakeModel(), streams=0)

@@ -522,13 +522,17 @@ class CpuBackend(Backend):
     def _resolve(self, kernel, count, args, params):
         views = []
         for b, (buf, nbytes) in zip(kernel.bindings, args):
-            key = (nbytes, b.dtype)
+            ro = b.access == "read"
+            key = (nbytes, b.dtype, ro)
             v = buf.views.get(key)
             if v is None:
                 if len(buf.views) >= MAX_VIEWS:  # a pooled buffer reused at many sizes: bounded
                     buf.views.clear()
                 dt = DTYPES[b.dtype]
-                v = buf.views[key] = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
+                v = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
+                if ro:                   # a body writing a binding declared read raises
+                    v.flags.writeable = False
+                buf.views[key] = v
             views.append(v)
         kwargs = dict(zip(kernel.param_names, params))
         if len(count) == 2:                      # indirect: (buf, nbytes), read at execution

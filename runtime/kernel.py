@@ -12,7 +12,8 @@ Conventions every backend follows:
 - CUDA C: ``extern "C" __global__ void <name>(T* binding0, ..., param0, ...)``; block size =
   ``workgroup_size``, grid = ``count``.
 - cpu: ``cpu(*views, count=(x, y, z), **params)``; each binding arrives as a 1-D numpy view of the
-  whole buffer (the handle's bytes) in its dtype; the callable mutates the views in place.
+  whole buffer (the handle's bytes) in its dtype; the callable mutates the views in place
+  (a ``read`` binding's view is read-only: a body writing it fails with a ``LaunchError``).
   Optionally the callable has a ``bind`` attribute, ``cpu.bind(*views, count=..., **params) ->
   callable()``: the same work as one zero-argument call with views, params and output bound once
   (e.g. ``functools.partial(np.add, x[:n], alpha, y[:n])``). A software graph on the cpu

@@ -212,7 +212,10 @@ def _bind(fn, views, kwargs, count, name):
         return None
     bind = getattr(fn, "bind", None)
     if bind is not None:
-        return bind(*views, count=count, **kwargs)
+        try:
+            return bind(*views, count=count, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - kernel code is user code
+            raise LaunchError(f"kernel {name}: its cpu bind raised: {_text(e)}") from e
     return partial(fn, *views, count=count, **kwargs)
 
 
@@ -522,13 +525,17 @@ class CpuBackend(Backend):
     def _resolve(self, kernel, count, args, params):
         views = []
         for b, (buf, nbytes) in zip(kernel.bindings, args):
-            key = (nbytes, b.dtype)
+            ro = b.access == "read"
+            key = (nbytes, b.dtype, ro)
             v = buf.views.get(key)
             if v is None:
                 if len(buf.views) >= MAX_VIEWS:  # a pooled buffer reused at many sizes: bounded
                     buf.views.clear()
                 dt = DTYPES[b.dtype]
-                v = buf.views[key] = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
+                v = buf.data[:nbytes - nbytes % dt.itemsize].view(dt)
+                if ro:                   # a body writing a binding declared read raises
+                    v.flags.writeable = False
+                buf.views[key] = v
             views.append(v)
         kwargs = dict(zip(kernel.param_names, params))
         if len(count) == 2:                      # indirect: (buf, nbytes), read at execution
@@ -687,8 +694,14 @@ class CpuBackend(Backend):
                     node.then, node.other = patch(item.then), patch(item.other)
                     out.append(node)
             return tuple(out)
-        graph.launches = patch(graph.launches)
-        graph.rebind()
+        old = graph.launches
+        graph.launches = patch(old)
+        try:
+            graph.rebind()
+        except BaseException:       # (a kernel's bind raised: LaunchError) all or nothing
+            graph.launches = old
+            graph.nodes = any(type(x) is not tuple for x in old)
+            raise
         return graph
 
     # -- lifetime -----------------------------------------------------------------------------

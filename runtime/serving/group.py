@@ -3,7 +3,8 @@
 A :class:`BatcherGroup` holds ``N`` :class:`runtime.serving.Batcher` s, each with its own model
 (on cpu: its own stream of the process's one device server, its own captured graphs) and its own
 worker thread, and sends each request whole to the one with the fewest texts waiting or running
-(:attr:`Batcher.load`; ties go round-robin). On the cpu backend two batches then run at once, one
+(:attr:`Batcher.load`; on a tie the first, so a lone client keeps one model's weights and graphs
+hot). On the cpu backend two batches then run at once, one
 per stream, and the thread rule (:mod:`runtime.cpu_threads`: ``cores // stream items executing``)
 gives each one thread: whole one-thread BLAS products, no pieces handed between threads, no
 thread waiting for a partner. One batch at a time (one client) still gets every core.
@@ -20,9 +21,6 @@ from one.
 """
 
 from __future__ import annotations
-
-import itertools
-import threading
 
 from .batcher import BatcherClosed
 
@@ -48,22 +46,17 @@ class BatcherGroup:
             raise ValueError("a BatcherGroup needs at least one batcher")
         if len({id(b.model) for b in self.batchers}) != len(self.batchers):
             raise ValueError("each batcher of a group needs a model of its own")
-        self._turn = itertools.count()
-        self._lock = threading.Lock()
 
     def pick(self):
         """The batcher the next request goes to: among those whose worker runs, the one with
-        the least :attr:`Batcher.load` (texts queued plus texts in the batch running now), the
-        first after the last pick on a tie.
+        the least :attr:`Batcher.load` (texts queued plus texts in the batch running now); on a
+        tie the first (a lone client stays on one model; a second batch goes to the next one
+        while the first runs).
 
         Raises: :class:`BatcherClosed` (every worker has stopped).
         """
-        n = len(self.batchers)
-        with self._lock:
-            start = next(self._turn) % n
         best = None
-        for i in range(n):
-            b = self.batchers[(start + i) % n]
+        for b in self.batchers:
             if b.alive and (best is None or b.load < best.load):
                 best = b
         if best is None:

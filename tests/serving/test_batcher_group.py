@@ -42,7 +42,7 @@ def test_each_request_goes_whole_to_the_least_loaded_batcher():
     busy, free = FakeModel(gate=gate), FakeModel()
     g = _group(busy, free)
     try:
-        a = g.submit(["a", "b"])                    # both idle: the first in turn
+        a = g.submit(["a", "b"])                    # both idle: the first
         assert busy.entered.wait(WAIT)              # ... which is now running it (gated)
         b = g.submit(["c d", "e", "f"])             # busy has 2 running: to free
         assert b.result(WAIT)
@@ -62,7 +62,7 @@ def test_each_request_goes_whole_to_the_least_loaded_batcher():
         g.close()
 
 
-def test_ties_take_turns_and_the_group_reports_its_batchers_together():
+def test_a_tie_goes_to_the_first_and_the_group_reports_its_batchers_together():
     models = [FakeModel(), FakeModel(), FakeModel()]
     g = _group(*models)
     m = ServingMetrics()
@@ -70,7 +70,7 @@ def test_ties_take_turns_and_the_group_reports_its_batchers_together():
     try:
         for i in range(6):
             g.embed([f"w{i}"], timeout=WAIT)         # each finishes first: always a tie
-        assert [len(x.calls) for x in models] == [2, 2, 2]
+        assert [len(x.calls) for x in models] == [6, 0, 0]     # one model stays hot
         assert all(b.metrics is m for b in g.batchers)
         assert g.model is models[0] and g.hidden == models[0].hidden and g.path == "graph"
         assert g.alive and g.queued_requests == 0
@@ -81,7 +81,7 @@ def test_ties_take_turns_and_the_group_reports_its_batchers_together():
 def test_a_stopped_batcher_gets_no_requests_and_a_group_of_stopped_ones_refuses():
     a, b = FakeModel(), FakeModel()
     g = _group(a, b)
-    g.batchers[0].close()
+    g.batchers[0].close()                           # the first: it would win every tie
     for i in range(3):
         g.embed([f"x{i}"], timeout=WAIT)
     assert not a.calls and len(b.calls) == 3

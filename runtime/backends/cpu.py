@@ -212,7 +212,10 @@ def _bind(fn, views, kwargs, count, name):
         return None
     bind = getattr(fn, "bind", None)
     if bind is not None:
-        return bind(*views, count=count, **kwargs)
+        try:
+            return bind(*views, count=count, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - kernel code is user code
+            raise LaunchError(f"kernel {name}: its cpu bind raised: {_text(e)}") from e
     return partial(fn, *views, count=count, **kwargs)
 
 
@@ -691,8 +694,14 @@ class CpuBackend(Backend):
                     node.then, node.other = patch(item.then), patch(item.other)
                     out.append(node)
             return tuple(out)
-        graph.launches = patch(graph.launches)
-        graph.rebind()
+        old = graph.launches
+        graph.launches = patch(old)
+        try:
+            graph.rebind()
+        except BaseException:       # (a kernel's bind raised: LaunchError) all or nothing
+            graph.launches = old
+            graph.nodes = any(type(x) is not tuple for x in old)
+            raise
         return graph
 
     # -- lifetime -----------------------------------------------------------------------------

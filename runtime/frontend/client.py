@@ -680,10 +680,14 @@ def client(backend=None, device: int = 0, **options) -> ComputeClient:
             the best available (cuda with a GPU, wgpu on a hardware adapter, else cpu).
         device: device index.
         **options: ``check=True`` turns on the stream-ordering checker (or ``RUNTIME_CHECK=1``);
-            cpu: ``scheduler="thread"|"interleave"|Scheduler``, ``seed=int``. Different options
-            give a different server.
-    Raises: ``ValueError`` (unknown backend); ``UnsupportedError`` (its library or device is
-        missing, with an install hint).
+            cpu: ``scheduler="thread"|"interleave"|Scheduler``, ``seed=int``,
+            ``threads=int`` (the cores the thread rule shares out, for the whole process),
+            ``blas_threads="auto"|int|None`` (``"auto"``: the rule sizes OpenBLAS's pool; an
+            int fixes it; ``None`` leaves BLAS alone); see ``runtime.backends.cpu.CpuBackend``.
+            Different options give a different server.
+    Raises: ``ValueError`` (unknown backend; a bad option value); ``TypeError`` (an option the
+        backend does not take); ``UnsupportedError`` (its library or device is missing, with an
+        install hint).
     """
     srv = get_server(backend, device, **options)
     return ComputeClient(srv, srv.backend.name, device)

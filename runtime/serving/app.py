@@ -186,11 +186,19 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     m.watch("queue_requests", "Requests with texts waiting for a batch.",
             lambda: batcher.queued_requests)
     model = batcher.model
-    m.watch("graphs", "Bucket graphs currently held.",
-            lambda: len(list(getattr(model, "buckets", ()))))
-    if hasattr(model, "graph_memory"):      # issue 26 item 3 (runtime.models.minilm)
+    # serve --streams N: a BatcherGroup, a model per stream, each holding its own graphs;
+    # the graph gauges and /health count every stream's, not the first one's
+    stream_models = [b.model for b in getattr(batcher, "batchers", (batcher,))]
+
+    def held_buckets() -> list:
+        return [tuple(b) for mo in stream_models for b in getattr(mo, "buckets", ())]
+
+    m.watch("graphs", "Bucket graphs currently held (over every stream's model).",
+            lambda: len(held_buckets()))
+    if all(hasattr(mo, "graph_memory") for mo in stream_models):   # MiniLM (issue 26 item 3)
         m.watch("graph_bytes", "Bytes the bucket graphs keep alive beyond the weights "
-                "(shared temporaries, inputs, outputs).", model.graph_memory)
+                "(shared temporaries, inputs, outputs; over every stream's model).",
+                lambda: sum(mo.graph_memory() for mo in stream_models))
     # with an API key every route but /health needs it: FastAPI's schema and interactive
     # docs routes take no dependency, so they are off then (404), never open without the key
     docs = {} if not api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -330,7 +338,9 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     async def health():
         ok = batcher.alive
         body = {"status": "ok" if ok else "unavailable", "model": model_id, "backend": backend,
-                "path": batcher.path, "graphs": [list(b) for b in getattr(model, "buckets", [])],
+                "path": batcher.path,
+                "graphs": [list(b) for b in dict.fromkeys(held_buckets())],   # any stream's
+                "streams": len(stream_models),
                 "queued": batcher.queued, "queued_requests": batcher.queued_requests,
                 "batches": batcher.batches_run, "token_ids": token_ids,
                 "settings": health_settings}

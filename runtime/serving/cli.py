@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "each request goes to the least loaded (on cpu, concurrent batches run one "
                    "thread each; one more model's memory per stream; default 1)")
     p.add_argument("--max-queue", type=positive_int, default=4096,
-                   help="most texts waiting; beyond it 503 with Retry-After (default 4096)")
+                   help="most texts waiting (per stream with --streams: each batcher has its "
+                   "own queue); beyond it 503 with Retry-After (default 4096)")
     p.add_argument("--max-inputs", type=positive_int, default=MAX_INPUTS,
                    help=f"most inputs per request (400 beyond; default {MAX_INPUTS})")
     p.add_argument("--max-input-chars", type=positive_int, default=MAX_INPUT_CHARS,
@@ -301,7 +302,9 @@ def _serve(settings) -> int:
         serve(replica.app, host=settings.host, port=settings.port, grace=settings.grace,
               header_timeout=settings.header_timeout, log_level=settings.log_level,
               banner=f"serving all-MiniLM-L6-v2 on {settings.backend or 'the best backend'} "
-                     f"({replica.batcher.path} path, token ids: {settings.token_ids})")
+                     f"({replica.batcher.path} path"
+                     f"{f', {settings.streams} streams' if settings.streams > 1 else ''}"
+                     f", token ids: {settings.token_ids})")
     finally:
         replica.tracing.shutdown()
     return 0

@@ -13,7 +13,7 @@ from runtime.serving.batcher import Batcher, BatcherClosed
 from runtime.serving.group import BatcherGroup
 from runtime.serving.metrics import ServingMetrics
 
-from fakes import FakeModel, expected
+from fakes import FakeModel, expected, samples
 
 WAIT = 30          # seconds a step may take at most (a hang fails; nothing is timed)
 
@@ -99,6 +99,44 @@ def test_a_group_needs_a_model_per_batcher():
     with pytest.raises(ValueError):
         BatcherGroup([one, Batcher(m, start=False)])
     one.close()
+
+
+class _SizedModel(FakeModel):
+    """A fake model that also reports its graphs' bytes (as MiniLM's ``graph_memory``)."""
+
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.nbytes = nbytes
+
+    def graph_memory(self) -> int:
+        return self.nbytes
+
+
+def test_health_and_graph_gauges_count_every_streams_graphs():
+    # serve --streams 2: /health "graphs" and the graphs/graph_bytes gauges used to report
+    # only the first stream's model (the second's graphs were invisible)
+    for mod in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(mod, reason=f"{mod} is not installed (pip install -e '.[serve]')")
+    import httpx
+
+    from runtime.serving import ServerThread, create_app
+
+    a, b = _SizedModel(1000), _SizedModel(234)
+    g = _group(a, b)
+    g.batchers[0].embed(["x"], timeout=WAIT)             # stream 0 holds the (1, 16) graph
+    g.batchers[1].embed(["x", "y"], timeout=WAIT)        # stream 1 holds the (2, 16) graph
+    g.batchers[1].embed(["z"], timeout=WAIT)             # and (1, 16): held by both
+    assert a.buckets == [(1, 16)] and b.buckets == [(2, 16), (1, 16)]
+    try:
+        with ServerThread(create_app(g)) as srv:
+            health = httpx.get(srv.url + "/health", timeout=10).json()
+            assert sorted(map(tuple, health["graphs"])) == [(1, 16), (2, 16)]
+            assert health["streams"] == 2
+            got = samples(httpx.get(srv.url + "/metrics", timeout=10).text)
+            assert got[("runtime_serving_graphs", ())] == 3
+            assert got[("runtime_serving_graph_bytes", ())] == 1234
+    finally:
+        g.close()
 
 
 def test_two_streams_of_the_real_model_embed_as_one():

@@ -124,7 +124,8 @@ class Tensor:
         handle: the device buffer (``Handle``); may be larger than the tensor.
         shape: tuple of ints; dtype: ``"f32"`` or ``"i32"``.
 
-    Build one with :meth:`from_numpy` or :meth:`empty`; read it with :meth:`numpy`. The
+    Build one with :meth:`from_numpy` or :meth:`empty`; read it with :meth:`numpy`
+    (``np.asarray(tensor)`` raises ``TypeError``: the copy to the host is explicit, as cupy's). The
     constructor wraps an existing handle (4 bytes an element) and raises ``ValueError`` for
     another dtype or a handle smaller than ``shape`` needs.
     """
@@ -179,6 +180,11 @@ class Tensor:
     def size(self) -> int:
         """Number of elements."""
         return int(np.prod(self.shape, dtype=np.int64))
+
+    def __array__(self, dtype=None, copy=None):
+        # as Handle.__array__: no silent 0-d object array; the copy to the host is explicit
+        raise TypeError("a runtime.Tensor lives on its device: copy it to the host with "
+                        ".numpy() (blocks until its last write ran)")
 
     def numpy(self) -> np.ndarray:
         """Read the tensor to the host (blocks; raises the stream's queued errors)."""

@@ -13,6 +13,8 @@ Errors raised (loud, so less bad):
   8. start_capture() without graph_prepare().
   9. A cpu kernel body that calls the runtime and waits (CUDA: a host function may not call
      CUDA): it raises UnsupportedError in the body instead of waiting for itself forever.
+ 10. ``np.asarray(handle or tensor)``: a TypeError naming the explicit copy (``client.read``,
+     ``.numpy()``), as cupy and torch do, not a 0-d object array.
 """
 
 import numpy as np
@@ -192,3 +194,20 @@ def test_9_a_kernel_body_waiting_for_a_stream_that_waits_for_it_raises_after_a_p
     b.sync()                                          # both streams go on
     a.write(x, np.ones(1 << 18, np.float32))
     np.testing.assert_array_equal(a.read(x)[:4], np.ones(4, np.float32))
+
+
+def test_10_numpy_does_not_silently_wrap_a_handle_or_tensor(c):
+    # np.asarray(handle) used to return a 0-d object array holding the handle (no error, no
+    # data); cupy and torch refuse implicit device-to-host conversion with a TypeError too
+    h = c.create(np.arange(4, dtype=np.float32))
+    t = Tensor.from_numpy(c, np.ones((2, 2), np.float32))
+    for obj, hint in ((h, "client.read"), (t, ".numpy()")):
+        with pytest.raises(TypeError, match=hint.replace(".", r"\.").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            np.asarray(obj)
+        with pytest.raises(TypeError):
+            np.array([obj, obj])
+    with pytest.raises(TypeError):
+        Tensor.from_numpy(c, t)                  # a tensor is not host data either
+    np.testing.assert_array_equal(c.read(h), [0, 1, 2, 3])      # the explicit copies work
+    np.testing.assert_array_equal(t.numpy(), np.ones((2, 2)))

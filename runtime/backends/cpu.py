@@ -315,6 +315,9 @@ class CpuBackend(Backend):
         #: backend reports itself dead (``is_alive``) and the server stops: every later call
         #: raises ``ServerClosed`` instead of returning stale values
         self.broken = None
+        #: called once ``broken`` is set (the server's: stop now, so no later call, fast paths
+        #: included, answers from a buffer an interrupted item should have written)
+        self.on_broken = _nothing
         scheduler.attach(self)
         self.closed = False
 
@@ -357,6 +360,11 @@ class CpuBackend(Backend):
             except BaseException as e:  # noqa: BLE001 - kernel code is user code
                 s.errors.append(detach(e) if isinstance(e, LaunchError) else LaunchError(
                     f"a cpu kernel raised while executing: {_text(e)}"))
+                if not isinstance(e, LaunchError):
+                    # not a kernel's failure (those are LaunchErrors, their outputs marked): an
+                    # interrupt in the item's own bookkeeping (an exception a signal handler
+                    # raised on a helping thread): its outputs may be unmarked
+                    self.set_broken(e)
             finally:
                 if counted:
                     RULE.exit()
@@ -415,13 +423,13 @@ class CpuBackend(Backend):
         if not q or not self._threaded:
             return
         cv = self.scheduler.cv
-        with cv:
-            if stream.busy or len(q) > INLINE_ITEMS or any(k != _TINY for k, _ in q):
-                return
-            stream.busy = True
-            stream.runner = threading.get_ident()
-        taken = False
-        try:
+        claimed = taken = False
+        try:                                # (see ThreadScheduler.help: busy always cleared)
+            with cv:
+                if stream.busy or len(q) > INLINE_ITEMS or any(k != _TINY for k, _ in q):
+                    return
+                stream.runner = threading.get_ident()
+                stream.busy = claimed = True
             while q:
                 taken = True
                 kind, payload = q.popleft()
@@ -429,13 +437,14 @@ class CpuBackend(Backend):
                 taken = False
         except BaseException as e:
             if taken:                       # interrupted with an item taken (see broken)
-                self.broken = self.broken or e
+                self.set_broken(e)
             raise
         finally:
-            with cv:
-                stream.busy = False
-                if q and self.scheduler.waiting:
-                    cv.notify()
+            if claimed:
+                with cv:
+                    stream.busy = False
+                    if q and self.scheduler.waiting:
+                        cv.notify()
 
     def held_by_caller(self, stream) -> bool:
         """Whether the calling thread is running ``stream``'s work now (it set ``busy``: a
@@ -705,6 +714,14 @@ class CpuBackend(Backend):
         return graph
 
     # -- lifetime -----------------------------------------------------------------------------
+    def set_broken(self, exc: BaseException) -> None:
+        """Record that queued work may have been lost or left unmarked (``broken``: an
+        exception interrupted a thread running this backend's items outside a kernel body)
+        and tell the server (``on_broken``), which stops."""
+        if self.broken is None:
+            self.broken = exc
+            self.on_broken()
+
     def is_alive(self):
         alive = getattr(self.scheduler, "is_alive", None)
         return not self.closed and self.broken is None and (alive is None or alive())

@@ -255,16 +255,16 @@ class ThreadScheduler(Scheduler):
         the whole run, so the items are popped without the lock). When it stops short of
         ``comp`` (the stream waits on another stream's event), the workers are woken."""
         cv = self.cv
-        with cv:
-            if stream.busy or not stream.q or self.closed:
-                if not comp.done and self.waiting:
-                    cv.notify_all()
-                return
-            stream.busy = True
-            stream.runner = threading.get_ident()
-        q, execute = stream.q, self.backend.execute
-        taken = False
-        try:
+        claimed = taken = False
+        try:                                # (from before busy is set: an interrupt anywhere
+            with cv:                        # after it still clears it, else the stream hangs)
+                if stream.busy or not stream.q or self.closed:
+                    if not comp.done and self.waiting:
+                        cv.notify_all()
+                    return
+                stream.runner = threading.get_ident()
+                stream.busy = claimed = True
+            q, execute = stream.q, self.backend.execute
             while not comp.done and q:
                 kind, payload = q[0]
                 if kind == WAIT and not payload.done:
@@ -275,14 +275,15 @@ class ThreadScheduler(Scheduler):
                 taken = False
         except BaseException as e:
             if taken:                       # interrupted with an item taken (see broken)
-                self.backend.broken = self.backend.broken or e
+                self.backend.set_broken(e)
             raise
         finally:
-            with cv:
-                stream.busy = False
-                self._requeue(stream)
-                if not comp.done and self.waiting:
-                    cv.notify_all()             # (deferred work it waits for: see _pick)
+            if claimed:
+                with cv:
+                    stream.busy = False
+                    self._requeue(stream)
+                    if not comp.done and self.waiting:
+                        cv.notify_all()         # (deferred work it waits for: see _pick)
 
     def is_alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)

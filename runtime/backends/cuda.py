@@ -48,6 +48,17 @@ from .cuda_graph import (GATE_NAME, GATE_SOURCE, Conditionals, CudaGraph, LoopCh
 _SPIN_S, _SLEEP_MAX_S = 200e-6, 1e-3
 
 
+def _driver_installed() -> bool:
+    """Whether the NVIDIA driver's ``libcuda.so.1`` loads (what the CUDA runtime needs)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def device_count() -> int:
     """Devices CuPy sees. Raises ``UnsupportedError`` with the driver's reason when none answers.
 
@@ -56,7 +67,12 @@ def device_count() -> int:
     try:
         n = _rt.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - no driver, no device, broken install
-        raise UnsupportedError(f"cuda: no device answers ({type(e).__name__}: {e})") from e
+        why = f"{type(e).__name__}: {e}"
+        if "InsufficientDriver" in why and not _driver_installed():
+            # the CUDA runtime says "driver version is insufficient" also when there is no
+            # driver at all (a machine without a GPU): say that, not "upgrade your driver"
+            why += "; no NVIDIA driver (libcuda.so.1) is installed here: is there a GPU?"
+        raise UnsupportedError(f"cuda: no device answers ({why})") from e
     if n < 1:
         raise UnsupportedError("cuda: cupy reports 0 devices")
     return n

@@ -7,6 +7,11 @@ body, so the same recording prints the same on every backend. Pure functions of 
 from __future__ import annotations
 
 
+def _plural(n: int, one: str, many: str) -> str:
+    """``"1 launch"``, ``"2 launches"``."""
+    return f"{n} {one if n == 1 else many}"
+
+
 def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -33,8 +38,9 @@ def table(d: dict) -> str:
     """
     kind = "hardware" if d["hardware"] else "software"
     lines = [f"Graph {d['id']} ({d['backend']}, {kind}, stream {d['stream']}): "
-             f"{len(d['launches'])} launches, {len(d['nodes'])} conditional nodes, "
-             f"{d['retained']} buffers retained ({d['retained_bytes']} B)"]
+             f"{_plural(len(d['launches']), 'launch', 'launches')}, "
+             f"{_plural(len(d['nodes']), 'conditional node', 'conditional nodes')}, "
+             f"{_plural(d['retained'], 'buffer', 'buffers')} retained ({d['retained_bytes']} B)"]
     rows = [("#", "scope", "kernel", "count", "params", "bindings")]
     for ln in d["launches"]:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in ln["params"].items()) or "-"

@@ -19,6 +19,9 @@ class Handle:
         nbytes: size in bytes.
         dtype, shape: how ``read`` interprets the bytes (``uint8``, ``(nbytes,)`` for raw bytes).
 
+    ``np.asarray(handle)`` raises ``TypeError``: read it with ``client.read(handle)`` (as cupy's
+    ``.get()``, torch's ``.cpu()``).
+
     Lifetime: Python's reference count is the handle's refcount; the last drop, or an explicit
     ``release()``, frees the buffer into the server's pool (fire-and-forget, on the stream the
     handle was created on). The pool reuses freed buffers: a graph that still uses a freed
@@ -74,6 +77,12 @@ class Handle:
             raise InvalidHandle(f"{what}: handle {self.id} belongs to another server "
                                 f"({self._server.name}); copy it through the host")
         return self.id
+
+    def __array__(self, dtype=None, copy=None):
+        # np.asarray(handle) would otherwise be a 0-d object array holding the handle: a
+        # silent wrong answer. cupy (.get()) and torch (.cpu()) refuse implicit conversion too.
+        raise TypeError(f"handle {self.id} is a device buffer, not host data: copy it with "
+                        "client.read(handle) (blocks until its last write ran)")
 
     def __repr__(self):
         state = " released" if self.released else ""

@@ -125,6 +125,7 @@ class ComputeServer:
                                  reentrant=getattr(backend, "reentrant", None),
                                  in_kernel=getattr(backend, "in_kernel", None))
         backend.on_room = self.queue.notify_room
+        backend.on_broken = self.queue._check_backend    # (cpu: an interrupted helper)
         watch_thread_ends(self)
         self.submit = self.queue.submit
         self.post = self.queue.post

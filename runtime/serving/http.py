@@ -145,18 +145,46 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, grace: float = GRAC
     rest, exit (uvicorn then re-raises the signal, so the exit status says which).
     Raises: ``OSError`` when the address cannot be bound.
     """
+    import signal
+
+    from .parse import shutdown_pool
+
     sock = bind(host, port)
     server = build_server(app, grace=grace, header_timeout=header_timeout,
                           log_level=log_level, access_log=log_level in ("debug", "trace"))
     h = f"[{host}]" if ":" in host else host
     print(f"{banner} at http://{h}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     batcher = getattr(app.state, "batcher", None)
-    try:
-        server.run(sockets=[sock])
-    finally:
+    # uvicorn re-raises SIGTERM once it has shut down; with the default action that ended the
+    # process on the spot: this ``finally`` and atexit never ran, and the body-parse worker
+    # process (spawned, runtime.serving.parse) and its resource tracker were left running as
+    # orphans. So that SIGTERM first closes the batcher and the parse pool, then takes its
+    # previous action (the default: the process still dies by it, connections still open
+    # are dropped as before; not unwound through asyncio, which would cancel them with 500s).
+    main = threading.current_thread() is threading.main_thread()
+
+    def cleanup() -> None:
         sock.close()
         if batcher is not None:
             batcher.close(timeout=2.0)
+        shutdown_pool()
+
+    def on_sigterm(signum, frame):
+        cleanup()
+        action = signal.SIG_DFL if previous is None else previous    # None: not set from Python
+        signal.signal(signum, action)
+        if callable(action):
+            action(signum, frame)
+        elif action == signal.SIG_DFL:
+            signal.raise_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if main and signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+        cleanup()
 
 
 class ServerThread:

@@ -25,6 +25,7 @@ import runtime
 from runtime import kernels as K
 from runtime.errors import ServerClosed, ServerError
 from runtime.server import queue as queue_mod
+from runtime.backends import cpu as cpu_mod
 from runtime.backends.cpu import CpuBackend
 from runtime.backends.cpu_schedule import ThreadScheduler
 from runtime.server.server import ComputeServer
@@ -224,8 +225,16 @@ def test_a_long_message_is_not_taken_for_a_lost_owner(private):
 #: where a caller's thread runs a stream's queued work itself: a waiting read's helper (outside
 #: the owner lock) and a read's flush of tiny items (inside it)
 RUNNERS = {
-    "help": (ThreadScheduler.help, "q.popleft()", KeyboardInterrupt, 1 << 15),
-    "flush": (CpuBackend.flush, "q.popleft()", TimeoutError, 64),
+    # fn, the call after which the interruption lands, its exception, buffer size, which time
+    "help": (ThreadScheduler.help, "q.popleft()", KeyboardInterrupt, 1 << 15, 2),
+    "flush": (CpuBackend.flush, "q.popleft()", TimeoutError, 64, 2),
+    # the helper claimed the stream (busy) and had not entered its try: the stream stayed busy
+    # for ever, so no worker or helper ran it again (every later read hung)
+    "help-claim": (ThreadScheduler.help, "threading.get_ident()", KeyboardInterrupt, 1 << 15, 1),
+    # inside the launch item, before its own try: the launch never ran and its outputs were
+    # left unmarked (the stream's error went to the next sync, then a read was stale)
+    "launch-item": (cpu_mod._run_launch, "if not isinstance(count, tuple)", KeyboardInterrupt,
+                    1 << 15, 2),
 }
 
 
@@ -239,7 +248,7 @@ def test_an_interrupt_while_a_caller_runs_its_streams_work_never_leaves_a_stale_
     the backend reports itself broken and the server stops: every later call raises
     ``ServerClosed``, never a stale value."""
     c, c2, x, z = private
-    fn, text, exc, n = RUNNERS[site]
+    fn, text, exc, n, nth = RUNNERS[site]
     one = c.create(np.ones(n, np.float32))
     acc = c.create(np.zeros(n, np.float32))
     c.sync()
@@ -249,10 +258,10 @@ def test_an_interrupt_while_a_caller_runs_its_streams_work_never_leaves_a_stale_
         for _ in range(4):
             c.launch(K.accumulate, K.grid(n), [one, acc], {"n": n})
             launched += 1
-        sys.settrace(_interrupt_after(fn, text, exc, None, hit, nth=2))   # a launch
+        sys.settrace(_interrupt_after(fn, text, exc, None, hit, nth=nth))
         try:
             got = c.read(acc)
-        except exc:
+        except (exc, ServerError):      # (the interrupt, or the read saw what it broke)
             pass
         else:
             np.testing.assert_array_equal(got, np.full(n, launched, np.float32))
@@ -261,8 +270,11 @@ def test_an_interrupt_while_a_caller_runs_its_streams_work_never_leaves_a_stale_
         if hit:
             break
     assert hit, f"the interruption after {text!r} in {fn.__qualname__} never ran"
-    for client, h in ((c, acc), (c2, z)):
-        out = _bounded(lambda: client.read(h))
-        assert isinstance(out.get("error"), ServerClosed), (
-            f"a read after the interruption returned {out.get('value', out)!r} "
-            f"({launched} launches queued)")
+    for client, h, want in ((c, acc, launched), (c2, z, 7)):
+        out = _bounded(lambda: client.sync() or client.read(h))
+        if "error" in out:
+            assert isinstance(out["error"], ServerClosed), out["error"]
+        else:                                       # nothing was lost: every launch is in it
+            np.testing.assert_array_equal(out["value"], np.full(len(out["value"]), want,
+                                                                np.float32),
+                                          err_msg=f"{launched} launches queued")

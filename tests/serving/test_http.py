@@ -746,3 +746,71 @@ def test_each_request_is_traced_with_its_steps_and_the_histograms_count_tokens()
                                                       for t in ["a b", "c", "d e f"]))
     assert m.value("batch_padded_tokens_count", path="graph") == 2
     assert m.value("batch_padded_tokens_sum", path="graph") == 2 * 4 + 1 * 16
+
+
+def _children(pid: int) -> set:
+    """Live processes whose parent is ``pid`` (Linux ``/proc``)."""
+    import os
+
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.add(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_body_parse_worker_processes_too():
+    # after a body over 64 KiB the server has spawned parse workers (runtime.serving.parse);
+    # uvicorn re-raising SIGTERM used to kill the server before its cleanup and atexit ran,
+    # leaving those workers and their resource tracker running as orphans
+    _need_http()
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs Linux /proc to find the worker processes")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SERVER.format(
+        tests=str(REPO / "tests"), grace=1.0)], stderr=subprocess.PIPE, env=env, text=True)
+    workers: set = set()
+    try:
+        line = ""
+        t_end = time.monotonic() + 60
+        while " at http://" not in line:
+            line = proc.stderr.readline()
+            assert line and time.monotonic() < t_end, "the server did not start"
+        url = line.rsplit(" at ", 1)[1].strip()
+        body = json.dumps({"input": ["a " * 40_000]}).encode()        # 80 KB: parsed in a worker
+        r = _read_all(_raw(url, _post_head(len(body)) + body, timeout=60))
+        assert r.startswith(b"HTTP/1.1 "), r[:100]
+        workers = _children(proc.pid)
+        assert workers, "no parse worker process was started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM          # still dies by the signal
+        t_end = time.monotonic() + 20
+        while any(_alive(w) for w in workers) and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)], "parse workers outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for w in workers:                                         # orphans of the old code
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)

@@ -56,6 +56,20 @@ def test_probe_without_a_driver_raises_unsupported_with_the_reason(monkeypatch):
         cuda_backend.CudaBackend()
 
 
+def test_no_driver_at_all_is_said_as_such_not_as_an_old_driver(monkeypatch):
+    # on a machine without a GPU the CUDA runtime reports cudaErrorInsufficientDriver ("driver
+    # version is insufficient"), which reads as "upgrade your driver"; the reason now says that
+    # no driver is installed, and keeps the runtime's words
+    def no_driver():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+    monkeypatch.setattr(cuda_backend._rt, "getDeviceCount", no_driver)
+    for installed, said in ((False, True), (True, False)):
+        monkeypatch.setattr(cuda_backend, "_driver_installed", lambda: installed)
+        with pytest.raises(UnsupportedError, match="InsufficientDriver") as e:
+            cuda_backend.CudaBackend.probe()
+        assert ("no NVIDIA driver (libcuda.so.1) is installed" in str(e.value)) is said
+
+
 def test_probe_with_zero_devices_raises_unsupported(monkeypatch):
     monkeypatch.setattr(cuda_backend._rt, "getDeviceCount", lambda: 0)
     with pytest.raises(UnsupportedError, match="0 devices"):

@@ -11,9 +11,11 @@ thread waiting for a partner. One batch at a time (one client) still gets every 
 
 Why: beside busy processes a forward split over two threads waits whenever the OS runs one of
 them and not the other, and every hand-off between them costs CPU (MiniLM 20x16 on 2 cores:
-4.1 ms of CPU per row in pieces on 2 threads against 3.7 ms on two streams of one thread each,
-/tmp/h30c/streams.py, issue 30); two independent batches keep both threads busy with no
-hand-off at all. The cost: a model (weights, ~90 MB for MiniLM, and graphs) per stream.
+4.1 ms of CPU per row in pieces on 2 threads against 3.7 ms on two streams of one thread each;
+``benchmarks/serving.py --streams 2`` beside two busy processes, 64 clients: 107 against 80
+requests/s, 5.5 against 6.6 ms of CPU per request; issue 30); two independent batches keep both
+threads busy with no hand-off at all. The cost: a model (weights, ~90 MB for MiniLM, and
+graphs) per stream.
 
 Within each batcher, batching stays as :class:`Batcher` documents (fair ring, sub-batches of big
 requests, cancellation); a request never spans two batchers, so its rows come back in order

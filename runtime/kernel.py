@@ -79,19 +79,34 @@ class Kernel:
         wgsl: WGSL source with entry point ``main`` (or ``None``: not available on wgpu).
         cuda: CUDA C source defining ``extern "C" __global__ void <name>(...)`` (or ``None``).
         cpu: numpy callable ``cpu(*views, count=..., **params)`` (or ``None``).
+        elements: the integer param that counts the elements the kernel touches in its
+            bindings (``i < n``), declared so that a launch naming more elements than a bound
+            buffer holds is refused instead of clamped or run out of bounds: a param name (every
+            binding holds at least that many elements of its dtype) or a mapping
+            ``{binding name: param name}`` (only those bindings, e.g. ``add_bias``, whose bias
+            holds ``N``, not ``n``). ``None`` (the default): nothing is declared, nothing
+            checked. Declare it only where it is exactly true: the server refuses a launch
+            (``LaunchError``), a capture window (``stop_capture`` raises) and a
+            ``Graph.update`` (``ValueError``) whose param exceeds a handle's
+            ``nbytes // itemsize`` (:meth:`elements_error`). On the GPU backends the sources
+            test ``i < n`` only: without this, ``n`` past the buffer reads and writes out of
+            bounds on cuda and is clamped on wgpu (WebGPU robust buffer access).
 
     Raises:
-        TypeError / ValueError: a malformed description (unknown dtype or access, no source).
+        TypeError / ValueError: a malformed description (unknown dtype or access, no source,
+            an ``elements`` that names no integer param or no binding).
 
     Kernels hash by identity: the server compiles each ``Kernel`` object once and caches the
     program (a pipeline on wgpu, a ``RawKernel`` on cuda).
     """
 
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
-                 "param_names", "accesses", "_f32", "_get", "_types", "_ints", "__weakref__")
+                 "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
+                 "element_checks", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
-                 wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None):
+                 wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
+                 elements=None):
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"kernel name must be an identifier, got {name!r}")
         self.name = name
@@ -121,6 +136,50 @@ class Kernel:
         self._get = operator.itemgetter(*self.param_names) if len(self.params) >= 2 else None
         self._types = tuple(float if f else int for f in self._f32)
         self._ints = tuple(i for i, f in enumerate(self._f32) if not f)
+        self.elements = elements
+        #: ``((binding index, param index, itemsize), ...)``: what a launch checks (empty: none)
+        self.element_checks = self._element_checks(elements)
+
+    def _element_checks(self, elements) -> tuple:
+        if elements is None:
+            return ()
+        bnames = [b.name for b in self.bindings]
+        if isinstance(elements, str):
+            pairs = [(b, elements) for b in bnames]
+        elif isinstance(elements, dict):
+            pairs = list(elements.items())
+        else:
+            raise TypeError(f"kernel {self.name}: elements must be a param name or a dict "
+                            f"{{binding: param}}, got {type(elements).__name__}")
+        out = []
+        for b, pname in pairs:
+            if b not in bnames:
+                raise ValueError(f"kernel {self.name}: elements names binding {b!r}; it has {bnames}")
+            if pname not in self.param_names or self.params[self.param_names.index(pname)].dtype == "f32":
+                raise ValueError(f"kernel {self.name}: elements names {pname!r}, not one of its "
+                                 f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
+            bi = bnames.index(b)
+            out.append((bi, self.param_names.index(pname), DTYPES[self.bindings[bi].dtype].itemsize))
+        return tuple(out)
+
+    def elements_error(self, params: tuple, nbytes, hids=None) -> str | None:
+        """Why a launch with packed ``params`` over buffers of ``nbytes`` (bytes, one per
+        binding, in order) would touch elements past a buffer's end, or None when it would not.
+
+        The message names the kernel, the ``elements`` param, its value, the binding, the
+        handle (``hids[i]``, when given) and its element count (``nbytes // itemsize`` of the
+        binding's dtype). Costs nothing for a kernel that declares no ``elements``.
+        """
+        for bi, pi, size in self.element_checks:
+            n, have = params[pi], nbytes[bi] // size
+            if n > have:
+                b = self.bindings[bi]
+                handle = f"handle {hids[bi]}" if hids is not None else "its buffer"
+                return (f"kernel {self.name}: param {self.param_names[pi]}={n} exceeds the "
+                        f"{have} elements ({b.dtype}) of binding {b.name} ({handle}, "
+                        f"{nbytes[bi]} bytes); pass {self.param_names[pi]} <= {have} or bind a "
+                        "larger buffer")
+        return None
 
     def __repr__(self):
         return f"Kernel({self.name!r}, bindings={len(self.bindings)}, params={list(self.param_names)})"

@@ -146,7 +146,8 @@ def _gelu_cpu(x, out, *, n, count):
 gelu = program(
     "gelu", [("x", "f32", R), ("out", "f32", W)], [("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
-    if (i < p.n) {{ out[i] = gelu_erf(x[i]); }}""", helpers=_GELU_HELPERS, cpu=_gelu_cpu)
+    if (i < p.n) {{ out[i] = gelu_erf(x[i]); }}""", helpers=_GELU_HELPERS, cpu=_gelu_cpu,
+    elements="n")
 
 
 def _add_bias_cpu(x, b, out, *, N, n, count):
@@ -158,7 +159,8 @@ def _add_bias_cpu(x, b, out, *, N, n, count):
 #: ``out[i] = x[i] + b[i % N]`` (a bias broadcast over the rows of an ``[*, N]`` tensor);
 #: launch over ``grid(n)``.
 add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f32", W)],
-                       "x[i] + b[i % {N}]", [("N", "u32")], _add_bias_cpu)
+                       "x[i] + b[i % {N}]", [("N", "u32")], _add_bias_cpu,
+                       elements={"x": "n", "out": "n"})
 
 # ---------------------------------------------------------------------------------------------
 # Embedding gather

@@ -35,7 +35,7 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
 
 
 def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,
-                fuse=None) -> Kernel:
+                fuse=None, elements="n") -> Kernel:
     """Build an elementwise kernel ``out = expr`` over ``i < n``: a thin wrapper over
     :func:`~runtime.kernels.shader.program`, the one source generator.
 
@@ -58,6 +58,12 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,
             software graph may run a chain of such launches as one compiled call (issue 26);
             only for kernels whose numpy call is exactly one float32 IEEE operation per
             element; optional.
+        elements: the ``Kernel`` keyword, ``"n"`` by default: every binding holds at least
+            ``n`` elements (the expression indexes each with ``i``), so the server refuses a
+            launch whose ``n`` exceeds a bound buffer (``LaunchError``) instead of clamping
+            (cpu, wgpu) or running out of bounds (cuda). A kernel whose expression indexes a
+            binding otherwise (``add_bias``'s ``b[i % N]``) passes a ``{binding: "n"}`` dict
+            of the others.
     Returns: a ``Kernel`` launched over ``grid(n)`` workgroups of ``WORKGROUP`` invocations.
     Raises: ``ValueError`` for a malformed description (from ``Kernel``).
     """
@@ -68,7 +74,7 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,
     body = (f"    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;\n"
             f"    if (i < p.n) {{ {store} }}")
     return program(name, bindings, list(params) + [("n", "u32")], (WORKGROUP,), body,
-                   cpu=None if cpu is None else _bounded(cpu, bind, fuse))
+                   cpu=None if cpu is None else _bounded(cpu, bind, fuse), elements=elements)
 
 
 def _bounded(fn, bind=None, fuse=None):

@@ -66,7 +66,7 @@ def to_cuda(text: str) -> str:
 
 
 def program(name: str, bindings, params, workgroup_size, body: str, *, shared=(), helpers="",
-            cpu=None) -> Kernel:
+            cpu=None, elements=None) -> Kernel:
     """Build a :class:`~runtime.Kernel` whose WGSL and CUDA sources share one body.
 
     Args:
@@ -78,6 +78,8 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
         shared: ``[(name, dtype, size), ...]`` workgroup (CUDA ``__shared__``) arrays.
         helpers: helper functions in the subset, placed before the entry point.
         cpu: the numpy callable (``runtime.kernel`` conventions).
+        elements: the ``Kernel`` keyword: the integer param counting the elements each binding
+            (or each binding of a ``{binding: param}`` dict) must hold; checked by the server.
     Returns:
         a ``Kernel`` with ``wgsl``, ``cuda`` and ``cpu`` sources.
     Raises:
@@ -124,7 +126,8 @@ extern "C" __global__ void {name}({', '.join(args)}) {{
 {to_cuda(body)}
 }}
 """
-    return Kernel(name, bindings, params, (wgx, wgy, wgz), wgsl=wgsl, cuda=cuda, cpu=cpu)
+    return Kernel(name, bindings, params, (wgx, wgy, wgz), wgsl=wgsl, cuda=cuda, cpu=cpu,
+                  elements=elements)
 
 
 #: WGSL helpers for kernels that must carry NaN through: WGSL leaves ``min``/``max`` with a NaN

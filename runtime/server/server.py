@@ -541,6 +541,10 @@ class ComputeServer:
             count = (cst.slot.buf, cst.nbytes)
         args = [st.arg for st in states]
         try:
+            for bi, pi, size in kernel.element_checks:     # (empty unless declared: Kernel)
+                if params[pi] * size > states[bi].nbytes:  # n past a buffer: refused, never
+                    raise LaunchError(kernel.elements_error(   # clamped or out of bounds
+                        params, [st.nbytes for st in states], hids))
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return

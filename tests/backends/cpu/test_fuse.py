@@ -434,7 +434,11 @@ def test_a_failing_fused_call_names_its_kernels_and_marks_the_write_set(c, monke
 
 def test_a_launch_numpy_refuses_stays_unfused_and_fails_with_its_own_name(c, graphs):
     """``y`` holds 32 floats, the launch covers 64: numpy refuses to broadcast 64 into 32. That
-    launch ends the run and stays an unfused call that fails with its own name."""
+    launch ends the run and stays an unfused call that fails with its own name. (``K.mul``
+    declares ``elements="n"``, so the server would refuse it at capture: this ``mul`` is the
+    same kernel without the declaration, so that it fails when it runs.)"""
+    mul = runtime.Kernel("mul", K.mul.bindings, K.mul.params, K.mul.workgroup_size,
+                         cpu=K.mul.cpu)
     x = c.create(np.arange(64, dtype=np.float32))
     w = c.create(np.zeros(64, np.float32))
     v = c.create(np.zeros(64, np.float32))
@@ -443,7 +447,7 @@ def test_a_launch_numpy_refuses_stays_unfused_and_fails_with_its_own_name(c, gra
     def work():
         c.launch(K.add_scalar, K.grid(64), [x, w], {"alpha": 1.0, "n": 64})
         c.launch(K.mul_scalar, K.grid(64), [w, v], {"alpha": 3.0, "n": 64})
-        c.launch(K.mul, K.grid(64), [x, v, y], {"n": 64})
+        c.launch(mul, K.grid(64), [x, v, y], {"n": 64})
     c.graph_prepare()
     with pytest.raises(LaunchError):
         work()

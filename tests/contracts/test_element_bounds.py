@@ -1,0 +1,120 @@
+"""A kernel's declared element count (``Kernel(elements=...)``, set by every ``elementwise``
+kernel) is checked against the bound buffers: a launch whose ``n`` exceeds a handle's element
+count is refused with a ``LaunchError`` (eagerly, inside a capture window, and in
+``Graph.update(params=...)``), never clamped (cpu numpy slicing, wgpu robust buffer access) or
+run out of bounds (cuda). The check is the server's (``h_launch``), so it covers every backend.
+"""
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+from runtime.errors import LaunchError, ReplayFailed
+
+from graph_kernels import capture
+
+N = 4
+
+
+def _xy(c, n=N):
+    x = c.create(np.arange(n, dtype=np.float32))
+    y = c.create(np.full(n, 7, np.float32))
+    return x, y
+
+
+def test_eager_launch_past_the_buffer_is_refused_and_marks_the_output(client):
+    x, y = _xy(client)
+    client.launch(K.add_scalar, K.grid(400), [x, y], {"alpha": 1.0, "n": 400})
+    with pytest.raises(LaunchError) as info:
+        client.sync()
+    msg = str(info.value)
+    assert "add_scalar" in msg and "n=400" in msg and "4 elements" in msg and str(x.id) in msg
+    with pytest.raises(ReplayFailed):               # the write it would have done: marked
+        client.read(y)
+    np.testing.assert_array_equal(client.read(x), np.arange(N, dtype=np.float32))  # input: clean
+    # the server keeps going: a good launch clears y's mark (a write binding, clean input)
+    client.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})
+    np.testing.assert_array_equal(client.read(y), np.arange(N, dtype=np.float32) + 1)
+
+
+def test_a_short_output_is_refused_too(client):
+    x = client.create(np.arange(8, dtype=np.float32))
+    y = client.create(np.zeros(4, np.float32))
+    client.launch(K.copy, K.grid(8), [x, y], {"n": 8})
+    with pytest.raises(LaunchError, match=r"copy: param n=8 exceeds the 4 elements"):
+        client.sync()
+    with pytest.raises(ReplayFailed):
+        client.read(y)
+
+
+@pytest.mark.parametrize("n", [N, 3, 0])
+def test_n_equal_to_or_below_the_element_count_runs_against_numpy(client, n):
+    x, y = _xy(client)
+    client.launch(K.add_scalar, K.grid(max(n, 1)), [x, y], {"alpha": 1.0, "n": n})
+    ref = np.full(N, 7, np.float32)
+    ref[:n] = np.arange(n, dtype=np.float32) + 1
+    np.testing.assert_array_equal(client.read(y), ref)
+
+
+def test_a_buffer_larger_than_n_runs_against_numpy(client):
+    a = client.create(np.arange(10, dtype=np.float32))
+    b = client.create(np.full(6, 2, np.float32))
+    out = client.create(np.zeros(8, np.float32))
+    client.launch(K.mul, K.grid(6), [a, b, out], {"n": 6})
+    ref = np.zeros(8, np.float32)
+    ref[:6] = np.arange(6, dtype=np.float32) * 2
+    np.testing.assert_array_equal(client.read(out), ref)
+
+
+def test_a_launch_past_the_buffer_inside_capture_refuses_the_window(client):
+    x, y = _xy(client)
+    with pytest.raises(runtime.CaptureRefused) as info:
+        capture(client, lambda: client.launch(K.add_scalar, K.grid(400), [x, y],
+                                              {"alpha": 1.0, "n": 400}), warmup=False)
+    assert "n=400" in str(info.value) and "4 elements" in str(info.value)
+    # nothing ran; the stream and the buffers are usable; an in-bounds capture works
+    np.testing.assert_array_equal(client.read(y), np.full(N, 7, np.float32))
+    g = capture(client, lambda: client.launch(K.add_scalar, K.grid(N), [x, y],
+                                              {"alpha": 2.0, "n": N}))
+    g.replay()
+    np.testing.assert_array_equal(client.read(y), np.arange(N, dtype=np.float32) + 2)
+
+
+def test_graph_update_params_past_the_buffer_is_a_value_error_and_changes_nothing(client):
+    x, y = _xy(client)
+    g = capture(client, lambda: client.launch(K.add_scalar, K.grid(N), [x, y],
+                                              {"alpha": 1.0, "n": N}))
+    with pytest.raises(ValueError, match=r"n=400 exceeds the 4 elements"):
+        g.update(params={0: {"n": 400}})
+    with pytest.raises(ValueError, match=r"n=5 exceeds"):
+        g.update(params={0: {"alpha": 3.0, "n": 5}})
+    assert g.launches()[0]["params"] == {"alpha": 1.0, "n": N}     # nothing changed
+    g.replay()
+    np.testing.assert_array_equal(client.read(y), np.arange(N, dtype=np.float32) + 1)
+    g.update(params={0: {"alpha": 3.0, "n": 2}})                    # smaller: still works
+    g.replay()
+    np.testing.assert_array_equal(client.read(y), np.array([3, 4, 3, 4], np.float32))
+
+
+def test_add_bias_checks_x_and_out_but_not_the_bias(client):
+    x = client.create(np.arange(6, dtype=np.float32))
+    b = client.create(np.array([10, 20, 30], np.float32))          # N = 3: fewer than n
+    out = client.create(np.zeros(6, np.float32))
+    client.launch(K.add_bias, K.grid(6), [x, b, out], {"N": 3, "n": 6})
+    np.testing.assert_array_equal(client.read(out), np.arange(6, dtype=np.float32)
+                                  + np.tile([10, 20, 30], 2).astype(np.float32))
+    client.launch(K.add_bias, K.grid(7), [x, b, out], {"N": 3, "n": 7})
+    with pytest.raises(LaunchError, match=r"add_bias: param n=7 exceeds the 6 elements"):
+        client.sync()
+
+
+def test_elements_must_name_an_integer_param_and_a_binding():
+    with pytest.raises(ValueError, match="integer params"):
+        runtime.Kernel("k", [("y", "f32", "write")], [("alpha", "f32")], cpu=print,
+                       elements="alpha")
+    with pytest.raises(ValueError, match="binding 'z'"):
+        runtime.Kernel("k", [("y", "f32", "write")], [("n", "u32")], cpu=print,
+                       elements={"z": "n"})
+    k = runtime.Kernel("k", [("y", "f32", "write")], [("n", "u32")], cpu=print, elements="n")
+    assert k.elements_error((4,), [16]) is None and "n=5" in k.elements_error((5,), [16])

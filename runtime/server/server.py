@@ -409,8 +409,12 @@ class ComputeServer:
             except BaseException:
                 queue._check_backend()      # (its flush interrupted: CpuBackend.broken)
                 raise
-            finally:
-                queue._release()
+            finally:                        # (DeviceQueue._release, inlined)
+                queue._owner.release()
+                if queue.room_waiters:
+                    queue.notify_room()
+                if queue._q and not queue.closed and queue._owner.acquire(False):
+                    queue._drain()
         return BUSY
 
     queue_mod.OWNER_CODES.add(read.__code__)        # it takes the owner lock (queue.py)

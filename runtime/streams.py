@@ -28,14 +28,27 @@ def watch_thread_ends(server) -> None:
         _watchers = tuple(r for r in _watchers if r() is not None) + (weakref.ref(server),)
 
 
-def _dropped(key: int) -> None:
+def _dropped(key) -> None:
+    """Tell every server that the stream ``key`` (a ``StreamId`` or int) can no longer be named.
+
+    An asynchronous exception (a signal handler's: finalizers run on the main thread too) would
+    lose the news, and the stream would be kept for ever: each server is told once more after
+    one (a stream reported twice is reclaimed once), every other server still is, then the
+    exception goes on."""
+    interrupted = None
     for ref in _watchers:             # no lock: this runs in finalizers, even inside one
-        server = ref()
-        if server is not None:
+        for _ in (0, 1):
             try:
-                server.stream_dropped(key)
+                server = ref()
+                if server is not None:
+                    server.stream_dropped(int(key))
+                break
             except Exception:  # noqa: BLE001 - a closed server, interpreter shutdown
-                pass
+                break
+            except BaseException as e:  # noqa: BLE001 - raised below
+                interrupted = e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _after_fork_in_child() -> None:
@@ -113,7 +126,7 @@ class _Minted(StreamId):
 
     def __del__(self):
         try:
-            _dropped(int(self))
+            _dropped(self)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

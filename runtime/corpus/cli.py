@@ -2,11 +2,15 @@
 
 Usage::
 
-    python -m runtime embed-corpus corpus.jsonl --out corpus.parquet [--text-column text]
-        [--backend cpu|wgpu|cuda|auto] [--batch-size 256] [--block-rows 4096]
-        [--max-graphs 8] [--model-dir DIR] [--seq-buckets 16,32,64,128,256]
+    python -m runtime embed-corpus corpus.jsonl --out corpus.parquet [--overwrite]
+        [--text-column text] [--backend cpu|wgpu|cuda|auto] [--batch-size 256]
+        [--block-rows 4096] [--max-graphs 8] [--model-dir DIR] [--seq-buckets 16,32,64,128,256]
     python -m runtime embed-corpus corpus.jsonl --out corpus_embedded/ --ray [--resume]
         [--single-file] [--address ray://head:10001] [--actors 2] [--actor-cpus 1] ...
+
+An existing ``--out`` is never replaced silently: an output file that exists, or a non-empty
+``--ray`` folder without ``--resume``, is refused (status 2) unless ``--overwrite`` is given
+(which replaces the file, or the part files and manifest an earlier run wrote in the folder).
 
 Without ``--ray`` the output is one Parquet file. With ``--ray`` it is a folder, a Parquet
 dataset the Ray workers write (``part-NNNNNN.parquet`` per block, ``input_row`` first);
@@ -42,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="a .jsonl, .csv or .parquet file")
     p.add_argument("--out", required=True,
                    help="the Parquet file to write (with --ray: the dataset folder)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out (the file; with --ray a dataset folder an "
+                   "earlier run wrote); without it an existing --out file, or a non-empty "
+                   "--ray folder without --resume, is refused (exit status 2)")
     p.add_argument("--text-column", default="text",
                    help="the column holding the texts (default: text)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "cuda", "auto"],
@@ -81,25 +89,25 @@ def main(argv=None) -> int:
     for flag in ("resume", "single_file", "address"):
         if getattr(args, flag) not in (None, False) and not args.ray:
             p.error(f"argument --{flag.replace('_', '-')}: only with --ray")
-    from .run import embed_corpus
+    from .run import check_output, embed_corpus
 
     settings = {"backend": None if args.backend == "auto" else args.backend,
                 "model_dir": args.model_dir, "max_graphs": args.max_graphs,
                 "seq_buckets": args.seq_buckets}
     # SIGTERM stops the run as Ctrl-C does: the with-blocks clean up (no .partial file left)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # refused before a model loads or Ray starts (seconds), not after
+    check_output(args.out, args.ray, args.single_file, args.resume, args.overwrite)
     if args.ray:
         from ..cluster import init_ray
-        from .run import check_dataset_folder, dataset_folder
-        # refused before Ray starts (seconds), not after
-        check_dataset_folder(dataset_folder(args.out, args.single_file), args.resume)
         init_ray(args.address)
     try:
         summary = embed_corpus(args.input, args.out, text_column=args.text_column,
                                use_ray=args.ray, actors=args.actors,
                                batch_size=args.batch_size, block_rows=args.block_rows,
                                actor_cpus=args.actor_cpus, resume=args.resume,
-                               single_file=args.single_file, **settings)
+                               single_file=args.single_file, overwrite=args.overwrite,
+                               **settings)
     except KeyboardInterrupt:
         if args.ray:
             print(f"interrupted: the finished blocks are in {args.out}"

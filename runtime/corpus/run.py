@@ -64,7 +64,7 @@ def embed_corpus(input_path, output_path, *, text_column: str = "text", use_ray:
                  actors: int = 1, batch_size: int = 256, block_rows: int = 4096,
                  actor_cpus: float = 1.0, actor_gpus: float | None = None,
                  progress: bool = True, resume: bool = False, single_file: bool = False,
-                 **settings) -> CorpusSummary:
+                 overwrite: bool = False, **settings) -> CorpusSummary:
     """Embed every row's text; write the rows, in input order, with ``embedding`` added.
 
     Args:
@@ -91,11 +91,17 @@ def embed_corpus(input_path, output_path, *, text_column: str = "text", use_ray:
         single_file: with ``use_ray``: also merge the dataset into the one Parquet file
             ``output_path`` (through ``<output_path>.parts/``, removed after the merge; the
             merge streams one block at a time), byte-identical to the in-process output.
+        overwrite: replace an existing output (:func:`check_output`): the file (in-process
+            or ``single_file``: the old file stays whole until the new one is complete), or
+            with ``use_ray`` a dataset folder an earlier run wrote (its part files and
+            manifest are removed first). Without it an existing output file or a non-empty
+            dataset folder (without ``resume``) is refused, on both paths.
         settings: :func:`runtime.serving.replica.start_batcher` arguments (``backend``, ...).
     Returns: a :class:`CorpusSummary`.
     Raises: ``FileNotFoundError``; ``ValueError`` (format, no text column in any row, bad
-        counts, a dataset folder that is not empty without ``resume`` or belongs to another
-        plan); the embedder's errors; Ray's errors; ``KeyboardInterrupt`` (SIGINT/SIGTERM in
+        counts, an output file that exists or a dataset folder that is not empty without
+        ``overwrite``/``resume``, a dataset folder that belongs to another plan); the
+        embedder's errors; Ray's errors; ``KeyboardInterrupt`` (SIGINT/SIGTERM in
         the CLI): the in-process ``.partial`` file is removed; with Ray, finished blocks stay
         for ``resume`` and half-written ones are removed.
     """
@@ -103,13 +109,14 @@ def embed_corpus(input_path, output_path, *, text_column: str = "text", use_ray:
         raise ValueError(f"batch_size and actors must be >= 1, got {batch_size}, {actors}")
     if (resume or single_file) and not use_ray:
         raise ValueError("resume and single_file go with use_ray (the dataset output)")
+    check_output(output_path, use_ray, single_file, resume, overwrite)
     t0 = time.perf_counter()
     plan = plan_input(input_path, text_column, block_rows)      # bad input: before any model
     if not plan.blocks:
         raise ValueError(f"input {str(input_path)!r} has no rows")
     if use_ray:
         summary = _ray_run(plan, Path(output_path), actors, batch_size, actor_cpus, actor_gpus,
-                           progress, resume, single_file, settings)
+                           progress, resume, single_file, settings, overwrite)
     else:
         summary = CorpusSummary(str(output_path), blocks=len(plan.blocks))
         embedder = CorpusEmbedder(text_column, **settings)
@@ -189,11 +196,55 @@ def check_dataset_folder(out_dir: Path, resume: bool) -> None:
                          "or remove it")
 
 
-def _prepare(plan, out_dir: Path, resume: bool) -> set:
+def _ours(path: Path) -> bool:
+    """Whether ``path`` (in a dataset folder) is a file a Ray run writes there."""
+    return path.is_file() and (path.name == MANIFEST or (path.name.startswith("part-")
+                                                         and path.suffix == ".parquet")
+                               or (path.name.startswith(".part-") and path.suffix == ".tmp"))
+
+
+def check_output(output, use_ray: bool, single_file: bool, resume: bool,
+                 overwrite: bool) -> None:
+    """Refuse an output that a run would replace without ``overwrite`` (``ValueError``), the
+    same way on both paths: an existing output file (in-process, or ``single_file``'s
+    merge), a folder where a file goes, or (``use_ray``) a dataset folder that is not empty
+    without ``resume`` (:func:`check_dataset_folder`). ``overwrite`` replaces a file, or a
+    dataset folder holding only what a Ray run writes (part files and its manifest): never a
+    folder with other files in it. ``overwrite`` with ``resume`` is refused (which one?). The
+    CLI asks before it loads a model or starts Ray (seconds)."""
+    output = Path(output)
+    if overwrite and resume:
+        raise ValueError("--overwrite and --resume contradict each other: --resume keeps the "
+                         "finished blocks of --out, --overwrite replaces them")
+    if not use_ray or single_file:
+        if output.is_dir():
+            raise ValueError(f"--out {str(output)!r} is a folder; the output is one Parquet "
+                             "file (a folder goes with --ray)")
+        if output.exists() and not overwrite:
+            raise ValueError(f"--out {str(output)!r} exists: pass --overwrite "
+                             "(overwrite=True) to replace it, or another --out")
+    if use_ray:
+        out_dir = dataset_folder(output, single_file)
+        if overwrite and out_dir.is_dir():
+            other = [p.name for p in out_dir.iterdir() if not _ours(p)]
+            if other:
+                raise ValueError(f"--overwrite: {str(out_dir)!r} holds files a run did not "
+                                 f"write ({', '.join(sorted(other)[:3])}...); remove them "
+                                 "or pass another --out")
+        else:
+            check_dataset_folder(out_dir, resume)
+
+
+def _prepare(plan, out_dir: Path, resume: bool, overwrite: bool = False) -> set:
     """Check or create the dataset folder; returns the finished blocks (their part files).
-    Half-written temporary files of a stopped run are removed."""
+    Half-written temporary files of a stopped run are removed; with ``overwrite`` every file
+    an earlier run wrote (:func:`check_output` refused a folder with others)."""
     manifest = out_dir / MANIFEST
     key = plan.key()
+    if overwrite and out_dir.is_dir():
+        for p in list(out_dir.iterdir()):
+            if _ours(p):
+                p.unlink()
     check_dataset_folder(out_dir, resume)
     if out_dir.is_dir() and any(out_dir.iterdir()):
         old = json.loads(manifest.read_text()) if manifest.is_file() else None
@@ -220,11 +271,11 @@ def _finished(out_dir: Path, index: int) -> tuple:
 
 
 def _ray_run(plan, output: Path, actors, batch_size, actor_cpus, actor_gpus, progress, resume,
-             single_file, settings) -> CorpusSummary:
+             single_file, settings, overwrite=False) -> CorpusSummary:
     import ray.data
 
     out_dir = dataset_folder(output, single_file)
-    done = _prepare(plan, out_dir, resume)
+    done = _prepare(plan, out_dir, resume, overwrite)
     summary = CorpusSummary(str(output), blocks=len(plan.blocks), resumed=len(done))
     failures = []
     for index in sorted(done):

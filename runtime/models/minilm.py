@@ -33,6 +33,7 @@ import numpy as np
 from .. import _fork
 from ..captured import capture
 from ..frontend.pool import GraphPool
+from ..kernels.panels import PANEL_ROWS, matmul_panels_for, panel_weight
 from ..streams import StreamId
 from ..tensor import Arena, Tensor, embedding
 from .buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_up
@@ -61,20 +62,45 @@ def default_model_dir() -> Path:
 
 
 class _Layer:
-    """Device weights of one encoder layer (matmul weights transposed to ``[in, out]``)."""
+    """Device weights of one encoder layer (matmul weights transposed to ``[in, out]``); with
+    ``panels`` (the cpu backend), the ``K = hidden`` weights also as column panels
+    (:func:`runtime.kernels.panels.panel_weight`: ``pqkv``, ``po``, ``pi``; else ``None``)."""
 
-    def __init__(self, up, w, i):
+    def __init__(self, up, w, i, panels: bool = False):
         p = f"encoder.layer.{i}."
         a = p + "attention."
         qkv = ("query", "key", "value")        # one [H, 3H] matmul makes q | k | v
-        self.wqkv = up(np.concatenate([w[a + f"self.{n}.weight"].T for n in qkv], 1))
+        wqkv = np.concatenate([w[a + f"self.{n}.weight"].T for n in qkv], 1)
+        self.wqkv = up(wqkv)
         self.bqkv = up(np.concatenate([w[a + f"self.{n}.bias"] for n in qkv]))
         self.wo, self.bo = up(w[a + "output.dense.weight"].T), up(w[a + "output.dense.bias"])
         self.g1, self.b1 = up(w[a + "output.LayerNorm.weight"]), up(w[a + "output.LayerNorm.bias"])
         self.wi = up(w[p + "intermediate.dense.weight"].T)
         self.bi = up(w[p + "intermediate.dense.bias"])
+        self.pqkv = self.po = self.pi = self.po2 = None
+        if panels:
+            self.pqkv = up(panel_weight(wqkv))
+            self.po = up(panel_weight(w[a + "output.dense.weight"].T))
+            self.pi = up(panel_weight(w[p + "intermediate.dense.weight"].T))
+            self.po2 = up(panel_weight(w[p + "output.dense.weight"].T))
         self.wo2, self.bo2 = up(w[p + "output.dense.weight"].T), up(w[p + "output.dense.bias"])
         self.g2, self.b2 = up(w[p + "output.LayerNorm.weight"]), up(w[p + "output.LayerNorm.bias"])
+
+
+def _dense(x: Tensor, w: Tensor, b: Tensor, wp, activation=None) -> Tensor:
+    """``x [..., K] @ w [K, N] + b`` (then ``activation``): ``Tensor.matmul``, or, with the
+    weight's panels ``wp`` (cpu only), the panel matmul of :mod:`runtime.kernels.panels`, which
+    takes the panels at few rows and ``w`` above."""
+    if wp is None:
+        return x.matmul(w, b, activation=activation)
+    K_, N = w.shape
+    if x.shape[-1] != K_ or b.shape != (N,):
+        raise ValueError(f"dense: {x.shape} @ {w.shape} + {b.shape}")
+    out = Tensor.empty(x.client, x.shape[:-1] + (N,), "f32")
+    x.client.launch(matmul_panels_for(activation), (1, 1, 1),
+                    [x.handle, w.handle, wp.handle, b.handle, out.handle],
+                    {"M": x.size // K_, "N": N, "K": K_, "P": wp.shape[2]})
+    return out
 
 
 class _Bucket:
@@ -127,7 +153,10 @@ class MiniLM:
         self.ttab = up(weights["embeddings.token_type_embeddings.weight"])
         self.ln_g = up(weights["embeddings.LayerNorm.weight"])
         self.ln_b = up(weights["embeddings.LayerNorm.bias"])
-        self.blocks = [_Layer(up, weights, i) for i in range(self.layers)]
+        # on the cpu backend the products of few rows run against column panels of the K=hidden
+        # weights (numpy's OpenBLAS is 1.5-3x slower on the plain [K, N] layout at 4-32 rows)
+        self.panels = self.client.backend == "cpu" and PANEL_ROWS > 0
+        self.blocks = [_Layer(up, weights, i, self.panels) for i in range(self.layers)]
         self._buckets: OrderedDict = OrderedDict()
         # one pool per model (issue 26 item 2): every bucket graph captures on this model's
         # stream, its temporaries in one best-fit arena and its window buffers in one
@@ -225,10 +254,10 @@ class MiniLM:
                                                                             self.eps)
         states = [x]
         for L in self.blocks:
-            ctx = x.matmul(L.wqkv, L.bqkv).attention(mask, self.heads)
-            x = ctx.matmul(L.wo, L.bo).layer_norm(L.g1, L.b1, self.eps, residual=x)
-            h = x.matmul(L.wi, L.bi, activation="gelu")
-            x = h.matmul(L.wo2, L.bo2).layer_norm(L.g2, L.b2, self.eps, residual=x)
+            ctx = _dense(x, L.wqkv, L.bqkv, L.pqkv).attention(mask, self.heads)
+            x = _dense(ctx, L.wo, L.bo, L.po).layer_norm(L.g1, L.b1, self.eps, residual=x)
+            h = _dense(x, L.wi, L.bi, L.pi, "gelu")
+            x = _dense(h, L.wo2, L.bo2, L.po2).layer_norm(L.g2, L.b2, self.eps, residual=x)
             if output == "layers":
                 states.append(x)
         if output == "layers":

@@ -243,9 +243,22 @@ class DeviceQueue:
         """Queue the release ``fn(*args)`` (a free, a graph destroy, a dropped stream) from a
         finalizer: never blocks, never runs it here, and adds at most one message to the queue
         however many releases are pending (module doc). Silently dropped once the server
-        stopped. ``fn`` may return its cost in batch units (default 1)."""
+        stopped. ``fn`` may return its cost in batch units (default 1) and must be idempotent
+        (a release may be queued twice: below).
+
+        An asynchronous exception landing in here (a signal handler's on the main thread, where
+        finalizers run too) would lose the release (a buffer, graph or stream kept for ever):
+        the release is queued again in a batch of its own before the exception goes on."""
         if self.closed:
             return
+        try:
+            self._join_batch(fn, args)
+        except BaseException:
+            self._q.append((self._batch_fn, (_Batch(((fn, args),)),), None))
+            self._wake.set()
+            raise
+
+    def _join_batch(self, fn, args) -> None:
         q = self._q
         try:
             last = q[-1]
@@ -257,52 +270,46 @@ class DeviceQueue:
                 batch.append((fn, args))
                 if not batch.started:
                     return
-                # its runner started meanwhile and may have finished: whatever is left (this
-                # release included) moves to a new batch; popleft takes each release once
-                moved = _Batch()
-                while batch:
-                    try:
-                        moved.append(batch.popleft())
-                    except IndexError:
-                        break
-                if not moved:
-                    return
-                q.append((self._batch_fn, (moved,), None))
+                # its runner started meanwhile and may have finished: queue the batch again for
+                # whatever is left (this release included; only the owner pops a batch)
+                q.append((self._batch_fn, (batch,), None))
                 if not self._wake.is_set():
                     self._wake.set()
                 return
-        batch = _Batch()
-        batch.append((fn, args))
-        q.append((self._batch_fn, (batch,), None))
+        q.append((self._batch_fn, (_Batch(((fn, args),)),), None))
         if not self._wake.is_set():
             self._wake.set()
 
     def _run_batch(self, batch: "_Batch") -> None:
         """The message of one batch of releases: run at most ``RELEASE_BATCH`` units, requeue
-        the rest at the tail (``_carry`` remembers it for :meth:`run_releases`)."""
+        the rest at the tail (``_carry`` remembers it for :meth:`run_releases`); also when an
+        asynchronous exception interrupted the run (nothing of the batch is lost)."""
         batch.started = True
-        self._run(batch, RELEASE_BATCH)
-        if batch:
-            if not batch.carried:
-                batch.carried = True
-                self._carry[id(batch)] = batch
-            self._q.append((self._batch_fn, (batch,), None))
-        elif batch.carried:               # done: forget it (the carry is bounded by live ones)
-            batch.carried = False
-            self._carry.pop(id(batch), None)
+        try:
+            self._run(batch, RELEASE_BATCH)
+        finally:
+            if batch:
+                if not batch.carried:
+                    batch.carried = True
+                    self._carry[id(batch)] = batch
+                self._q.append((self._batch_fn, (batch,), None))
+            elif batch.carried:               # done: forget it (the carry is bounded by live ones)
+                batch.carried = False
+                self._carry.pop(id(batch), None)
 
     def _run(self, batch: "_Batch", limit) -> int:
+        # a release leaves the batch only after it ran (only the owner pops a batch): an
+        # asynchronous exception (a signal handler's, on a caller that drains) before or inside
+        # it leaves it at the head, run again later (releases are idempotent)
         done = units = 0
         while batch and (limit is None or units < limit):
-            try:
-                fn, args = batch.popleft()
-            except IndexError:
-                break
+            fn, args = batch[0]
             try:
                 cost = fn(*args)
             except Exception as e:  # noqa: BLE001 - every error goes to the next blocking call
                 cost = 1
                 self._on_async_error(e)
+            batch.popleft()
             units += cost if type(cost) is int and cost > 0 else 1
             done += 1
         return done
@@ -648,8 +655,8 @@ class _Batch(collections.deque):
 
     __slots__ = ("started", "carried")
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, items=()):
+        super().__init__(items)
         self.started = self.carried = False
 
 

@@ -298,9 +298,9 @@ class ComputeServer:
         st.graphs = {}
         slot = st.slot
         if slot.pins:
-            slot.orphan = True
             merge(fences, slot.fences)
             slot.fences = fences
+            slot.orphan = True          # (last: an orphan always carries its handle's fences)
             if slot.graph_pool is not None:     # the next window of its graph pool may take it
                 slot.graph_pool.give(slot)
         else:

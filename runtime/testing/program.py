@@ -397,7 +397,9 @@ class Program:
             read must match the sequential model); False for programs that may race.
 
     ``len(program)`` is the number of calls in ``ops``; ``repr`` (and ``to_python()``) prints it
-    as Python calls you can paste; ``dataclasses.replace`` makes a variant.
+    as Python calls you can paste (``repr`` opens the client as a failing ``run_program`` of an
+    equal program did: backend, smallest failing seed, ``check``); ``dataclasses.replace``
+    makes a variant.
     """
 
     ops: tuple
@@ -462,8 +464,51 @@ class Program:
         printer.text(repr(self))          # hypothesis prints a falsifying Program as Python
 
     def __repr__(self):
+        # hypothesis prints its falsifying example before the final run: the client line is
+        # that of a failing run of an equal program (backend, check=True, the smallest failing
+        # seed: the one hypothesis shrinks to), so the paste reproduces what failed, the
+        # happens-before checker included
+        how = _failed_run(self)
+        if how is not None:
+            return "\n# a Program (runtime.testing), opened as a failing run of it was\n" \
+                + self.to_python(*how)
         return "\n# a Program (runtime.testing); the failing seed is in the error message\n" \
             + self.to_python()
+
+
+#: the last distinct programs that disagreed with the model, each with how it failed
+#: ``[program, (backend, seed, check)]`` (its smallest failing seed), noted by ``run_program``
+#: for ``Program.__repr__`` (bounded)
+_FAILED_RUNS: list = []
+_MAX_FAILED_RUNS = 16
+
+
+def _same(a, b) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - params whose == is not a bool
+        return False
+
+
+def _failed_run(program):
+    for prog, how in _FAILED_RUNS:
+        if _same(prog, program):
+            return how
+    return None
+
+
+def note_failed_run(program, backend: str, seed: int, check: bool) -> None:
+    """Remember how ``program`` ran when it disagreed with the model (its repr prints that;
+    of several failing seeds, the smallest)."""
+    how = (backend, seed, check)
+    for i, (prog, old) in enumerate(_FAILED_RUNS):
+        if _same(prog, program):
+            del _FAILED_RUNS[i]
+            if old[1] < seed:
+                how = old
+            break
+    _FAILED_RUNS.append((program, how))
+    del _FAILED_RUNS[:-_MAX_FAILED_RUNS]
 
 
 #: every op type, by name

@@ -10,7 +10,7 @@ from ..frontend.client import client as make_client
 from ..streams import StreamId
 from ..errors import LivenessError, ServerError, StreamRaceError
 from .model import Model
-from .program import Objects
+from .program import Objects, note_failed_run
 
 #: seconds one call may take before the run reports it as hung.
 CALL_TIMEOUT_S = 60.0
@@ -166,8 +166,10 @@ def run_program(program, backend: str = "cpu", seed: int = 0, *, check: bool = F
             run.trace = getattr(sched, "trace", None)
             run.diverged = getattr(sched, "diverged", 0)
             root.shutdown()
-    if raises and run.mismatches:
-        raise ProgramMismatch(run)
+    if run.mismatches:
+        note_failed_run(program, backend, seed, check)
+        if raises:
+            raise ProgramMismatch(run)
     return run
 
 

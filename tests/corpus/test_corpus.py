@@ -287,3 +287,64 @@ def test_a_ray_run_into_a_folder_that_is_not_empty_is_refused_before_ray_starts(
     assert started == []
     with pytest.raises(RuntimeError, match="ray started"):
         cli.main([str(tmp_path / "c.jsonl"), "--out", str(out), "--ray", "--resume"])
+
+
+def test_an_existing_out_is_refused_unless_overwrite_on_both_paths(tmp_path, monkeypatch):
+    """ADV4: without ``--ray`` an existing ``--out`` file was silently replaced, while ``--ray``
+    refused a non-empty folder (and ``--ray --single-file`` replaced the file too). Now both
+    refuse (ValueError: exit status 2, before a model loads or Ray starts) unless
+    ``--overwrite``; it replaces a file, or the files a run wrote in a dataset folder (never a
+    folder holding other files)."""
+    import pyarrow.parquet as pq
+
+    import runtime.cluster
+    import runtime.serving as serving
+    from runtime.corpus import cli
+    from runtime.corpus.run import MANIFEST, _prepare
+
+    model = FakeModel()
+    monkeypatch.setattr(serving, "load_model", lambda *a, **k: model)
+    kw = {"progress": False, "seq_buckets": (4, 8, 16), "block_rows": 2}
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "two"}\n{"text": "three"}\n')
+    out = tmp_path / "o.parquet"
+    embed_corpus(tmp_path / "a.jsonl", out, **kw)
+    first = out.read_bytes()
+    with pytest.raises(ValueError, match="exists: pass --overwrite"):
+        embed_corpus(tmp_path / "b.jsonl", out, **kw)
+    with pytest.raises(ValueError, match="exists: pass --overwrite"):
+        cli.main([str(tmp_path / "b.jsonl"), "--out", str(out)])
+    assert out.read_bytes() == first                        # untouched
+    s = embed_corpus(tmp_path / "b.jsonl", out, overwrite=True, **kw)
+    assert s.rows == 2 and pq.read_table(out).column("text").to_pylist() == ["two", "three"]
+    with pytest.raises(ValueError, match="is a folder"):
+        embed_corpus(tmp_path / "a.jsonl", tmp_path, overwrite=True, **kw)
+
+    # --ray: refused before Ray starts; --overwrite goes on to Ray
+    started = []
+    monkeypatch.setattr(runtime.cluster, "init_ray", lambda *a, **k: started.append(a) or
+                        (_ for _ in ()).throw(RuntimeError("ray started")))
+    src = str(tmp_path / "a.jsonl")
+    with pytest.raises(ValueError, match="exists: pass --overwrite"):
+        cli.main([src, "--out", str(out), "--ray", "--single-file"])
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "part-000000.parquet").write_text("")
+    (folder / MANIFEST).write_text("{}")
+    with pytest.raises(ValueError, match="not empty"):
+        cli.main([src, "--out", str(folder), "--ray"])
+    with pytest.raises(ValueError, match="contradict"):
+        cli.main([src, "--out", str(folder), "--ray", "--resume", "--overwrite"])
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="did not write"):
+        cli.main([src, "--out", str(folder), "--ray", "--overwrite"])
+    assert started == []
+    (folder / "notes.txt").unlink()
+    for argv in ([src, "--out", str(out), "--ray", "--single-file", "--overwrite"],
+                 [src, "--out", str(folder), "--ray", "--overwrite"]):
+        with pytest.raises(RuntimeError, match="ray started"):
+            cli.main(argv)
+    assert len(started) == 2
+    # what the Ray run does first with --overwrite: the earlier run's files go
+    assert _prepare(plan_input(tmp_path / "a.jsonl", "text", 2), folder, False, True) == set()
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST]

@@ -184,3 +184,35 @@ def test_bucket_graphs_share_one_pool_and_match_the_fixture(model_dir, ref):
             assert np.abs(got - want).max() < 1e-4
     finally:
         m.release()
+
+
+def test_the_cpu_model_multiplies_few_rows_through_weight_panels(cpu_model, ref, monkeypatch):
+    """Issue 30: on cpu the model uploads its dense weights also as column panels and a bucket
+    of few rows (1x16: 16 rows) multiplies through them (runtime.kernels.panels), still
+    matching the fixture; other backends keep the plain weights only."""
+    from runtime.cpu_threads import RULE, WholeCalls
+    from runtime.kernels import panels
+
+    monkeypatch.setattr(RULE, "whole", WholeCalls(mode="0"))     # pieces, not a whole call
+    L = cpu_model.blocks[0]
+    for w, p in ((L.wqkv, L.pqkv), (L.wo, L.po), (L.wi, L.pi), (L.wo2, L.po2)):
+        K_, N = w.shape
+        assert p.shape == (-(-N // panels.PANEL_COLS), K_, panels.PANEL_COLS)
+        np.testing.assert_array_equal(p.numpy()[0, :, :min(N, panels.PANEL_COLS)],
+                                      w.numpy()[:, :panels.PANEL_COLS])
+    runs, run = [], panels.FAN_OUT.run
+
+    def spy(fn, pieces, threads):
+        pieces = list(pieces)
+        runs.append(pieces)
+        return run(fn, pieces, threads)
+    monkeypatch.setattr(panels.FAN_OUT, "run", spy)
+    i = int(np.argmin(ref["lengths"]))
+    ids, mask = cpu_model.tokenize([sentences(ref)[i]])
+    assert ids.shape[1] <= 16
+    cpu_model.run_bucket(1, 16, ids, mask)          # captures the bucket if not yet held
+    runs.clear()
+    got = cpu_model.run_bucket(1, 16, ids, mask)    # one replay
+    assert np.abs(got - ref["embeddings"][i:i + 1]).max() < 1e-4
+    panel_runs = [p for p in runs if p and len(p[0]) == 2]     # (p0, p1) ranges of panels
+    assert len(panel_runs) == 4 * cpu_model.layers, len(panel_runs)

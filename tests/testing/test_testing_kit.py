@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, find, given, settings, strategies as st
 
 import runtime
 from runtime import kernels as K
@@ -283,3 +283,36 @@ def test_the_schedulers_live_in_their_own_module_and_the_old_import_paths_still_
     be = cpu.CpuBackend(scheduler="trace", trace="0*2")
     assert isinstance(be.scheduler, cpu_schedule.TraceScheduler)
     be.close()
+
+
+def _scale_zeroes_x(x, y, *, n, count):
+    y[:n] = 2 * x[:n]
+    x[:n] = 0                       # writes x, declared "read": every launch of it fails
+
+
+_scale = runtime.Kernel("scale", [("x", "f32", "read"), ("y", "f32", "read_write")],
+                        [("n", "u32")], cpu=_scale_zeroes_x)
+
+
+def test_hypothesis_prints_the_falsifying_program_as_its_failing_run_opened_the_client():
+    """ADV4 (a new user's nit): hypothesis prints the falsifying example (``repr(program)``)
+    before its final run, and it opened ``runtime.client('cpu', ..., seed=0)``: without
+    ``check=True`` and with another seed than the failing run's, so pasting it ran without the
+    happens-before checker. Now it opens the client as a failing run of that program did."""
+    import re
+
+    @settings(max_examples=50, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(programs(kernels=[_scale, K.accumulate], streams=2, capture=False),
+           st.integers(3, 100))
+    def property_test(program, seed):
+        run_program(program, seed=seed, check=True, threads=False)
+
+    with pytest.raises(ProgramMismatch) as info:
+        property_test()
+    text = "\n".join(getattr(info.value, "__notes__", []))
+    assert "Falsifying example" in text, text
+    printed = re.findall(r"runtime\.client\((.*)\)", text)
+    assert printed, text
+    seed = re.search(r"with seed (\d+)", str(info.value)).group(1)
+    assert printed[-1] == f"'cpu', scheduler='interleave', seed={seed}, check=True", text

@@ -133,10 +133,9 @@ class Tensor:
     __slots__ = ("client", "shape", "dtype", "_buf")
 
     def __init__(self, client, handle: Handle, shape, dtype: str = "f32", *, _buf=None):
-        if dtype not in TENSOR_DTYPES:
-            raise ValueError(f"Tensor dtype must be one of {list(TENSOR_DTYPES)}, got {dtype!r}")
+        _check_dtype(dtype)
         self.client = client
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = _check_shape(shape)
         self.dtype = dtype
         self._buf = _buf if _buf is not None else _Buffer(handle, None)
         if self.size * 4 > handle.nbytes:
@@ -148,13 +147,15 @@ class Tensor:
     def from_numpy(cls, client, array) -> "Tensor":
         """Copy a host array to a new device tensor (floats -> ``f32``, integers -> ``i32``).
 
-        Raises: ``TypeError`` for other dtypes.
+        Raises: ``TypeError`` for other dtypes; ``ValueError`` for an integer outside ``i32``'s
+            range (it would wrap: a token id 2**32 + 5 read as 5).
         """
         a = np.asarray(array)
         if a.dtype.kind == "f":
             dtype = "f32"
         elif a.dtype.kind in "iub":
             dtype = "i32"
+            _check_i32_range(a, "Tensor.from_numpy")
         else:
             raise TypeError(f"Tensor.from_numpy takes a float or integer array, got {a.dtype}")
         a = np.ascontiguousarray(a, dtype=TENSOR_DTYPES[dtype])
@@ -162,7 +163,10 @@ class Tensor:
 
     @classmethod
     def empty(cls, client, shape, dtype: str = "f32") -> "Tensor":
-        """A new tensor with undefined contents, from the current arena if one is active."""
+        """A new tensor with undefined contents, from the current arena if one is active.
+
+        Raises: ``ValueError`` for a dtype other than ``"f32"``/``"i32"`` or a negative dim."""
+        _check_dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         arenas = getattr(_local, "arenas", None)
         arena = arenas[-1] if arenas else None
@@ -194,8 +198,11 @@ class Tensor:
     def write(self, array) -> None:
         """Overwrite the tensor in place with ``array`` (same number of elements; cast).
 
-        Raises: ``ValueError`` when the sizes differ.
+        Raises: ``ValueError`` when the sizes differ, or (an ``i32`` tensor) for a value that is
+            not finite or outside ``i32``'s range (it would wrap).
         """
+        if self.dtype == "i32":
+            _check_i32_range(np.asarray(array), "Tensor.write")
         a = np.ascontiguousarray(array, dtype=TENSOR_DTYPES[self.dtype]).reshape(-1)
         if a.size != self.size:
             raise ValueError(f"write of {a.size} elements into a tensor of shape {self.shape}")
@@ -206,12 +213,16 @@ class Tensor:
     def reshape(self, *shape) -> "Tensor":
         """A view with another shape (same buffer and dtype; one ``-1`` is inferred).
 
-        Raises: ``ValueError`` when the element counts differ."""
+        Raises: ``ValueError`` when the element counts differ, for more than one ``-1`` or
+            another negative dim."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         shape = tuple(int(d) for d in shape)
         if -1 in shape:
             known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+            if shape.count(-1) > 1 or known <= 0 or self.size % known:
+                raise ValueError(f"cannot reshape {self.shape} to {shape}")
             shape = tuple(self.size // known if d == -1 else d for d in shape)
+        _check_shape(shape)
         if int(np.prod(shape, dtype=np.int64)) != self.size:
             raise ValueError(f"cannot reshape {self.shape} to {shape}")
         return Tensor(self.client, self.handle, shape, self.dtype, _buf=self._buf)
@@ -224,7 +235,7 @@ class Tensor:
         return Tensor.empty(self.client, shape, "f32")
 
     def _launch(self, kernel, count, tensors, params) -> None:
-        self.client.launch(kernel, count, [t.handle for t in tensors], params)
+        _launch(self.client, kernel, count, tensors, params)
 
     def matmul(self, w: "Tensor", bias: "Tensor | None" = None,
                activation: str | None = None) -> "Tensor":
@@ -233,8 +244,9 @@ class Tensor:
         Returns: ``[..., N]``. Raises: ``ValueError`` (shapes, or gelu without a bias).
         """
         K_, N = _shape2(w, "matmul weight")
-        if self.shape[-1] != K_:
-            raise ValueError(f"matmul: {self.shape} @ {w.shape}: inner dimensions differ")
+        if not self.shape or self.shape[-1] != K_ or K_ == 0:
+            raise ValueError(f"matmul: {self.shape} @ {w.shape}: inner dimensions differ or "
+                             "are 0")
         M = self.size // K_
         out = self._out(self.shape[:-1] + (N,))
         if bias is not None and bias.shape != (N,):
@@ -277,10 +289,12 @@ class Tensor:
 
         Raises: ``ValueError`` on shape mismatches.
         """
-        n = self.shape[-1]
+        n = self.shape[-1] if self.shape else 1
         if gamma.shape != (n,) or beta.shape != (n,):
             raise ValueError(f"layer_norm: gamma/beta must be ({n},), got {gamma.shape}, "
                              f"{beta.shape}")
+        if n == 0:                                  # rows of nothing: nothing to normalize
+            return self._out(self.shape)
         rows = self.size // n
         out = self._out(self.shape)
         params = {"rows": rows, "n": n, "eps": eps}
@@ -301,6 +315,8 @@ class Tensor:
             heads: number of heads (``H % heads == 0``).
         Returns: ``[B, S, H]`` context. See :func:`attention`.
         """
+        if len(self.shape) != 3 or self.shape[2] % 3:
+            raise ValueError(f"attention: a packed QKV tensor is [B, S, 3H], got {self.shape}")
         B, S, H3 = self.shape
         H = H3 // 3
         return attention(self, self, self, mask, heads, offsets=(0, H, 2 * H))
@@ -310,6 +326,8 @@ class Tensor:
         f32): a new ``[B, H]`` tensor.
 
         Raises: ``ValueError`` when ``mask`` is not ``[B, S]``."""
+        if len(self.shape) != 3:
+            raise ValueError(f"mean_pool: the input is [B, S, H], got {self.shape}")
         B, S, H = self.shape
         if mask.shape != (B, S):
             raise ValueError(f"mean_pool: mask {mask.shape}, expected {(B, S)}")
@@ -319,11 +337,50 @@ class Tensor:
 
     def l2_normalize(self) -> "Tensor":
         """Each row over the last dim divided by ``max(its L2 norm, 1e-12)``."""
-        n = self.shape[-1]
+        n = self.shape[-1] if self.shape else 1
+        if n == 0:                                  # rows of nothing: nothing to normalize
+            return self._out(self.shape)
         rows = self.size // n
         out = self._out(self.shape)
         self._launch(K.l2_normalize, K.rows_count(rows), [self, out], {"rows": rows, "n": n})
         return out
+
+
+def _check_dtype(dtype) -> None:
+    if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
+        raise ValueError(f"Tensor dtype must be one of {list(TENSOR_DTYPES)}, got {dtype!r}")
+
+
+def _check_shape(shape) -> tuple:
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"Tensor shape must be non-negative ints, got {shape}")
+    return shape
+
+
+def _check_i32_range(a: np.ndarray, what: str) -> None:
+    """``ValueError`` when ``a`` holds a value ``i32`` cannot (a cast would wrap or be
+    undefined): an integer past its range, a float that is not finite or past it."""
+    if a.size == 0 or a.dtype.kind == "b" or (a.dtype.kind in "iu" and a.dtype.itemsize < 4) \
+            or a.dtype == np.int32:
+        return
+    lo, hi = a.min(), a.max()
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise ValueError(f"{what}: an i32 tensor cannot hold {a.dtype} values that are not "
+                         "finite")
+    if lo < -2**31 or hi > 2**31 - 1:
+        raise ValueError(f"{what}: values {lo}..{hi} do not fit i32 (-2**31..2**31-1); a cast "
+                         "would wrap them")
+
+
+def _launch(client, kernel, count, tensors, params) -> None:
+    """Launch ``kernel`` over ``tensors``; ``TypeError`` when a tensor's dtype is not its
+    binding's (an ``i32`` tensor read as ``f32`` gives its bits, not its values)."""
+    for t, b in zip(tensors, kernel.bindings):
+        if t.dtype != b.dtype:
+            raise TypeError(f"{kernel.name}: binding {b.name} takes a {b.dtype} tensor, got "
+                            f"{t.dtype} {t.shape}")
+    client.launch(kernel, count, [t.handle for t in tensors], params)
 
 
 def _shape2(t: Tensor, what: str) -> tuple:
@@ -352,6 +409,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, heads: int,
     H = W - max(offsets)
     if mask.shape != (B, S):
         raise ValueError(f"attention: mask {mask.shape}, expected {(B, S)}")
+    if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1:
+        raise ValueError(f"attention: heads must be a positive int, got {heads!r}")
     if H <= 0 or H % heads:
         raise ValueError(f"attention: width {H} is not a multiple of heads={heads}")
     hd = H // heads
@@ -360,8 +419,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, heads: int,
     out = Tensor.empty(q.client, (B, S, H))
     params = {"S": S, "heads": heads, "hd": hd, "ld_in": W, "q_off": offsets[0],
               "k_off": offsets[1], "v_off": offsets[2], "ld_out": H, "scale": 1 / math.sqrt(hd)}
-    q.client.launch(K.nn.attention_for(hd), K.attention_count(B, S, heads),
-                    [q.handle, k.handle, v.handle, mask.handle, out.handle], params)
+    _launch(q.client, K.nn.attention_for(hd), K.attention_count(B, S, heads),
+            [q, k, v, mask, out], params)
     return out
 
 
@@ -374,6 +433,9 @@ def embedding(ids: Tensor, types: Tensor, word: Tensor, pos: Tensor, ttab: Tenso
     Returns: ``[B, S, H]``; positions restart at 0 in every sequence.
     Raises: ``ValueError`` on shape mismatches.
     """
+    if len(ids.shape) != 2 or any(len(t.shape) != 2 for t in (word, pos, ttab)):
+        raise ValueError(f"embedding: ids [B, S] and tables [rows, H], got {ids.shape}, "
+                         f"{word.shape}, {pos.shape}, {ttab.shape}")
     B, S = ids.shape
     H = word.shape[1]
     if types.shape != ids.shape or pos.shape[1] != H or ttab.shape[1] != H or pos.shape[0] < S:
@@ -381,8 +443,8 @@ def embedding(ids: Tensor, types: Tensor, word: Tensor, pos: Tensor, ttab: Tenso
                          f"{pos.shape}, {ttab.shape} do not fit")
     out = Tensor.empty(ids.client, (B, S, H))
     n = B * S * H
-    ids.client.launch(K.embedding, K.grid(n), [ids.handle, types.handle, word.handle, pos.handle,
-                                               ttab.handle, out.handle], {"H": H, "S": S, "n": n})
+    _launch(ids.client, K.embedding, K.grid(n), [ids, types, word, pos, ttab, out],
+            {"H": H, "S": S, "n": n})
     return out
 
 

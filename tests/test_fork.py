@@ -411,3 +411,25 @@ def test_a_child_calling_a_parents_graph_object_mid_call_gets_server_forked():
         print("parent", sg(u=np.zeros(8, np.float32))["v"].tolist()[:2], cg.read().tolist()[:2])
     """)
     assert out.split() == ["child", "0", "parent", "[1.0,", "1.0]", "[2.0,", "2.0]"], out
+
+
+def test_a_parents_graph_pool_serves_the_childs_server():
+    """ADV4: a module-level ``GraphPool`` the parent captured into stayed bound to the parent's
+    server, so the forked child's first ``runtime.capture(..., pool=POOL)`` raised ValueError
+    (gunicorn --preload, a DataLoader forking after a warm-up). The child's server takes it."""
+    out = _run_fresh("""
+        from runtime import kernels as K
+        POOL = runtime.GraphPool()
+
+        def work():
+            c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+            x = c.create(np.ones(4, np.float32))
+            y = c.empty(4, np.float32)
+            g = runtime.capture(lambda: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+                                or y, client=c, pool=POOL)
+            g.replay()
+            assert (c.read(y) == 2).all()
+        work()
+        print(in_child(work))
+    """)
+    assert out.strip() == "0"

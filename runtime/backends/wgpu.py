@@ -443,6 +443,18 @@ class WgpuGraph:
         return len(self.tasks)
 
 
+def _oversize(tree):
+    """The first loop node in ``tree`` (nested included) too big to unroll, or None."""
+    for t in tree:
+        if not isinstance(t, tuple):
+            if t.oversize:
+                return t
+            inner = _oversize(t.then) or _oversize(t.other)
+            if inner is not None:
+                return inner
+    return None
+
+
 class WgpuCond:
     """A ``capture_if``/``capture_while`` node of a :class:`WgpuGraph`, with no host round trip.
 
@@ -460,13 +472,22 @@ class WgpuCond:
     """
 
     __slots__ = ("kind", "cond", "max_iterations", "index", "then", "other", "parent", "flags",
-                 "flat")
+                 "flat", "oversize")
 
     def __init__(self, kind, cond, max_iterations, index, parent, flags):
         self.kind, self.cond, self.max_iterations, self.index = kind, cond, max_iterations, index
         self.then, self.other = [], []
         self.parent, self.flags = parent, flags
         self.flat: list = []
+        self.oversize = 0           # a loop past MAX_UNROLLED: its unrolled size (not built)
+
+
+#: the most dispatches one unrolled ``capture_while`` may expand to (``max_iterations`` x (the
+#: body's dispatches + a gate)); past it ``stop_capture`` raises ``LaunchError`` instead of
+#: building it. A list entry costs ~3 KB (bind group, indirect slot): 2**19 is ~1.5 GB and
+#: seconds of encoding per replay, and covers a 32-layer decode step looped over 1,024 tokens;
+#: ``max_iterations=2**40`` built for ever on the owner thread, stalling every client.
+MAX_UNROLLED = 1 << 19
 
 
 #: The gate of a conditional node (see :class:`WgpuCond`): mode 0 = if, 1 = first while
@@ -954,6 +975,13 @@ class WgpuBackend(Backend):
         """The finished graph (the recording itself; no device work). With conditional nodes,
         ``tasks`` becomes the flattening of ``tree``."""
         recording.stack = []
+        big = _oversize(recording.tree)
+        if big is not None:
+            raise LaunchError(
+                f"capture_while on wgpu: loop node {big.index} would unroll to {big.oversize:,} "
+                f"dispatches (max_iterations={big.max_iterations:,} x its body and gate), more "
+                f"than {MAX_UNROLLED:,} (runtime.backends.wgpu.MAX_UNROLLED): wgpu records one "
+                "gated copy of the body per iteration; lower max_iterations, or loop on the host")
         if recording.count:
             recording.tasks = self._flatten(recording.tree)
             self._set_checks(recording)
@@ -1035,6 +1063,10 @@ class WgpuBackend(Backend):
         else:
             body = expand(node.then)
             node.flat = []
+            size = node.max_iterations * (len(body) + 1)
+            if size > MAX_UNROLLED:             # refused by end_graph, never built
+                node.oversize = size
+                return
             for j in range(node.max_iterations):
                 node.flat.append(gate_task(1 if j == 0 else 2))
                 node.flat.extend(body)

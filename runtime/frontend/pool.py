@@ -35,7 +35,9 @@ class GraphPool:
 
     Attributes:
         id: the pool id (process-unique int).
-    One pool may serve one server (the first that captures into it). Cheap; thread-safe.
+    One pool may serve one server at a time (the first that captures into it; after that server
+    stopped, the next: a module-level pool keeps working after ``runtime.shutdown()`` and in a
+    forked child). Cheap; thread-safe.
     """
 
     __slots__ = ("id", "_server", "_lock", "__weakref__")
@@ -46,9 +48,11 @@ class GraphPool:
         _fork.lock_for(self, "_lock", threading.Lock)  # (a forked child gets it afresh)
 
     def _bind(self, server) -> int:
-        """Bind to ``server`` on first use; returns the id. Raises ``ValueError`` for another."""
+        """Bind to ``server`` on first use; returns the id. Raises ``ValueError`` for another
+        live server. A pool whose server stopped (``runtime.shutdown()``, or the parent's in a
+        forked child) binds to the new one: its shared buffers went with the old server."""
         with self._lock:
-            if self._server is None:
+            if self._server is None or (self._server is not server and self._server.closed):
                 self._server = server
             elif self._server is not server:
                 raise ValueError(f"GraphPool {self.id} belongs to server {self._server.name}; "

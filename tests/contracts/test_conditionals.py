@@ -4,6 +4,8 @@ nodes inside one, evaluated on the device at every replay; checked against numpy
 eager run (hypothesis), nested to depth 2, with the iteration limit a typed failure.
 """
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -131,6 +133,51 @@ def test_wgpu_loop_needs_max_iterations():
         _countdown(c, b, None)()
     _countdown(c, b, 4)()                              # the window goes on
     g = c.stop_capture()
+    g.replay()
+    np.testing.assert_array_equal(c.read(b["y"]), np.full(N, 2, np.float32))
+
+
+def test_wgpu_refuses_a_loop_too_big_to_unroll_instead_of_building_it_for_ever():
+    """ADV4: wgpu unrolls a recorded loop to ``max_iterations`` gated copies of its body, built
+    on the server's owner thread when the node closed: ``max_iterations=2**40`` never returned
+    (every other client waited behind it), 10**5 took 7 s and 0.9 GB. Past
+    ``MAX_UNROLLED`` dispatches (nested loops multiply) ``stop_capture`` raises ``LaunchError``
+    at once and the stream works on; a loop within it records as before."""
+    from runtime.backends import wgpu as wgpu_mod
+    from runtime.testing import backend_unavailable
+
+    if backend_unavailable("wgpu"):
+        pytest.skip(backend_unavailable("wgpu"))
+    c = runtime.client("wgpu").with_stream(runtime.StreamId.new())
+    other = runtime.client("wgpu").with_stream(runtime.StreamId.new())
+    z = other.create(np.full(N, 7, np.float32))
+    b = _bufs(c, cnt=i32(2), inner=i32(0), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
+    for shape in ("flat", "nested"):
+        out = {}
+
+        def record():
+            try:
+                c.graph_prepare()
+                c.start_capture()
+                if shape == "flat":
+                    _countdown(c, b, 2**40)()
+                else:                                   # 1,000 x 1,000: each alone is fine
+                    c.capture_while(b["cnt"], lambda: c.capture_while(
+                        b["inner"], lambda: c.launch(K.accumulate, 1, [b["x"], b["y"]],
+                                                     {"n": N}), 1000), 1000)
+                c.stop_capture()
+            except BaseException as e:  # noqa: BLE001 - checked below
+                out["error"] = e
+        t = threading.Thread(target=record, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), f"the {shape} loop is still being unrolled after 30 s"
+        assert isinstance(out.get("error"), LaunchError), out
+        assert "MAX_UNROLLED" in str(out["error"])
+        np.testing.assert_array_equal(other.read(z), np.full(N, 7, np.float32))
+    assert wgpu_mod.MAX_UNROLLED >= 1 << 19
+    g = capture(c, _countdown(c, b, 4), warmup=False)   # the stream records again
+    c.write(b["cnt"], i32(2))
     g.replay()
     np.testing.assert_array_equal(c.read(b["y"]), np.full(N, 2, np.float32))
 

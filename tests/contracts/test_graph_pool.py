@@ -304,3 +304,25 @@ def test_an_instance_that_keeps_pool_buffers_joins_the_pool_and_stays_on_its_str
     inst.release()
     c.sync()
     assert pool.memory_usage()["graphs"] == 2
+
+
+def test_a_pool_whose_server_stopped_serves_the_next_server():
+    """ADV4: a ``GraphPool`` stayed bound to the first server that captured into it, so after
+    ``runtime.shutdown()`` (or in a forked child: tests/test_fork.py) every capture into a
+    module-level pool raised ``ValueError: GraphPool 1 belongs to server runtime-cpu:0``: the
+    pool was unusable for ever. Its shared buffers went with that server; it binds to the next.
+    A pool still bound to a live server keeps refusing another one."""
+    pool = runtime.GraphPool()
+    for _ in range(2):                          # a server, stopped; then a new one
+        c = _private().with_stream(runtime.StreamId.new())
+        xs, outs = _setup(c, (256,))
+        g = _graph(c, xs[256], outs[256], 256, 1.0, 2.0, pool)
+        g.replay()
+        np.testing.assert_array_equal(c.read(outs[256]), (np.arange(256) + 1) * 2)
+        assert pool.memory_usage()["graphs"] == 1
+        other = runtime.client("cpu", max_idle_bytes=(1 << 30) + 27).with_stream(
+            runtime.StreamId.new())
+        with pytest.raises(ValueError, match="belongs to server"):
+            other.graph_prepare(pool=pool)
+        other.shutdown()
+        c.shutdown()

@@ -495,8 +495,9 @@ class CpuBackend(Backend):
         """The copy, at once, when ``stream`` is idle under the thread scheduler, after running
         its queued ``TINY`` work here (:meth:`flush`; see ``Backend.copy_out_now``); the
         interleaving schedulers order every copy themselves. With ``dtype`` (whose itemsize
-        divides ``nbytes``) it copies the buffer's typed view (cached in ``buf.views``, bounded
-        by :data:`MAX_VIEWS`): one numpy call instead of a slice, a copy and a view."""
+        divides ``nbytes``) it copies the buffer's typed view (cached in ``buf.views`` by
+        ``nbytes``, the latest dtype asked for; bounded by :data:`MAX_VIEWS`): one numpy call
+        instead of a slice, a copy and a view."""
         if stream.q:
             self.flush(stream)
         if stream.q or stream.busy or stream.errors or not self._threaded or self.closed:
@@ -504,13 +505,13 @@ class CpuBackend(Backend):
         if dtype is None:
             return buf.data[:nbytes].copy()
         views = buf.views
-        v = views.get((nbytes, dtype))
-        if v is None:
+        v = views.get(nbytes)               # (an int key: a dtype hashes slower)
+        if v is None or v.dtype is not dtype:
             if nbytes % dtype.itemsize:
                 return buf.data[:nbytes].copy()
             if len(views) >= MAX_VIEWS:
                 views.clear()
-            v = views[(nbytes, dtype)] = buf.data[:nbytes].view(dtype)
+            v = views[nbytes] = buf.data[:nbytes].view(dtype)
         return v.copy()
 
     def copy_out(self, stream, buf, nbytes):

@@ -341,13 +341,14 @@ class Marks:
     @staticmethod
     def clean(st) -> bool:
         """Whether handle state ``st``'s mark is final and clean (its writer ran, with no
-        failure and no unfinished parents, as far as known now); such a mark is replaced by
+        failure and no unfinished parents, as far as known now: its stream ran past it, or the
+        backend said it ran, ``Mark.ran``); such a mark is replaced by
         ``CLEAN``, so the next test is one identity check."""
         m = st.mark
         if m is CLEAN:
             return True
         if m._error is None and not m.parents and m.stream is not None and (
-                m.pos <= m.stream.done_pos):
+                m.pos <= m.stream.done_pos or m.ran):
             st.mark = CLEAN
             return True
         return False

@@ -27,6 +27,15 @@ one message in the queue, not 100,000, and a release never runs before a message
 it (a launch using the handle it frees). A batch message runs at most ``RELEASE_BATCH`` units
 and, if more are left, queues itself again behind the messages that arrived meanwhile: a
 blocking call of another client waits for at most one batch.
+
+Deferred work (``lazy``, issue 26): the owner may leave work for the next owner (the server's
+replay of tiny work on an idle stream, made while nothing was queued): a list of at most
+``LAZY_MAX`` items that every owner runs (``run_lazy``) before anything else it does under the
+lock: before the first message of a drain, before the message it runs on the combining path,
+and on the server's own entries (read, launch, replay, sync). So no message, and no entry,
+ever runs before deferred work that was recorded before it: the work runs later than it was
+asked for, never out of order and never unseen. Nothing wakes the device thread for it (the
+next call into the server, from any thread, runs it).
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ MAX_BYTES = 256 << 20
 MAX_LOAD = 256
 #: release units (a free is 1, a graph destroy 1 + its handles / 8) run per release message.
 RELEASE_BATCH = 256
+#: deferred items (``DeviceQueue.lazy``) past which the owner that defers one runs them all.
+LAZY_MAX = 16
 #: seconds the device thread waits for the owner lock before it checks whether a thread that
 #: was interrupted left it held (``DeviceQueue._take_owner``).
 OWNER_CHECK_S = 1.0
@@ -130,6 +141,10 @@ class DeviceQueue:
         #: errors still queued when the server closed: raised, once, with the next
         #: ``ServerClosed`` (never dropped by a shutdown; set by the server's last message)
         self.leftover: list = []
+        #: deferred work (module doc): appended and run by the owner only
+        self.lazy: list = []
+        #: runs and empties ``lazy`` (owner only; set by the server: ``ComputeServer._run_lazy``)
+        self.run_lazy = self.lazy.clear
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _QUEUES.add(self)
@@ -194,6 +209,8 @@ class DeviceQueue:
         elif not q and self._owner.acquire(False):
             if not q and not self.closed:   # idle: run it here, with nothing queued to wrap
                 try:
+                    if self.lazy:
+                        self.run_lazy()
                     fn(*args)
                 except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                     self._die(e)
@@ -325,6 +342,8 @@ class DeviceQueue:
         if not q and self._owner.acquire(False):
             if not q and not self.closed:   # idle: run it here, no slot (the combining path)
                 try:
+                    if self.lazy:
+                        self.run_lazy()
                     return fn(*args)
                 except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                     self._die(e)
@@ -434,6 +453,8 @@ class DeviceQueue:
         q = self._q
         while True:
             try:
+                if self.lazy and not self.closed:
+                    self.run_lazy()         # deferred work first (module doc)
                 while q and not self.closed:
                     fn, args, slot = q.popleft()
                     try:
@@ -516,6 +537,7 @@ class DeviceQueue:
             self._room.notify_all()
 
     def _fail_pending(self) -> None:
+        self.lazy.clear()               # deferred work of a stopped server: its reads raise
         while self._q:
             try:
                 _, _, slot = self._q.popleft()

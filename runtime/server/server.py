@@ -30,7 +30,7 @@ from .capture import merge
 from .marks import CLEAN, Mark, Marks
 from .memory import GraphPool, Pool
 from . import queue as queue_mod
-from .queue import DeviceQueue
+from .queue import LAZY_MAX, DeviceQueue
 
 _graph_ids = itertools.count(1)
 
@@ -124,6 +124,7 @@ class ComputeServer:
         self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
                                  reentrant=getattr(backend, "reentrant", None),
                                  in_kernel=getattr(backend, "in_kernel", None))
+        self.queue.run_lazy = self._run_lazy
         backend.on_room = self.queue.notify_room
         backend.on_broken = self.queue._check_backend    # (cpu: an interrupted helper)
         watch_thread_ends(self)
@@ -399,6 +400,8 @@ class ComputeServer:
         if not queue._q and queue._owner.acquire(False):
             try:
                 if not queue._q and not queue.closed:
+                    if queue.lazy:
+                        self._run_lazy()
                     return self.h_read(sid, hid, dtype)
             except queue.FATAL as e:
                 queue._die(e)
@@ -406,8 +409,12 @@ class ComputeServer:
             except BaseException:
                 queue._check_backend()      # (its flush interrupted: CpuBackend.broken)
                 raise
-            finally:
-                queue._release()
+            finally:                        # (DeviceQueue._release, inlined)
+                queue._owner.release()
+                if queue.room_waiters:
+                    queue.notify_room()
+                if queue._q and not queue.closed and queue._owner.acquire(False):
+                    queue._drain()
         return BUSY
 
     queue_mod.OWNER_CODES.add(read.__code__)        # it takes the owner lock (queue.py)
@@ -483,6 +490,8 @@ class ComputeServer:
         if not queue._q and queue._owner.acquire(False):
             try:
                 if not queue._q and not queue.closed:
+                    if queue.lazy:
+                        self._run_lazy()
                     return self.h_launch(sid, kernel, count, hids, params)
             except queue.FATAL as e:
                 queue._die(e)
@@ -658,6 +667,8 @@ class ComputeServer:
         if queue._q or not queue._owner.acquire(False):
             return False
         try:
+            if queue.lazy:
+                self._run_lazy()
             s = self.streams.get(sid)
             if (s is None or s.window is not None or s.errors or self.marks.async_errors
                     or self.checker is not None or self.backend.failures
@@ -832,16 +843,15 @@ class ComputeServer:
     def replay(self, gid: int):
         """``Graph.replay``'s entry. While the server is idle the caller runs it, holding the
         owner lock (``DeviceQueue.call``'s combining path, written out: a replay is the hot path
-        of issue 26); then a replay of tiny work on an idle stream runs at once, on this thread
-        (``Backend.launch_graph_now``: no mark, no hand-off; a failure is recorded as one found
-        at execution: on the stream and on the graph's write set), when nothing needs the
-        enqueue path: no capture window on the stream, no freed handle, no first-replay fences,
-        no buffer written only inside conditional nodes, no checker, no source whose mark may
-        carry a failure. Everything else goes to :meth:`h_replay`. Returns what ``h_replay``
-        returns (None when it ran at once) and raises what it raises (``ServerClosed`` once the
-        server stopped); :data:`BUSY` when the server was not idle: the caller then makes the
-        blocking ``call(h_replay, gid)`` itself (so no frame of this function, one of the owner
-        lock's holders, ``queue.OWNER_CODES``, is on a stack that only waits)."""
+        of issue 26). A replay of tiny work (``graph.inline``: the cpu backend's) that would not
+        raise here (no capture window on its stream, no freed handle) is deferred: appended to
+        ``queue.lazy``, run by the next owner before anything else (:meth:`_run_lazy`: at once on that thread when nothing needs the enqueue path, else
+        enqueued), so no read, launch, sync or message ever runs before it. Everything else goes
+        to :meth:`_enqueue_replay`. Returns what ``h_replay`` returns
+        (None when deferred) and raises what it raises (``ServerClosed`` once the server
+        stopped); :data:`BUSY` when the server was not idle: the caller then makes the blocking
+        ``call(h_replay, gid)`` itself (so no frame of this function, one of the owner lock's
+        holders, ``queue.OWNER_CODES``, is on a stack that only waits)."""
         queue = self.queue
         if not queue._q and queue._owner.acquire(False):
             try:
@@ -850,28 +860,17 @@ class ComputeServer:
                     if g is None:
                         return self.h_replay(gid)
                     s = self.streams[g.stream]
-                    if (getattr(g.graph, "inline", True) and s.window is None and not g.freed
+                    # deferred when tiny and nothing sends it down the enqueue path but maybe
+                    # its sources, decided when it runs (a deferred replay before it may fail)
+                    if (getattr(g.graph, "inline", False) and s.window is None and not g.freed
                             and not g.fences and not g.mstates and self.checker is None):
-                        for st in g.sstates:    # a source's mark may carry a failure
-                            if st.mark is not CLEAN and self._marked_sources(g):
-                                break
-                        else:
-                            try:
-                                ran = self.backend.launch_graph_now(s.raw, g.graph)
-                            except LaunchError as e:    # it ran and failed: as if found at
-                                failed = Mark(g.op).fail(e)     # execution
-                                s.errors.append(failed)
-                                fold_errors(s.errors)   # a stream that never blocks: bounded
-                                self.marks.fail(g.wstates, g.op, failed)
-                                s.pos += 1
-                                s.done_pos = g.last_pos = s.pos
-                                return None
-                            if ran:
-                                s.pos += 1
-                                s.done_pos = g.last_pos = s.pos
-                                for st in g.wstates:
-                                    st.mark = CLEAN
-                                return None
+                        lazy = queue.lazy
+                        lazy.append(g)
+                        if len(lazy) >= LAZY_MAX:
+                            self._run_lazy()
+                        return None
+                    if queue.lazy:
+                        self._run_lazy()
                     return self._enqueue_replay(g, s)
             except queue.FATAL as e:
                 queue._die(e)
@@ -885,6 +884,55 @@ class ComputeServer:
         return BUSY
 
     queue_mod.OWNER_CODES.add(replay.__code__)      # it takes the owner lock (queue.py)
+
+    def _run_lazy(self) -> None:
+        """Owner only: run the deferred replays (``queue.lazy``, :meth:`replay`) in order. One
+        whose stream is idle and none of whose sources' marks may carry a failure (a failed
+        deferred replay before it marks its outputs, so a replay reading them inherits) runs
+        at once on this thread (``Backend.launch_graph_now``: no
+        mark, no hand-off; a failure is recorded as one found at execution: on the stream, which
+        the next blocking call raises, and on the graph's write set, ``ReplayFailed`` on read);
+        the others go to :meth:`_enqueue_replay`. Nothing ran between a deferral and here (every
+        owner runs this first), so each replay sees the state its deferral checked. An error
+        escaping one is a fire-and-forget error and marks its write set. An asynchronous
+        exception (KeyboardInterrupt) landing here may have lost one: the server stops
+        (``ServerClosed`` for every call) rather than answer from stale buffers."""
+        lazy = self.queue.lazy
+        try:
+            for g in lazy:      # (nothing appends meanwhile: this thread holds the owner lock)
+                s = self.streams[g.stream]
+                for st in g.sstates:        # a source's mark may carry a failure
+                    if st.mark is not CLEAN and self._marked_sources(g):
+                        break
+                else:
+                    try:
+                        ran = self.backend.launch_graph_now(s.raw, g.graph)
+                    except LaunchError as e:    # it ran and failed: as if found at execution
+                        failed = Mark(g.op).fail(e)
+                        s.errors.append(failed)
+                        fold_errors(s.errors)   # a stream that never blocks: bounded
+                        self.marks.fail(g.wstates, g.op, failed)
+                        s.pos += 1
+                        s.done_pos = g.last_pos = s.pos
+                        continue
+                    if ran:
+                        s.pos += 1
+                        s.done_pos = g.last_pos = s.pos
+                        for st in g.wstates:
+                            st.mark = CLEAN
+                        continue
+                try:
+                    self._enqueue_replay(g, s)
+                except Exception as e:  # noqa: BLE001 - a fire-and-forget's error
+                    err = e if isinstance(e, ServerError) else UnsupportedError(
+                        f"deferred replay of graph {g.id} failed on {self.backend.name}: {e!r}")
+                    self.marks.fail(g.wstates, g.op, Mark(g.op).fail(err))
+                    self._on_async_error(err)
+        except BaseException as e:
+            lazy.clear()
+            self.queue._die(e)
+            raise
+        lazy.clear()
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
@@ -985,14 +1033,15 @@ class ComputeServer:
     @staticmethod
     def _marked_sources(g) -> list:
         """``[(handle id, Mark)]`` of the sources of graph ``g`` (buffers it reads before it
-        writes them) whose marks may carry a failure: marks known final and clean are skipped."""
+        writes them) whose marks may carry a failure: marks known final and clean (their
+        stream ran past them, or the backend said they ran: ``Mark.ran``) are skipped."""
         reads = []
         for st in g.sstates:                # (Marks.clean's test, inlined: every replay)
             m = st.mark
             if m is CLEAN:
                 continue
             if (m._error is not None or m.parents or m.stream is None
-                    or m.pos > m.stream.done_pos):
+                    or m.pos > m.stream.done_pos and not m.ran):
                 reads.append((st.id, m))
             else:
                 st.mark = CLEAN                 # final and clean: the cheap test next time

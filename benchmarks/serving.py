@@ -53,7 +53,7 @@ Usage::
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
                                  [--paths graph,eager,sentence-transformers] [--rounds 1]
                                  [--isolate] [--batch-buckets 1,2,3,4,6,8,12,16,24,32]
-                                 [--seq-buckets 16,24,32,64,256] [--streams 1]
+                                 [--seq-buckets 8,12,16,20,24,32,64,256] [--streams 1]
                                  [--contention 0]
 
 ``--streams N`` serves the graph and eager paths with N copies of the model, each on its own
@@ -91,14 +91,17 @@ from runtime.serving.demo import SENTENCES  # noqa: E402
 
 ST = "sentence-transformers"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-SHORT = [s for s in SENTENCES if len(s) < 200]     # all within the 16/32-token buckets
+SHORT = [s for s in SENTENCES if len(s) < 200]     # 2-20 tokens each
 # denser than the batcher's default (1, 2, 4, 8, 16, 32): less padding for 20 graphs instead of
 # 12 (on 2 cores, 10-15% more requests/s at 8 clients; +260 MB, 5.8 s of captures)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# a 24-token bucket between 16 and 32: the benchmark's texts of 17-20 tokens ran padded to 32
-# (1.6x their tokens; sentence-transformers pads to the longest text of each batch), so on 2
-# cores beside 2 busy processes a 12-text batch of them cost 82 ms at 32 against 60 at 24
-SEQ_BUCKETS = (16, 24, 32, 64, 256)
+# a sequence bucket every 4 tokens up to 24 (sentence-transformers pads each batch to its
+# longest text; a cpu forward costs about its padded rows): the benchmark's texts of 2-20 tokens
+# ran padded to 16 or 24 (1.3x their tokens at one client), now to at most 3 more; measured
+# against (16, 24, 32, ...) alternating, no busy loops, 2 streams: CPU per request 16.6 vs 18.4
+# ms at 1 client, 12.5 vs 12.9 at 8, 7.6 vs 7.8 at 64 (/work/notes/issue-30-s6.md). On cpu the
+# extra graphs cost little memory (one arena and GraphPool per model), a capture each.
+SEQ_BUCKETS = (8, 12, 16, 20, 24, 32, 64, 256)
 WARMUP_SEQ = 32                     # the warm-up captures every batch bucket up to this length
 WARMUP = [(b, s) for s in SEQ_BUCKETS if s <= WARMUP_SEQ for b in BATCH_BUCKETS]
 MAX_PADDING = "auto"                # Batcher(max_padding=) of the graph and eager paths

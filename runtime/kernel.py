@@ -228,7 +228,11 @@ class Kernel:
             if p.dtype == "f32":
                 out.append(float(v))
             else:
-                iv = int(v)
+                try:
+                    iv = int(v)
+                except (OverflowError, ValueError):         # inf, nan
+                    raise ValueError(f"kernel {self.name}: param {p.name} ({p.dtype}) must be an "
+                                     f"integer, got {v!r}") from None
                 if iv != v:
                     raise ValueError(f"kernel {self.name}: param {p.name} ({p.dtype}) must be an integer, got {v!r}")
                 lo, hi = (0, 2**32 - 1) if p.dtype == "u32" else (-2**31, 2**31 - 1)

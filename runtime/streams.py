@@ -8,6 +8,7 @@ Imports nothing of the runtime."""
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import threading
 import weakref
@@ -89,6 +90,18 @@ class StreamId(int):
     """
 
     __slots__ = ()
+
+    def __new__(cls, value=0):
+        # an integer only: StreamId(1.5) named stream 1 (another's), StreamId(inf) raised
+        # OverflowError; operator.index takes ints and numpy integers, refuses the rest
+        if value.__class__ is not int:
+            if isinstance(value, bool):
+                raise TypeError(f"StreamId takes an int, got {value!r}")
+            try:
+                value = operator.index(value)
+            except TypeError:
+                raise TypeError(f"StreamId takes an int, got {value!r}") from None
+        return super().__new__(cls, value)
 
     @classmethod
     def new(cls) -> "StreamId":

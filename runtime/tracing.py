@@ -88,8 +88,9 @@ class Tracer:
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY):
-        if capacity < 1:
-            raise ValueError(f"a trace keeps >= 1 events, got capacity={capacity}")
+        if capacity < 1 or capacity > sys.maxsize:
+            raise ValueError(f"a trace keeps >= 1 events (at most sys.maxsize), got "
+                             f"capacity={capacity}")
         self.capacity = capacity
         self.ring: collections.deque = collections.deque(maxlen=capacity)
         self.emitted = 0

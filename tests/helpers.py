@@ -61,12 +61,23 @@ def captured_add_one(c):
     return x, y, c.stop_capture()
 
 
+#: modules of ``runtime.kernels`` whose kernels are cpu-only by design (their docstring says
+#: so: no WGSL or CUDA source; the cpu panel matmul of issue 30)
+CPU_ONLY_MODULES = ("runtime.kernels.panels",)
+
+
 def library_kernels() -> dict:
     """Every Kernel of ``runtime.kernels``, by qualified name: each module's Kernel attributes and
     the Kernels in its dict attributes (the matmul tile variants), plus the attention kernels for
-    head dims 24 and 64 (``attention_for`` builds them on demand; 32 is ``attention``)."""
+    head dims 24 and 64 (``attention_for`` builds them on demand; 32 is ``attention``). Not the
+    kernels of :data:`CPU_ONLY_MODULES` (checked to have no GPU source at all)."""
     found = {}
     for info in pkgutil.walk_packages(K.__path__, K.__name__ + "."):
+        if info.name in CPU_ONLY_MODULES:
+            module = importlib.import_module(info.name)
+            assert not [a for a, v in vars(module).items()
+                        if isinstance(v, Kernel) and (v.wgsl or v.cuda)], info.name
+            continue
         module = importlib.import_module(info.name)
         for attr, value in vars(module).items():
             values = value.items() if isinstance(value, dict) else [(None, value)]

@@ -56,7 +56,11 @@ class Pool:
         self.bytes_reserved = 0
         self.bytes_in_use = 0
         self.idle_bytes = 0
-        self.max_idle = MAX_IDLE if max_idle is None else int(max_idle)
+        try:
+            self.max_idle = MAX_IDLE if max_idle is None else int(max_idle)
+        except OverflowError:                               # inf
+            raise ValueError(f"max_idle_bytes must be a number of bytes, got {max_idle!r}") \
+                from None
         #: called with each slot :meth:`trim` gives back to the device (the checker forgets it)
         self.on_free = None
 

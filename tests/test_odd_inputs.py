@@ -1,0 +1,59 @@
+"""Odd values to public calls are typed errors at the call (ADV4, /tmp/adv4/p_fuzz.py: every
+public call with None, +-2**70, 1.5, nan, inf, bytes, numpy scalars and arrays, containers).
+
+Before: an integer param given ``inf`` (``launch``, ``Graph.update``) raised OverflowError;
+``StreamId(1.5)`` named stream 1 (someone else's) and ``StreamId(inf)`` raised OverflowError;
+``runtime.trace(capacity=2**70)`` raised OverflowError; ``runtime.client(max_idle_bytes=inf)``
+raised OverflowError and left the backend's worker threads running (any failure after the
+backend was made did).
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+
+
+def test_an_integer_param_that_is_not_finite_is_a_value_error():
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.ones(4, np.float32))
+    y = c.create(np.zeros(4, np.float32))
+    for bad in (float("inf"), float("-inf"), float("nan"), np.float32("inf")):
+        with pytest.raises(ValueError, match="param n"):
+            c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": bad})
+    c.graph_prepare()
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    g = c.stop_capture()
+    with pytest.raises(ValueError, match="param n"):
+        g.update(params={0: {"n": float("inf")}})
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(4, 2, np.float32))
+
+
+def test_a_stream_id_is_made_from_an_integer_only():
+    for bad in (1.5, float("inf"), "3", True, None, [1]):
+        with pytest.raises(TypeError, match="StreamId takes an int"):
+            runtime.StreamId(bad)
+    assert runtime.StreamId(np.int64(3)) == 3 and runtime.StreamId(7) == 7
+    assert runtime.StreamId(2**70) == 2**70          # a plain name, however large
+    assert runtime.StreamId.new() > 0
+
+
+def test_a_trace_capacity_past_what_a_ring_holds_is_a_value_error():
+    with pytest.raises(ValueError, match="capacity"):
+        with runtime.trace(capacity=2**70):
+            pass
+    with runtime.trace(capacity=8):                  # tracing was not left on
+        pass
+
+
+def test_a_bad_max_idle_bytes_is_a_value_error_and_leaves_no_threads():
+    before = threading.active_count()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="max_idle_bytes"):
+            runtime.client("cpu", max_idle_bytes=float("inf"))
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]

@@ -74,13 +74,14 @@ class Graph:
 
         Blocks only until the device thread has accepted the enqueue (not until the device ran
         it); read an output or ``sync`` on the capture stream to wait for the results. On the
-        cpu backend a replay of tiny launches (64 KiB touched in all) costing at most 4 calls on
-        an idle stream runs at once on the calling thread instead, so it returns with its work
-        done (a run of fused pointwise launches counts as one call plus its work: a replay of
-        10 or 100 small fused launches qualifies; issue 26: cheaper than the hand-off; its
-        failures are still
-        reported as a failure found at execution). Waits for room afterwards while the device
-        queue is full (design.md section 1).
+        cpu backend a replay of tiny launches (64 KiB touched in all) costing at most 4 calls
+        (a run of fused pointwise launches counts as one call plus its work: a replay of 10 or
+        100 small fused launches qualifies) on an idle server is deferred instead (issue 26:
+        cheaper than the hand-off): recorded, and run by the next call into the server from
+        any thread before anything else that call does (at the latest when 16 are pending), at
+        once on that thread when its stream is idle; its failures are reported as a failure
+        found at execution. Waits for room afterwards while the device queue is full
+        (design.md section 1).
 
         Returns: None.
         Raises:

@@ -244,6 +244,12 @@ class Backend:
         """Enqueue one dispatch of ``program`` on ``stream``; ``mark``: see the module doc."""
         raise NotImplementedError
 
+    def defers(self, kernel, nbytes: int) -> bool:
+        """Whether a launch of ``kernel`` over buffers of ``nbytes`` bytes in all is work so
+        small that running it at the server's next entry costs less than anything else done
+        now (``ComputeServer.launch`` defers it: ``DeviceQueue.lazy``). Default: False."""
+        return False
+
     def launch_now(self, stream, program, count, args, params: tuple) -> bool:
         """Run one dispatch at once on the calling thread (the server's owner) instead of
         enqueuing it, where that is cheaper than a hand-off and keeps the stream's order (its

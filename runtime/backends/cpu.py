@@ -565,6 +565,11 @@ class CpuBackend(Backend):
                       else _RUN,
                       lambda: _run_launch(fn, views, kwargs, count, name, mark), small)
 
+    def defers(self, kernel, nbytes):
+        """A plain kernel (a ``bind``: numpy calls only) touching at most :data:`TINY_BYTES`
+        under the thread scheduler: what :meth:`launch_now` runs at once (issue 26)."""
+        return nbytes <= TINY_BYTES and self._threaded and hasattr(kernel.cpu, "bind")
+
     def launch_now(self, stream, program, count, args, params):
         """Run a ``TINY`` launch of a plain kernel (numpy calls only, at most
         :data:`TINY_BYTES` touched) on the calling thread when ``stream`` is idle and the thread

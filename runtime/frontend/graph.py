@@ -29,10 +29,11 @@ class _Owner:
             return              # the parent may have held the lock at the fork: never taken)
         with self.lock:
             self.count -= 1
-            last = self.count == 0
-        if last and not self.server.closed:
-            # enqueue only: the server destroys it after the work already enqueued against it
-            self.server.release(self.server.h_graph_destroy, self.id)
+            if self.count == 0 and not self.server.closed:
+                # enqueue only (never blocks): the server destroys it after the work already
+                # enqueued against it. Inside the with: an asynchronous exception landing after
+                # the lock's release (a signal handler's) can no longer lose it
+                self.server.release(self.server.h_graph_destroy, self.id)
 
 
 class Graph:
@@ -59,25 +60,28 @@ class Graph:
     __slots__ = ("_owner", "id", "stream", "is_hardware", "_released", "__weakref__")
 
     def __init__(self, owner: _Owner, stream, is_hardware: bool):
-        owner.acquire()
+        self._released = True           # (until counted below: __del__ drops nothing)
         self._owner = owner
         self.id = owner.id
         self.stream = stream
         self.is_hardware = is_hardware
-        self._released = False
+        with owner.lock:                # counted and live together, no call in between: an
+            owner.count += 1            # asynchronous exception cannot leave a count that no
+            self._released = False      # clone will ever drop (the graph kept for ever)
 
     def replay(self) -> None:
         """Replay the recorded launches on the capture stream.
 
         Blocks only until the device thread has accepted the enqueue (not until the device ran
         it); read an output or ``sync`` on the capture stream to wait for the results. On the
-        cpu backend a replay of tiny launches (64 KiB touched in all) costing at most 4 calls on
-        an idle stream runs at once on the calling thread instead, so it returns with its work
-        done (a run of fused pointwise launches counts as one call plus its work: a replay of
-        10 or 100 small fused launches qualifies; issue 26: cheaper than the hand-off; its
-        failures are still
-        reported as a failure found at execution). Waits for room afterwards while the device
-        queue is full (design.md section 1).
+        cpu backend a replay of tiny launches (64 KiB touched in all) costing at most 4 calls
+        (a run of fused pointwise launches counts as one call plus its work: a replay of 10 or
+        100 small fused launches qualifies) on an idle server is deferred instead (issue 26:
+        cheaper than the hand-off): recorded, and run by the next call into the server from
+        any thread before anything else that call does (at the latest when 16 are pending), at
+        once on that thread when its stream is idle; its failures are reported as a failure
+        found at execution. Waits for room afterwards while the device queue is full
+        (design.md section 1).
 
         Returns: None.
         Raises:

@@ -170,6 +170,8 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
         cls = backend_class(name)
         check = bool(options.pop("check", False))
         max_idle = options.pop("max_idle_bytes", None)
+        for k in [k for k, old in _servers.items() if old.closed]:
+            del _servers[k]             # stopped servers (client.shutdown()): bounded by live ones
         be = cls(device, **options)
         try:
             srv = ComputeServer(be, f"runtime-{name}:{device}", check=check,

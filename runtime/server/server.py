@@ -482,14 +482,33 @@ class ComputeServer:
         """``ComputeClient.launch``'s entry: :meth:`h_launch` on the caller's thread while the
         server is idle (``DeviceQueue.submit``'s combining path written out, as :meth:`replay`;
         what escapes the handler goes where a fire-and-forget message's error goes:
-        ``_on_async_error``, the next blocking call). Returns what ``h_launch`` returns (True:
-        enqueued, the caller then looks for room in the queue), or :data:`BUSY` when the server
-        was not idle: the caller then submits it (``DeviceQueue.submit``, which waits for room
-        first; ``ServerClosed`` once the server stopped)."""
+        ``_on_async_error``, the next blocking call). A launch of tiny work (``Backend.defers``:
+        the cpu backend's plain kernels over at most 64 KiB; not indirect, no checker) is
+        deferred instead, as a replay is (:meth:`replay`): appended to ``queue.lazy`` and run
+        through ``h_launch`` by the next owner before anything else, so nothing runs before it
+        (``h_launch`` raises nothing to the caller either way: its errors are queued on the
+        stream). Returns what ``h_launch`` returns (True: enqueued, the caller then looks for
+        room in the queue; None when deferred), or :data:`BUSY` when the server was not idle:
+        the caller then submits it (``DeviceQueue.submit``, which waits for room first;
+        ``ServerClosed`` once the server stopped)."""
         queue = self.queue
         if not queue._q and queue._owner.acquire(False):
             try:
                 if not queue._q and not queue.closed:
+                    if count.__class__ is tuple:    # tiny work: deferred (as in replay)
+                        handles, nbytes = self.handles, 0
+                        for hid in hids:
+                            st = handles.get(hid)
+                            if st is None:
+                                break
+                            nbytes += st.nbytes
+                        else:
+                            if self.checker is None and self.backend.defers(kernel, nbytes):
+                                lazy = queue.lazy
+                                lazy.append((sid, kernel, count, hids, params))
+                                if len(lazy) >= LAZY_MAX:
+                                    self._run_lazy()
+                                return None
                     if queue.lazy:
                         self._run_lazy()
                     return self.h_launch(sid, kernel, count, hids, params)
@@ -886,7 +905,8 @@ class ComputeServer:
     queue_mod.OWNER_CODES.add(replay.__code__)      # it takes the owner lock (queue.py)
 
     def _run_lazy(self) -> None:
-        """Owner only: run the deferred replays (``queue.lazy``, :meth:`replay`) in order. One
+        """Owner only: run the deferred launches (``h_launch``) and replays (``queue.lazy``,
+        :meth:`launch`, :meth:`replay`) in order. A replay
         whose stream is idle and none of whose sources' marks may carry a failure (a failed
         deferred replay before it marks its outputs, so a replay reading them inherits) runs
         at once on this thread (``Backend.launch_graph_now``: no
@@ -900,6 +920,12 @@ class ComputeServer:
         lazy = self.queue.lazy
         try:
             for g in lazy:      # (nothing appends meanwhile: this thread holds the owner lock)
+                if g.__class__ is tuple:    # a deferred launch (:meth:`launch`)
+                    try:
+                        self.h_launch(*g)
+                    except Exception as e:  # noqa: BLE001 - as in launch: a fire-and-forget's
+                        self._on_async_error(e)
+                    continue
                 s = self.streams[g.stream]
                 for st in g.sstates:        # a source's mark may carry a failure
                     if st.mark is not CLEAN and self._marked_sources(g):

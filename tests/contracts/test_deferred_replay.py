@@ -1,7 +1,7 @@
-"""A deferred replay is never seen out of order and never silent (issue 26).
+"""A deferred replay or launch is never seen out of order and never silent (issue 26).
 
-On the cpu backend a replay of tiny work on an idle server is deferred: ``Graph.replay`` records
-it (``DeviceQueue.lazy``) and returns; whoever takes the server's owner lock next runs it before
+On the cpu backend a replay or launch of tiny work on an idle server is deferred:
+``Graph.replay`` / ``ComputeClient.launch`` records it (``DeviceQueue.lazy``) and returns; whoever takes the server's owner lock next runs it before
 anything else it does (a read, a launch, a sync, a write, a capture, a release, any queued
 message, the shutdown). These tests give each of those entries a deferred replay to run first,
 make deferred replays fail in the middle of a run of them (the replays after a failed one must
@@ -98,7 +98,8 @@ def test_a_replay_of_tiny_work_is_deferred_and_every_entry_runs_it_first(c):
         g.replay()
         assert len(_lazy(c)) == 1, f"{name}: the replay was not deferred"
         entry()
-        assert not _lazy(c), f"{name} did not run the deferred replay first"
+        if name != "launch":                   # (a tiny launch is deferred too, behind it)
+            assert not _lazy(c), f"{name} did not run the deferred replay first"
         np.testing.assert_array_equal(c.read(y), ref, err_msg=name)
         if name == "launch":                   # it read y after the replay wrote it
             np.testing.assert_array_equal(c.read(z), 2 * ref)
@@ -248,3 +249,40 @@ def test_the_shutdown_runs_deferred_replays_and_then_every_call_raises():
         c.read(s)
     with pytest.raises(ServerClosed):
         g.replay()
+
+
+def test_deferred_launches_run_in_order_with_replays_and_inherit_failures(c):
+    x = c.create(np.ones(N, np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    z = c.create(np.zeros(N, np.float32))
+    g = _captured(c, DOUBLE, [y, z])            # z = 2y
+    c.write(x, np.full(N, -1, np.float32))
+    c.sync()
+    c.launch(DOUBLE, K.grid(N), [x, y], {"n": N})       # deferred; fails when it runs
+    g.replay()                                          # deferred; reads the failed y
+    c.launch(K.add_scalar, K.grid(N), [z, x], {"alpha": 1.0, "n": N})  # reads z: inherits
+    assert len(_lazy(c)) == 3
+    for h in (y, z, x):
+        with pytest.raises(ReplayFailed):
+            c.read(h)
+    c.sync()
+    c.write(x, np.full(N, 2, np.float32))               # fine again: all three land in order
+    c.launch(DOUBLE, K.grid(N), [x, y], {"n": N})
+    g.replay()
+    c.launch(K.add_scalar, K.grid(N), [z, x], {"alpha": 1.0, "n": N})
+    np.testing.assert_array_equal(c.read(x), np.full(N, 9, np.float32))
+    np.testing.assert_array_equal(c.read(z), np.full(N, 8, np.float32))
+
+
+def test_a_handle_dropped_right_after_a_deferred_launch_is_freed_after_it_ran(c):
+    x = c.create(np.ones(N, np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    c.sync()
+    hid = y.id
+    c.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})   # deferred
+    del y                                       # its free is queued behind the launch
+    gc.collect()
+    np.testing.assert_array_equal(c.read(x), np.ones(N, np.float32))
+    c.sync()
+    assert hid not in c._server.handles        # freed, after the launch that used it ran
+    assert not c._server.marks.async_errors    # (no InvalidHandle: the launch came first)

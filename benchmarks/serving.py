@@ -774,7 +774,11 @@ def _main(args) -> int:
         model = None
         if {"graph", "eager"} & set(paths):
             model = [load_model(None if args.backend == "auto" else args.backend,
-                                max_graphs=len(WARMUP)) for _ in range(args.streams)]
+                                max_graphs=len(WARMUP))]
+            for _ in range(args.streams - 1):      # the same weights (a checkout before
+                model.append(model[0].replica() if hasattr(model[0], "replica")    # replica():
+                             else load_model(model[0].client.backend,              # a copy)
+                                             max_graphs=len(WARMUP)))
             backend = model[0].client.backend
             if args.streams > 1:
                 try:

@@ -29,10 +29,11 @@ class _Owner:
             return              # the parent may have held the lock at the fork: never taken)
         with self.lock:
             self.count -= 1
-            last = self.count == 0
-        if last and not self.server.closed:
-            # enqueue only: the server destroys it after the work already enqueued against it
-            self.server.release(self.server.h_graph_destroy, self.id)
+            if self.count == 0 and not self.server.closed:
+                # enqueue only (never blocks): the server destroys it after the work already
+                # enqueued against it. Inside the with: an asynchronous exception landing after
+                # the lock's release (a signal handler's) can no longer lose it
+                self.server.release(self.server.h_graph_destroy, self.id)
 
 
 class Graph:
@@ -59,12 +60,14 @@ class Graph:
     __slots__ = ("_owner", "id", "stream", "is_hardware", "_released", "__weakref__")
 
     def __init__(self, owner: _Owner, stream, is_hardware: bool):
-        owner.acquire()
+        self._released = True           # (until counted below: __del__ drops nothing)
         self._owner = owner
         self.id = owner.id
         self.stream = stream
         self.is_hardware = is_hardware
-        self._released = False
+        with owner.lock:                # counted and live together, no call in between: an
+            owner.count += 1            # asynchronous exception cannot leave a count that no
+            self._released = False      # clone will ever drop (the graph kept for ever)
 
     def replay(self) -> None:
         """Replay the recorded launches on the capture stream.

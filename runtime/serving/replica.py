@@ -115,7 +115,9 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
             process's device server with its own batcher; more than 1 returns a
             :class:`runtime.serving.BatcherGroup` sending each request to the least loaded
             (on cpu, concurrent batches run one thread each; :mod:`runtime.serving.group`).
-            A given ``model`` is the first copy; the others are loaded from ``model_dir``.
+            A given ``model`` is the first copy; the others are its replicas
+            (``MiniLM.replica``: the same weight buffers, buckets and graphs of their own), or
+            loaded from ``model_dir`` for a model without ``replica()``.
         progress: show the warm-up's progress bar.
         batcher_options: more :class:`Batcher` keywords (``max_padding``, ``exact_shapes``).
     Returns: a started :class:`Batcher`, or a :class:`runtime.serving.BatcherGroup` of
@@ -132,7 +134,11 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
         RULE.set_cores(cpu_threads)
     if model is None:
         model = load_model(backend, path=model_dir, max_graphs=max_graphs)
-    models = [model] + [load_model(backend, path=model_dir, max_graphs=max_graphs)
+    # the other copies share the first one's weights (MiniLM.replica: no second upload, one
+    # copy in the caches); a model without replica() is loaded again
+    copy = getattr(model, "replica", None)
+    models = [model] + [copy() if copy else load_model(backend, path=model_dir,
+                                                      max_graphs=max_graphs)
                         for _ in range(int(streams) - 1)]
     batchers = []
     try:

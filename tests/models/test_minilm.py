@@ -216,3 +216,26 @@ def test_the_cpu_model_multiplies_few_rows_through_weight_panels(cpu_model, ref,
     assert np.abs(got - ref["embeddings"][i:i + 1]).max() < 1e-4
     panel_runs = [p for p in runs if p and len(p[0]) == 2]     # (p0, p1) ranges of panels
     assert len(panel_runs) == 4 * cpu_model.layers, len(panel_runs)
+
+
+def test_a_replica_shares_the_weights_and_keeps_its_own_stream_and_graphs(cpu_model, ref):
+    """Issue 30: ``serve --streams N`` runs replicas: one copy of the weight buffers, a stream,
+    buckets, arena and tokenizer each; each gives the fixture's embeddings, and releasing one's
+    graphs leaves the other's."""
+    m = cpu_model
+    r = m.replica(max_graphs=2)
+    try:
+        assert r.client.stream != m.client.stream and r.max_graphs == 2
+        assert r.word.handle.id == m.word.handle.id and r.blocks is m.blocks
+        assert r.tokenizer is not m.tokenizer and r.arena is not m.arena
+        texts = sentences(ref)[:3]
+        want = ref["embeddings"][:3]
+        assert np.abs(r.embed(texts, graph=True) - want).max() < 1e-4
+        assert r.buckets and r.graph_captures >= 1
+        held = m.buckets
+        r.release()
+        assert r.buckets == [] and m.buckets == held
+        assert np.abs(m.embed(texts, graph=True) - want).max() < 1e-4
+        assert np.abs(r.embed(texts, graph=False) - want).max() < 1e-4
+    finally:
+        r.release()

@@ -30,6 +30,7 @@ import dis
 import gc
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -61,10 +62,15 @@ def _after_calls(fn) -> list:
     return [x.offset for i, x in enumerate(ins) if i and ins[i - 1].opname.startswith("CALL")]
 
 
-def _tracer(code, offset, exc, hit):
+def _tracer(code, offset, exc, hit, nth=1):
+    seen = []
+
     def local(frame, event, arg):
         frame.f_trace_opcodes = True
         if event == "opcode" and not hit and frame.f_lasti == offset:
+            seen.append(1)
+            if len(seen) < nth:
+                return local
             hit.append(offset)
             raise exc("interrupted (injected by the test)")
         return local
@@ -92,9 +98,10 @@ def _bounded(fn):
     return out
 
 
-def _one_case(fn, offset, exc) -> str | None:
+def _one_case(fn, offset, exc, nth=1) -> str | None:
     """Drop a graph (two clones), its stream, handles, with work pending, and sync, with the
-    interruption armed at ``offset`` of ``fn``. None when it never got there; else "ok"."""
+    interruption armed at the ``nth`` time ``fn`` gets to ``offset`` (the second clone's drop
+    is the last). None when it never got there; else "ok"."""
     other = runtime.client("cpu", max_idle_bytes=(1 << 30) + 21)   # a second, older server
     c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 23)
     try:
@@ -119,7 +126,7 @@ def _one_case(fn, offset, exc) -> str | None:
         hs = [c2.create(np.ones(N, np.float32)) for _ in range(5)]
         g.replay()
         hit = []
-        sys.settrace(_tracer(fn.__code__, offset, exc, hit))
+        sys.settrace(_tracer(fn.__code__, offset, exc, hit, nth))
         try:
             del g, g2, hs, one, acc, c2, s
             c.sync()
@@ -139,7 +146,12 @@ def _one_case(fn, offset, exc) -> str | None:
                 if isinstance(e, ServerClosed):
                     raise
             got = cm.read(keep)
-            return got, cm.memory_usage()
+            deadline = time.monotonic() + 5     # a dropped stream is reclaimed once its work ran
+            while True:
+                now = cm.memory_usage()
+                if all(now[k] == base[k] for k in COUNTS) or time.monotonic() > deadline:
+                    return got, now
+                time.sleep(0.01)
         out = _bounded(after)
         if "error" in out:
             assert isinstance(out["error"], ServerClosed), out["error"]
@@ -165,5 +177,46 @@ def test_an_interrupt_while_releases_are_queued_or_run_never_loses_one(site, exc
     ran = 0
     for fn in SITES[site]:
         for offset in _after_calls(fn):
-            ran += _one_case(fn, offset, exc) == "ok"
+            for nth in (1, 2):
+                ran += _one_case(fn, offset, exc, nth) == "ok"
     assert ran, f"no interruption in {site} ever ran"
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, TimeoutError])
+def test_an_interrupt_while_a_graph_is_cloned_never_keeps_it_for_ever(exc, monkeypatch):
+    """``Graph.clone`` counted the new clone (``_Owner.acquire``) before the clone object was
+    complete: an interrupt right after left a count that no clone would ever drop, so the
+    graph (its stream, its retained buffers) was kept for ever. Now the count and the clone's
+    liveness change together."""
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: None)
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 25)
+    try:
+        c.sync()
+        base = c.memory_usage()
+        c2 = c.with_stream(runtime.StreamId.new())
+        x = c2.create(np.ones(N, np.float32))
+        y = c2.empty(N, np.float32)
+        c2.graph_prepare()
+        c2.start_capture()
+        c2.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})
+        g = c2.stop_capture()
+        hits = 0
+        for offset in _after_calls(graph_mod.Graph.__init__):
+            hit = []
+            sys.settrace(_tracer(graph_mod.Graph.__init__.__code__, offset, exc, hit))
+            try:
+                g.clone()
+            except exc:
+                pass
+            finally:
+                sys.settrace(None)
+            hits += bool(hit)
+        assert hits, "no interruption in Graph.__init__ ran"
+        del g, x, y, c2
+        gc.collect()
+        cm = c.with_stream(runtime.StreamId.current())      # (not the checking thread's own)
+        out = _bounded(lambda: cm.sync() or cm.memory_usage())
+        now = out["value"]
+        assert {k: now[k] for k in COUNTS} == {k: base[k] for k in COUNTS}, now
+    finally:
+        _bounded(c.shutdown)

@@ -155,6 +155,9 @@ def test_two_streams_of_the_real_model_embed_as_one():
         m0, m1 = (b.model for b in two.batchers)
         assert m0 is not m1 and m0.client.stream != m1.client.stream
         assert m0.buckets == m1.buckets == [(4, 16)]          # each captured its own
+        # ... over one copy of the weights (MiniLM.replica; before, the second was loaded
+        # and uploaded again: its own buffers)
+        assert m1.word.handle.id == m0.word.handle.id and m1.blocks is m0.blocks
         want = one.embed(texts, timeout=120)
         futs = [two.submit(texts) for _ in range(4)]          # both streams get work
         for f in futs:

@@ -314,6 +314,8 @@ class Tensor:
             mask: ``[B, S]`` f32, 1 for real tokens and 0 for padding (keys with 0 are masked).
             heads: number of heads (``H % heads == 0``).
         Returns: ``[B, S, H]`` context. See :func:`attention`.
+        Raises: ``ValueError`` (not ``[B, S, 3H]``, a mask that is not ``[B, S]``, ``heads``
+            not a positive int dividing ``H``); ``TypeError`` (a tensor that is not ``f32``).
         """
         if len(self.shape) != 3 or self.shape[2] % 3:
             raise ValueError(f"attention: a packed QKV tensor is [B, S, 3H], got {self.shape}")

@@ -2,7 +2,8 @@
 
     python benchmarks/minilm_forward.py                # the table (product alone without ST)
     python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --plot minilm.png
-    python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --contention 2
+    python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --contention 2 \
+        --st-threads 1,2               # torch at 1 and at 2 threads, ratios against the best
     python benchmarks/minilm_forward.py --variant blas2 OPENBLAS_NUM_THREADS=2 --variant now
     python benchmarks/minilm_forward.py --variant before RUNTIME_BENCH_ROOT=/tmp/old --variant now
     python benchmarks/minilm_forward.py --kernels              # per-kernel µs beside numpy/torch
@@ -48,6 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: kernels sets OMP_WAIT_POLICY in this process, which must not reach torch's process)
 _USER_ENV = dict(os.environ)
 ROWS = ((1, 16), (8, 16), (32, 16), (1, 128), (8, 128), (32, 128))
+#: the sentence-transformers worker's torch thread count (``--st-threads``)
+ST_THREADS_ENV = "RUNTIME_BENCH_ST_THREADS"
+ST = "sentence-transformers"
 #: single-wordpiece words the benchmark texts are made of (checked against the tokenizer).
 WORDS = ("the cat sat on a mat and the dog ran to see what it was while birds sang in tall "
          "trees near an old house by the river where people walk every day after work").split()
@@ -142,6 +146,10 @@ def _worker_product(job: dict) -> dict:
 
 
 def _worker_st(job: dict) -> dict:
+    n = os.environ.get(ST_THREADS_ENV)
+    if n:                                # --st-threads: this process's torch intra-op threads
+        import torch
+        torch.set_num_threads(int(n))
     from sentence_transformers import SentenceTransformer
     model = SentenceTransformer(job["model_dir"], device="cpu")
     res = {}
@@ -179,7 +187,8 @@ def _summary(samples: list, batch: int) -> dict:
 
 
 def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
-            budget_s: float = 4.0, variants: dict | None = None, contention: int = 0) -> dict:
+            budget_s: float = 4.0, variants: dict | None = None, contention: int = 0,
+            st_threads=None) -> dict:
     """The side-by-side table; returns the JSON-ready result (see the module docstring).
 
     Args:
@@ -190,6 +199,10 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
             ``{"runtime": {}}``.
         contention: busy-loop processes running beside both sides for the whole run
             (:func:`runtime.bench.contention.busy_processes`; recorded as ``"contention"``).
+        st_threads: torch thread counts to run sentence-transformers at, each in its own
+            processes (``"sentence-transformers Nt"``); every ratio is then against the best
+            of them on that row (pooled medians; per round, that round's best), and
+            ``row["st_best"]`` names it. ``None``: torch's default threads only.
     """
     sys.path.insert(0, str(ROOT))
     from runtime.bench import machine
@@ -201,7 +214,10 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
     impls = {name: (sys.executable, "product", env)
              for name, env in (variants or {"runtime": {}}).items()}
     if st_python:
-        impls["sentence-transformers"] = (st_python, "st", {})
+        for n in st_threads or [None]:
+            impls[ST if n is None else f"{ST} {int(n)}t"] = (
+                st_python, "st", {} if n is None else {ST_THREADS_ENV: str(int(n))})
+    sts = [n for n in impls if n.startswith(ST)]
     samples: dict = {n: {k: [] for k in texts} for n in impls}
     medians: dict = {n: {k: [] for k in texts} for n in impls}     # per round
     info: dict = {}
@@ -227,25 +243,30 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
         for name in impls:
             row[name] = _summary(samples[name][k], b)
         if st_python:
-            base = row["sentence-transformers"]["sent_per_s"]
+            best = max(sts, key=lambda n: row[n]["sent_per_s"])
+            base = row[best]["sent_per_s"]
+            row["st_best"] = best
+            st_rounds = [min(t) for t in zip(*(medians[n][k] for n in sts))]   # best per round
             for name in impls:
-                if name != "sentence-transformers":
+                if name not in sts:
                     row[f"ratio:{name}"] = row[name]["sent_per_s"] / base
-                    # each round's ratio of medians (its two processes ran back to back)
+                    # each round's ratio of medians (its processes ran back to back)
                     row[f"ratio_rounds:{name}"] = [
-                        st_s / ours_s for ours_s, st_s in zip(
-                            medians[name][k], medians["sentence-transformers"][k])]
+                        st_s / ours_s for ours_s, st_s in zip(medians[name][k], st_rounds)]
         table.append(row)
     return {"kind": "minilm_compare", "rounds": rounds, "impls": info, "rows": table,
-            "contention": {"busy_processes": contention}, "machine": machine()}
+            "contention": {"busy_processes": contention}, "machine": machine(),
+            "st_threads": list(st_threads) if st_threads else None}
 
 
 def print_table(res: dict) -> None:
     """The comparison as a markdown table (sentences/s, median [p10-p90], ratio, threads)."""
     names = list(res["impls"])
-    ratios = [n for n in names if n != "sentence-transformers"] if "sentence-transformers" in \
-        names else []
-    head = ["batch x tokens"] + [f"{n} sent/s" for n in names] + [f"ratio {n}" for n in ratios]
+    sts = [n for n in names if n.startswith(ST)]
+    ratios = [n for n in names if n not in sts] if sts else []
+    vs = " (vs ST best)" if len(sts) > 1 else ""
+    head = ["batch x tokens"] + [f"{n} sent/s" for n in names] + [f"ratio {n}{vs}"
+                                                                  for n in ratios]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in res["rows"]:
@@ -255,6 +276,9 @@ def print_table(res: dict) -> None:
             f" [{min(row['ratio_rounds:' + n]):.2f}-{max(row['ratio_rounds:' + n]):.2f}]"
             if row.get("ratio_rounds:" + n) else "") for n in ratios]
         print("| " + " | ".join(cells) + " |")
+    if len(sts) > 1:
+        print("- sentence-transformers best per row: " + ", ".join(
+            f"{row['row']} {row['st_best'][len(ST) + 1:]}" for row in res["rows"]))
     for n, i in res["impls"].items():
         print(f"- {n}: threads {i['threads']}" + (f", env {i['env']}" if i["env"] else ""))
     print(f"- load average at start {res['machine'].get('loadavg')}; busy-loop processes "
@@ -499,6 +523,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="write a bar chart (png) of the comparison")
     ap.add_argument("--contention", type=int, default=0, metavar="N",
                     help="run N busy-loop processes beside both sides (a busy host)")
+    ap.add_argument("--st-threads", help="comma list of torch thread counts to run "
+                    "sentence-transformers at (each in its own processes; ratios against the "
+                    "best per row), e.g. 1,2; default: torch's own count")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -527,8 +554,9 @@ def main(argv=None) -> int:
     rows = [tuple(int(v) for v in r.split("x")) for r in args.rows]
     variants = ({v[0]: dict(kv.split("=", 1) for kv in v[1:]) for v in args.variant}
                 if args.variant else None)
+    st_threads = [int(n) for n in args.st_threads.split(",")] if args.st_threads else None
     res = compare(_st_python(args.st_python), rows, args.rounds, args.reps, args.budget_s,
-                  variants, args.contention)
+                  variants, args.contention, st_threads)
     print_table(res)
     Path(args.out).write_text(json.dumps(res, indent=2))
     if args.plot:

@@ -61,6 +61,21 @@ def captured_add_one(c):
     return x, y, c.stop_capture()
 
 
+def captured_once(c, kernel, bufs, params: dict, n: int):
+    """One launch of ``kernel`` over ``bufs`` (``params`` plus ``n``) on ``c``'s stream, run,
+    run again after ``graph_prepare`` (the warm-up), then captured: the ``Graph``."""
+    def launch():
+        c.launch(kernel, K.grid(n), bufs, {**params, "n": n})
+    launch()
+    c.sync()
+    c.graph_prepare()
+    launch()
+    c.sync()
+    c.start_capture()
+    launch()
+    return c.stop_capture()
+
+
 #: modules of ``runtime.kernels`` whose kernels are cpu-only by design (their docstring says
 #: so: no WGSL or CUDA source; the cpu panel matmul of issue 30)
 CPU_ONLY_MODULES = ("runtime.kernels.panels",)

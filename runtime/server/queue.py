@@ -29,7 +29,7 @@ and, if more are left, queues itself again behind the messages that arrived mean
 blocking call of another client waits for at most one batch.
 
 Deferred work (``lazy``, issue 26): the owner may leave work for the next owner (the server's
-replay of tiny work on an idle stream, made while nothing was queued): a list of at most
+launches and replays of tiny work, made while nothing was queued): a list of at most
 ``LAZY_MAX`` items that every owner runs (``run_lazy``) before anything else it does under the
 lock: before the first message of a drain, before the message it runs on the combining path,
 and on the server's own entries (read, launch, replay, sync). So no message, and no entry,

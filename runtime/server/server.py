@@ -862,15 +862,17 @@ class ComputeServer:
     def replay(self, gid: int):
         """``Graph.replay``'s entry. While the server is idle the caller runs it, holding the
         owner lock (``DeviceQueue.call``'s combining path, written out: a replay is the hot path
-        of issue 26). A replay of tiny work (``graph.inline``: the cpu backend's) that would not
-        raise here (no capture window on its stream, no freed handle) is deferred: appended to
-        ``queue.lazy``, run by the next owner before anything else (:meth:`_run_lazy`: at once on that thread when nothing needs the enqueue path, else
-        enqueued), so no read, launch, sync or message ever runs before it. Everything else goes
-        to :meth:`_enqueue_replay`. Returns what ``h_replay`` returns
-        (None when deferred) and raises what it raises (``ServerClosed`` once the server
-        stopped); :data:`BUSY` when the server was not idle: the caller then makes the blocking
-        ``call(h_replay, gid)`` itself (so no frame of this function, one of the owner lock's
-        holders, ``queue.OWNER_CODES``, is on a stack that only waits)."""
+        of issue 26). A replay of tiny work (``graph.inline``: the cpu backend's) that nothing
+        but its sources could send down the enqueue path (no capture window on its stream, no
+        freed handle, no first-replay fences, no buffer written only inside conditional nodes,
+        no checker) is deferred: appended to ``queue.lazy`` and run by the next owner before anything else (:meth:`_run_lazy`: at
+        once on that thread when nothing needs the enqueue path, else enqueued), so no read,
+        launch, sync or message ever runs before it. Everything else goes to
+        :meth:`_enqueue_replay`. Returns what ``h_replay`` returns (None when deferred) and
+        raises what it raises (``ServerClosed`` once the server stopped); :data:`BUSY` when the
+        server was not idle: the caller then makes the blocking ``call(h_replay, gid)`` itself
+        (so no frame of this function, one of the owner lock's holders,
+        ``queue.OWNER_CODES``, is on a stack that only waits)."""
         queue = self.queue
         if not queue._q and queue._owner.acquire(False):
             try:
@@ -905,18 +907,18 @@ class ComputeServer:
     queue_mod.OWNER_CODES.add(replay.__code__)      # it takes the owner lock (queue.py)
 
     def _run_lazy(self) -> None:
-        """Owner only: run the deferred launches (``h_launch``) and replays (``queue.lazy``,
-        :meth:`launch`, :meth:`replay`) in order. A replay
-        whose stream is idle and none of whose sources' marks may carry a failure (a failed
-        deferred replay before it marks its outputs, so a replay reading them inherits) runs
-        at once on this thread (``Backend.launch_graph_now``: no
-        mark, no hand-off; a failure is recorded as one found at execution: on the stream, which
-        the next blocking call raises, and on the graph's write set, ``ReplayFailed`` on read);
-        the others go to :meth:`_enqueue_replay`. Nothing ran between a deferral and here (every
-        owner runs this first), so each replay sees the state its deferral checked. An error
-        escaping one is a fire-and-forget error and marks its write set. An asynchronous
-        exception (KeyboardInterrupt) landing here may have lost one: the server stops
-        (``ServerClosed`` for every call) rather than answer from stale buffers."""
+        """Owner only: run the deferred launches and replays (``queue.lazy``: :meth:`launch`,
+        :meth:`replay`) in order. A launch goes through ``h_launch`` (at once when its stream
+        is idle). A replay none of whose sources' marks may carry a failure (a failed deferred
+        launch or replay before it marks its outputs, so a replay reading them inherits) runs
+        at once on this thread when its stream is idle (``Backend.launch_graph_now``: no mark,
+        no hand-off; a failure is recorded as one found at execution: on the stream, which the
+        next blocking call raises, and on the graph's write set, ``ReplayFailed`` on read);
+        the others go to :meth:`_enqueue_replay`. Nothing else ran between a deferral and here
+        (every owner runs this first), so each sees the state its deferral checked. An error
+        escaping one is a fire-and-forget error (a replay's also marks its write set). An
+        asynchronous exception (KeyboardInterrupt) landing here may have lost one: the server
+        stops (``ServerClosed`` for every call) rather than answer from stale buffers."""
         lazy = self.queue.lazy
         try:
             for g in lazy:      # (nothing appends meanwhile: this thread holds the owner lock)

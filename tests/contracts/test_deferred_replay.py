@@ -20,6 +20,7 @@ import pytest
 
 import runtime
 from runtime import kernels as K
+from helpers import captured_once
 from runtime.errors import LaunchError, ReplayFailed, ServerClosed
 from runtime.server.queue import LAZY_MAX
 
@@ -53,16 +54,7 @@ BUMP = runtime.Kernel("deferred_bump", [("s", "f32", "read_write")], [("n", "u32
 
 def _captured(c, kernel, bufs, n=N):
     """One launch of ``kernel`` over ``bufs`` captured after a warm-up (each runs it once)."""
-    def launch():
-        c.launch(kernel, K.grid(n), bufs, {"n": n})
-    launch()
-    c.sync()
-    c.graph_prepare()
-    launch()
-    c.sync()
-    c.start_capture()
-    launch()
-    return c.stop_capture()
+    return captured_once(c, kernel, bufs, {}, n)
 
 
 @pytest.fixture
@@ -177,18 +169,8 @@ def test_deferred_work_stays_bounded_however_many_replays_come_without_a_read(c)
     x = c.create(np.zeros(N, np.float32))
     y = c.create(np.zeros(N, np.float32))
     # ping-pong through two graphs: x -> y -> x, 1.0 added each time
-    def cap(src, dst):
-        def launch():
-            c.launch(K.add_scalar, K.grid(N), [src, dst], {"alpha": 1.0, "n": N})
-        launch()
-        c.sync()
-        c.graph_prepare()
-        launch()
-        c.sync()
-        c.start_capture()
-        launch()
-        return c.stop_capture()
-    ga, gb = cap(x, y), cap(y, x)
+    ga = captured_once(c, K.add_scalar, [x, y], {"alpha": 1.0}, N)
+    gb = captured_once(c, K.add_scalar, [y, x], {"alpha": 1.0}, N)
     c.write(x, np.zeros(N, np.float32))
     c.sync()
     most = 0

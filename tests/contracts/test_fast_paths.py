@@ -18,6 +18,7 @@ import pytest
 import runtime
 from runtime import kernels as K
 from runtime.backends.base import Completion
+from helpers import captured_once
 from runtime.errors import LaunchError, ReplayFailed, ServerUnhealthy
 from runtime.server import marks as marks_module
 
@@ -54,16 +55,7 @@ ACC = runtime.Kernel("checked_accumulate_bound", [("x", "f32", "read"), ("s", "f
 
 def _captured(c, kernel, bufs, n=N):
     """One launch of ``kernel`` over ``bufs`` captured after a warm-up (each runs it once)."""
-    def launch():
-        c.launch(kernel, K.grid(n), bufs, {"n": n})
-    launch()
-    c.sync()
-    c.graph_prepare()
-    launch()
-    c.sync()
-    c.start_capture()
-    launch()
-    return c.stop_capture()
+    return captured_once(c, kernel, bufs, {}, n)
 
 
 @pytest.fixture

@@ -278,3 +278,74 @@ def test_an_interrupt_while_a_caller_runs_its_streams_work_never_leaves_a_stale_
             np.testing.assert_array_equal(out["value"], np.full(len(out["value"]), want,
                                                                 np.float32),
                                           err_msg=f"{launched} launches queued")
+
+
+def _after_each_call(code, exc, nth_call: int, hit: list):
+    """A trace function raising ``exc`` in ``code`` right after its ``nth_call``-th call
+    instruction (in execution order) returned, once."""
+    seen = []
+    calls = {x.offset for x in dis.get_instructions(code) if x.opname.startswith("CALL")}
+    after = {}
+    ins = list(dis.get_instructions(code))
+    for i, x in enumerate(ins[:-1]):
+        if x.offset in calls:
+            after[ins[i + 1].offset] = True
+
+    def local(frame, event, arg):
+        if event == "opcode" and not hit and frame.f_lasti in after:
+            seen.append(frame.f_lasti)
+            if len(seen) == nth_call:
+                hit.append(frame.f_lasti)
+                raise exc("interrupted (injected by the test)")
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+    return tracer
+
+
+@pytest.mark.parametrize("nth_call", range(1, 7))
+def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_call, monkeypatch):
+    """Deferred launches and replays (issue 26) run at the next call into the server
+    (``ComputeServer._run_lazy``); an interruption right after any call inside that run may
+    have lost one, so the server stops (``ServerClosed`` for every later call) or, where it
+    landed before anything was taken, every later read is right: never a stale value."""
+    monkeypatch.setattr(queue_mod, "OWNER_CHECK_S", 0.2, raising=False)
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 5)       # a server of its own
+    try:
+        one = c.create(np.ones(4, np.float32))
+        acc = c.create(np.zeros(4, np.float32))
+        c.graph_prepare()
+        c.launch(K.accumulate, 1, [one, acc], {"n": 4})
+        c.start_capture()
+        c.launch(K.accumulate, 1, [one, acc], {"n": 4})
+        g = c.stop_capture()
+        c.write(acc, np.zeros(4, np.float32))
+        c.sync()
+        g.replay()                                  # deferred: acc += 1
+        c.launch(K.accumulate, 1, [one, acc], {"n": 4})     # deferred: acc += 1
+        g.replay()                                  # deferred: acc += 1
+        assert len(c._server.queue.lazy) == 3
+        hit = []
+        sys.settrace(_after_each_call(ComputeServer._run_lazy.__code__, KeyboardInterrupt,
+                                      nth_call, hit))
+        try:
+            got = c.read(acc)
+        except (KeyboardInterrupt, ServerError):
+            got = None
+        finally:
+            sys.settrace(None)
+        if not hit:                                 # fewer calls than nth_call: ran through
+            assert nth_call > 3, "the first calls of the run were never reached"
+            np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
+            return
+        out = _bounded(lambda: c.sync() or c.read(acc))
+        if "error" in out:
+            assert isinstance(out["error"], ServerClosed), out["error"]
+        else:
+            np.testing.assert_array_equal(out["value"], np.full(4, 3, np.float32))
+    finally:
+        _bounded(c.shutdown)

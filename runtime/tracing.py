@@ -643,6 +643,18 @@ def _rebind(srv) -> None:
             setattr(srv, name, getattr(q, name))
 
 
+def _after_fork_in_child() -> None:
+    # only the forking thread comes along: a parent thread inside start()/stop() (or a traced
+    # backend_class) at the fork held _lock for ever, and the child's runtime.trace() and first
+    # runtime.client() waited on it for ever
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def start(capacity: int = DEFAULT_CAPACITY) -> Tracer:
     """Switch tracing on (process-wide) and return the new ``Tracer``.
 

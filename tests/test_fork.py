@@ -433,3 +433,32 @@ def test_a_parents_graph_pool_serves_the_childs_server():
         print(in_child(work))
     """)
     assert out.strip() == "0"
+
+
+def test_a_fork_while_another_thread_starts_or_stops_a_trace_leaves_the_child_able_to_trace():
+    """ADV4: ``runtime.tracing._lock`` (held by ``runtime.trace()``'s start and stop, and by
+    the traced ``backend_class``) had no at-fork renewal: a fork while another thread held it
+    left the child's ``runtime.trace()`` (and, tracing on, its first ``runtime.client()``)
+    waiting for ever."""
+    out = _run_fresh("""
+        from runtime import tracing
+        held = threading.Event()
+        done = threading.Event()
+
+        def holder():                   # a thread inside start()/stop() at the fork
+            with tracing._lock:
+                held.set()
+                done.wait(30)
+        t = threading.Thread(target=holder, daemon=True)
+        t.start()
+        held.wait(10)
+
+        def child():
+            with runtime.trace(capacity=64):
+                c = runtime.client("cpu")
+                assert (c.read(c.create(np.ones(4, np.float32))) == 1).all()
+        status = in_child(child)
+        done.set()
+        print(status)
+    """)
+    assert out.strip() == "0"

@@ -2,16 +2,18 @@
 
 numpy's OpenBLAS multiplies a few rows by a wide weight slowly: ``[16, 384] @ [384, 1536]`` on
 one thread takes 480-520 µs where torch's MKL takes about 220 (this 2-core AVX-512 machine; the
-serving path's products at one client are 16-48 rows). The same product taken as one small
+serving path's products at one client are 8-24 rows). The same product taken as one small
 ``sgemm`` per contiguous panel of the weight's columns (``[K, P]`` blocks, one after another in
-memory) is 1.5-3x faster from 4 to 32 rows for ``K = 384`` and no faster from 64 rows
-(``/work/notes/issue-30-s6.md``). So a model that owns its weights (MiniLM) uploads each
-``[K, N]`` weight also as panels (:func:`panel_weight`, ``[ceil(N / P), K, P]``, the last panel
-zero-padded) and launches :data:`matmul_bias_panels` / :data:`matmul_bias_gelu_panels` with both:
-the cpu source takes the panels for at most :data:`PANEL_ROWS` rows and the plain weight (the
-ordinary matmul's cpu source, :mod:`runtime.kernels.nn`) above, or while the thread rule allows
-one call on OpenBLAS's own threads (a free host: :meth:`runtime.cpu_threads.ThreadRule.whole_call`). No cache: the panels are a
-second read-only buffer the caller uploads once, so nothing can go stale.
+memory) is 1.5-3x faster from 4 to 32 rows hot, and inside MiniLM's forward (cold weights) 1.1-1.4x
+up to 96 rows (the figures are in the commits that made this file). So a model that owns its weights (MiniLM)
+uploads each ``[K, N]`` weight also as panels (:func:`panel_weight`, ``[ceil(N / P), K, P]``,
+the last panel zero-padded) and launches :data:`matmul_bias_panels` /
+:data:`matmul_bias_gelu_panels` with both: the cpu source takes the panels for at most
+:data:`PANEL_ROWS` rows (:data:`PANEL_ROWS_SPLIT` when the product is dealt out to several
+threads), and the plain weight (the ordinary matmul's cpu source, :mod:`runtime.kernels.nn`)
+above, or while the thread rule allows one call on OpenBLAS's own threads (a free host:
+:meth:`runtime.cpu_threads.ThreadRule.whole_call`). No cache: the panels are a second read-only
+buffer the caller uploads once, so nothing can go stale.
 
 There is no WGSL or CUDA source: launch these on the cpu backend only (on a GPU the tiled
 kernels of :mod:`runtime.kernels.nn` have no such weakness).
@@ -28,8 +30,14 @@ from . import nn
 #: columns per panel (``P``): 64 was best or within noise of the best of 32-256 at 8-32 rows
 #: for ``K = 384`` (MiniLM's ``[384, 1152]``, ``[384, 384]``, ``[384, 1536]`` weights)
 PANEL_COLS = 64
-#: most rows (``M``) the cpu source multiplies panel by panel; above, the plain weight
-PANEL_ROWS = 64
+#: most rows (``M``) the cpu source multiplies panel by panel on one thread; above, the plain
+#: weight (MiniLM forwards in one process alternating both, CPU ms: 48 rows 17.8 vs 21.3, 96
+#: rows 27.4 vs 29.6, 128 rows 38.9 vs 38.4, 256 rows 65.2 vs 58.8)
+PANEL_ROWS = 96
+#: most rows taken panel by panel when the product is dealt out to several threads: a piece of
+#: the plain weight is a strided column block, a piece of panels is contiguous (2 threads, CPU
+#: ms: 128 rows 35.5 vs 38.9, 192 rows 50.1 vs 53.1)
+PANEL_ROWS_SPLIT = 192
 
 
 def panel_weight(w, cols: int = PANEL_COLS) -> np.ndarray:
@@ -75,7 +83,9 @@ def _panels_cpu(act: str | None):
         # out[:, p*P:(p+1)*P] = A @ Wp[p] for each panel p, as one batched numpy call per
         # piece (a loop of 1-thread sgemm calls inside numpy) writing straight into out's
         # columns through a [panels, M, P] view; the last panel, when N % P, on its own.
-        if M > PANEL_ROWS or P < 1 or (RULE.threads() > 1 and RULE.whole_call()):
+        threads = RULE.threads()
+        if M > (PANEL_ROWS if threads <= 1 else PANEL_ROWS_SPLIT) or P < 1 or (
+                threads > 1 and RULE.whole_call()):
             # many rows, or a free host where one call on OpenBLAS's own 2 threads is quicker
             # (MiniLM 1x16 quiet: 8.6 ms a forward against 10.4 in pieces, for 30% more CPU)
             plain(a, w, b, out, M=M, N=N, K=K, count=count)
@@ -97,7 +107,6 @@ def _panels_cpu(act: str | None):
             if p1 > full:                                   # the partial last panel
                 np.matmul(A, Wp[full, :, :N - full * P], out=y[:, full * P:])
             loops.bias_act_block(y, bb, code, 0, M, p0 * P, min(N, p1 * P))
-        threads = RULE.threads()
         FAN_OUT.run(nn._one_thread_piece(piece), panel_pieces(n_p, M * N * K, threads), threads)
     return run
 
@@ -127,5 +136,5 @@ def matmul_panels_for(activation: str | None = None) -> Kernel:
     raise ValueError(f"no panel matmul with activation={activation!r}")
 
 
-__all__ = ["PANEL_COLS", "PANEL_ROWS", "panel_weight", "panel_pieces", "matmul_bias_panels",
+__all__ = ["PANEL_COLS", "PANEL_ROWS", "PANEL_ROWS_SPLIT", "panel_weight", "panel_pieces", "matmul_bias_panels",
            "matmul_bias_gelu_panels", "matmul_panels_for"]

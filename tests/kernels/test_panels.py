@@ -102,11 +102,22 @@ def test_few_rows_take_the_panels_and_match_numpy(cpu, monkeypatch, threads, act
 
 
 @pytest.mark.parametrize("act", [None, "gelu"])
-def test_many_rows_take_the_plain_weight_and_match_numpy(cpu, monkeypatch, act):
-    monkeypatch.setattr(RULE, "cores", 2)
-    a, w, wp, b = _case(panels.PANEL_ROWS + 1, 384, 200, 64)
+@pytest.mark.parametrize("threads,M", [(1, panels.PANEL_ROWS + 1),
+                                       (2, panels.PANEL_ROWS_SPLIT + 1)])
+def test_many_rows_take_the_plain_weight_and_match_numpy(cpu, monkeypatch, act, threads, M):
+    monkeypatch.setattr(RULE, "cores", threads)
+    a, w, wp, b = _case(M, 384, 200, 64)
     got = _run(cpu, a, w, np.full_like(wp, np.nan), b, act)
     np.testing.assert_allclose(got, _ref(a, w, b, act), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("M", [panels.PANEL_ROWS + 1, panels.PANEL_ROWS_SPLIT])
+def test_rows_dealt_out_to_several_threads_take_the_panels_further(cpu, monkeypatch, M):
+    # a piece of the plain weight is a strided column block, a piece of panels contiguous
+    monkeypatch.setattr(RULE, "cores", 2)
+    a, w, wp, b = _case(M, 384, 1152, 64)
+    got = _run(cpu, a, np.full_like(w, np.nan), wp, b, "gelu")
+    np.testing.assert_allclose(got, _ref(a, w, b, "gelu"), atol=1e-4, rtol=1e-4)
 
 
 def test_a_free_hosts_whole_call_takes_the_plain_weight(cpu, monkeypatch):

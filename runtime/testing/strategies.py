@@ -358,11 +358,14 @@ class Builder:
         for op in launches:
             self._issue(op)
         if pooled:                          # a temporary the pool shares with the stream's
-            t = self.scratch(self.stream(k))    # other pool graphs, read back into a buffer
+            t = self.scratch(self.stream(k))    # other pool graphs, read back into a buffer,
             dsts = [b for b, d in sorted(self.live.items()) if d == self.live[t] and b != t]
             if dsts and self.flag():
                 self._issue(P.Launch(k, self.cfg["copy32"], (t, self.pick(dsts)),
                                      (("n", self.cfg["size"]),)))
+            self._free(t)                   # and freed at once: a pool buffer is used on the
+            #                                 pool's stream only (contract 4c; the checker flags
+            #                                 another stream's use, ordered or not)
         if node:
             self.cond(k, loop)
 
@@ -452,9 +455,14 @@ class Builder:
                                     w.pooled)
 
     def scratch(self, s=None):
-        """A buffer allocated inside the window (of stream ``s``, drawn when None), filled by
-        the graph from a live buffer."""
-        s = self.pick(sorted(self.windows)) if s is None else s
+        """A buffer allocated inside the window (of stream ``s``, drawn when None; not a
+        window with a graph pool, whose one temporary ``capture`` makes), filled by the graph
+        from a live buffer."""
+        if s is None:
+            opened = [w for w in sorted(self.windows) if not self.windows[w].pooled]
+            if not opened:
+                return None
+            s = self.pick(opened)
         w = self.windows[s]
         src = self.pick(sorted(self.live))
         t = self.nbuf

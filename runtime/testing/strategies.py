@@ -706,6 +706,8 @@ class Builder:
         for b, wr in info.uses.items():
             uses[rb(b)] = uses.get(rb(b), False) or wr
         required = {rb(b) for b in info.required}
+        if old != -1 and old not in info.required:   # the graph's own window buffer rebound to
+            required.add(new)                        # a caller's: the instance needs it alive
         launches = tuple(la._replace(bufs=tuple(rb(b) for b in la.bufs))
                          for la in info.launches)
         self.graphs[n] = _Graph(self.stream(k), uses, required, launches, info.pooled)

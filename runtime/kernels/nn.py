@@ -522,12 +522,13 @@ def _heads_view(buf, B, S, ld, off, heads, hd):
 
     Raises: ``ValueError`` when the view would reach past the buffer.
     """
-    it = buf.itemsize
     if off + heads * hd > ld or B * S * ld > buf.size:
         raise ValueError(f"attention: heads at column {off} of rows of {ld} over {B}x{S} rows do "
                          f"not fit a buffer of {buf.size} elements")
-    return np.lib.stride_tricks.as_strided(buf[off:], (B, heads, S, hd),
-                                           (S * ld * it, hd * it, ld * it, it))
+    # slices and reshapes, not as_strided (its array-interface round trip cost ~5 us a view,
+    # four views per attention launch: ~0.1 ms of a 1x16 MiniLM forward)
+    cols = buf[:B * S * ld].reshape(B, S, ld)[:, :, off:off + heads * hd]
+    return cols.reshape(B, S, heads, hd).transpose(0, 2, 1, 3)
 
 
 def _attend(views, madd, pieces, S, hd, scale):

@@ -18,7 +18,7 @@ Four tools, usable alone or together (README "Testing your stream ordering"):
   (``trace``); ``runtime.client("cpu", scheduler="trace", trace=...)`` runs it again exactly.
 - **Programs over your kernels**: ``programs(kernels=[...])`` is a hypothesis strategy of
   multi-client, multi-stream programs (create, write, launch, read, free, events, capture,
-  replay, clone, release, ``capture_if``/``capture_while``, ``Graph.update``), and ``run_program(program, backend=..., seed=...)`` runs one and
+  capture into a ``runtime.GraphPool``, replay, clone, release, ``capture_if``/``capture_while``, ``Graph.update``), and ``run_program(program, backend=..., seed=...)`` runs one and
   compares every read with a sequential model built from the kernels' cpu bodies; a failure
   prints the (shrunk) program as Python calls you can paste.
 
@@ -27,7 +27,7 @@ Four tools, usable alone or together (README "Testing your stream ordering"):
 
 from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (CaptureIf, CaptureWhile, Clone, Create, CreateFlag, Empty, Free,
-                      Instantiate, KernelSpec, Launch, Prepare, Program, Read, RecordEvent, Release, Replay,
+                      Instantiate, KernelSpec, Launch, Prepare, PreparePool, Program, Read, RecordEvent, Release, Replay,
                       StartCapture, StopCapture, Sync, Thread, Update, UpdateCount, WaitEvent, Write,
                       copy32,
                       count_down, set_counter)
@@ -40,7 +40,7 @@ __all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", 
            "ProgramRun", "ProgramMismatch", "Step",
            "KernelSpec", "copy32", "backend_unavailable", "encode_trace", "decode_trace",
            "Create", "Empty", "Write", "Launch", "Read", "Free", "Sync", "RecordEvent",
-           "WaitEvent", "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
+           "WaitEvent", "Prepare", "PreparePool", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
            "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "UpdateCount", "Instantiate",
            "set_counter",
            "count_down", "Thread"]

@@ -359,6 +359,8 @@ class Model:
         s, bad = self._transition(op, "prepare", error, "graph_prepare")
         return bad if s is None else self._expect_ok(error, "graph_prepare")
 
+    _preparepool = _prepare              # (the pool changes where window buffers come from)
+
     def _startcapture(self, op, value, error):
         s, bad = self._transition(op, "begin", error, "start_capture")
         if s is None:

@@ -101,6 +101,15 @@ class Objects:
         self.graphs: dict = {}
         self.events: dict = {}
         self.streams: list = []          # the StreamId of each client (run.py sets it)
+        self.pools: dict = {}            # pool number -> runtime.GraphPool (made on first use)
+
+    def pool(self, i: int):
+        """Graph pool ``i`` of the run (a ``runtime.GraphPool``, made on first use)."""
+        p = self.pools.get(i)
+        if p is None:
+            from ..frontend.pool import GraphPool
+            p = self.pools[i] = GraphPool()
+        return p
 
 
 class Create(NamedTuple):
@@ -193,6 +202,11 @@ WaitEvent = _simple_op("WaitEvent", "client event", "c{client}.wait_event(e{even
                        "``c.wait_event(e)``.")
 Prepare = _simple_op("Prepare", "client", "c{client}.graph_prepare()",
                      lambda op, c, objs: c.graph_prepare(), "``c.graph_prepare()``.")
+PreparePool = _simple_op("PreparePool", "client pool", "c{client}.graph_prepare(pool=p{pool})",
+                         lambda op, c, objs: c.graph_prepare(pool=objs.pool(op.pool)),
+                         "``c.graph_prepare(pool=p)``: the window allocates from graph pool "
+                         "``p`` (``runtime.GraphPool``) first; its graphs share their "
+                         "temporaries (docs/contract.md section 4c).")
 StartCapture = _simple_op("StartCapture", "client", "c{client}.start_capture()",
                           lambda op, c, objs: c.start_capture(), "``c.start_capture()``.")
 StopCapture = _simple_op("StopCapture", "client graph", "g{graph} = c{client}.stop_capture()",
@@ -453,6 +467,8 @@ class Program:
         lines += [f"SIZE = {self.size}", f"c = runtime.client({', '.join(opts)})",
                   "streams = [runtime.StreamId.new() for _ in range(%d)]" % self.streams]
         lines += [f"c{k} = c.with_stream(streams[{k % self.streams}])" for k in range(self.clients)]
+        pools = sorted({op.pool for op in self.ops if isinstance(op, PreparePool)})
+        lines += [f"p{i} = runtime.GraphPool()" for i in pools]
         for i, op in enumerate(self.ops + self.final):
             if i == len(self.ops) and self.final:
                 lines.append("# end of program: sync every stream, read every live buffer")
@@ -513,6 +529,7 @@ def note_failed_run(program, backend: str, seed: int, check: bool) -> None:
 
 #: every op type, by name
 OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, Sync, RecordEvent,
-                                     WaitEvent, Prepare, StartCapture, StopCapture, Replay,
+                                     WaitEvent, Prepare, PreparePool, StartCapture, StopCapture,
+                                     Replay,
                                      Release, Clone, CreateFlag, CaptureIf, CaptureWhile,
                                      Update, UpdateCount, Instantiate, Thread)}

@@ -43,10 +43,11 @@ def _choices(weight) -> tuple:
 
 
 class _Window:
-    __slots__ = ("client", "uses", "allocs", "refused", "launches")
+    __slots__ = ("client", "uses", "allocs", "refused", "launches", "pooled")
 
-    def __init__(self, client):
+    def __init__(self, client, pooled=False):
         self.client = client
+        self.pooled = pooled             # prepared with a graph pool (its allocations: freed)
         self.uses: dict = {}             # buf -> True if a recorded launch writes it
         self.allocs: set = set()
         self.refused = False
@@ -54,11 +55,12 @@ class _Window:
 
 
 class _Graph:
-    __slots__ = ("stream", "uses", "required", "launches")
+    __slots__ = ("stream", "uses", "required", "launches", "pooled")
 
-    def __init__(self, stream, uses, required, launches=()):
+    def __init__(self, stream, uses, required, launches=(), pooled=False):
         self.stream, self.uses, self.required = stream, uses, required
         self.launches = tuple(launches)
+        self.pooled = pooled
 
 
 class Builder:
@@ -344,14 +346,26 @@ class Builder:
         loop = node and self.flag()         # written only in its bodies keep a failure mark
         if node:                            # across replays that skip them (contract 4b)
             self._flag(k, "loop" if loop else "if")     # made while the stream is idle
-        self.ops.append(P.Prepare(k))
+        # a graph pool (one per stream: its graphs replay in order there): the window's
+        # allocations may be other pool graphs' temporaries, so _end frees them in the window
+        pooled = self.cfg.get("pools", False) and self.flag()
+        self.ops.append(P.PreparePool(k, self.stream(k)) if pooled else P.Prepare(k))
         if self.flag():
             for op in launches:
                 self._issue(op)
         self.ops.append(P.StartCapture(k))
-        self.windows[self.stream(k)] = _Window(k)
+        self.windows[self.stream(k)] = _Window(k, pooled)
         for op in launches:
             self._issue(op)
+        if pooled:                          # a temporary the pool shares with the stream's
+            t = self.scratch(self.stream(k))    # other pool graphs, read back into a buffer,
+            dsts = [b for b, d in sorted(self.live.items()) if d == self.live[t] and b != t]
+            if dsts and self.flag():
+                self._issue(P.Launch(k, self.cfg["copy32"], (t, self.pick(dsts)),
+                                     (("n", self.cfg["size"]),)))
+            self._free(t)                   # and freed at once: a pool buffer is used on the
+            #                                 pool's stream only (contract 4c; the checker flags
+            #                                 another stream's use, ordered or not)
         if node:
             self.cond(k, loop)
 
@@ -427,17 +441,28 @@ class Builder:
         self._end(s)
 
     def _end(self, s):
-        w = self.windows.pop(s)
+        w = self.windows[s]
+        if w.pooled:                     # temporaries only: a live one may be another pool
+            for t in sorted(w.allocs):   # graph's temporary (its replays would rewrite it)
+                if t in self.live:
+                    self._free(t)
+        del self.windows[s]
         g = self.ngraph
         self.ngraph += 1
         self.ops.append(P.StopCapture(w.client, g))
         if not w.refused:
-            self.graphs[g] = _Graph(s, dict(w.uses), set(w.uses) - w.allocs, w.launches)
+            self.graphs[g] = _Graph(s, dict(w.uses), set(w.uses) - w.allocs, w.launches,
+                                    w.pooled)
 
     def scratch(self, s=None):
-        """A buffer allocated inside the window (of stream ``s``, drawn when None), filled by
-        the graph from a live buffer."""
-        s = self.pick(sorted(self.windows)) if s is None else s
+        """A buffer allocated inside the window (of stream ``s``, drawn when None; not a
+        window with a graph pool, whose one temporary ``capture`` makes), filled by the graph
+        from a live buffer."""
+        if s is None:
+            opened = [w for w in sorted(self.windows) if not self.windows[w].pooled]
+            if not opened:
+                return None
+            s = self.pick(opened)
         w = self.windows[s]
         src = self.pick(sorted(self.live))
         t = self.nbuf
@@ -447,6 +472,7 @@ class Builder:
         w.allocs.add(t)
         self._issue(P.Launch(w.client, self.cfg["copy32"], (src, t),
                              (("n", self.cfg["size"]),)))
+        return t
 
     def replay(self, g=None):
         """``g.replay()`` of a made graph (``g``, drawn when None), once, twice, three times or
@@ -656,8 +682,8 @@ class Builder:
             return                       # (a freed caller-owned buffer: InvalidHandle)
         flags = set(self.flags.values())
         targets = [k for k in self.idle_clients() if self.stream(k) < self.S]
-        if any(b in flags for b in info.uses):
-            targets = [k for k in targets if self.stream(k) == info.stream]
+        if any(b in flags for b in info.uses) or info.pooled:    # (a pool graph's temporaries
+            targets = [k for k in targets if self.stream(k) == info.stream]   # stay on its stream)
         if not targets:
             return
         k = self.pick(targets)
@@ -682,7 +708,7 @@ class Builder:
         required = {rb(b) for b in info.required}
         launches = tuple(la._replace(bufs=tuple(rb(b) for b in la.bufs))
                          for la in info.launches)
-        self.graphs[n] = _Graph(self.stream(k), uses, required, launches)
+        self.graphs[n] = _Graph(self.stream(k), uses, required, launches, info.pooled)
         if self.flag():
             self.replay(n)
 
@@ -716,7 +742,7 @@ class Builder:
 
 def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
              *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
-             refusals: bool = True, failures: bool = False):
+             refusals: bool = True, failures: bool = False, pools: bool = True):
     """A hypothesis strategy of ``Program`` s over your kernels.
 
     Args:
@@ -759,13 +785,19 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             explore more of your windows' interleavings, and the failure shapes test the
             runtime's promises more than your code (the project's own property test turns them
             on, with a kernel that fails on some inputs).
+        pools: with ``capture``, some windows are prepared with a ``runtime.GraphPool`` (one
+            per stream: ``PreparePool``), whose graphs share their temporaries (docs/contract.md
+            section 4c); such a window frees its allocations before ``stop_capture`` (a live
+            one could be another pool graph's temporary) and its graphs are instantiated on
+            their own stream only.
     Returns: a strategy of ``Program``.
     Raises: ``TypeError``/``ValueError`` for bad kernels or params (at the call).
     """
     from hypothesis import strategies as st
 
     cfg = config(kernels, buffers, streams, clients, capture, size=size, steps=steps,
-                 values=values, contract=contract, refusals=refusals, failures=failures)
+                 values=values, contract=contract, refusals=refusals, failures=failures,
+                 pools=pools)
     choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
 
     @st.composite
@@ -784,8 +816,9 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
 
 def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
            *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
-           refusals: bool = True, failures: bool = False) -> dict:
-    """The checked arguments of ``programs()`` as the ``Builder`` 's configuration (a dict).
+           refusals: bool = True, failures: bool = False, pools: bool = False) -> dict:
+    """The checked arguments of ``programs()`` as the ``Builder`` 's configuration (a dict;
+    ``pools`` off unless asked: a scripted builder's choices stay those it was written for).
     Raises what ``programs()`` raises."""
     from hypothesis import strategies as st
 
@@ -812,4 +845,5 @@ def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: b
             "user_kernels": len(specs), "copy32": len(specs), "set_counter": len(specs) + 1,
             "count_down": len(specs) + 2, "buffers": buffers, "streams": min(streams, clients),
             "clients": clients, "capture": capture, "size": size, "values": vals,
-            "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures}
+            "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures,
+            "pools": bool(pools) and capture}

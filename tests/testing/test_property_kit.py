@@ -5,7 +5,9 @@ checker on (it must flag none of them).
 ``programs()`` draws them (runtime.testing.strategies): 3 clients on their own threads over 2
 streams (two clients share one) or 3 streams; creates, writes, launches, reads, frees (also
 with work pending, followed by window allocations on another stream: the pool hands the buffer
-over), events, capture windows with and without a warm-up, window allocations, calls the window
+over), events, capture windows with and without a warm-up, windows prepared with a graph pool
+(one per stream: a temporary each, shared with the stream's other pool graphs, freed in the
+window; ADV4), window allocations, calls the window
 refuses (``read``, ``sync``, ``record_event``, ``wait_event`` and replays at once, a write or
 the free of a buffer one or two windows use at ``stop_capture``), replays, clones, graph
 releases before and after their inputs are freed, instances (``Graph.instantiate``) sharing the

@@ -137,7 +137,8 @@ def test_generated_programs_use_every_call_and_pass():
     one()
     assert {"Create", "Launch", "Read", "Write", "Free", "Sync", "RecordEvent", "WaitEvent",
             "Prepare", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
-            "Empty", "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "UpdateCount"} <= seen, seen
+            "Empty", "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "UpdateCount",
+            "PreparePool"} <= seen, seen
 
 
 def test_shrinking_reduces_a_planted_missing_dependency_to_a_few_calls(monkeypatch):

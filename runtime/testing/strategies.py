@@ -532,7 +532,8 @@ class Builder:
         c = self.ngraph
         self.ngraph += 1
         self.ops.append(P.Clone(info.stream, g, c))
-        self.graphs[c] = _Graph(info.stream, info.uses, info.required, info.launches)
+        self.graphs[c] = _Graph(info.stream, info.uses, info.required, info.launches,
+                                info.pooled)
         if self.flag():
             del self.graphs[g]
             self.ops.append(P.Release(info.stream, g))

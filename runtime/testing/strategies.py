@@ -359,8 +359,9 @@ class Builder:
             self._issue(op)
         if pooled:                          # a temporary the pool shares with the stream's
             t = self.scratch(self.stream(k))    # other pool graphs, read back into a buffer,
+            filled = isinstance(self.ops[-1], P.Launch) and self.ops[-1].bufs[-1] == t
             dsts = [b for b, d in sorted(self.live.items()) if d == self.live[t] and b != t]
-            if dsts and self.flag():
+            if filled and dsts and self.flag():     # (only once written: else it is state)
                 self._issue(P.Launch(k, self.cfg["copy32"], (t, self.pick(dsts)),
                                      (("n", self.cfg["size"]),)))
             self._free(t)                   # and freed at once: a pool buffer is used on the

@@ -292,7 +292,8 @@ class ComputeClient:
         Returns: at once (fire-and-forget); waits for room while the device queue is full. On
             the cpu backend a launch of a kernel with a ``bind`` touching at most 64 KiB on an
             idle server is deferred (issue 26): the next call into the server, from any thread,
-            runs it before anything else (docs/contract.md section 1).
+            runs it before anything else, the device thread within 20 ms if no call comes
+            (docs/contract.md section 1).
         Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count or
             dtype mismatch; a count over the backend's ``max_workgroups`` per dimension; one
             buffer bound both ``read`` and ``read_write``: the WebGPU rule, kept on every

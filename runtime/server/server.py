@@ -506,12 +506,9 @@ class ComputeServer:
                             if self.checker is None and self.backend.defers(kernel, nbytes):
                                 lazy = queue.lazy
                                 lazy.append((sid, kernel, count, hids, params))
-                                n = len(lazy)
-                                if n == 1:               # (DeviceQueue.deferred, inlined)
-                                    queue.lazy_starts += 1
-                                    if queue.lazy_asleep:
-                                        queue._wake.set()
-                                elif n >= LAZY_MAX:
+                                if queue.lazy_asleep:    # (wake the device thread)
+                                    queue._wake.set()
+                                if len(lazy) >= LAZY_MAX:
                                     return self._run_lazy()
                                 return None
                     if queue.lazy:
@@ -894,12 +891,9 @@ class ComputeServer:
                             and not g.fences and not g.mstates and self.checker is None):
                         lazy = queue.lazy
                         lazy.append(g)
-                        n = len(lazy)
-                        if n == 1:               # (DeviceQueue.deferred, inlined)
-                            queue.lazy_starts += 1
-                            if queue.lazy_asleep:
-                                queue._wake.set()
-                        elif n >= LAZY_MAX:     # (True: enqueued work; the caller looks for
+                        if queue.lazy_asleep:    # (the device thread runs it if no call comes)
+                            queue._wake.set()
+                        if len(lazy) >= LAZY_MAX:     # (True: enqueued work; the caller looks for
                             return self._run_lazy()     # room in the queue)
                         return None
                     if queue.lazy:

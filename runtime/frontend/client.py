@@ -248,12 +248,15 @@ class ComputeClient:
                 raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
             hid = handle._check(srv, "read")
         dtype = handle.dtype
-        raw = srv.read(self._sid, hid, dtype)
+        sid = self._pin                             # (self._sid, inlined: the hot path)
+        if sid is None:
+            sid = current_key()
+        raw = srv.read(sid, hid, dtype)
         if raw is BUSY:                             # the server was not idle: queued
-            raw = srv.call(srv.h_read, self._sid, hid, dtype)
+            raw = srv.call(srv.h_read, sid, hid, dtype)
         if raw.__class__ is not np.ndarray:         # (an ndarray: copied at once, clean)
             raw = self._finish_read(raw, hid)
-        if raw.dtype != dtype:                      # (bytes: not typed by the backend)
+        if raw.dtype is not dtype and raw.dtype != dtype:   # (bytes: not typed by the backend)
             raw = raw.view(dtype)
         return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
 

@@ -450,9 +450,7 @@ class ComputeServer:
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)
                 if st.mark is CLEAN or self.marks.clean(st):
-                    s.pos += 1
-                    s.done_pos = s.pos
-                    st.reads[sid] = s.pos
+                    st.reads[sid] = s.done_pos = s.pos = s.pos + 1
                     return data
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
@@ -956,8 +954,7 @@ class ComputeServer:
                         s.done_pos = g.last_pos = s.pos
                         continue
                     if ran:
-                        s.pos += 1
-                        s.done_pos = g.last_pos = s.pos
+                        s.done_pos = g.last_pos = s.pos = s.pos + 1
                         for st in g.wstates:
                             st.mark = CLEAN
                         continue

@@ -4,7 +4,8 @@ bodies, and the contract's rules for what must raise (design.md sections 2, 4 an
 ``Model.step(op, value, error)`` takes what the runtime answered for one op and returns a
 mismatch (a sentence) or None. Where the model cannot know the answer it accepts either and
 follows what happened: a buffer computed from an unknown input has unknown contents, a kernel
-run on unknown inputs may or may not fail, a capture window that depended on it may or may not
+run on unknown inputs may or may not fail (so a buffer of unknown contents may be marked, and a
+replay of a graph with such a source may mark its whole write set), a capture window that depended on it may or may not
 have been opened.
 
 Failures (contract.md sections 2, 4 and 5): a kernel whose cpu body raises marks what it would
@@ -462,6 +463,14 @@ class Model:
             for b in writes:               # a marked input or state marks the whole write set
                 self.bufs[b].value, self.bufs[b].failed = None, True
             self._error(s, "unknown")      # its launches ran on stale data: they may fail
+            return self._expect_ok(error, f"replay of g{op.graph}")
+        if any(self.bufs[b].value is None for b in sources):
+            # a source of unknown contents may be marked (a kernel run on unknown inputs may
+            # have failed); the server counts it even where no launch reads it (a count of 0,
+            # a branch not taken), so the whole write set may be marked: any answer
+            for b in writes:
+                self.bufs[b].value, self.bufs[b].failed = None, False
+            self._error(s, "unknown")
             return self._expect_ok(error, f"replay of g{op.graph}")
         # the server cannot see which branch ran: a buffer written only inside a node keeps
         # a failure (and one whose state is unknown, which may have failed, stays unknown)

@@ -666,11 +666,12 @@ def _check_aliasing(kernel, hids) -> None:
     WebGPU forbids it within one dispatch (a writable storage binding may not alias a read-only
     one); the rule is kept on every backend so a program behaves the same everywhere.
     """
-    written = {h for b, h in zip(kernel.bindings, hids) if b.access != "read"}
+    written = {h: b for b, h in zip(kernel.bindings, hids) if b.access != "read"}
     for b, h in zip(kernel.bindings, hids):
         if b.access == "read" and h in written:
+            w = written[h]
             raise LaunchError(f"launch of {kernel.name}: handle {h} is bound to {b.name} (read) "
-                              "and also to a read_write binding; aliasing a written buffer with "
+                              f"and also to {w.name} ({w.access}); aliasing a written buffer with "
                               "a read binding in one launch is refused on every backend (the "
                               "WebGPU rule); use a separate output buffer")
 

@@ -293,10 +293,14 @@ class ComputeClient:
             the cpu backend a launch of a kernel with a ``bind`` touching at most 64 KiB on an
             idle server is deferred (issue 26): the next call into the server, from any thread,
             runs it before anything else (docs/contract.md section 1).
-        Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count or
-            dtype mismatch; a count over the backend's ``max_workgroups`` per dimension; one
-            buffer bound both ``read`` and ``read_write``: the WebGPU rule, kept on every
-            backend), ``InvalidHandle``, at the call. Compile and device failures are queued
+        Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count;
+            a handle whose elements are not 4 bytes (or 1: raw bytes), e.g. ``float64``; a count
+            over the backend's ``max_workgroups`` per dimension; one buffer bound both
+            ``read`` and written: the WebGPU rule, kept on every backend), ``InvalidHandle``,
+            at the call. A 4-byte handle of another dtype than its binding's (``int32`` data
+            bound ``f32``) is not refused: the kernel reads its bits in the binding's dtype, as
+            a CUDA kernel reads whatever a pointer points at (``runtime.Tensor`` ops check
+            dtypes). Compile and device failures are queued
             on the stream and raised by its next blocking call; a launch that did not run also
             marks the buffers it writes (``ReplayFailed`` on read).
         Streams: on this client's stream, after the last writes of its inputs on other streams.

@@ -226,6 +226,10 @@ class ComputeClient:
 
         Returns: a new ``np.ndarray`` of ``handle.dtype`` and ``handle.shape``. Blocks until the
             work before it on this stream (and the buffer's last write on any stream) ran.
+            A graph replay is the exception (seed 001): it orders only against its capture
+            stream, so read what it writes on ``g.stream`` (``client.with_stream(g.stream)``)
+            or after a sync of or an event on that stream; from another stream the read races
+            the replay (``check=True`` raises ``StreamRaceError``; docs/contract.md section 3).
         Raises: ``CaptureRefused`` (this stream is recording; the window is invalidated, its
             ``stop_capture`` raises too); ``InvalidHandle``; ``ReplayFailed``
             (the buffer's last writer failed, found at enqueue or while this read waited: a

@@ -164,8 +164,9 @@ class Graph:
         """The recorded launches in recording order, as plain data (printable, JSON-able).
 
         Returns: a list of ``{"index": int, "kernel": name, "bindings": [{"name", "access"
-            ("read" | "read_write"), "dtype" ("f32" | "i32" | "u32"), "handle": handle id,
-            "nbytes": int}], "params": {name: value}, "count": [x, y, z] (workgroups) or
+            ("read" | "read_write" | "write", as the kernel declares it), "dtype" ("f32" |
+            "i32" | "u32"), "handle": handle id, "nbytes": int}], "params": {name: value},
+            "count": [x, y, z] (workgroups) or
             {"indirect": handle id}, "scope": [[node index, "then" | "else" | "body"], ...]}``;
             launches inside ``capture_if``/``capture_while`` bodies are listed in place, with
             their scope. The index is what ``update(params=, count=)`` takes.
@@ -179,8 +180,10 @@ class Graph:
         (as :meth:`launches`, each binding also naming its ``"buffer"`` label), "nodes" (the
         conditional nodes: ``{"index", "kind" ("if" | "while"), "cond" (handle id),
         "cond_buffer", "max_iterations", "scope"}``), "buffers" (``{"buffer": "b0", "handle",
-        "nbytes", "dtype", "access", "freed"}`` in first-use order), "reads", "writes" (handle
-        ids: the read and write sets), "retained" (pooled buffers the graph pins),
+        "nbytes", "dtype", "access" ("read", or "read_write" for a buffer the graph writes
+        through any binding), "freed"}`` in first-use order), "reads" (handle ids of every
+        buffer the graph binds, written ones included), "writes" (those it writes: the write
+        set), "retained" (pooled buffers the graph pins),
         "retained_bytes", "fallback_reason"}``.
 
         Buffer labels ``b0, b1, ...`` follow first use, so two recordings of the same work give

@@ -193,8 +193,14 @@ class Model:
             work = [np.full(self.p.size, fill, b.dtype) if unknown else b.value.copy()
                     for b, unknown in zip(bufs, blank)]
             try:
-                spec.kernel.cpu(*work, count=normalize_count(spec.count), **dict(launch.params))
+                self._run_body(spec, launch, work, binds, readonly=None)
             except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
+                wrote = self._writes_read_bindings(spec, launch, bufs, blank, fill, binds)
+                if wrote:
+                    return (f"kernel {spec.kernel.name} writes binding {', '.join(wrote)}, "
+                            "declared 'read' (its view is read-only: the launch fails with "
+                            "a LaunchError): declare it 'read_write' (the server orders "
+                            "launches by the declared access)")
                 for b in outs:
                     self.bufs[b].value, self.bufs[b].failed = None, True
                 return "failed"
@@ -214,6 +220,36 @@ class Model:
                         "declare it 'read_write' (the server orders launches by the declared "
                         "access)")
         return "ok"
+
+    @staticmethod
+    def _run_body(spec, launch, work, binds, readonly) -> None:
+        """Call the kernel's cpu body on ``work`` as the cpu backend does: the arrays of the
+        bindings declared ``read`` (``readonly``: a set of binding indices; None: all of
+        them) are read-only views, so a body writing one raises (docs/contract.md section 2)."""
+        views = []
+        for i, (w, bind) in enumerate(zip(work, binds)):
+            if bind.access == "read" and (readonly is None or i in readonly):
+                w = w.view()
+                w.flags.writeable = False
+            views.append(w)
+        spec.kernel.cpu(*views, count=normalize_count(spec.count), **dict(launch.params))
+
+    def _writes_read_bindings(self, spec, launch, bufs, blank, fill, binds) -> list:
+        """The names of the ``read`` bindings the body writes, when it raised only because
+        their views are read-only (it runs on writable copies); [] when it fails anyway."""
+        def attempt(readonly) -> bool:
+            work = [np.full(self.p.size, fill, b.dtype) if unknown else b.value.copy()
+                    for b, unknown in zip(bufs, blank)]
+            try:
+                self._run_body(spec, launch, work, binds, readonly)
+            except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
+                return False
+            return True
+        reads = [i for i, bind in enumerate(binds) if bind.access == "read"]
+        if not reads or not attempt(set()):
+            return []
+        named = [binds[i].name for i in reads if not attempt({i})]
+        return named or [binds[i].name for i in reads]
 
     def _error(self, s: int, status: str) -> None:
         if status not in ("ok", "failed", "unknown"):

@@ -320,6 +320,25 @@ def test_hypothesis_prints_the_falsifying_program_as_its_failing_run_opened_the_
     assert printed[-1] == f"'cpu', scheduler='interleave', seed={seed}, check=True", text
 
 
+def test_a_kernel_writing_a_binding_it_declared_read_is_named_even_when_the_values_do_not_change():
+    """USER5 (the README's testing-kit example): the cpu backend hands a ``read`` binding to the
+    body as a read-only view, so the launch fails however the values come out; the model ran
+    the body on writable copies and compared values, so on zeros (``x = 0`` leaves zeros) it
+    expected success and the report said only "sync raised ServerUnhealthy ... the model says it
+    succeeds". The model now gives the body read-only views as the backend does and names the
+    binding and the fix."""
+    zeros = (0.0,) * 4
+    prog = Program((Create(0, 0, "f32", zeros), Create(0, 1, "f32", zeros),
+                    Launch(0, 0, (0, 1), (("n", 4),))), (Sync(0),),
+                   (KernelSpec(_scale, {}),), 4, 1, 1)
+    with pytest.raises(ProgramMismatch) as info:
+        run_program(prog, seed=0, check=True)
+    text = str(info.value)
+    assert "kernel scale writes binding x, declared 'read'" in text, text
+    assert "declare it 'read_write'" in text, text
+    assert "call 2" in text, text                     # the launch, not the sync after it
+
+
 def _fails_below(x, y, *, n, count):
     if (x[:n] < -6).any():
         raise ValueError("an input below -6")

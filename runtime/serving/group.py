@@ -1,4 +1,5 @@
-"""Several batchers behind one submit: a model per stream, each request to the least loaded.
+"""Several batchers behind one submit: a model per stream, each request to the least loaded
+(on the cpu backend: while the host is busy; ``route="cpu"``, see below).
 
 A :class:`BatcherGroup` holds ``N`` :class:`runtime.serving.Batcher` s, each with its own model
 (on cpu: its own stream of the process's one device server, its own captured graphs) and its own
@@ -17,6 +18,14 @@ requests/s, 5.5 against 6.6 ms of CPU per request; issue 30); two independent ba
 threads busy with no hand-off at all. The cost: a model (weights, ~90 MB for MiniLM, and
 graphs) per stream.
 
+On a free host the trade goes the other way: one batch at a time gets every core (one call on
+OpenBLAS's own threads), batches are fuller and the weights are read once per batch, so two half
+batches cost more CPU per text (``serve --streams 1`` spent less CPU per request than
+``--streams 2`` at 8 and 64 clients without busy processes). So ``serve`` routes a cpu group by
+the thread rule's view of the host (``route="cpu"``, :func:`cpu_host_free`): the first batcher
+while the process has its cores to itself (spilling over only once a full batch waits there),
+the least loaded while busy processes take cores.
+
 Within each batcher, batching stays as :class:`Batcher` documents (fair ring, sub-batches of big
 requests, cancellation); a request never spans two batchers, so its rows come back in order
 from one.
@@ -26,7 +35,20 @@ from __future__ import annotations
 
 from .batcher import BatcherClosed
 
-__all__ = ["BatcherGroup"]
+__all__ = ["BatcherGroup", "ROUTES", "cpu_host_free"]
+
+#: the routings :class:`BatcherGroup` knows
+ROUTES = ("least", "cpu")
+
+
+def cpu_host_free() -> bool:
+    """Whether this process has its cores to itself, as the cpu thread rule last saw it
+    (:class:`runtime.cpu_threads.WholeCalls`: one call on OpenBLAS's own threads kept its
+    calling thread on a core; beside busy processes it does not, and whole calls are off).
+    ``False`` when the rule does not size BLAS (the user's environment fixed it: no whole calls
+    to judge by) or whole calls are switched off (``RUNTIME_CPU_WHOLE=0``)."""
+    from ..cpu_threads import RULE
+    return bool(RULE.adapt_blas and RULE.whole.on)
 
 
 class BatcherGroup:
@@ -36,33 +58,60 @@ class BatcherGroup:
     Args:
         batchers: started :class:`runtime.serving.Batcher` s, each over its own model (same
             weights, buckets and limits; the first one's settings are reported).
-    Attributes: ``batchers``; ``model``, ``hidden``, ``path``, ``max_seq_length`` and every other
-        setting are the first batcher's.
-    Raises: ``ValueError`` (no batchers, or two sharing one model: a model runs one batch at a
-        time).
+        route: ``"least"`` (every request to the least loaded), or ``"cpu"`` (for models on
+            the cpu backend: least loaded while the host is busy, the first batcher while the
+            process has the cores to itself; :meth:`pick`).
+        free_host: ``() -> bool``, whether the process has the cores to itself now (``"cpu"``
+            routing; default :func:`cpu_host_free`; tests pass a fake).
+    Attributes: ``batchers``, ``route``; ``model``, ``hidden``, ``path``, ``max_seq_length``
+        and every other setting are the first batcher's.
+    Raises: ``ValueError`` (no batchers, two sharing one model: a model runs one batch at a
+        time; an unknown ``route``).
     """
 
-    def __init__(self, batchers):
+    def __init__(self, batchers, route: str = "least", free_host=None):
         self.batchers = list(batchers)
         if not self.batchers:
             raise ValueError("a BatcherGroup needs at least one batcher")
         if len({id(b.model) for b in self.batchers}) != len(self.batchers):
             raise ValueError("each batcher of a group needs a model of its own")
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        self.route = route
+        self._free_host = free_host or cpu_host_free
 
     def pick(self):
-        """The batcher the next request goes to: among those whose worker runs, the one with
-        the least :attr:`Batcher.load` (texts queued plus texts in the batch running now); on a
-        tie the first (a lone client stays on one model; a second batch goes to the next one
-        while the first runs).
+        """The batcher the next request goes to, among those whose worker runs.
+
+        ``route="least"``: the one with the least :attr:`Batcher.load` (texts queued plus texts
+        in the batch running now); on a tie the first (a lone client stays on one model; a
+        second batch goes to the next one while the first runs).
+
+        ``route="cpu"``: the same while the host is busy (other processes take cores: the
+        ``free_host`` check fails); while the process has the cores to itself, the first
+        running batcher, unless it already holds a full batch waiting (:attr:`Batcher.queued`
+        at least its ``max_batch``): then the least loaded (spill-over). On a free host one
+        batch at a time on every core (OpenBLAS's own threads) reads the weights once per batch
+        and batches fuller, where two half batches on one thread each cost more CPU per text;
+        beside busy processes two independent batches on one thread each keep both threads
+        runnable with no hand-off between them, where a batch split over two threads waits for
+        whichever the OS is not running (issue 30; the figures are in the README's cpu
+        section).
 
         Raises: :class:`BatcherClosed` (every worker has stopped).
         """
-        best = None
+        best = first = None
         for b in self.batchers:
-            if b.alive and (best is None or b.load < best.load):
-                best = b
+            if b.alive:
+                if first is None:
+                    first = b
+                if best is None or b.load < best.load:
+                    best = b
         if best is None:
             raise BatcherClosed("every batcher's worker has stopped")
+        if (self.route == "cpu" and first.queued < first.max_batch
+                and self._free_host()):
+            return first
         return best
 
     def submit(self, texts):

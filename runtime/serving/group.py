@@ -1,5 +1,5 @@
 """Several batchers behind one submit: a model per stream, each request to the least loaded
-(on the cpu backend: while the host is busy; ``route="cpu"``, see below).
+(on the cpu backend: once the first holds a full batch waiting; ``route="spill"``, see below).
 
 A :class:`BatcherGroup` holds ``N`` :class:`runtime.serving.Batcher` s, each with its own model
 (on cpu: its own stream of the process's one device server, its own captured graphs) and its own
@@ -14,17 +14,17 @@ Why: beside busy processes a forward split over two threads waits whenever the O
 them and not the other, and every hand-off between them costs CPU (MiniLM 20x16 on 2 cores:
 4.1 ms of CPU per row in pieces on 2 threads against 3.7 ms on two streams of one thread each;
 ``benchmarks/serving.py --streams 2`` beside two busy processes, 64 clients: 107 against 80
-requests/s, 5.5 against 6.6 ms of CPU per request; issue 30); two independent batches keep both
+requests/s, 5.5 against 6.6 ms of CPU per request; issue 30, measured before the panel matmul
+of :mod:`runtime.kernels.panels` made small pieces cheap); two independent batches keep both
 threads busy with no hand-off at all. The cost: a model (weights, ~90 MB for MiniLM, and
 graphs) per stream.
 
-On a free host the trade goes the other way: one batch at a time gets every core (one call on
-OpenBLAS's own threads), batches are fuller and the weights are read once per batch, so two half
-batches cost more CPU per text (``serve --streams 1`` spent less CPU per request than
-``--streams 2`` at 8 and 64 clients without busy processes). So ``serve`` routes a cpu group by
-the thread rule's view of the host (``route="cpu"``, :func:`cpu_host_free`): the first batcher
-while the process has its cores to itself (spilling over only once a full batch waits there),
-the least loaded while busy processes take cores.
+The trade goes the other way as long as one batcher keeps up: one batch at a time reads the
+weights once per batch and batches fuller, so two half batches cost more CPU per text (``serve
+--streams 1`` spent less CPU per request than ``--streams 2`` at 8 and 64 clients, with and
+without busy processes). So ``serve`` routes a cpu group by spill-over (``route="spill"``):
+the first batcher takes every request until a full batch waits there, the others take the
+backlog beyond it.
 
 Within each batcher, batching stays as :class:`Batcher` documents (fair ring, sub-batches of big
 requests, cancellation); a request never spans two batchers, so its rows come back in order
@@ -35,20 +35,10 @@ from __future__ import annotations
 
 from .batcher import BatcherClosed
 
-__all__ = ["BatcherGroup", "ROUTES", "cpu_host_free"]
+__all__ = ["BatcherGroup", "ROUTES"]
 
 #: the routings :class:`BatcherGroup` knows
-ROUTES = ("least", "cpu")
-
-
-def cpu_host_free() -> bool:
-    """Whether this process has its cores to itself, as the cpu thread rule last saw it
-    (:class:`runtime.cpu_threads.WholeCalls`: one call on OpenBLAS's own threads kept its
-    calling thread on a core; beside busy processes it does not, and whole calls are off).
-    ``False`` when the rule does not size BLAS (the user's environment fixed it: no whole calls
-    to judge by) or whole calls are switched off (``RUNTIME_CPU_WHOLE=0``)."""
-    from ..cpu_threads import RULE
-    return bool(RULE.adapt_blas and RULE.whole.on)
+ROUTES = ("least", "spill")
 
 
 class BatcherGroup:
@@ -58,18 +48,15 @@ class BatcherGroup:
     Args:
         batchers: started :class:`runtime.serving.Batcher` s, each over its own model (same
             weights, buckets and limits; the first one's settings are reported).
-        route: ``"least"`` (every request to the least loaded), or ``"cpu"`` (for models on
-            the cpu backend: least loaded while the host is busy, the first batcher while the
-            process has the cores to itself; :meth:`pick`).
-        free_host: ``() -> bool``, whether the process has the cores to itself now (``"cpu"``
-            routing; default :func:`cpu_host_free`; tests pass a fake).
+        route: ``"least"`` (every request to the least loaded) or ``"spill"`` (the first
+            batcher until it holds a full batch waiting; :meth:`pick`).
     Attributes: ``batchers``, ``route``; ``model``, ``hidden``, ``path``, ``max_seq_length``
         and every other setting are the first batcher's.
     Raises: ``ValueError`` (no batchers, two sharing one model: a model runs one batch at a
         time; an unknown ``route``).
     """
 
-    def __init__(self, batchers, route: str = "least", free_host=None):
+    def __init__(self, batchers, route: str = "least"):
         self.batchers = list(batchers)
         if not self.batchers:
             raise ValueError("a BatcherGroup needs at least one batcher")
@@ -78,7 +65,6 @@ class BatcherGroup:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.route = route
-        self._free_host = free_host or cpu_host_free
 
     def pick(self):
         """The batcher the next request goes to, among those whose worker runs.
@@ -87,16 +73,14 @@ class BatcherGroup:
         in the batch running now); on a tie the first (a lone client stays on one model; a
         second batch goes to the next one while the first runs).
 
-        ``route="cpu"``: the same while the host is busy (other processes take cores: the
-        ``free_host`` check fails); while the process has the cores to itself, the first
-        running batcher, unless it already holds a full batch waiting (:attr:`Batcher.queued`
-        at least its ``max_batch``): then the least loaded (spill-over). On a free host one
-        batch at a time on every core (OpenBLAS's own threads) reads the weights once per batch
-        and batches fuller, where two half batches on one thread each cost more CPU per text;
-        beside busy processes two independent batches on one thread each keep both threads
-        runnable with no hand-off between them, where a batch split over two threads waits for
-        whichever the OS is not running (issue 30; the figures are in the README's cpu
-        section).
+        ``route="spill"``: the first running batcher, even while it runs a batch, unless it
+        already holds a full batch waiting (:attr:`Batcher.queued` at least its ``max_batch``):
+        then the least loaded. One batch at a time reads the weights once per batch and
+        batches fuller; on the cpu backend two half batches, one thread each, cost more CPU per
+        text (``benchmarks/serving.py`` beside two busy processes, 8 and 64 clients: 9.6-11.1
+        and 6.1-6.6 ms of CPU per request least-loaded against 9.0 and 5.9 on one stream;
+        issue 30), so ``serve --streams N`` spills over on cpu: the other streams take a
+        backlog beyond a full batch.
 
         Raises: :class:`BatcherClosed` (every worker has stopped).
         """
@@ -109,8 +93,7 @@ class BatcherGroup:
                     best = b
         if best is None:
             raise BatcherClosed("every batcher's worker has stopped")
-        if (self.route == "cpu" and first.queued < first.max_batch
-                and self._free_host()):
+        if self.route == "spill" and first.queued < first.max_batch:
             return first
         return best
 

@@ -159,7 +159,7 @@ def test_two_streams_of_the_real_model_embed_as_one():
         # ... over one copy of the weights (MiniLM.replica; before, the second was loaded
         # and uploaded again: its own buffers)
         assert m1.word.handle.id == m0.word.handle.id and m1.blocks is m0.blocks
-        assert two.route == "cpu"             # serve's routing on cpu; here both streams must
+        assert two.route == "spill"           # serve's routing on cpu; here both streams must
         two.route = "least"                   # get work whatever the host: the least loaded
         want = one.embed(texts, timeout=120)
         futs = [two.submit(texts) for _ in range(4)]          # both streams get work
@@ -173,32 +173,28 @@ def test_two_streams_of_the_real_model_embed_as_one():
         start_batcher("cpu", model=FakeModel(), streams=0)
 
 
-def test_cpu_routing_keeps_one_batcher_on_a_free_host_and_spreads_on_a_busy_one():
-    # route="cpu" (serve --streams N on the cpu backend): while the host is free every request
-    # goes to the first batcher, even while it runs a batch (one batch at a time on every
-    # core), until it holds a full batch waiting (spill-over to the least loaded); while the
-    # host is busy, to the least loaded (two batches at once, one thread each). The free-host
-    # check is a fake switch: nothing is timed.
+def test_spill_routing_keeps_one_batcher_until_a_full_batch_waits_there():
+    # route="spill" (serve --streams N on the cpu backend): every request goes to the first
+    # batcher, even while it runs a batch, until it holds a full batch waiting; then to the
+    # least loaded. Gated fake models: nothing is timed.
     gate = threading.Event()
     first, second = FakeModel(gate=gate), FakeModel()
-    free = [True]
     g = BatcherGroup([Batcher(m, batch_buckets=(1, 2, 4), seq_buckets=(16,), max_batch=4)
-                      for m in (first, second)], route="cpu", free_host=lambda: free[0])
+                      for m in (first, second)], route="spill")
     try:
         a = g.submit(["a"])
         assert first.entered.wait(WAIT)             # the first is running it (gated)
-        queued = [g.submit([f"q{i}"]) for i in range(4)]   # free host: all to the first
+        queued = [g.submit([f"q{i}"]) for i in range(3)]   # to the first, though it is busy
+        assert g.batchers[0].queued == 3 and g.batchers[1].load == 0
+        more = g.submit(["m n"])                    # 3 waiting < 4: still the first
         assert g.batchers[0].queued == 4 and g.batchers[1].load == 0
-        spill = g.submit(["s"])                     # a full batch (4) waits there: spill
-        assert spill.result(WAIT)
+        spill = g.submit(["s"])                     # a full batch waits there: spill over
         np.testing.assert_array_equal(spill.result(WAIT).embeddings[0], expected(second, "s"))
-        free[0] = False                             # busy host: the least loaded
-        busy = g.submit(["b c"])
-        np.testing.assert_array_equal(busy.result(WAIT).embeddings[0], expected(second, "b c"))
+        assert sum(c[3] for c in second.calls) == 1 and g.batchers[0].queued == 4
         gate.set()
-        for fut, t in zip([a] + queued, ["a"] + [f"q{i}" for i in range(4)]):
+        for fut, t in zip([a] + queued + [more], ["a", "q0", "q1", "q2", "m n"]):
             np.testing.assert_array_equal(fut.result(WAIT).embeddings[0], expected(first, t))
-        assert sum(c[3] for c in first.calls) == 5 and sum(c[3] for c in second.calls) == 2
+        assert sum(c[3] for c in first.calls) == 5
         with pytest.raises(ValueError):
             BatcherGroup([Batcher(FakeModel())], route="nearest")
     finally:
@@ -206,19 +202,9 @@ def test_cpu_routing_keeps_one_batcher_on_a_free_host_and_spreads_on_a_busy_one(
         g.close()
 
 
-def test_the_cpu_routing_reads_the_thread_rule_and_serve_uses_it_on_cpu(monkeypatch):
-    from runtime import cpu_threads
-    from runtime.serving.group import cpu_host_free
+def test_serve_spills_over_on_cpu_and_routes_to_the_least_loaded_elsewhere():
     from runtime.serving.replica import start_batcher
-    monkeypatch.setattr(cpu_threads.RULE, "adapt_blas", True)
-    monkeypatch.setattr(cpu_threads.RULE.whole, "on", True)
-    assert cpu_host_free()
-    monkeypatch.setattr(cpu_threads.RULE.whole, "on", False)     # whole calls stopped: busy
-    assert not cpu_host_free()
-    monkeypatch.setattr(cpu_threads.RULE.whole, "on", True)
-    monkeypatch.setattr(cpu_threads.RULE, "adapt_blas", False)   # the user fixed BLAS
-    assert not cpu_host_free()
-    for backend, route in (("cpu", "cpu"), ("wgpu", "least")):
+    for backend, route in (("cpu", "spill"), ("wgpu", "least")):
         class Fake(FakeModel):
             client = types.SimpleNamespace(backend=backend)
 

@@ -37,22 +37,44 @@ import runtime
 from runtime.models.decoder import Decoder, DecoderConfig
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv=None) -> int:
-    """Run the comparison; returns the exit status (0: identical tokens)."""
+    """Run the comparison; returns the exit status (0: identical tokens). A bad flag value
+    exits with status 2 and one ``error:`` line (argparse's answer), before anything runs."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="cpu", help="cpu | wgpu | cuda (default cpu)")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens to generate (default 64)")
+    ap.add_argument("--backend", default="cpu", choices=("cpu", "wgpu", "cuda"),
+                    help="cpu | wgpu | cuda (default cpu)")
+    ap.add_argument("--tokens", type=_positive, default=64,
+                    help="tokens to generate (default 64)")
     ap.add_argument("--prompt", type=int, nargs="+", default=[1], help="prompt token ids")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per mode (best kept)")
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    ap.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    ap.add_argument("--repeats", type=_positive, default=3,
+                    help="timed runs per mode (best kept)")
+    ap.add_argument("--layers", type=_positive, default=2, help="decoder layers (default 2)")
+    ap.add_argument("--dim", type=_positive, default=64, help="model width (default 64)")
     ap.add_argument("--end-token", type=int, default=None,
                     help="stop after this token id (default: generate --tokens tokens)")
     args = ap.parse_args(argv)
 
-    cfg = DecoderConfig(layers=args.layers, dim=args.dim,
-                        max_len=max(128, len(args.prompt) + args.tokens))
-    dec = Decoder(runtime.client(args.backend), cfg)
+    try:
+        cfg = DecoderConfig(layers=args.layers, dim=args.dim,
+                            max_len=max(128, len(args.prompt) + args.tokens))
+        cfg.check()
+    except ValueError as e:
+        ap.error(f"--layers/--dim: {e}")
+    if any(not 0 <= t < cfg.vocab for t in args.prompt):
+        ap.error(f"argument --prompt: token ids must be in [0, {cfg.vocab}), got {args.prompt}")
+    try:
+        client = runtime.client(args.backend)
+    except runtime.UnsupportedError as e:
+        ap.error(f"argument --backend: {e}")
+    dec = Decoder(client, cfg)
     print(f"backend {args.backend} ({dec.client.device_name}); decoder {cfg}; random weights, "
           f"seed {cfg.seed}")
     # warm-up: compile every kernel and capture the step graph

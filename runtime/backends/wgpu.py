@@ -537,6 +537,8 @@ class WgpuBackend(Backend):
             (default 8, or ``RUNTIME_WGPU_MAX_INFLIGHT``).
     Raises:
         UnsupportedError: no adapter (with the hint ``apt-get install -y mesa-vulkan-drivers``).
+        TypeError: an option it does not take (``runtime.client("wgpu", seed=1)``: the cpu
+            backend's ``scheduler``/``seed``/``threads`` mean nothing here), before a device opens.
     Backends: software graphs (``hardware_graphs = False``); fresh allocations inside a capture
         window are retained by the server, not refused.
     See also: ``GPUAdapter.request_device_sync``; CubeCL ``cubecl-wgpu/src/compute/server.rs``.
@@ -560,7 +562,12 @@ class WgpuBackend(Backend):
 
     def __init__(self, device: int = 0, adapter: str | None = None, max_tasks: int | None = None,
                  max_inflight: int | None = None, **options):
-        super().__init__(device, **options)
+        if options:
+            raise TypeError(f"the wgpu backend takes no option {', '.join(map(repr, sorted(options)))}"
+                            ": it takes adapter=, max_tasks=, max_inflight= (and check=, "
+                            "max_idle_bytes=, as every backend); scheduler=, seed=, threads= and "
+                            "blas_threads= are the cpu backend's")
+        super().__init__(device)
         _refuse_after_fork()
         self.adapter = select_adapter(device, adapter)
         self.device_name = describe(self.adapter)

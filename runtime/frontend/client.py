@@ -226,6 +226,10 @@ class ComputeClient:
 
         Returns: a new ``np.ndarray`` of ``handle.dtype`` and ``handle.shape``. Blocks until the
             work before it on this stream (and the buffer's last write on any stream) ran.
+            A graph replay is the exception (seed 001): it orders only against its capture
+            stream, so read what it writes on ``g.stream`` (``client.with_stream(g.stream)``)
+            or after a sync of or an event on that stream; from another stream the read races
+            the replay (``check=True`` raises ``StreamRaceError``; docs/contract.md section 3).
         Raises: ``CaptureRefused`` (this stream is recording; the window is invalidated, its
             ``stop_capture`` raises too); ``InvalidHandle``; ``ReplayFailed``
             (the buffer's last writer failed, found at enqueue or while this read waited: a
@@ -293,10 +297,14 @@ class ComputeClient:
             the cpu backend a launch of a kernel with a ``bind`` touching at most 64 KiB on an
             idle server is deferred (issue 26): the next call into the server, from any thread,
             runs it before anything else (docs/contract.md section 1).
-        Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count or
-            dtype mismatch; a count over the backend's ``max_workgroups`` per dimension; one
-            buffer bound both ``read`` and ``read_write``: the WebGPU rule, kept on every
-            backend), ``InvalidHandle``, at the call. Compile and device failures are queued
+        Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count;
+            a handle whose elements are not 4 bytes (or 1: raw bytes), e.g. ``float64``; a count
+            over the backend's ``max_workgroups`` per dimension; one buffer bound both
+            ``read`` and written: the WebGPU rule, kept on every backend), ``InvalidHandle``,
+            at the call. A 4-byte handle of another dtype than its binding's (``int32`` data
+            bound ``f32``) is not refused: the kernel reads its bits in the binding's dtype, as
+            a CUDA kernel reads whatever a pointer points at (``runtime.Tensor`` ops check
+            dtypes). Compile and device failures are queued
             on the stream and raised by its next blocking call; a launch that did not run also
             marks the buffers it writes (``ReplayFailed`` on read).
         Streams: on this client's stream, after the last writes of its inputs on other streams.
@@ -666,11 +674,12 @@ def _check_aliasing(kernel, hids) -> None:
     WebGPU forbids it within one dispatch (a writable storage binding may not alias a read-only
     one); the rule is kept on every backend so a program behaves the same everywhere.
     """
-    written = {h for b, h in zip(kernel.bindings, hids) if b.access != "read"}
+    written = {h: b for b, h in zip(kernel.bindings, hids) if b.access != "read"}
     for b, h in zip(kernel.bindings, hids):
         if b.access == "read" and h in written:
+            w = written[h]
             raise LaunchError(f"launch of {kernel.name}: handle {h} is bound to {b.name} (read) "
-                              "and also to a read_write binding; aliasing a written buffer with "
+                              f"and also to {w.name} ({w.access}); aliasing a written buffer with "
                               "a read binding in one launch is refused on every backend (the "
                               "WebGPU rule); use a separate output buffer")
 

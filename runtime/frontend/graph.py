@@ -124,8 +124,11 @@ class Graph:
             self._owner.drop()
 
     def info(self) -> dict:
-        """Server-side facts: launches recorded, read and write sets (handle ids), buffers
-        retained. Blocks. Raises ``UnknownGraph``."""
+        """Server-side facts: ``{"id", "stream", "launches" (recorded, a count), "reads",
+        "writes" (handle ids: every buffer bound, and the write set), "retained" (window
+        allocations the graph keeps alive), "pinned" (buffers it holds out of the pool,
+        caller-owned ones included: ``describe()["retained"]``)}``. Blocks. Raises
+        ``UnknownGraph``."""
         if self._released:
             raise UnknownGraph(f"graph {self.id}: this clone was released")
         srv = self._owner.server
@@ -164,8 +167,9 @@ class Graph:
         """The recorded launches in recording order, as plain data (printable, JSON-able).
 
         Returns: a list of ``{"index": int, "kernel": name, "bindings": [{"name", "access"
-            ("read" | "read_write"), "dtype" ("f32" | "i32" | "u32"), "handle": handle id,
-            "nbytes": int}], "params": {name: value}, "count": [x, y, z] (workgroups) or
+            ("read" | "read_write" | "write", as the kernel declares it), "dtype" ("f32" |
+            "i32" | "u32"), "handle": handle id, "nbytes": int}], "params": {name: value},
+            "count": [x, y, z] (workgroups) or
             {"indirect": handle id}, "scope": [[node index, "then" | "else" | "body"], ...]}``;
             launches inside ``capture_if``/``capture_while`` bodies are listed in place, with
             their scope. The index is what ``update(params=, count=)`` takes.
@@ -179,9 +183,15 @@ class Graph:
         (as :meth:`launches`, each binding also naming its ``"buffer"`` label), "nodes" (the
         conditional nodes: ``{"index", "kind" ("if" | "while"), "cond" (handle id),
         "cond_buffer", "max_iterations", "scope"}``), "buffers" (``{"buffer": "b0", "handle",
-        "nbytes", "dtype", "access", "freed"}`` in first-use order), "reads", "writes" (handle
-        ids: the read and write sets), "retained" (pooled buffers the graph pins),
-        "retained_bytes", "fallback_reason"}``.
+        "nbytes", "dtype", "access" ("read", or "read_write" for a buffer the graph writes
+        through any binding), "freed"}`` in first-use order), "reads" (handle ids of every
+        buffer the graph binds, written ones included), "writes" (those it writes: the write
+        set), "retained" (how many buffers the graph pins: held out of the pool while it
+        lives, its window allocations and the caller-owned buffers it binds alike; only the
+        former does it keep alive, a caller-owned one freed still makes a replay raise
+        ``LivenessError`` unless captured with ``retain=True``; ``info()["pinned"]``),
+        "retained_bytes" (their bytes), "fallback_reason"}``. ``str(g)`` prints it as a table
+        whose header says "N buffers pinned".
 
         Buffer labels ``b0, b1, ...`` follow first use, so two recordings of the same work give
         the same launches, nodes and buffers on every backend (only ids, stream and backend

@@ -616,7 +616,8 @@ def _attention(hd: int):
     let qbase = (b * p.S + qi) * p.ld_in + p.q_off + h * {hd}u;
 {qload}
 {accs}
-    var mx = -3.0e38f;
+    let neg_inf = bitcast<f32>(0xff800000u);
+    var mx = neg_inf;       // a row of -inf scores gives NaN, as on cpu (below)
     var l = 0.0f;
     for (var j0 = 0u; j0 < p.S; j0 += {tk}u) {{
         for (var e = lidx; e < {tk * hd}u; e += {ATTN_WORKGROUP}u) {{
@@ -636,8 +637,16 @@ def _attention(hd: int):
             let kb = jj * {hd}u;
             let sj = {dot} + (1.0f - Ms[jj]) * -1.0e9f;
             let mnew = max(mx, sj);
-            let corr = exp(mx - mnew);
-            let pj = exp(sj - mnew);
+            // as the cpu softmax (exact, cpu_loops.exp_neg) on non-finite scores: exp of at
+            // least -87 (1.6e-38, never 0: a weight rounded to 0 turned an inf in v into NaN,
+            // 0 * inf, where cpu keeps it inf; select keeps a NaN, max would not surely); a
+            // -inf score while the maximum is -inf weighs 1 now, rescaled once a finite one
+            // comes (1.6e-38 then, as on cpu); a row of -inf scores is NaN (below)
+            let ninf = mx == neg_inf && sj == neg_inf;      // (not a NaN sj: max may drop it)
+            let dc = select(mx - mnew, 0.0f, ninf);
+            let dj = select(sj - mnew, 0.0f, ninf);
+            let corr = exp(select(dc, -87.0f, dc < -87.0f));
+            let pj = exp(select(dj, -87.0f, dj < -87.0f));
             l = l * corr + pj;
             mx = mnew;
 {upd}
@@ -645,7 +654,7 @@ def _attention(hd: int):
         workgroupBarrier();
     }}
     if (i < p.S) {{
-        let inv = 1.0f / l;
+        let inv = select(1.0f / l, bitcast<f32>(0x7fc00000u), mx == neg_inf);   // all -inf: NaN
         let obase = (b * p.S + i) * p.ld_out + h * {hd}u;
 {store}
     }}"""

@@ -37,6 +37,7 @@ __device__ __forceinline__ f32 inverseSqrt(f32 x) { return rsqrtf(x); }
 # WGSL declaration forms -> C++ (order matters: the typed forms first).
 _TO_CUDA = [
     (re.compile(r"\bbitcast<u32>\("), "__float_as_uint("),
+    (re.compile(r"\bbitcast<f32>\("), "__uint_as_float("),
     (re.compile(r"\bvar\s+(\w+)\s*:\s*array<\s*(\w+)\s*,\s*([^>]+?)\s*>\s*;"), r"\2 \1[\3];"),
     (re.compile(r"\bvar\s+(\w+)\s*:\s*(\w+)\s*="), r"\2 \1 ="),
     (re.compile(r"\bvar\s+(\w+)\s*="), r"auto \1 ="),

@@ -128,6 +128,9 @@ class DeviceQueue:
         self._owner = threading.Lock()
         self._wake = threading.Event()
         self._on_async_error = on_async_error
+        #: called with ``(exception, fn, args)`` of a fire-and-forget message that raised (the
+        #: server's marks what the message would have written: ``ComputeServer._on_async_error``)
+        self.message_error = lambda e, fn, args: on_async_error(e)
         self.max_messages, self.max_bytes, self.max_load = max_messages, max_bytes, max_load
         self.bytes = 0                  # pending host data of queued messages
         self._room = threading.Condition(threading.Lock())
@@ -215,7 +218,7 @@ class DeviceQueue:
                 except (SystemExit, KeyboardInterrupt, _Fatal) as e:
                     self._die(e)
                 except BaseException as e:  # noqa: BLE001 - queued on a stream, as in _drain
-                    self._on_async_error(e)
+                    self.message_error(e, fn, args)
                 finally:
                     self._release()
                 return
@@ -466,7 +469,7 @@ class DeviceQueue:
                         return
                     except BaseException as e:  # noqa: BLE001 - every error goes to its caller
                         if slot is None:
-                            self._on_async_error(e)
+                            self.message_error(e, fn, args)
                         else:
                             slot.finish(None, e)
                         self._check_backend()

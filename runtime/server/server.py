@@ -125,6 +125,7 @@ class ComputeServer:
                                  reentrant=getattr(backend, "reentrant", None),
                                  in_kernel=getattr(backend, "in_kernel", None))
         self.queue.run_lazy = self._run_lazy
+        self.queue.message_error = self._on_async_error
         backend.on_room = self.queue.notify_room
         backend.on_broken = self.queue._check_backend    # (cpu: an interrupted helper)
         watch_thread_ends(self)
@@ -227,10 +228,37 @@ class ComputeServer:
         them and keeps the latest (nothing is dropped silently)."""
         fold_errors(self.marks.async_errors, self.MAX_ASYNC_ERRORS)
 
-    def _on_async_error(self, exc) -> None:
+    def _on_async_error(self, exc, fn=None, args=()) -> None:
         # a fire-and-forget message raised past its own error handling: the next blocking call
         self.marks.on_async_error(exc)
         self._bound_async_errors()
+        if fn is not None:
+            self._mark_unfinished(exc, fn, args)
+
+    def _mark_unfinished(self, exc, fn, args) -> None:
+        """A launch, write or create (``fn(*args)``) raised past its own error handling (an
+        asynchronous exception landed in it, or a bug): it may not have run, or run in part.
+        What it would have written is marked with the error (``ReplayFailed`` on read until a
+        later write lands), as for a launch that failed, so the values from before it are never
+        read as if it ran once the error itself was raised (ADV5)."""
+        fn = getattr(fn, "fn", fn)                  # a message carrying host data (_Counted)
+        f = getattr(fn, "__func__", None)
+        if f is ComputeServer.h_launch:
+            sid, kernel, _, hids = args[:4]
+            states = [self.handles.get(h) for b, h in zip(kernel.bindings, hids)
+                      if b.access != "read"]
+            op = ("launch", kernel.name, sid)
+        elif f is ComputeServer.h_write or f is ComputeServer.h_alloc:
+            sid, hid = args[:2]
+            states, op = [self.handles.get(hid)], ("write", hid, sid)
+        else:
+            return
+        states = [st for st in states if st is not None]
+        if states:
+            err = exc if isinstance(exc, ServerError) else LaunchError(
+                f"{op[0]} on stream {int(sid)} was interrupted ({type(exc).__name__}: {exc}); "
+                "it may not have run: what it writes is marked until a later write lands")
+            self.marks.fail(states, op, Mark(op).fail(err))
 
     def _handle(self, s: StreamState, hid: int, what: str):
         st = self.handles.get(hid)
@@ -516,7 +544,7 @@ class ComputeServer:
                 queue._die(e)
                 return None
             except BaseException as e:  # noqa: BLE001 - queued on a stream, as in _drain
-                self._on_async_error(e)
+                self._on_async_error(e, self.h_launch, (sid, kernel, count, hids))
                 return None
             finally:
                 queue._release()
@@ -926,7 +954,7 @@ class ComputeServer:
                     try:
                         self.h_launch(*g)
                     except Exception as e:  # noqa: BLE001 - as in launch: a fire-and-forget's
-                        self._on_async_error(e)
+                        self._on_async_error(e, self.h_launch, g)
                     continue
                 s = self.streams[g.stream]
                 for st in g.sstates:        # a source's mark may carry a failure

@@ -4,7 +4,8 @@ bodies, and the contract's rules for what must raise (design.md sections 2, 4 an
 ``Model.step(op, value, error)`` takes what the runtime answered for one op and returns a
 mismatch (a sentence) or None. Where the model cannot know the answer it accepts either and
 follows what happened: a buffer computed from an unknown input has unknown contents, a kernel
-run on unknown inputs may or may not fail, a capture window that depended on it may or may not
+run on unknown inputs may or may not fail (so a buffer of unknown contents may be marked, and a
+replay of a graph with such a source may mark its whole write set), a capture window that depended on it may or may not
 have been opened.
 
 Failures (contract.md sections 2, 4 and 5): a kernel whose cpu body raises marks what it would
@@ -192,8 +193,14 @@ class Model:
             work = [np.full(self.p.size, fill, b.dtype) if unknown else b.value.copy()
                     for b, unknown in zip(bufs, blank)]
             try:
-                spec.kernel.cpu(*work, count=normalize_count(spec.count), **dict(launch.params))
+                self._run_body(spec, launch, work, binds, readonly=None)
             except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
+                wrote = self._writes_read_bindings(spec, launch, bufs, blank, fill, binds)
+                if wrote:
+                    return (f"kernel {spec.kernel.name} writes binding {', '.join(wrote)}, "
+                            "declared 'read' (its view is read-only: the launch fails with "
+                            "a LaunchError): declare it 'read_write' (the server orders "
+                            "launches by the declared access)")
                 for b in outs:
                     self.bufs[b].value, self.bufs[b].failed = None, True
                 return "failed"
@@ -213,6 +220,36 @@ class Model:
                         "declare it 'read_write' (the server orders launches by the declared "
                         "access)")
         return "ok"
+
+    @staticmethod
+    def _run_body(spec, launch, work, binds, readonly) -> None:
+        """Call the kernel's cpu body on ``work`` as the cpu backend does: the arrays of the
+        bindings declared ``read`` (``readonly``: a set of binding indices; None: all of
+        them) are read-only views, so a body writing one raises (docs/contract.md section 2)."""
+        views = []
+        for i, (w, bind) in enumerate(zip(work, binds)):
+            if bind.access == "read" and (readonly is None or i in readonly):
+                w = w.view()
+                w.flags.writeable = False
+            views.append(w)
+        spec.kernel.cpu(*views, count=normalize_count(spec.count), **dict(launch.params))
+
+    def _writes_read_bindings(self, spec, launch, bufs, blank, fill, binds) -> list:
+        """The names of the ``read`` bindings the body writes, when it raised only because
+        their views are read-only (it runs on writable copies); [] when it fails anyway."""
+        def attempt(readonly) -> bool:
+            work = [np.full(self.p.size, fill, b.dtype) if unknown else b.value.copy()
+                    for b, unknown in zip(bufs, blank)]
+            try:
+                self._run_body(spec, launch, work, binds, readonly)
+            except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
+                return False
+            return True
+        reads = [i for i, bind in enumerate(binds) if bind.access == "read"]
+        if not reads or not attempt(set()):
+            return []
+        named = [binds[i].name for i in reads if not attempt({i})]
+        return named or [binds[i].name for i in reads]
 
     def _error(self, s: int, status: str) -> None:
         if status not in ("ok", "failed", "unknown"):
@@ -426,6 +463,14 @@ class Model:
             for b in writes:               # a marked input or state marks the whole write set
                 self.bufs[b].value, self.bufs[b].failed = None, True
             self._error(s, "unknown")      # its launches ran on stale data: they may fail
+            return self._expect_ok(error, f"replay of g{op.graph}")
+        if any(self.bufs[b].value is None for b in sources):
+            # a source of unknown contents may be marked (a kernel run on unknown inputs may
+            # have failed); the server counts it even where no launch reads it (a count of 0,
+            # a branch not taken), so the whole write set may be marked: any answer
+            for b in writes:
+                self.bufs[b].value, self.bufs[b].failed = None, False
+            self._error(s, "unknown")
             return self._expect_ok(error, f"replay of g{op.graph}")
         # the server cannot see which branch ran: a buffer written only inside a node keeps
         # a failure (and one whose state is unknown, which may have failed, stays unknown)

@@ -334,7 +334,10 @@ class Recording(InterleavingScheduler):
     def races(self) -> list:
         """``[(first, second, buffers)]``: pairs of items that both ran, on different streams,
         touching a buffer with at least one write, with no happens-before between them, in
-        the order they ran."""
+        the order they ran. When there is none: the pairs of an item that ran and one issued
+        but not run when the test failed (``second.ran`` is None), unordered and conflicting
+        likewise (a read that returned before another stream's write to its buffer ran: the
+        write raced it by not running at all)."""
         ran = [it for it in self.executed if it.work]
         out = []
         for i, a in enumerate(ran):
@@ -344,6 +347,15 @@ class Recording(InterleavingScheduler):
                 bufs = a.conflicts(b)
                 if bufs:
                     out.append((a, b, bufs))
+        if not out:
+            for b in self.items:
+                if b.ran is not None or not b.work:
+                    continue
+                for a in ran:
+                    if a.stream != b.stream and not a.before(b) and not b.before(a):
+                        bufs = a.conflicts(b)
+                        if bufs:
+                            out.append((a, b, bufs))
         return out
 
 
@@ -573,7 +585,10 @@ class ScheduleFailure(AssertionError):
             for a, b, bufs in self.races:
                 buf = sorted(bufs, key=str)[0]
                 lines.append(f"  - {a.describe(buf)}")
-                lines.append(f"    ran before {b.describe(buf)}")
+                if b.ran is None:
+                    lines.append(f"    ran while {b.describe(buf)} had not run yet")
+                else:
+                    lines.append(f"    ran before {b.describe(buf)}")
         elif isinstance(self.error, (StreamRaceError, LivenessError)):
             lines.append("the stream-ordering checker refused the unordered access before it "
                          "ran: its message above names both sides")

@@ -142,3 +142,21 @@ def test_argmax_picks_the_same_index_as_cpu_with_nan_and_inf(pair, data):
     want = int(np.argmax(x))
     assert int(_argmax(Tensor.from_numpy(cpu, x))[0]) == want
     assert int(_argmax(Tensor.from_numpy(other, x))[0]) == want
+
+
+@pytest.mark.parametrize("huge", [1e30, -1e30])
+def test_attention_keeps_an_inf_value_whose_weight_is_tiny_as_cpu_does(pair, huge):
+    """A key whose score is huge (a 1e30 in k) makes every other key's softmax weight tiny. The
+    cpu softmax never rounds a weight to 0 (``cpu_loops.exp_neg`` takes exp of at least -87:
+    1.6e-38), so an inf in another key's value stays inf in the output; the online softmax of
+    the GPU kernels rounded the weight (or the rescale of what it had summed) to exactly 0 and
+    gave 0 * inf = NaN there (ADV4: ``[wgpu-attention]`` of the property test above failed
+    about one run in six)."""
+    cpu, other = pair
+    a = np.random.default_rng(0).uniform(-3, 3, (1, 5, 192)).astype(np.float32)
+    a[0, 2, 44], a[0, 2, 138], a[0, 4, 85] = np.nan, np.inf, huge   # q, v (head 0), k (head 0)
+    f = OPS["attention"][0]
+    with np.errstate(all="ignore"):
+        ref = _run(cpu, f, [a])
+    assert np.isinf(ref[0, :, 10]).all()          # the inf value reaches every query, cpu
+    _same(ref, _run(other, f, [a]), f"attention on {other.backend}")

@@ -14,8 +14,10 @@ from runtime.errors import LaunchError, UnsupportedError
 
 def test_a_buffer_bound_read_and_read_write_is_refused_on_every_backend(client):
     x = client.create(np.ones(4, np.float32))
-    with pytest.raises(LaunchError, match="read_write.*every backend"):
+    with pytest.raises(LaunchError, match=r"to x \(read\) and also to y \(write\).*every backend"):
         client.launch(K.mul_scalar, 1, [x, x], {"alpha": 2.0, "n": 4})
+    with pytest.raises(LaunchError, match=r"and also to y \(read_write\)"):
+        client.launch(K.accumulate, 1, [x, x], {"n": 4})   # the message names the other binding
     y = client.empty(4, np.float32)
     client.launch(K.add, 1, [x, x, y], {"n": 4})          # two read bindings may alias
     np.testing.assert_array_equal(client.read(y), np.full(4, 2.0, np.float32))

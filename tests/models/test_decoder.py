@@ -72,6 +72,25 @@ def test_example_runs(capsys):
     assert "identical tokens in every mode: True" in out and "replayed read at end" in out
 
 
+@pytest.mark.parametrize("flags, says", [(["--tokens", "0"], "argument --tokens"),
+                                         (["--prompt", "99999"], "argument --prompt"),
+                                         (["--dim", "3"], "--layers/--dim"),
+                                         (["--backend", "tpu"], "argument --backend")])
+def test_example_refuses_a_bad_flag_with_one_error_line(flags, says, capsys):
+    """USER5: a bad value (``--tokens 0``, a prompt id outside the vocabulary, a width that does
+    not split into heads, an unknown backend) ended in a traceback from deep in the decoder;
+    now argparse's answer: usage, one ``error:`` line naming the flag, exit status 2."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as info:
+        mod.main(flags)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: " + says in err, err
+
+
 def test_decoder_under_the_interleaving_scheduler_and_checker():
     d = Decoder(runtime.client("cpu", scheduler="interleave", seed=5, check=True), SMALL)
     eager = d.generate([5, 9, 2], 12)

@@ -107,6 +107,37 @@ def test_the_exhaustive_search_always_finds_the_planted_race():
     _check_report(res.failure)
 
 
+def refresh_then_replay(c):
+    """The README's testing-kit bug: a loader stream refreshes x, a worker replays a graph over
+    it with no event between them; the worker's read returns before the write runs."""
+    loader, worker = c.with_stream(runtime.StreamId.new()), c.with_stream(runtime.StreamId.new())
+    x, y = c.create(np.zeros(N, np.float32)), c.create(np.zeros(N, np.float32))
+    c.sync()
+    worker.graph_prepare()
+    worker.start_capture()
+    worker.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": N})
+    g = worker.stop_capture()
+    loader.write(x, np.full(N, 5, np.float32))      # the racing write
+    g.replay()                                      # the racing replay
+    assert worker.read(y).tolist() == [6.0] * N
+
+
+def test_a_race_whose_write_never_ran_is_named_too():
+    """USER5: the exhaustive search's first failing run of the README's bug replays before the
+    loader's write ran, and the read returns before it runs at all: no two *executed* items
+    race, so the report said "no racing kernel or copy accesses ran in this run: the failure
+    comes from elsewhere". It now names the replay and the write that had not run yet."""
+    res = search.explore(refresh_then_replay, "exhaustive", check=False, raises=False)
+    assert res.failure is not None
+    text = str(res.failure)
+    assert "no racing kernel or copy accesses" not in text, text
+    assert "racing accesses" in text and "had not run yet" in text, text
+    (a, b, _), = res.failure.races
+    assert a.op.startswith("replay") and b.op == "write" and b.ran is None, text
+    lines = re.findall(r"issued at .*test_schedule_search\.py:(\d+)", text)
+    assert len(lines) == 2, text
+
+
 def test_the_correct_program_passes_every_interleaving_and_the_reduction_prunes_orders():
     reduced = search.explore(correct, "exhaustive")
     full = search.explore(correct, "exhaustive", reduce=False)

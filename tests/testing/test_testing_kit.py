@@ -318,3 +318,67 @@ def test_hypothesis_prints_the_falsifying_program_as_its_failing_run_opened_the_
     assert printed, text
     seed = re.search(r"with seed (\d+)", str(info.value)).group(1)
     assert printed[-1] == f"'cpu', scheduler='interleave', seed={seed}, check=True", text
+
+
+def test_a_kernel_writing_a_binding_it_declared_read_is_named_even_when_the_values_do_not_change():
+    """USER5 (the README's testing-kit example): the cpu backend hands a ``read`` binding to the
+    body as a read-only view, so the launch fails however the values come out; the model ran
+    the body on writable copies and compared values, so on zeros (``x = 0`` leaves zeros) it
+    expected success and the report said only "sync raised ServerUnhealthy ... the model says it
+    succeeds". The model now gives the body read-only views as the backend does and names the
+    binding and the fix."""
+    zeros = (0.0,) * 4
+    prog = Program((Create(0, 0, "f32", zeros), Create(0, 1, "f32", zeros),
+                    Launch(0, 0, (0, 1), (("n", 4),))), (Sync(0),),
+                   (KernelSpec(_scale, {}),), 4, 1, 1)
+    with pytest.raises(ProgramMismatch) as info:
+        run_program(prog, seed=0, check=True)
+    text = str(info.value)
+    assert "kernel scale writes binding x, declared 'read'" in text, text
+    assert "declare it 'read_write'" in text, text
+    assert "call 2" in text, text                     # the launch, not the sync after it
+
+
+def _fails_below(x, y, *, n, count):
+    if (x[:n] < -6).any():
+        raise ValueError("an input below -6")
+    y[:n] = 2 * x[:n]
+
+
+#: ``y = 2x`` (``y`` read_write), failing on an input below -6
+FAILING = runtime.Kernel("fails_below", [("x", "f32", "read"), ("y", "f32", "read_write")],
+                         [("n", "u32")], cpu=_fails_below)
+
+
+@pytest.mark.parametrize("shape", ["zero-count", "untaken-branch"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_model_counts_a_source_of_unknown_state_as_perhaps_marked(shape, seed):
+    """A kernel run on a buffer of unknown contents (here: never written) may fail, so what it
+    writes has unknown contents *and may be marked*. A graph that reads that buffer only through
+    a launch that runs nothing (a count updated to 0) or inside a branch not taken still counts
+    it as a source (``runtime.server.capture.sources``: which launches ran is decided on the
+    device), so a replay marks its whole write set when it was marked: the model must accept
+    ``ReplayFailed`` for every buffer the graph writes. (ADV4's interleaving soak found it: the
+    model said the read of an unrelated output of such a graph succeeds; the server's
+    ReplayFailed is right, docs/contract.md section 4b.)"""
+    from runtime.testing import CaptureIf, CreateFlag, Empty, UpdateCount
+    specs = (KernelSpec(K.add_scalar, {"alpha": 1.5}), KernelSpec(FAILING))
+    n = (("n", 4),)
+    ops = [Create(0, 0, "f32", (0.0, 0.0, 0.0, -7.0)), Empty(0, 1, "f32"),
+           Create(0, 2, "f32", ONES), Create(0, 3, "f32", ONES), Create(0, 4, "f32", ONES),
+           Sync(0), Prepare(0), StartCapture(0)]
+    reader = Launch(0, 0, (1, 3), (("alpha", 1.5),) + n)       # reads b1 (unknown contents)
+    if shape == "zero-count":
+        ops += [reader]
+    else:
+        ops = ops[:5] + [CreateFlag(0, 5, 0)] + ops[5:] + [CaptureIf(0, 5, (reader,), ())]
+    ops += [Launch(0, 0, (2, 4), (("alpha", 1.5),) + n),        # b4 = b2 + 1.5: a clean output
+            StopCapture(0, 0)]
+    if shape == "zero-count":
+        ops += [UpdateCount(0, 0, 0, 0, 1, 1)]
+    ops += [Launch(0, 1, (0, 1), n),                            # fails: b1 marked
+            Replay(0, 0)]
+    prog = Program(tuple(ops), (Sync(0), Read(0, 4), Read(0, 3)), specs, 4, 1, 1)
+    run = run_program(prog, seed=seed, raises=False)
+    assert not run.mismatches, run.report()
+    assert isinstance(run.reads[0], runtime.ReplayFailed)      # the server marks b4 (right)

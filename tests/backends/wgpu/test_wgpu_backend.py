@@ -68,6 +68,16 @@ def test_no_adapter_raises_unsupported_with_the_install_hint(monkeypatch):
         wgpu_backend.WgpuBackend()
 
 
+def test_an_option_of_another_backend_is_a_type_error_naming_it():
+    """USER5: ``runtime.client("wgpu", seed=1)`` (the cpu backend's option) was silently
+    accepted and ignored, though ``runtime.client`` documents a TypeError for an option the
+    backend does not take (cpu and cuda raise one)."""
+    import runtime
+    for opts in ({"seed": 1}, {"scheduler": "interleave", "threds": 2}):
+        with pytest.raises(TypeError, match=r"wgpu backend takes no option '(seed|scheduler)'"):
+            runtime.client("wgpu", **opts)
+
+
 def test_a_kernel_without_wgsl_is_a_launch_error(be):
     cpu_only = Kernel("cpu_only", [Binding("y", "f32", "read_write")], cpu=lambda y, count: None)
     with pytest.raises(LaunchError, match="no WGSL"):

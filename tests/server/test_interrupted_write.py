@@ -1,0 +1,136 @@
+"""An exception that interrupts a launch, write or create never leaves stale values readable
+(ADV5).
+
+A fire-and-forget message (``launch``, ``write``, ``create``) runs on whichever thread holds
+the server: the device thread, a caller on the combining path, or the next caller into the
+server for a deferred tiny launch (issue 26). An exception that is not a KeyboardInterrupt
+landing in it (a signal handler's exception on the main thread, ``PyThreadState_SetAsyncExc``,
+a bug) went to the next blocking call as an internal error, once, and the message was lost or
+half done. Before: the first read raised it (``ServerUnhealthy``) and every later read of the
+buffer returned the values from before the launch or write as if it had run (found by
+/tmp/adv5/p_launch_sweep.py: a ``TimeoutError`` right after a call in ``ComputeServer.launch``
+or in a deferred ``h_launch``). Now what the message would have written is marked with the
+error (``ReplayFailed`` on read until a later write lands), as a launch that failed is
+(docs/contract.md section 1); a KeyboardInterrupt still stops the server (``ServerClosed``).
+
+The exception is placed with an instruction-level trace right after each call of the
+function (where CPython runs a pending signal handler: tests/server/test_interrupted_owner.py).
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+from runtime.errors import ServerError, ServerUnhealthy
+from runtime.server import queue as queue_mod, server as server_mod
+
+LIMIT_S = 15.0
+N = 16
+S = server_mod.ComputeServer
+SITES = {
+    "launch": [S.launch, S._run_lazy, S.h_launch],
+    "write": [S.h_write, queue_mod.DeviceQueue.submit],
+    "create": [S.h_alloc, S.h_write],
+}
+
+
+def _after_calls(fn) -> list:
+    ins = list(dis.get_instructions(fn.__code__))
+    return [x.offset for i, x in enumerate(ins) if i and ins[i - 1].opname.startswith("CALL")]
+
+
+def _interrupted(code, off, op):
+    """Run ``op(c)`` then read its output on a fresh server, with a TimeoutError raised right
+    after the call ending at ``off`` in ``code`` (the first time it is reached). Returns
+    ``(hit, raised by op, read values or error)``."""
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 37).with_stream(runtime.StreamId.new())
+    x = c.create(np.arange(N, dtype=np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    c.sync()
+    hit, res = [], {}
+
+    def local(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode" and not hit and frame.f_lasti == off:
+            hit.append(1)
+            raise TimeoutError("injected")
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    def work():
+        sys.settrace(tracer)
+        try:
+            try:
+                out = op(c, x, y)
+            except TimeoutError as e:
+                res["raised"], out = e, y
+            for _ in range(4):       # past the queued errors, raised once each
+                try:
+                    res["value"] = c.read(out)
+                    res.pop("error", None)
+                    return
+                except ServerUnhealthy as e:
+                    res["error"] = e
+                except ServerError as e:
+                    res["error"] = e
+                    return
+                except TimeoutError:         # the injected one, inside the read: again
+                    pass
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(LIMIT_S)
+    assert not t.is_alive(), "the read hung"
+    runtime.shutdown()
+    return bool(hit), res
+
+
+def _launch(c, x, y):
+    c.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})     # deferred: tiny
+    return y
+
+
+def _write(c, x, y):
+    c.write(y, np.arange(N, dtype=np.float32) + 1)
+    return y
+
+
+def _create(c, x, y):
+    return c.create(np.arange(N, dtype=np.float32) + 1)
+
+
+OPS = {"launch": _launch, "write": _write, "create": _create}
+
+
+@pytest.mark.parametrize("kind", sorted(SITES))
+def test_an_interrupted_launch_write_or_create_never_leaves_stale_values_readable(kind):
+    want = np.arange(N, dtype=np.float32) + 1
+    stale, cases = [], 0
+    for fn in SITES[kind]:
+        for off in _after_calls(fn):
+            hit, res = _interrupted(fn.__code__, off, OPS[kind])
+            if not hit:
+                continue
+            cases += 1
+            if "value" not in res or np.array_equal(res["value"], want):
+                continue
+            if "raised" in res and not res["value"].any():
+                continue        # the call itself raised: it may not have run (old values)
+            stale.append(f"{fn.__qualname__}+{off}: read {res['value'][:3].tolist()}, "
+                         f"the call raised {res.get('raised')!r}")
+    assert cases >= 5, f"the sweep reached only {cases} interrupt points"
+    assert not stale, "stale values read as if the work ran:\n" + "\n".join(stale)

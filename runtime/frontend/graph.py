@@ -124,8 +124,11 @@ class Graph:
             self._owner.drop()
 
     def info(self) -> dict:
-        """Server-side facts: launches recorded, read and write sets (handle ids), buffers
-        retained. Blocks. Raises ``UnknownGraph``."""
+        """Server-side facts: ``{"id", "stream", "launches" (recorded, a count), "reads",
+        "writes" (handle ids: every buffer bound, and the write set), "retained" (window
+        allocations the graph keeps alive), "pinned" (buffers it holds out of the pool,
+        caller-owned ones included: ``describe()["retained"]``)}``. Blocks. Raises
+        ``UnknownGraph``."""
         if self._released:
             raise UnknownGraph(f"graph {self.id}: this clone was released")
         srv = self._owner.server
@@ -183,8 +186,12 @@ class Graph:
         "nbytes", "dtype", "access" ("read", or "read_write" for a buffer the graph writes
         through any binding), "freed"}`` in first-use order), "reads" (handle ids of every
         buffer the graph binds, written ones included), "writes" (those it writes: the write
-        set), "retained" (pooled buffers the graph pins),
-        "retained_bytes", "fallback_reason"}``.
+        set), "retained" (how many buffers the graph pins: held out of the pool while it
+        lives, its window allocations and the caller-owned buffers it binds alike; only the
+        former does it keep alive, a caller-owned one freed still makes a replay raise
+        ``LivenessError`` unless captured with ``retain=True``; ``info()["pinned"]``),
+        "retained_bytes" (their bytes), "fallback_reason"}``. ``str(g)`` prints it as a table
+        whose header says "N buffers pinned".
 
         Buffer labels ``b0, b1, ...`` follow first use, so two recordings of the same work give
         the same launches, nodes and buffers on every backend (only ids, stream and backend

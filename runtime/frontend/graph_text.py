@@ -40,7 +40,7 @@ def table(d: dict) -> str:
     lines = [f"Graph {d['id']} ({d['backend']}, {kind}, stream {d['stream']}): "
              f"{_plural(len(d['launches']), 'launch', 'launches')}, "
              f"{_plural(len(d['nodes']), 'conditional node', 'conditional nodes')}, "
-             f"{_plural(d['retained'], 'buffer', 'buffers')} retained ({d['retained_bytes']} B)"]
+             f"{_plural(d['retained'], 'buffer', 'buffers')} pinned ({d['retained_bytes']} B)"]
     rows = [("#", "scope", "kernel", "count", "params", "bindings")]
     for ln in d["launches"]:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in ln["params"].items()) or "-"

@@ -198,6 +198,12 @@ def test_describe_str_and_dot(client):
     assert d["retained_bytes"] >= 32
     text = str(g)
     assert "add_scalar" in text and "x=b0:r" in text and "y=b1:rw" in text
+    # x and y are caller-owned: the graph pins them (out of the pool) but does not keep them
+    # alive (freeing x makes a replay raise LivenessError), so the header must not say
+    # "retained", the word of stop_capture(retain=True) (USER5)
+    assert f"{d['retained']} buffers pinned ({d['retained_bytes']} B)" in text.splitlines()[0]
+    assert "retained" not in text.splitlines()[0], text
+    assert g.info()["pinned"] == d["retained"] and g.info()["retained"] == 0
     dot = g.to_dot()
     assert dot.startswith("digraph") and '"0: add_scalar' in dot and "b0 -> L0" in dot
 

@@ -101,8 +101,22 @@ def _run(c, f, arrays):
     return out if isinstance(out, np.ndarray) else out.numpy()
 
 
-def _same(ref, got, what):
+def _overflowing_products(a, w):
+    """Output elements of ``a @ w`` ([r, k] @ [k, n]) with a product of two finite inputs past
+    float32's range: whether it rounds to inf before the sum (WGSL/CUDA without contraction) or
+    enters it exact (OpenBLAS's fused multiply-add, e.g. inf + -1e60 = inf where the rounded
+    product gives inf + -inf = NaN) is the implementation's choice (IEEE 754 allows both), so
+    those elements are not compared; every other element is."""
+    with np.errstate(all="ignore"):
+        p = a.astype(np.float64)[:, :, None] * w.astype(np.float64)[None, :, :]
+        fin = np.isfinite(a)[:, :, None] & np.isfinite(w)[None, :, :]
+        return (fin & (np.abs(p) > np.finfo(np.float32).max)).any(axis=1)
+
+
+def _same(ref, got, what, skip=None):
     assert ref.shape == got.shape, what
+    if skip is not None:
+        ref, got = ref[~skip], got[~skip]
     for test in (np.isnan, np.isposinf, np.isneginf):
         bad = test(ref) != test(got)
         assert not bad.any(), (f"{what}: {test.__name__} differs at {np.argwhere(bad)[:4].tolist()}:"
@@ -129,7 +143,15 @@ def test_standard_kernels_agree_with_cpu_on_non_finite_inputs(pair, name, data):
     arrays = [data.draw(_array(s)) for s in shapes(r, n, k)]
     with np.errstate(all="ignore"):
         ref = _run(cpu, f, arrays)
-    _same(ref, _run(other, f, arrays), f"{name} on {other.backend}")
+    skip = _overflowing_products(arrays[0], arrays[1]) if name.startswith("matmul") else None
+    _same(ref, _run(other, f, arrays), f"{name} on {other.backend}", skip)
+
+
+def test_matmul_elements_whose_products_overflow_are_left_out_and_only_those():
+    # the falsifying example of a local run (USER5): cpu inf, wgpu NaN at [0, 0], both right
+    a = np.array([[np.inf, -1.38, 1e30]], np.float32)
+    w = np.array([[0.82, 1.0], [-2.90, 1.0], [-1e30, 1.0]], np.float32)
+    np.testing.assert_array_equal(_overflowing_products(a, w), [[True, False]])
 
 
 @settings(max_examples=25, deadline=None, database=None,

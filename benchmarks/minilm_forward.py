@@ -89,14 +89,48 @@ def _threads() -> dict:
     return out
 
 
-def _time_calls(fn, reps: int, budget_s: float) -> list:
+def _schedstat() -> tuple:
+    """``(ns on a cpu, ns runnable but waiting for one)`` summed over this process's threads
+    now (``/proc/self/task/*/schedstat``; ``(0, 0)`` where the kernel does not say)."""
+    run = wait = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return (0, 0)
+    for t in tids:
+        try:
+            with open(f"/proc/self/task/{t}/schedstat", "rb") as f:
+                r, w = f.read().split()[:2]
+            run, wait = run + int(r), wait + int(w)
+        except (OSError, ValueError):
+            continue
+    return (run, wait)
+
+
+def _cpu_s() -> float:
+    # user + system CPU of every thread of the process (os.times counts in 10 ms ticks)
+    return time.process_time()
+
+
+def _time_calls(fn, reps: int, budget_s: float, account: dict | None = None) -> list:
+    """Wall seconds of each timed call of ``fn`` (two warm-up calls first). ``account``, when
+    given, gets what the timed calls cost the process: ``wall_s``, ``cpu_s`` (user + system
+    over all its threads, :func:`time.process_time`), ``run_s`` / ``wait_s`` (its threads' time on a
+    core and runnable but waiting for one, from the kernel's schedstat), ``calls`` and
+    ``threads`` (the process's threads at the end)."""
     fn()
     fn()                                           # warm-up: capture, compile, caches
     times, start = [], time.perf_counter()
+    c0, s0 = _cpu_s(), _schedstat()
     while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    if account is not None:
+        s1 = _schedstat()
+        account.update(wall_s=time.perf_counter() - start, cpu_s=_cpu_s() - c0,
+                       run_s=max(0, s1[0] - s0[0]) / 1e9, wait_s=max(0, s1[1] - s0[1]) / 1e9,
+                       calls=len(times), threads=len(os.listdir("/proc/self/task")))
     return times
 
 
@@ -125,10 +159,13 @@ def _worker_product(job: dict) -> dict:
     import runtime
     from runtime.models import MiniLM
     model = MiniLM.load(runtime.client("cpu"), max_graphs=len(job["rows"]))
-    res = {}
+    res, cost = {}, {}
     for key, texts in job["rows"].items():
+        cost[key] = {}
         res[key] = _time_calls(lambda: model.embed(texts, batch_size=len(texts)), job["reps"],
-                               job["budget_s"])
+                               job["budget_s"], cost[key])
+        cost[key]["rule"] = {k: v for k, v in _threads().items()       # the thread rule's state
+                             if k in ("cpu share", "busy host", "whole calls")}
     try:               # numba's count is per thread: report what one executing stream gets
         from runtime.kernels.cpu_loops import set_threads
         # the timed checkout's own rule (an editable install would hand an older checkout
@@ -142,7 +179,7 @@ def _worker_product(job: dict) -> dict:
         RULE.exit()
     except ImportError:                            # a checkout before the thread rule
         pass
-    return {"samples": res, "threads": _threads()}
+    return {"samples": res, "cost": cost, "threads": _threads()}
 
 
 def _worker_st(job: dict) -> dict:
@@ -152,11 +189,12 @@ def _worker_st(job: dict) -> dict:
         torch.set_num_threads(int(n))
     from sentence_transformers import SentenceTransformer
     model = SentenceTransformer(job["model_dir"], device="cpu")
-    res = {}
+    res, cost = {}, {}
     for key, texts in job["rows"].items():
+        cost[key] = {}
         res[key] = _time_calls(lambda: model.encode(texts, batch_size=len(texts)), job["reps"],
-                               job["budget_s"])
-    return {"samples": res, "threads": _threads(),
+                               job["budget_s"], cost[key])
+    return {"samples": res, "cost": cost, "threads": _threads(),
             "versions": {"torch": sys.modules["torch"].__version__,
                          "sentence_transformers": sys.modules["sentence_transformers"].__version__}}
 
@@ -188,7 +226,7 @@ def _summary(samples: list, batch: int) -> dict:
 
 def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
             budget_s: float = 4.0, variants: dict | None = None, contention: int = 0,
-            st_threads=None) -> dict:
+            st_threads=None, partial: str | None = None) -> dict:
     """The side-by-side table; returns the JSON-ready result (see the module docstring).
 
     Args:
@@ -203,6 +241,8 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
             processes (``"sentence-transformers Nt"``); every ratio is then against the best
             of them on that row (pooled medians; per round, that round's best), and
             ``row["st_best"]`` names it. ``None``: torch's default threads only.
+        partial: a path the samples and costs so far are written to after every process (a run
+            stopped early keeps what it measured).
     """
     sys.path.insert(0, str(ROOT))
     from runtime.bench import machine
@@ -220,6 +260,7 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
     sts = [n for n in impls if n.startswith(ST)]
     samples: dict = {n: {k: [] for k in texts} for n in impls}
     medians: dict = {n: {k: [] for k in texts} for n in impls}     # per round
+    costs: dict = {n: {k: [] for k in texts} for n in impls}       # per round (_time_calls)
     info: dict = {}
     with tempfile.TemporaryDirectory() as tmp, busy_processes(contention):
         job = os.path.join(tmp, "job.json")
@@ -233,15 +274,22 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
                 for k, v in res["samples"].items():
                     samples[name][k].extend(v)
                     medians[name][k].append(float(np.median(v)))
+                    if res.get("cost", {}).get(k):
+                        costs[name][k].append(res["cost"][k])
                 info[name] = {"threads": res["threads"], "env": env,
                               **({"versions": res["versions"]} if "versions" in res else {})}
                 print(f"round {r + 1}/{rounds}: {name} done", file=sys.stderr, flush=True)
+                if partial:
+                    Path(partial).write_text(json.dumps({"round": r, "samples": samples,
+                                                         "costs": costs}))
     table = []
     for b, s in rows:
         k = f"{b}x{s}"
         row = {"row": k, "batch": b, "tokens": s}
         for name in impls:
             row[name] = _summary(samples[name][k], b)
+            if costs[name][k]:
+                row[name]["cost"] = _cost(costs[name][k])
         if st_python:
             best = max(sts, key=lambda n: row[n]["sent_per_s"])
             base = row[best]["sent_per_s"]
@@ -253,10 +301,33 @@ def compare(st_python: str | None, rows=ROWS, rounds: int = 3, reps: int = 20,
                     # each round's ratio of medians (its processes ran back to back)
                     row[f"ratio_rounds:{name}"] = [
                         st_s / ours_s for ours_s, st_s in zip(medians[name][k], st_rounds)]
+                    ours, theirs = row[name].get("cost"), row[best].get("cost")
+                    if ours and theirs and ours["cpu_ms"] > 0 and theirs["cores"] > 0:
+                        # sentences/s = batch / (CPU per forward / cores used): the ratio is
+                        # (their CPU per forward / ours) x (our cores / theirs)
+                        row[f"split:{name}"] = {
+                            "cpu_efficiency": theirs["cpu_ms"] / ours["cpu_ms"],
+                            "cpu_share": ours["cores"] / theirs["cores"]}
         table.append(row)
     return {"kind": "minilm_compare", "rounds": rounds, "impls": info, "rows": table,
             "contention": {"busy_processes": contention}, "machine": machine(),
             "st_threads": list(st_threads) if st_threads else None}
+
+
+def _cost(rounds: list) -> dict:
+    """What the timed calls cost per round (:func:`_time_calls`'s ``account``), as medians over
+    the rounds with their range: ``cpu_ms`` (process CPU per forward), ``cores`` (CPU seconds per
+    wall second while timing), ``got`` (the share of the CPU time its threads were runnable that
+    they spent on a core: 1.0 on a free host) and ``threads`` (the process's threads)."""
+    def med(vals):
+        return {"p50": float(np.median(vals)), "min": float(min(vals)), "max": float(max(vals))}
+    cpu = [1e3 * r["cpu_s"] / max(1, r["calls"]) for r in rounds]
+    cores = [r["cpu_s"] / r["wall_s"] if r["wall_s"] > 0 else 0.0 for r in rounds]
+    got = [r["run_s"] / (r["run_s"] + r["wait_s"]) if r["run_s"] + r["wait_s"] > 0 else 1.0
+           for r in rounds]
+    return {"cpu_ms": float(np.median(cpu)), "cores": float(np.median(cores)),
+            "got": float(np.median(got)), "threads": max(r.get("threads", 0) for r in rounds),
+            "rounds": {"cpu_ms": med(cpu), "cores": med(cores), "got": med(got)}}
 
 
 def print_table(res: dict) -> None:
@@ -276,6 +347,31 @@ def print_table(res: dict) -> None:
             f" [{min(row['ratio_rounds:' + n]):.2f}-{max(row['ratio_rounds:' + n]):.2f}]"
             if row.get("ratio_rounds:" + n) else "") for n in ratios]
         print("| " + " | ".join(cells) + " |")
+    if any(res["rows"][0].get(n, {}).get("cost") for n in names):
+        print()
+        head = ["batch x tokens"] + [f"{n} CPU ms/fwd, cores, got" for n in names] + [
+            f"{n}: CPU eff. x share" for n in ratios]
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for row in res["rows"]:
+            cells = [row["row"]]
+            for n in names:
+                c = row[n].get("cost")
+                cells.append("-" if not c else
+                             f"{c['cpu_ms']:.1f} [{c['rounds']['cpu_ms']['min']:.1f}-"
+                             f"{c['rounds']['cpu_ms']['max']:.1f}], {c['cores']:.2f} "
+                             f"[{c['rounds']['cores']['min']:.2f}-"
+                             f"{c['rounds']['cores']['max']:.2f}], {c['got']:.2f}")
+            for n in ratios:
+                sp = row.get("split:" + n)
+                cells.append("-" if not sp else
+                             f"{sp['cpu_efficiency']:.2f} x {sp['cpu_share']:.2f}")
+            print("| " + " | ".join(cells) + " |")
+        print("- CPU ms/fwd: the process's CPU (all threads) per forward; cores: its CPU seconds "
+              "per wall second while timing; got: the share of its threads' runnable time on "
+              "a core (median over rounds [range]). CPU eff. x share: ST best's CPU per "
+              "forward over ours, times our cores over ST best's (their product is about the "
+              "ratio)")
     if len(sts) > 1:
         print("- sentence-transformers best per row: " + ", ".join(
             f"{row['row']} {row['st_best'][len(ST) + 1:]}" for row in res["rows"]))
@@ -556,7 +652,7 @@ def main(argv=None) -> int:
                 if args.variant else None)
     st_threads = [int(n) for n in args.st_threads.split(",")] if args.st_threads else None
     res = compare(_st_python(args.st_python), rows, args.rounds, args.reps, args.budget_s,
-                  variants, args.contention, st_threads)
+                  variants, args.contention, st_threads, partial=args.out + ".partial")
     print_table(res)
     Path(args.out).write_text(json.dumps(res, indent=2))
     if args.plot:

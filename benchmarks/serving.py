@@ -53,12 +53,14 @@ Usage::
                                  [--max-inputs 2048] [--max-body-bytes 16777216] [--quick]
                                  [--paths graph,eager,sentence-transformers] [--rounds 1]
                                  [--isolate] [--batch-buckets 1,2,3,4,6,8,12,16,24,32]
-                                 [--seq-buckets 8,12,16,20,24,32,64,256] [--streams 1]
+                                 [--seq-buckets 8,12,16,20,24,32,64,256] [--streams 1] [--route auto]
                                  [--contention 0]
 
 ``--streams N`` serves the graph and eager paths with N copies of the model, each on its own
 stream with its own batcher (:class:`runtime.serving.BatcherGroup`, as ``serve --streams N``):
-each request goes to the least loaded, so on cpu N batches run at once, one thread each.
+each request goes to the least loaded, so on cpu N batches run at once, one thread each; on the
+cpu backend only once the first holds a full batch waiting (``--route spill``, serve's; ``--route
+least``: always).
 
 ``--contention N`` runs N busy-loop processes beside every path for the whole run (a busy
 host; ``"contention"`` in the JSON's meta). ``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
@@ -105,6 +107,7 @@ SEQ_BUCKETS = (8, 12, 16, 20, 24, 32, 64, 256)
 WARMUP_SEQ = 32                     # the warm-up captures every batch bucket up to this length
 WARMUP = [(b, s) for s in SEQ_BUCKETS if s <= WARMUP_SEQ for b in BATCH_BUCKETS]
 MAX_PADDING = "auto"                # Batcher(max_padding=) of the graph and eager paths
+ROUTE = "auto"                      # --route: the BatcherGroup's routing with --streams > 1
 
 
 class SentenceTransformersModel:
@@ -213,7 +216,14 @@ def start(model, graph: bool, quiet: bool, exact: bool = False):
         batchers.append(b)
     if len(batchers) > 1:
         from runtime.serving import BatcherGroup
-        b = BatcherGroup(batchers)
+        route = ROUTE if ROUTE != "auto" else (
+            "spill" if getattr(getattr(models[0], "client", None), "backend", "") == "cpu"
+            else "least")                          # as serve --streams N routes
+        try:
+            b = BatcherGroup(batchers, route=route)
+        except TypeError:             # an older checkout: every request to the least loaded
+            print("this checkout's BatcherGroup routes to the least loaded", file=sys.stderr)
+            b = BatcherGroup(batchers)
     if graph:
         b.warmup(WARMUP, progress=not quiet)
     srv = ServerThread(create_app(b, metrics=m))
@@ -470,7 +480,7 @@ def isolated_rows(clients: list, args) -> list:
                        "--requests", str(args.requests), "--texts", str(args.texts),
                        "--rounds", "1", "--out", out, "--quiet",
                        "--batch-buckets", args.batch_buckets, "--seq-buckets", args.seq_buckets,
-                       "--streams", str(args.streams),
+                       "--streams", str(args.streams), "--route", args.route,
                        "--max-padding",
                        args.max_padding]
                 if threads:
@@ -677,6 +687,10 @@ def main(argv=None) -> int:
                    help="graph and eager paths: a model per stream and a batcher per model, "
                    "each request to the least loaded (runtime.serving.BatcherGroup; serve "
                    "--streams); on cpu two batches then run at once, one thread each")
+    p.add_argument("--route", default="auto", choices=("auto", "least", "spill"),
+                   help="with --streams > 1, the BatcherGroup's routing: least (every request "
+                   "to the least loaded), spill (the first batcher until a full batch waits "
+                   "there) or auto (spill on the cpu backend, as serve; least elsewhere)")
     p.add_argument("--max-padding", default="auto",
                    help="the graph and eager batchers' max_padding: auto, none or a fraction")
     p.add_argument("--rounds", type=int, default=1,
@@ -747,7 +761,8 @@ def _busy_processes(n: int):
 
 
 def _main(args) -> int:
-    global BATCH_BUCKETS, SEQ_BUCKETS, WARMUP, MAX_PADDING
+    global BATCH_BUCKETS, SEQ_BUCKETS, WARMUP, MAX_PADDING, ROUTE
+    ROUTE = args.route
     BATCH_BUCKETS = tuple(int(b) for b in args.batch_buckets.split(","))
     SEQ_BUCKETS = tuple(int(b) for b in args.seq_buckets.split(","))
     WARMUP = [(b, s) for s in SEQ_BUCKETS if s <= WARMUP_SEQ for b in BATCH_BUCKETS]
@@ -828,7 +843,7 @@ def _main(args) -> int:
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "sentence_transformers": st_note or "included", "paths": args.paths,
             "rounds": args.rounds, "isolated": bool(args.isolate),
-            "max_padding": args.max_padding, "streams": args.streams,
+            "max_padding": args.max_padding, "streams": args.streams, "route": args.route,
             "contention": {"busy_processes": args.contention}}
     base = os.path.join(args.out, f"serving_{backend}")
     with open(base + ".json", "w") as f:

@@ -260,22 +260,46 @@ def embedding(ids, types, word, pos, ttab, S, out):
             out[r, c] = word[w, c] + pos[p, c] + ttab[t, c]
 
 
+@njit(**_INLINE)
+def _row_max(row, T):
+    """The largest of ``row[:T]`` (float32), as 8 running maxima, one per lane of ``j % 8``,
+    merged at the end: one running maximum is a chain of dependent compares that LLVM does not
+    vectorise without ``nnan`` (which this module leaves out), 7x slower over 196,608 scores
+    (264 against 37 µs). A NaN is skipped here as by the one-chain loop (``max(a, nan)`` is
+    ``a``); it still reaches the row through :func:`exp_neg` and the sum."""
+    T8 = T - T % 8
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(-np.inf)
+    for j in range(0, T8, 8):
+        a0 = max(a0, row[j])
+        a1 = max(a1, row[j + 1])
+        a2 = max(a2, row[j + 2])
+        a3 = max(a3, row[j + 3])
+        a4 = max(a4, row[j + 4])
+        a5 = max(a5, row[j + 5])
+        a6 = max(a6, row[j + 6])
+        a7 = max(a7, row[j + 7])
+    for j in range(T8, T):
+        a0 = max(a0, row[j])
+    return max(max(max(a0, a1), max(a2, a3)), max(max(a4, a5), max(a6, a7)))
+
+
 @njit(**_ROWS)
 def softmax_rows(s, madd, heads, scale):
     """In place on attention scores ``s [G, S, T]`` (``G = batches * heads``, batch-major): each
     row becomes ``softmax(scale * row + madd[b])``, ``madd [batches, T]`` the additive key mask
     (0 or -1e9; passed precomputed so that no reassociation can fold ``-1e9`` into the scores).
-    One pass for scale, mask and maximum, one for :func:`exp_neg` and the sum, one to divide."""
+    One pass for scale and mask, one for the maximum (:func:`_row_max`), one for
+    :func:`exp_neg` and the sum, one to divide: each vectorised (at 128 keys the row maximum in
+    the first pass, one dependent chain, took half the time: MiniLM 1x128's softmax 414 µs a
+    layer against 228 now, one thread)."""
     G, S, T = s.shape
     for k in prange(G * S):
         g = k // S
         row = s[g, k - g * S]
         m = madd[g // heads]
-        mx = np.float32(-np.inf)
         for j in range(T):
-            v = row[j] * scale + m[j]
-            row[j] = v
-            mx = max(mx, v)
+            row[j] = row[j] * scale + m[j]
+        mx = _row_max(row, T)
         tot = np.float32(0.0)
         for j in range(T):
             e = exp_neg(row[j] - mx)

@@ -1,4 +1,5 @@
-"""Several batchers behind one submit: a model per stream, each request to the least loaded.
+"""Several batchers behind one submit: a model per stream, each request to the least loaded
+(on the cpu backend: once the first holds a full batch waiting; ``route="spill"``, see below).
 
 A :class:`BatcherGroup` holds ``N`` :class:`runtime.serving.Batcher` s, each with its own model
 (on cpu: its own stream of the process's one device server, its own captured graphs) and its own
@@ -13,9 +14,17 @@ Why: beside busy processes a forward split over two threads waits whenever the O
 them and not the other, and every hand-off between them costs CPU (MiniLM 20x16 on 2 cores:
 4.1 ms of CPU per row in pieces on 2 threads against 3.7 ms on two streams of one thread each;
 ``benchmarks/serving.py --streams 2`` beside two busy processes, 64 clients: 107 against 80
-requests/s, 5.5 against 6.6 ms of CPU per request; issue 30); two independent batches keep both
+requests/s, 5.5 against 6.6 ms of CPU per request; issue 30, measured before the panel matmul
+of :mod:`runtime.kernels.panels` made small pieces cheap); two independent batches keep both
 threads busy with no hand-off at all. The cost: a model (weights, ~90 MB for MiniLM, and
 graphs) per stream.
+
+The trade goes the other way as long as one batcher keeps up: one batch at a time reads the
+weights once per batch and batches fuller, so two half batches cost more CPU per text (``serve
+--streams 1`` spent less CPU per request than ``--streams 2`` at 8 and 64 clients, with and
+without busy processes). So ``serve`` routes a cpu group by spill-over (``route="spill"``):
+the first batcher takes every request until a full batch waits there, the others take the
+backlog beyond it.
 
 Within each batcher, batching stays as :class:`Batcher` documents (fair ring, sub-batches of big
 requests, cancellation); a request never spans two batchers, so its rows come back in order
@@ -26,7 +35,10 @@ from __future__ import annotations
 
 from .batcher import BatcherClosed
 
-__all__ = ["BatcherGroup"]
+__all__ = ["BatcherGroup", "ROUTES"]
+
+#: the routings :class:`BatcherGroup` knows
+ROUTES = ("least", "spill")
 
 
 class BatcherGroup:
@@ -36,33 +48,53 @@ class BatcherGroup:
     Args:
         batchers: started :class:`runtime.serving.Batcher` s, each over its own model (same
             weights, buckets and limits; the first one's settings are reported).
-    Attributes: ``batchers``; ``model``, ``hidden``, ``path``, ``max_seq_length`` and every other
-        setting are the first batcher's.
-    Raises: ``ValueError`` (no batchers, or two sharing one model: a model runs one batch at a
-        time).
+        route: ``"least"`` (every request to the least loaded) or ``"spill"`` (the first
+            batcher until it holds a full batch waiting; :meth:`pick`).
+    Attributes: ``batchers``, ``route``; ``model``, ``hidden``, ``path``, ``max_seq_length``
+        and every other setting are the first batcher's.
+    Raises: ``ValueError`` (no batchers, two sharing one model: a model runs one batch at a
+        time; an unknown ``route``).
     """
 
-    def __init__(self, batchers):
+    def __init__(self, batchers, route: str = "least"):
         self.batchers = list(batchers)
         if not self.batchers:
             raise ValueError("a BatcherGroup needs at least one batcher")
         if len({id(b.model) for b in self.batchers}) != len(self.batchers):
             raise ValueError("each batcher of a group needs a model of its own")
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        self.route = route
 
     def pick(self):
-        """The batcher the next request goes to: among those whose worker runs, the one with
-        the least :attr:`Batcher.load` (texts queued plus texts in the batch running now); on a
-        tie the first (a lone client stays on one model; a second batch goes to the next one
-        while the first runs).
+        """The batcher the next request goes to, among those whose worker runs.
+
+        ``route="least"``: the one with the least :attr:`Batcher.load` (texts queued plus texts
+        in the batch running now); on a tie the first (a lone client stays on one model; a
+        second batch goes to the next one while the first runs).
+
+        ``route="spill"``: the first running batcher, even while it runs a batch, unless it
+        already holds a full batch waiting (:attr:`Batcher.queued` at least its ``max_batch``):
+        then the least loaded. One batch at a time reads the weights once per batch and
+        batches fuller; on the cpu backend two half batches, one thread each, cost more CPU per
+        text (``benchmarks/serving.py`` beside two busy processes, 8 and 64 clients: 9.6-11.1
+        and 6.1-6.6 ms of CPU per request least-loaded against 9.0 and 5.9 on one stream;
+        issue 30), so ``serve --streams N`` spills over on cpu: the other streams take a
+        backlog beyond a full batch.
 
         Raises: :class:`BatcherClosed` (every worker has stopped).
         """
-        best = None
+        best = first = None
         for b in self.batchers:
-            if b.alive and (best is None or b.load < best.load):
-                best = b
+            if b.alive:
+                if first is None:
+                    first = b
+                if best is None or b.load < best.load:
+                    best = b
         if best is None:
             raise BatcherClosed("every batcher's worker has stopped")
+        if self.route == "spill" and first.queued < first.max_batch:
+            return first
         return best
 
     def submit(self, texts):

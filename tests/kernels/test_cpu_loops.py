@@ -169,6 +169,26 @@ def test_softmax_rows_keeps_scores_beside_a_minus_1e9_mask():
     assert (got[:heads, :, 30:] < 1e-30).all()            # masked keys get nothing
 
 
+@pytest.mark.parametrize("T", [1, 5, 8, 13, 16, 128, 131])
+def test_softmax_rows_finds_the_row_maximum_in_every_lane_and_the_tail(T):
+    # the row maximum runs as 8 running maxima (one per j % 8) and a tail loop: put the largest
+    # score of each row at every position in turn (a large lead: a missed maximum overflows or
+    # shifts the exps), against float64 numpy
+    heads, S = 2, T
+    s = RNG.standard_normal((2 * heads, S, T)).astype(np.float32)
+    for r in range(S):
+        s[:, r, r % T] = 60.0 + r                    # the row's maximum at column r % T
+    madd = np.zeros((2, T), np.float32)
+    madd[1, T // 2:] = np.float32(-1e9) if T > 1 else 0
+    ref = s.astype(np.float64) * np.float64(np.float32(1.5)) + np.repeat(madd, heads, 0)[:, None]
+    ref = np.exp(ref - ref.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    got = s.copy()
+    cpu_loops.softmax_rows(got, madd, heads, np.float32(1.5))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=2e-7, rtol=1e-5)
+
+
 def test_thread_rule_shares_the_cores_among_executing_items():
     rule = ThreadRule(cores=4)
     assert rule.threads() == 4                             # nothing executing: a caller alone

@@ -5,6 +5,7 @@ on two cpu streams against one."""
 from __future__ import annotations
 
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -158,6 +159,8 @@ def test_two_streams_of_the_real_model_embed_as_one():
         # ... over one copy of the weights (MiniLM.replica; before, the second was loaded
         # and uploaded again: its own buffers)
         assert m1.word.handle.id == m0.word.handle.id and m1.blocks is m0.blocks
+        assert two.route == "spill"           # serve's routing on cpu; here both streams must
+        two.route = "least"                   # get work whatever the host: the least loaded
         want = one.embed(texts, timeout=120)
         futs = [two.submit(texts) for _ in range(4)]          # both streams get work
         for f in futs:
@@ -168,3 +171,49 @@ def test_two_streams_of_the_real_model_embed_as_one():
         two.close()
     with pytest.raises(ValueError):
         start_batcher("cpu", model=FakeModel(), streams=0)
+
+
+def test_spill_routing_keeps_one_batcher_until_a_full_batch_waits_there():
+    # route="spill" (serve --streams N on the cpu backend): every request goes to the first
+    # batcher, even while it runs a batch, until it holds a full batch waiting; then to the
+    # least loaded. Gated fake models: nothing is timed.
+    gate = threading.Event()
+    first, second = FakeModel(gate=gate), FakeModel()
+    g = BatcherGroup([Batcher(m, batch_buckets=(1, 2, 4), seq_buckets=(16,), max_batch=4)
+                      for m in (first, second)], route="spill")
+    try:
+        a = g.submit(["a"])
+        assert first.entered.wait(WAIT)             # the first is running it (gated)
+        queued = [g.submit([f"q{i}"]) for i in range(3)]   # to the first, though it is busy
+        assert g.batchers[0].queued == 3 and g.batchers[1].load == 0
+        more = g.submit(["m n"])                    # 3 waiting < 4: still the first
+        assert g.batchers[0].queued == 4 and g.batchers[1].load == 0
+        spill = g.submit(["s"])                     # a full batch waits there: spill over
+        np.testing.assert_array_equal(spill.result(WAIT).embeddings[0], expected(second, "s"))
+        assert sum(c[3] for c in second.calls) == 1 and g.batchers[0].queued == 4
+        gate.set()
+        for fut, t in zip([a] + queued + [more], ["a", "q0", "q1", "q2", "m n"]):
+            np.testing.assert_array_equal(fut.result(WAIT).embeddings[0], expected(first, t))
+        assert sum(c[3] for c in first.calls) == 5
+        with pytest.raises(ValueError):
+            BatcherGroup([Batcher(FakeModel())], route="nearest")
+    finally:
+        gate.set()
+        g.close()
+
+
+def test_serve_spills_over_on_cpu_and_routes_to_the_least_loaded_elsewhere():
+    from runtime.serving.replica import start_batcher
+    for backend, route in (("cpu", "spill"), ("wgpu", "least")):
+        class Fake(FakeModel):
+            client = types.SimpleNamespace(backend=backend)
+
+            def replica(self):
+                return Fake()
+        g = start_batcher(model=Fake(), streams=2, batch_buckets=(1, 2), seq_buckets=(16,))
+        try:
+            assert g.route == route and len(g.batchers) == 2
+            np.testing.assert_array_equal(g.embed(["x y"], timeout=WAIT)[0],
+                                          expected(g.batchers[0].model, "x y"))
+        finally:
+            g.close()

@@ -44,11 +44,14 @@ def _clamp(p, T):
 # ---------------------------------------------------------------------------------------------
 def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
     t, q = int(token[0]), _clamp(pos[0], T)
+    if not 0 <= t < wte.size // max(int(H), 1):   # (a negative t sliced a row from the end)
+        raise IndexError(f"embed_at: token {t} outside [0, {wte.size // max(int(H), 1)})")
     out[:H] = wte[t * H:(t + 1) * H] + wpe[q * H:(q + 1) * H]
 
 
 #: ``out[c] = wte[token[0], c] + wpe[pos[0], c]`` for ``c < H``: ``token``/``pos`` are one-element
-#: ``i32`` buffers read on the device (``token`` must index inside ``wte``; ``pos`` is clamped to
+#: ``i32`` buffers read on the device (``token`` must index inside ``wte``: the cpu body raises
+#: ``IndexError`` (a ``LaunchError``) outside it, wgpu/cuda do not check; ``pos`` is clamped to
 #: ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
 embed_at = program(
     "embed_at", [("token", "i32", R), ("pos", "i32", R), ("wte", "f32", R), ("wpe", "f32", R),

@@ -54,6 +54,26 @@ def test_bad_prompts_are_refused(decoder):
             decoder.generate(prompt, n)
 
 
+@pytest.mark.parametrize("token", [-2, -3, 3, -1])
+def test_embed_at_with_a_token_outside_its_table_raises_on_cpu(token):
+    """A device token id outside ``wte``'s rows: the cpu body sliced ``wte[t*H:(t+1)*H]``, so a
+    negative id other than -1 silently read a row from the end of the table (-2 -> row V-2),
+    while -1 and V failed by accident (a shape mismatch). Now every id outside ``[0, V)``
+    raises (``IndexError`` -> ``LaunchError``; ``ReplayFailed`` on read), as ``embedding``'s
+    cpu body does. (wgpu/cuda do not check on the device: docs in runtime.kernels.decode.)"""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    H, V, T = 4, 3, 5
+    wte = c.create(np.arange(V * H, dtype=np.float32))
+    wpe = c.create(np.zeros(T * H, np.float32))
+    tok, pos = c.create(np.array([token], np.int32)), c.create(np.array([0], np.int32))
+    out = c.create(np.zeros(H, np.float32))
+    c.launch(D.embed_at, 1, [tok, pos, wte, wpe, out], {"H": H, "T": T})
+    with pytest.raises(runtime.ServerError, match="outside"):
+        c.sync()
+    with pytest.raises(runtime.ReplayFailed):
+        c.read(out)
+
+
 def test_argmax_ties_go_to_the_lowest_index(client):
     x = np.zeros(200, np.float32)
     x[[17, 150, 199]] = 3.0

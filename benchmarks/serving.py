@@ -59,8 +59,8 @@ Usage::
 ``--streams N`` serves the graph and eager paths with N copies of the model, each on its own
 stream with its own batcher (:class:`runtime.serving.BatcherGroup`, as ``serve --streams N``):
 each request goes to the least loaded, so on cpu N batches run at once, one thread each; on the
-cpu backend only once the first holds a full batch waiting (``--route spill``, serve's; ``--route
-least``: always).
+cpu backend only while other processes take cores (``--route cpu``, serve's; ``--route least``:
+always; ``--route spill``: once the first holds a full batch waiting).
 
 ``--contention N`` runs N busy-loop processes beside every path for the whole run (a busy
 host; ``"contention"`` in the JSON's meta). ``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
@@ -217,7 +217,7 @@ def start(model, graph: bool, quiet: bool, exact: bool = False):
     if len(batchers) > 1:
         from runtime.serving import BatcherGroup
         route = ROUTE if ROUTE != "auto" else (
-            "spill" if getattr(getattr(models[0], "client", None), "backend", "") == "cpu"
+            "cpu" if getattr(getattr(models[0], "client", None), "backend", "") == "cpu"
             else "least")                          # as serve --streams N routes
         try:
             b = BatcherGroup(batchers, route=route)
@@ -687,10 +687,11 @@ def main(argv=None) -> int:
                    help="graph and eager paths: a model per stream and a batcher per model, "
                    "each request to the least loaded (runtime.serving.BatcherGroup; serve "
                    "--streams); on cpu two batches then run at once, one thread each")
-    p.add_argument("--route", default="auto", choices=("auto", "least", "spill"),
+    p.add_argument("--route", default="auto", choices=("auto", "least", "spill", "cpu"),
                    help="with --streams > 1, the BatcherGroup's routing: least (every request "
                    "to the least loaded), spill (the first batcher until a full batch waits "
-                   "there) or auto (spill on the cpu backend, as serve; least elsewhere)")
+                   "there), cpu (spill on a free host, least on a busy one) or auto (cpu on the "
+                   "cpu backend, as serve; least elsewhere)")
     p.add_argument("--max-padding", default="auto",
                    help="the graph and eager batchers' max_padding: auto, none or a fraction")
     p.add_argument("--rounds", type=int, default=1,

@@ -329,23 +329,30 @@ class CpuShare:
     process uses the cores itself. Where the counters are missing (not Linux) the host is never
     busy.
 
-    The defaults cut the threads only on a starved host (a share under 0.1). With the kernels'
-    work dealt out in small pieces to threads that sleep while they wait (:class:`FanOutPool`),
-    a second thread the OS does not run costs one piece, and threads that sleep often are run
-    promptly when they wake: MiniLM 1x128 on 2 cores beside other sessions' load (load average
-    ~8) and 2 busy loops ran a forward in 42-71 ms on 2 threads against 300-330 ms on 1
-    (shares about 0.2 and 0.1). The rule before (``low=0.6``: 1 thread with 2 busy neighbours)
+    The default never cuts the threads (``low=0``: the readings are kept, ``share`` and
+    ``used``, for benchmarks and ``RULE.cpu``; pass ``low > 0`` to cut). With the kernels' work
+    dealt out in small pieces to threads that sleep while they wait (:class:`FanOutPool`), a
+    second thread the OS does not run costs one piece, threads that sleep often are run
+    promptly when they wake, and beside busy processes two runnable threads get more of the
+    CPU than one (the scheduler shares a core out per thread): MiniLM 1x128 on 2 cores beside
+    other sessions' load (load average ~8) and 2 busy loops ran a forward in 42-71 ms on 2
+    threads against 300-330 ms on 1 (shares about 0.2 and 0.1). The cut that followed (1 thread
+    below a share of 0.1) still lost wherever it fired: beside 2 busy loops and other sessions'
+    work (load 8-9, shares 0.06-0.22), ``benchmarks/minilm_forward.py --contention 2`` with the
+    cut against without, sentences/s: 8x16 38.7 vs 105, 32x16 35.5 vs 48.1, 1x128 3.6 vs 22.9,
+    8x128 5.6 vs 6.6 (issue 30). Before that, ``low=0.6`` (1 thread with 2 busy neighbours)
     was measured with OpenBLAS's statically split, spin-waiting pool, where 1 thread won.
 
     Args:
         window_s: seconds between readings (per process).
-        low, high: the share below which the host is busy, above which it is free again.
+        low, high: the share below which the host is busy (0: never), above which it is free
+            again.
         external: the fraction of the cores the process must be using less of to call it busy.
         read: the counter reader (tests pass a fake); default :class:`ProcessSchedstat`.
         cpu_time: the process's CPU seconds (tests pass a fake); default ``time.process_time``.
     """
 
-    def __init__(self, window_s: float = 0.2, low: float = 0.1, high: float = 0.3,
+    def __init__(self, window_s: float = 0.2, low: float = 0.0, high: float = 0.3,
                  external: float = 0.75, read=None, cpu_time=None):
         self.window_s, self.low, self.high, self.external = window_s, low, high, external
         self.share = 1.0                  # the last reading of the worker's share

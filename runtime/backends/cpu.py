@@ -89,7 +89,8 @@ class CpuGraph:
     call (:mod:`runtime.backends.cpu_fuse`, named ``"<kernels> (N launches fused)"``). Whoever
     changes ``launches`` calls :meth:`rebind`."""
 
-    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain", "tiny", "inline")
+    __slots__ = ("launches", "nodes", "calls", "names", "small", "plain", "tiny", "inline",
+                 "defer")
 
     def __init__(self, launches):
         self.launches = launches
@@ -117,6 +118,9 @@ class CpuGraph:
         self.plain = plain                      # numpy ufunc calls only: no library pool
         self.tiny = plain and touched <= TINY_BYTES     # a flush may run it on the owner
         self.inline = self.tiny and cost <= INLINE_CALLS  # a replay may run it at once
+        # ufunc calls a waiter would run anyway (no worker woken): a replay on an idle server
+        # may be deferred (``ComputeServer.replay``) and enqueued by the next owner
+        self.defer = self.small and plain
 
 
 class CpuRecording:

@@ -252,12 +252,15 @@ class ComputeClient:
                 raise TypeError(f"read takes a Handle, got {type(handle).__name__}")
             hid = handle._check(srv, "read")
         dtype = handle.dtype
-        raw = srv.read(self._sid, hid, dtype)
+        sid = self._pin                             # (self._sid, inlined: the hot path)
+        if sid is None:
+            sid = current_key()
+        raw = srv.read(sid, hid, dtype)
         if raw is BUSY:                             # the server was not idle: queued
-            raw = srv.call(srv.h_read, self._sid, hid, dtype)
+            raw = srv.call(srv.h_read, sid, hid, dtype)
         if raw.__class__ is not np.ndarray:         # (an ndarray: copied at once, clean)
             raw = self._finish_read(raw, hid)
-        if raw.dtype != dtype:                      # (bytes: not typed by the backend)
+        if raw.dtype is not dtype and raw.dtype != dtype:   # (bytes: not typed by the backend)
             raw = raw.view(dtype)
         return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
 
@@ -296,7 +299,8 @@ class ComputeClient:
         Returns: at once (fire-and-forget); waits for room while the device queue is full. On
             the cpu backend a launch of a kernel with a ``bind`` touching at most 64 KiB on an
             idle server is deferred (issue 26): the next call into the server, from any thread,
-            runs it before anything else (docs/contract.md section 1).
+            runs it before anything else, the device thread within 20 ms if no call comes
+            (docs/contract.md section 1).
         Raises: ``TypeError``/``ValueError`` (bad arguments), ``LaunchError`` (binding count;
             a handle whose elements are not 4 bytes (or 1: raw bytes), e.g. ``float64``; a count
             over the backend's ``max_workgroups`` per dimension; one buffer bound both

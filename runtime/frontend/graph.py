@@ -74,14 +74,15 @@ class Graph:
 
         Blocks only until the device thread has accepted the enqueue (not until the device ran
         it); read an output or ``sync`` on the capture stream to wait for the results. On the
-        cpu backend a replay of tiny launches (64 KiB touched in all) costing at most 4 calls
-        (a run of fused pointwise launches counts as one call plus its work: a replay of 10 or
-        100 small fused launches qualifies) on an idle server is deferred instead (issue 26:
-        cheaper than the hand-off): recorded, and run by the next call into the server from
-        any thread before anything else that call does (at the latest when 16 are pending), at
-        once on that thread when its stream is idle; its failures are reported as a failure
-        found at execution. Waits for room afterwards while the device queue is full
-        (design.md section 1).
+        cpu backend a replay of a graph of numpy-call kernels (a ``bind``) each touching at
+        most 1 MiB, on an idle server, is deferred instead (issue 26: cheaper than the
+        enqueue): recorded, and run by the next call into the server from any thread before
+        anything else that call does (at the latest when 16 are pending, or by the device
+        thread within 20 ms when no call comes); tiny work (64 KiB touched in all, at most 4
+        calls: a run of fused pointwise launches counts as one call plus its work) runs at once
+        on that thread when its stream is idle, the rest is enqueued then; failures are
+        reported as failures found at execution. Waits for room afterwards while the device
+        queue is full (design.md section 1).
 
         Returns: None.
         Raises:

@@ -153,8 +153,10 @@ def _bind_ufunc2(ufunc):
 
 
 def _bind_scalar(ufunc):
+    # the param as a 0-d array of y's dtype: the same value and loop as the numpy scalar
+    # (y.dtype.type(alpha)), and numpy 2 takes a 0-d array ~0.2 µs faster per call (issue 26)
     def bind(x, y, *, alpha, n):
-        return partial(ufunc, x[:n], y.dtype.type(alpha), y[:n])
+        return partial(ufunc, x[:n], np.asarray(y.dtype.type(alpha)), y[:n])
     return bind
 
 

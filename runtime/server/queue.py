@@ -34,8 +34,12 @@ launches and replays of tiny work, made while nothing was queued): a list of at 
 lock: before the first message of a drain, before the message it runs on the combining path,
 and on the server's own entries (read, launch, replay, sync). So no message, and no entry,
 ever runs before deferred work that was recorded before it: the work runs later than it was
-asked for, never out of order and never unseen. Nothing wakes the device thread for it (the
-next call into the server, from any thread, runs it).
+asked for, never out of order and never unseen. Work no call ran meanwhile is run by the device
+thread within ``LAZY_S``: after any wake-up it looks every ``LAZY_S`` until ``LAZY_LOOKS`` looks
+in a row found nothing, then waits without a timeout, and the next deferral wakes it
+(``lazy_asleep``); so a deferred launch or replay runs on its own within tens of milliseconds,
+as a fire-and-forget enqueue does (design.md section 3), a steady stream of deferrals costs one
+wake-up per ~0.1 s at most, and the look, which takes the GIL, stays rare.
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ MAX_LOAD = 256
 RELEASE_BATCH = 256
 #: deferred items (``DeviceQueue.lazy``) past which the owner that defers one runs them all.
 LAZY_MAX = 16
+#: seconds after which the device thread runs deferred work that no call ran (module doc).
+LAZY_S = 0.02
+#: looks (every ``LAZY_S``) that find no deferred work before the device thread waits without a
+#: timeout again: it looks for ~0.1 s after each wake-up, then sleeps until work comes.
+LAZY_LOOKS = 5
 #: seconds the device thread waits for the owner lock before it checks whether a thread that
 #: was interrupted left it held (``DeviceQueue._take_owner``).
 OWNER_CHECK_S = 1.0
@@ -148,6 +157,10 @@ class DeviceQueue:
         self.lazy: list = []
         #: runs and empties ``lazy`` (owner only; set by the server: ``ComputeServer._run_lazy``)
         self.run_lazy = self.lazy.clear
+        #: whether the device thread waits without a timeout: an owner that appends to ``lazy``
+        #: then sets ``_wake``. The thread sets it first, then looks at ``lazy``, and the owner
+        #: appends first, then reads it: either the thread sees the work or the owner wakes it.
+        self.lazy_asleep = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _QUEUES.add(self)
@@ -491,12 +504,26 @@ class DeviceQueue:
                 return
 
     def _loop(self) -> None:
+        looks = 0                       # timed looks left before an untimed wait (module doc)
         try:
             while not self.closed:
-                self._wake.wait()
+                if looks:
+                    self._wake.wait(LAZY_S)
+                    looks -= 1
+                    timed = True
+                else:
+                    self.lazy_asleep = True     # (first, then lazy: see lazy_asleep)
+                    if not self.lazy:
+                        self._wake.wait()
+                    self.lazy_asleep = False
+                    looks, timed = LAZY_LOOKS, False
                 self._wake.clear()
-                if self._q and (self._owner.acquire(timeout=OWNER_CHECK_S) or self._take_owner()):
-                    self._drain()
+                if self._q:
+                    if self._owner.acquire(timeout=OWNER_CHECK_S) or self._take_owner():
+                        self._drain()
+                elif timed and self.lazy and not self.closed and self._owner.acquire(False):
+                    looks = LAZY_LOOKS
+                    self._drain()               # deferred work no call ran: run it now
         except BaseException as e:  # noqa: BLE001
             self._die(e)
         finally:

@@ -108,6 +108,9 @@ class ComputeServer:
         self.pool = Pool(backend, max_idle_bytes)
         self.streams: dict = {}        # {int stream id: StreamState}
         self.ended: set = set()        # ids nobody can name any more, not yet reclaimed
+        #: of those, the ones whose work had not run yet (not a live graph): a blocking call
+        #: reclaims them first, so the errors their work left are raised (``_reap_busy``)
+        self.ended_busy: set = set()
         self._reaped = 0               # streams reclaimed since the last _sweep
         self.handles: dict = {}
         self.graphs: dict = {}
@@ -125,6 +128,7 @@ class ComputeServer:
                                  reentrant=getattr(backend, "reentrant", None),
                                  in_kernel=getattr(backend, "in_kernel", None))
         self.queue.run_lazy = self._run_lazy
+        self.marks.before_take = self._reap_busy
         self.queue.message_error = self._on_async_error
         backend.on_room = self.queue.notify_room
         backend.on_broken = self.queue._check_backend    # (cpu: an interrupted helper)
@@ -151,8 +155,9 @@ class ComputeServer:
         self.release(self.h_stream_ended, sid)
 
     def h_stream_ended(self, sid) -> None:
-        """Reclaim ``sid`` now if nothing uses it, else when its work ran or its last graph
-        went (``_reap_streams``, at the next new stream, graph destroy or ``memory_usage``)."""
+        """Reclaim ``sid`` now if nothing uses it, else when its work ran (``_reap_busy``, at
+        the next blocking call; ``_reap_streams``, at the next new stream, graph destroy or
+        ``memory_usage``) or its last graph went."""
         if sid in self.streams:
             self.ended.add(sid)
             self._reap(sid)
@@ -160,6 +165,14 @@ class ComputeServer:
     def _reap_streams(self) -> None:
         """Try to reclaim every stream nobody can name any more (``_reap``)."""
         for sid in list(self.ended):
+            self._reap(sid)
+
+    def _reap_busy(self) -> None:
+        """Before a blocking call takes the errors it raises (``Marks.before_take``): reclaim
+        the ended streams whose work had not run when they ended (``ended_busy``), so errors
+        that work left since are raised by this call (docs/contract.md section 3: the next
+        blocking call on any stream), not at some later new stream or ``memory_usage``."""
+        for sid in list(self.ended_busy):
             self._reap(sid)
 
     def _reap(self, sid) -> bool:
@@ -172,15 +185,19 @@ class ComputeServer:
         s = self.streams.get(sid)
         if s is None:
             self.ended.discard(sid)
+            self.ended_busy.discard(sid)
             return True
         if s.graphs:
+            self.ended_busy.discard(sid)    # (its last graph's destroy reclaims it)
             return False
         if s.state != cap.NO_CAPTURE or s.window is not None or s.primed:
             self.capture.abort(s)
         if not self.backend.release_stream(s.raw):
+            self.ended_busy.add(sid)
             return False
         del self.streams[sid]
         self.ended.discard(sid)
+        self.ended_busy.discard(sid)
         self.marks.on_reclaim(s)      # its queued errors: to the next blocking call (bounded)
         self.marks.collect()          # (release_stream handed the backend's to failures)
         self._bound_async_errors()
@@ -475,7 +492,8 @@ class ComputeServer:
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
         if (st is not None and s.window is None and self.checker is None
-                and not (s.errors or self.marks.async_errors or self.backend.failures)):
+                and not (s.errors or self.marks.async_errors or self.backend.failures
+                         or self.ended_busy)):
             w = st.writes
             if len(w) > 1 or sid not in w and w:
                 self._wait_for(s, w)        # (an event wait queued: not idle any more)
@@ -484,9 +502,7 @@ class ComputeServer:
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)
                 if st.mark is CLEAN or self.marks.clean(st):
-                    s.pos += 1
-                    s.done_pos = s.pos
-                    st.reads[sid] = s.pos
+                    st.reads[sid] = s.done_pos = s.pos = s.pos + 1
                     return data
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
@@ -540,8 +556,11 @@ class ComputeServer:
                             if self.checker is None and self.backend.defers(kernel, nbytes):
                                 lazy = queue.lazy
                                 lazy.append((sid, kernel, count, hids, params))
+                                if queue.lazy_asleep:    # (wake the device thread)
+                                    queue.lazy_asleep = False
+                                    queue._wake.set()
                                 if len(lazy) >= LAZY_MAX:
-                                    self._run_lazy()
+                                    return self._run_lazy()
                                 return None
                     if queue.lazy:
                         self._run_lazy()
@@ -724,7 +743,7 @@ class ComputeServer:
                 self._run_lazy()
             s = self.streams.get(sid)
             if (s is None or s.window is not None or s.errors or self.marks.async_errors
-                    or self.checker is not None or self.backend.failures
+                    or self.checker is not None or self.backend.failures or self.ended_busy
                     or queue._q or queue.closed or not self.backend.idle(s.raw)):
                 return False
             s.done_pos = s.pos
@@ -896,13 +915,15 @@ class ComputeServer:
     def replay(self, gid: int):
         """``Graph.replay``'s entry. While the server is idle the caller runs it, holding the
         owner lock (``DeviceQueue.call``'s combining path, written out: a replay is the hot path
-        of issue 26). A replay of tiny work (``graph.inline``: the cpu backend's) that nothing
-        but its sources could send down the enqueue path (no capture window on its stream, no
-        freed handle, no first-replay fences, no buffer written only inside conditional nodes,
-        no checker) is deferred: appended to ``queue.lazy`` and run by the next owner before anything else (:meth:`_run_lazy`: at
-        once on that thread when nothing needs the enqueue path, else enqueued), so no read,
-        launch, sync or message ever runs before it. Everything else goes to
-        :meth:`_enqueue_replay`. Returns what ``h_replay`` returns (None when deferred) and
+        of issue 26). A replay of small work (``graph.defer``: the cpu backend's ufunc-only graphs
+        whose launches a waiter would run anyway) with no capture window on its stream, no
+        freed handle, no first-replay fences, no buffer written only inside conditional nodes and
+        no checker is deferred: appended to ``queue.lazy`` and run by the next owner before
+        anything else (:meth:`_run_lazy`: tiny work at once on that thread when nothing needs
+        the enqueue path, else enqueued; by the device thread within ``LAZY_S`` if no call
+        came), so no read, launch, sync or message ever runs before it. Everything else goes to
+        :meth:`_enqueue_replay`. Returns what ``h_replay`` returns (None when deferred; when it
+        ran the ``LAZY_MAX`` deferred items: True if one was enqueued) and
         raises what it raises (``ServerClosed`` once the server stopped); :data:`BUSY` when the
         server was not idle: the caller then makes the blocking ``call(h_replay, gid)`` itself
         (so no frame of this function, one of the owner lock's holders,
@@ -917,12 +938,15 @@ class ComputeServer:
                     s = self.streams[g.stream]
                     # deferred when tiny and nothing sends it down the enqueue path but maybe
                     # its sources, decided when it runs (a deferred replay before it may fail)
-                    if (getattr(g.graph, "inline", False) and s.window is None and not g.freed
+                    if (getattr(g.graph, "defer", False) and s.window is None and not g.freed
                             and not g.fences and not g.mstates and self.checker is None):
                         lazy = queue.lazy
                         lazy.append(g)
-                        if len(lazy) >= LAZY_MAX:
-                            self._run_lazy()
+                        if queue.lazy_asleep:    # (the device thread runs it if no call comes)
+                            queue.lazy_asleep = False   # (woken once)
+                            queue._wake.set()
+                        if len(lazy) >= LAZY_MAX:     # (True: enqueued work; the caller looks for
+                            return self._run_lazy()     # room in the queue)
                         return None
                     if queue.lazy:
                         self._run_lazy()
@@ -940,12 +964,14 @@ class ComputeServer:
 
     queue_mod.OWNER_CODES.add(replay.__code__)      # it takes the owner lock (queue.py)
 
-    def _run_lazy(self) -> None:
+    def _run_lazy(self) -> bool:
         """Owner only: run the deferred launches and replays (``queue.lazy``: :meth:`launch`,
-        :meth:`replay`) in order. A launch goes through ``h_launch`` (at once when its stream
-        is idle). A replay none of whose sources' marks may carry a failure (a failed deferred
-        launch or replay before it marks its outputs, so a replay reading them inherits) runs
-        at once on this thread when its stream is idle (``Backend.launch_graph_now``: no mark,
+        :meth:`replay`) in order; True when one of them was enqueued on the backend (the caller
+        that deferred the ``LAZY_MAX``-th then looks for room in the queue, as an enqueue's
+        caller does). A launch goes through ``h_launch`` (at once when its stream is idle). A
+        replay of tiny work (``graph.inline``) none of whose sources' marks may carry a failure
+        (a failed deferred launch or replay before it marks its outputs, so a replay reading
+        them inherits) runs at once on this thread when its stream is idle (``Backend.launch_graph_now``: no mark,
         no hand-off; a failure is recorded as one found at execution: on the stream, which the
         next blocking call raises, and on the graph's write set, ``ReplayFailed`` on read);
         the others go to :meth:`_enqueue_replay`. Nothing else ran between a deferral and here
@@ -954,11 +980,13 @@ class ComputeServer:
         asynchronous exception (KeyboardInterrupt) landing here may have lost one: the server
         stops (``ServerClosed`` for every call) rather than answer from stale buffers."""
         lazy = self.queue.lazy
+        room = False
         try:
             for g in lazy:      # (nothing appends meanwhile: this thread holds the owner lock)
                 if g.__class__ is tuple:    # a deferred launch (:meth:`launch`)
                     try:
-                        self.h_launch(*g)
+                        if self.h_launch(*g):
+                            room = True
                     except Exception as e:  # noqa: BLE001 - as in launch: a fire-and-forget's
                         self._on_async_error(e, self.h_launch, g)
                     continue
@@ -967,8 +995,8 @@ class ComputeServer:
                     if st.mark is not CLEAN and self._marked_sources(g):
                         break
                 else:
-                    try:
-                        ran = self.backend.launch_graph_now(s.raw, g.graph)
+                    try:                    # (a graph the backend would not run at once: False)
+                        ran = g.graph.inline and self.backend.launch_graph_now(s.raw, g.graph)
                     except LaunchError as e:    # it ran and failed: as if found at execution
                         failed = Mark(g.op).fail(e)
                         s.errors.append(failed)
@@ -978,13 +1006,13 @@ class ComputeServer:
                         s.done_pos = g.last_pos = s.pos
                         continue
                     if ran:
-                        s.pos += 1
-                        s.done_pos = g.last_pos = s.pos
+                        s.done_pos = g.last_pos = s.pos = s.pos + 1
                         for st in g.wstates:
                             st.mark = CLEAN
                         continue
                 try:
-                    self._enqueue_replay(g, s)
+                    if self._enqueue_replay(g, s):
+                        room = True
                 except Exception as e:  # noqa: BLE001 - a fire-and-forget's error
                     err = e if isinstance(e, ServerError) else UnsupportedError(
                         f"deferred replay of graph {g.id} failed on {self.backend.name}: {e!r}")
@@ -995,6 +1023,7 @@ class ComputeServer:
             self.queue._die(e)
             raise
         lazy.clear()
+        return room
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:

@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long an idle batcher waits for more texts (ms, default 2)")
     p.add_argument("--streams", type=positive_int, default=1,
                    help="copies of the model, each on its own stream with its own batcher; "
-                   "each request goes to the least loaded (on cpu: to the first until a full "
-                   "batch waits there, then concurrent batches run one thread each; one more "
-                   "set of graphs per stream, the weights shared; default 1)")
+                   "each request goes to the least loaded (on cpu: while other processes take "
+                   "cores, concurrent batches one thread each; on a free host the first until a "
+                   "full batch waits there; one more set of graphs per stream, the weights "
+                   "shared; default 1)")
     p.add_argument("--max-queue", type=positive_int, default=4096,
                    help="most texts waiting (per stream with --streams: each batcher has its "
                    "own queue); beyond it 503 with Retry-After (default 4096)")

@@ -1,5 +1,5 @@
 """Several batchers behind one submit: a model per stream, each request to the least loaded
-(on the cpu backend: once the first holds a full batch waiting; ``route="spill"``, see below).
+(on the cpu backend: while the host is busy; ``route="cpu"``, see below).
 
 A :class:`BatcherGroup` holds ``N`` :class:`runtime.serving.Batcher` s, each with its own model
 (on cpu: its own stream of the process's one device server, its own captured graphs) and its own
@@ -19,12 +19,12 @@ of :mod:`runtime.kernels.panels` made small pieces cheap); two independent batch
 threads busy with no hand-off at all. The cost: a model (weights, ~90 MB for MiniLM, and
 graphs) per stream.
 
-The trade goes the other way as long as one batcher keeps up: one batch at a time reads the
-weights once per batch and batches fuller, so two half batches cost more CPU per text (``serve
---streams 1`` spent less CPU per request than ``--streams 2`` at 8 and 64 clients, with and
-without busy processes). So ``serve`` routes a cpu group by spill-over (``route="spill"``):
-the first batcher takes every request until a full batch waits there, the others take the
-backlog beyond it.
+On a free host the trade goes the other way: one batch at a time gets every core (one call on
+OpenBLAS's own threads), batches fuller and reads the weights once per batch, so two half
+batches cost more CPU per text. So ``serve`` routes a cpu group by the thread rule's view of
+the host (``route="cpu"``, :func:`cpu_host_free`): the first batcher while the process has its
+cores to itself (spilling over only once a full batch waits there: ``route="spill"``), the
+least loaded while busy processes take cores.
 
 Within each batcher, batching stays as :class:`Batcher` documents (fair ring, sub-batches of big
 requests, cancellation); a request never spans two batchers, so its rows come back in order
@@ -35,10 +35,20 @@ from __future__ import annotations
 
 from .batcher import BatcherClosed
 
-__all__ = ["BatcherGroup", "ROUTES"]
+__all__ = ["BatcherGroup", "ROUTES", "cpu_host_free"]
 
 #: the routings :class:`BatcherGroup` knows
-ROUTES = ("least", "spill")
+ROUTES = ("least", "spill", "cpu")
+
+
+def cpu_host_free() -> bool:
+    """Whether this process has its cores to itself, as the cpu thread rule last saw it
+    (:class:`runtime.cpu_threads.WholeCalls`: one call on OpenBLAS's own threads kept its
+    calling thread on a core; beside busy processes it does not, and whole calls are off).
+    ``False`` when the rule does not size BLAS (the user's environment fixed it: no whole calls
+    to judge by) or whole calls are switched off (``RUNTIME_CPU_WHOLE=0``)."""
+    from ..cpu_threads import RULE
+    return bool(RULE.adapt_blas and RULE.whole.on)
 
 
 class BatcherGroup:
@@ -48,15 +58,18 @@ class BatcherGroup:
     Args:
         batchers: started :class:`runtime.serving.Batcher` s, each over its own model (same
             weights, buckets and limits; the first one's settings are reported).
-        route: ``"least"`` (every request to the least loaded) or ``"spill"`` (the first
-            batcher until it holds a full batch waiting; :meth:`pick`).
+        route: ``"least"`` (every request to the least loaded), ``"spill"`` (the first
+            batcher until it holds a full batch waiting) or ``"cpu"`` (spill while the process
+            has its cores to itself, least loaded while busy processes take cores); :meth:`pick`.
+        free_host: ``() -> bool`` for ``"cpu"``: whether the process has its cores to itself
+            now (default :func:`cpu_host_free`; tests pass a fake).
     Attributes: ``batchers``, ``route``; ``model``, ``hidden``, ``path``, ``max_seq_length``
         and every other setting are the first batcher's.
     Raises: ``ValueError`` (no batchers, two sharing one model: a model runs one batch at a
         time; an unknown ``route``).
     """
 
-    def __init__(self, batchers, route: str = "least"):
+    def __init__(self, batchers, route: str = "least", free_host=None):
         self.batchers = list(batchers)
         if not self.batchers:
             raise ValueError("a BatcherGroup needs at least one batcher")
@@ -65,6 +78,7 @@ class BatcherGroup:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.route = route
+        self._free_host = free_host or cpu_host_free
 
     def pick(self):
         """The batcher the next request goes to, among those whose worker runs.
@@ -76,11 +90,16 @@ class BatcherGroup:
         ``route="spill"``: the first running batcher, even while it runs a batch, unless it
         already holds a full batch waiting (:attr:`Batcher.queued` at least its ``max_batch``):
         then the least loaded. One batch at a time reads the weights once per batch and
-        batches fuller; on the cpu backend two half batches, one thread each, cost more CPU per
-        text (``benchmarks/serving.py`` beside two busy processes, 8 and 64 clients: 9.6-11.1
-        and 6.1-6.6 ms of CPU per request least-loaded against 9.0 and 5.9 on one stream;
-        issue 30), so ``serve --streams N`` spills over on cpu: the other streams take a
-        backlog beyond a full batch.
+        batches fuller: on the cpu backend two half batches cost more CPU per text.
+
+        ``route="cpu"`` (``serve --streams N`` on the cpu backend): ``"spill"`` while the
+        process has its cores to itself (``free_host()``: one batch at a time then gets every
+        core), ``"least"`` while busy processes take cores: two independent batches on one
+        thread each are two threads always ready to run, where one batch dealt out to two
+        threads waits at the end of every kernel for whichever the OS is not running
+        (README, "The cpu backend": with two busy loops on 2 cores 8 / 64 clients served 85.5 /
+        145.9 requests/s on two streams against 63.2 / 108.6 on one; without them 170 / 269
+        against 150 / 273).
 
         Raises: :class:`BatcherClosed` (every worker has stopped).
         """
@@ -93,7 +112,8 @@ class BatcherGroup:
                     best = b
         if best is None:
             raise BatcherClosed("every batcher's worker has stopped")
-        if self.route == "spill" and first.queued < first.max_batch:
+        if (self.route != "least" and first.queued < first.max_batch
+                and (self.route == "spill" or self._free_host())):
             return first
         return best
 

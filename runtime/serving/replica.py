@@ -115,8 +115,8 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
             process's device server with its own batcher; more than 1 returns a
             :class:`runtime.serving.BatcherGroup` sending each request to the least loaded
             (on cpu, concurrent batches run one thread each; :mod:`runtime.serving.group`),
-            on the cpu backend only once the first holds a full batch waiting
-            (``route="spill"``: one batch at a time costs less CPU per text there).
+            on the cpu backend while the host is busy (``route="cpu"``: on a free host the
+            first batcher until a full batch waits there).
             A given ``model`` is the first copy; the others are its replicas
             (``MiniLM.replica``: the same weight buffers, buckets and graphs of their own), or
             loaded from ``model_dir`` for a model without ``replica()``.
@@ -159,7 +159,7 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
     else:
         from .group import BatcherGroup
         on_cpu = getattr(getattr(model, "client", None), "backend", backend) == "cpu"
-        batcher = BatcherGroup(batchers, route="spill" if on_cpu else "least")
+        batcher = BatcherGroup(batchers, route="cpu" if on_cpu else "least")
     if warmup:
         try:
             batcher.warmup(warmup, progress=progress)

@@ -268,3 +268,102 @@ def test_a_handle_dropped_right_after_a_deferred_launch_is_freed_after_it_ran(c)
     c.sync()
     assert hid not in c._server.handles        # freed, after the launch that used it ran
     assert not c._server.marks.async_errors    # (no InvalidHandle: the launch came first)
+
+
+def _ping_pong(c, x, y, launches: int, n: int = N):
+    """A graph of ``launches`` ``add_scalar`` launches ping-ponging ``x -> y -> x ...`` (each
+    adds 1.0), captured after a warm-up: a replay adds ``launches`` to ``x`` when even."""
+    def run():
+        for i in range(launches):
+            c.launch(K.add_scalar, K.grid(n), [x, y] if i % 2 == 0 else [y, x],
+                     {"alpha": 1.0, "n": n})
+    run()
+    c.sync()
+    c.graph_prepare()
+    run()
+    c.sync()
+    c.start_capture()
+    run()
+    return c.stop_capture()
+
+
+def _wait_until(pred, seconds: float = 10.0) -> bool:
+    import time
+    end = time.monotonic() + seconds
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+@pytest.mark.parametrize("what", ["tiny replay", "launch", "replay of 1,000 launches"])
+def test_deferred_work_no_call_runs_is_run_by_the_device_thread(c, what):
+    # design.md section 3: a stream runs asynchronously to the caller; deferred work that no
+    # later call runs still runs on its own (the device thread looks every LAZY_S)
+    x = c.create(np.zeros(N, np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    srv, q = c._server, c._server.queue
+    if what == "launch":
+        do, want = (lambda: c.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 3.0, "n": N}),
+                    np.full(N, 3, np.float32))
+        out = y
+    else:
+        launches = 1 if what == "tiny replay" else 1000
+        g = _ping_pong(c, x, y, launches)
+        c.write(x, np.full(N, 5, np.float32))
+        c.write(y, np.zeros(N, np.float32))
+        c.sync()
+        do, out = g.replay, (y if launches == 1 else x)
+        want = np.full(N, 6 if launches == 1 else 1005, np.float32)
+    do()
+    assert len(q.lazy) == 1                 # deferred: nothing ran it yet
+    raw = srv.streams[c._sid].raw
+    assert _wait_until(lambda: not q.lazy and srv.backend.idle(raw)), \
+        "deferred work no call ran was not run on its own"
+    np.testing.assert_array_equal(c.read(out), want)
+    # and the device thread stops looking once deferrals stop (no timed wake-ups for ever)
+    assert _wait_until(lambda: q.lazy_asleep, 5.0)
+
+
+def test_replays_of_a_thousand_launches_are_deferred_and_the_backlog_stays_bounded(c):
+    x = c.create(np.zeros(N, np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    g = _ping_pong(c, x, y, 1000)
+    c.write(x, np.zeros(N, np.float32))
+    c.sync()
+    srv, q = c._server, c._server.queue
+    most_lazy = most_load = 0
+    for _ in range(300):
+        g.replay()
+        most_lazy = max(most_lazy, len(q.lazy))
+        most_load = max(most_load, q._load()[0])
+    assert 1 <= most_lazy <= LAZY_MAX
+    # the LAZY_MAX-th deferral enqueues the run and looks for room, as an enqueue does
+    assert most_load <= q.max_load + LAZY_MAX
+    np.testing.assert_array_equal(c.read(x), np.full(N, 300_000, np.float32))
+
+
+def test_a_deferred_replay_too_large_to_run_at_once_fails_its_write_set_and_its_readers(c):
+    # 2 x 16,384 floats a launch: not tiny (not run at once), small (a waiter runs it): the
+    # deferred replay is enqueued by the next owner; its failure marks its write set and a
+    # deferred replay reading those buffers inherits it, as enqueued replays do
+    n = 1 << 14
+    x = c.create(np.arange(n, dtype=np.float32))
+    y = c.create(np.zeros(n, np.float32))
+    z = c.create(np.zeros(n, np.float32))
+    g1 = captured_once(c, DOUBLE, [x, y], {}, n)
+    g2 = captured_once(c, DOUBLE, [y, z], {}, n)
+    assert not c._server.graphs[g1.id].graph.inline
+    c.write(x, np.full(n, -1, np.float32))         # g1 raises on a negative input
+    c.sync()
+    g1.replay()
+    g2.replay()
+    assert len(_lazy(c)) == 2
+    for h in (y, z):
+        with pytest.raises(ReplayFailed):
+            c.read(h)
+    c.write(x, np.arange(n, dtype=np.float32))
+    g1.replay()
+    g2.replay()
+    np.testing.assert_array_equal(c.read(z), 4 * np.arange(n, dtype=np.float32))

@@ -267,25 +267,31 @@ def test_fan_out_uses_no_more_threads_than_asked_when_the_pool_is_larger():
     assert len(pool._threads) == 3 and 1 <= len(seen) <= 2
 
 
-def test_the_default_share_rule_keeps_every_thread_beside_two_busy_neighbours():
+def test_the_default_share_rule_keeps_every_thread_beside_busy_neighbours_even_starved():
     # with the kernels' work dealt out in small pieces to sleeping threads, 2 threads beat 1
-    # beside busy processes (the CpuShare docstring's measurement): the default rule cuts the
-    # threads only on a starved host (before: a share of 0.5 already meant 1 thread of 2)
+    # beside busy processes at every share measured (the CpuShare docstring's figures): the
+    # default rule never cuts the threads (before: a share under 0.1 meant 1 thread of 2),
+    # while a rule given a threshold still does
     counters, cpu = _Counters(), [0.0]
     share = ct.CpuShare(read=counters, cpu_time=lambda: cpu[0])
+    cut = ct.CpuShare(low=0.1, read=counters, cpu_time=lambda: cpu[0])
     t = 100.0
     share.sample(2, t)
-    for run, wait, used, busy, cores in (
-            (100, 100, 1.0, False, 2),                 # 2 busy neighbours, 2 threads: 0.5
-            (40, 160, 0.4, False, 2),                  # 8 of them: 0.2
-            (10, 190, 0.1, True, 1),                   # starved: 0.05
-            (40, 160, 0.2, True, 1),                   # 0.2 with 1 thread: still busy
-            (80, 120, 0.4, False, 2)):                 # 0.4: free again
+    cut.sample(2, t)
+    for run, wait, used, cut_cores in (
+            (100, 100, 1.0, 2),                        # 2 busy neighbours, 2 threads: 0.5
+            (40, 160, 0.4, 2),                         # 8 of them: 0.2
+            (10, 190, 0.1, 1),                         # starved: 0.05
+            (4, 196, 0.04, 1),                         # 0.02
+            (80, 120, 0.4, 2)):                        # 0.4
         t += 0.25
         counters.add(run, wait)
         cpu[0] += used * 0.25
         share.sample(2, t)
-        assert (share.busy, share.cores(2)) == (busy, cores), (run, wait, used)
+        cut.sample(2, t)
+        assert not share.busy and share.cores(2) == 2, (run, wait, used)
+        assert share.share == pytest.approx(run / (run + wait))     # still read
+        assert cut.cores(2) == cut_cores, (run, wait, used)
 
 
 def test_the_process_share_sums_every_thread_and_never_goes_back(tmp_path):

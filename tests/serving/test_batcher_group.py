@@ -159,7 +159,7 @@ def test_two_streams_of_the_real_model_embed_as_one():
         # ... over one copy of the weights (MiniLM.replica; before, the second was loaded
         # and uploaded again: its own buffers)
         assert m1.word.handle.id == m0.word.handle.id and m1.blocks is m0.blocks
-        assert two.route == "spill"           # serve's routing on cpu; here both streams must
+        assert two.route == "cpu"             # serve's routing on cpu; here both streams must
         two.route = "least"                   # get work whatever the host: the least loaded
         want = one.embed(texts, timeout=120)
         futs = [two.submit(texts) for _ in range(4)]          # both streams get work
@@ -202,9 +202,44 @@ def test_spill_routing_keeps_one_batcher_until_a_full_batch_waits_there():
         g.close()
 
 
-def test_serve_spills_over_on_cpu_and_routes_to_the_least_loaded_elsewhere():
+def test_cpu_routing_spills_over_on_a_free_host_and_spreads_on_a_busy_one(monkeypatch):
+    # route="cpu": spill-over while the host is free, the least loaded while it is busy (a
+    # fake switch; nothing is timed); the default switch reads the thread rule's whole calls
+    gate = threading.Event()
+    first, second = FakeModel(gate=gate), FakeModel()
+    free = [True]
+    g = BatcherGroup([Batcher(m, batch_buckets=(1, 2, 4), seq_buckets=(16,), max_batch=4)
+                      for m in (first, second)], route="cpu", free_host=lambda: free[0])
+    try:
+        a = g.submit(["a"])
+        assert first.entered.wait(WAIT)
+        b = g.submit(["b"])                         # free host: the first, though busy
+        assert g.batchers[0].queued == 1 and g.batchers[1].load == 0
+        free[0] = False                             # busy host: the least loaded
+        c = g.submit(["c d"])
+        np.testing.assert_array_equal(c.result(WAIT).embeddings[0], expected(second, "c d"))
+        gate.set()
+        for fut, t in ((a, "a"), (b, "b")):
+            np.testing.assert_array_equal(fut.result(WAIT).embeddings[0], expected(first, t))
+        assert sum(r[3] for r in first.calls) == 2 and sum(r[3] for r in second.calls) == 1
+    finally:
+        gate.set()
+        g.close()
+    from runtime import cpu_threads
+    from runtime.serving.group import cpu_host_free
+    monkeypatch.setattr(cpu_threads.RULE, "adapt_blas", True)
+    monkeypatch.setattr(cpu_threads.RULE.whole, "on", True)
+    assert cpu_host_free()
+    monkeypatch.setattr(cpu_threads.RULE.whole, "on", False)     # whole calls stopped: busy
+    assert not cpu_host_free()
+    monkeypatch.setattr(cpu_threads.RULE.whole, "on", True)
+    monkeypatch.setattr(cpu_threads.RULE, "adapt_blas", False)   # the user fixed BLAS
+    assert not cpu_host_free()
+
+
+def test_serve_routes_by_the_host_on_cpu_and_to_the_least_loaded_elsewhere():
     from runtime.serving.replica import start_batcher
-    for backend, route in (("cpu", "spill"), ("wgpu", "least")):
+    for backend, route in (("cpu", "cpu"), ("wgpu", "least")):
         class Fake(FakeModel):
             client = types.SimpleNamespace(backend=backend)
 

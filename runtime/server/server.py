@@ -257,7 +257,9 @@ class ComputeServer:
         asynchronous exception landed in it, or a bug): it may not have run, or run in part.
         What it would have written is marked with the error (``ReplayFailed`` on read until a
         later write lands), as for a launch that failed, so the values from before it are never
-        read as if it ran once the error itself was raised (ADV5)."""
+        read as if it ran once the error itself was raised; on a capturing stream the window is
+        refused (``stop_capture`` raises ``CaptureRefused``: a graph never silently lacks it).
+        (ADV5)"""
         fn = getattr(fn, "fn", fn)                  # a message carrying host data (_Counted)
         f = getattr(fn, "__func__", None)
         if f is ComputeServer.h_launch:
@@ -270,11 +272,15 @@ class ComputeServer:
             states, op = [self.handles.get(hid)], ("write", hid, sid)
         else:
             return
+        what = (f"{op[0]} on stream {int(sid)} was interrupted ({type(exc).__name__}: {exc}); "
+                "it may not have run")
+        s = self.streams.get(sid)
+        if s is not None and s.window is not None:   # a window that may lack it makes no graph
+            self.capture.refuse(s, what)
         states = [st for st in states if st is not None]
         if states:
             err = exc if isinstance(exc, ServerError) else LaunchError(
-                f"{op[0]} on stream {int(sid)} was interrupted ({type(exc).__name__}: {exc}); "
-                "it may not have run: what it writes is marked until a later write lands")
+                what + ": what it writes is marked until a later write lands")
             self.marks.fail(states, op, Mark(op).fail(err))
 
     def _handle(self, s: StreamState, hid: int, what: str):

@@ -197,7 +197,7 @@ def test_describe_str_and_dot(client):
     assert d["writes"] == [y.id] and d["retained"] >= 2
     assert d["retained_bytes"] >= 32
     text = str(g)
-    assert "add_scalar" in text and "x=b0:r" in text and "y=b1:rw" in text
+    assert "add_scalar" in text and "x=b0:r" in text and "y=b1:w" in text
     # x and y are caller-owned: the graph pins them (out of the pool) but does not keep them
     # alive (freeing x makes a replay raise LivenessError), so the header must not say
     # "retained", the word of stop_capture(retain=True) (USER5)

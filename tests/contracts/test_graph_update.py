@@ -91,6 +91,9 @@ def test_update_errors_change_nothing(client):
             g.update(**kw)
     with pytest.raises(TypeError):
         g.update(rebind={y.id: other.id})
+    for bad in ("x", None, [1]):             # not a number: the TypeError launch() raises
+        with pytest.raises(TypeError, match="must be a number"):
+            g.update(params={0: {"alpha": bad}})
     g.replay()
     np.testing.assert_array_equal(client.read(y), [1, 2, 3, 4])
     assert g.launches()[0]["params"]["alpha"] == 1.0

@@ -65,3 +65,9 @@ def test_a_bad_runtime_backend_variable_is_named_in_the_error(monkeypatch):
     monkeypatch.setenv("RUNTIME_BACKEND", "bogus")
     with pytest.raises(ValueError, match="RUNTIME_BACKEND"):
         runtime.client()
+
+
+def test_an_option_the_cpu_backend_does_not_take_is_a_type_error_listing_what_it_takes():
+    # as the wgpu backend's (USER5): the option named, and the ones the backend takes
+    with pytest.raises(TypeError, match=r"takes no option 'threds': it takes .*threads="):
+        runtime.client("cpu", threds=2)

@@ -127,9 +127,15 @@ def available_backends() -> dict:
 
 
 def resolve_backend(name):
-    """``name``, or for ``None`` the ``RUNTIME_BACKEND`` variable, else the best available."""
+    """``name``, or for ``None`` the ``RUNTIME_BACKEND`` variable, else the best available.
+
+    Raises: ``ValueError`` when ``RUNTIME_BACKEND`` names no backend (the message names the
+    variable: the caller passed no name)."""
     if name is None:
         name = os.environ.get("RUNTIME_BACKEND") or None
+        if name is not None and name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r} in the RUNTIME_BACKEND environment "
+                             f"variable; choose one of {sorted(BACKENDS)} or unset it")
     if name is None:
         for cand in PREFERENCE:
             if _usable_best(cand):

@@ -191,7 +191,9 @@ class Tensor:
                         ".numpy() (blocks until its last write ran)")
 
     def numpy(self) -> np.ndarray:
-        """Read the tensor to the host (blocks; raises the stream's queued errors)."""
+        """Read the tensor to the host: a new ``np.ndarray`` of :attr:`shape` and ``float32`` /
+        ``int32``. Blocks; raises what ``ComputeClient.read`` raises (the stream's queued errors,
+        ``ReplayFailed`` when the work that wrote it failed)."""
         raw = self.client.read(self.handle).reshape(-1).view(np.uint8)
         return raw[:self.size * 4].view(TENSOR_DTYPES[self.dtype]).reshape(self.shape).copy()
 
@@ -278,7 +280,8 @@ class Tensor:
     __add__ = add
 
     def gelu(self) -> "Tensor":
-        """``0.5 x (1 + erf(x / sqrt 2))`` elementwise (erf to ~1.2e-7)."""
+        """``0.5 x (1 + erf(x / sqrt 2))`` elementwise (erf to ~1.2e-7): a new f32 tensor of
+        ``self``'s shape. Raises: ``TypeError`` for an ``i32`` tensor."""
         out = self._out(self.shape)
         self._launch(K.gelu, K.grid(self.size), [self, out], {"n": self.size})
         return out
@@ -338,7 +341,9 @@ class Tensor:
         return out
 
     def l2_normalize(self) -> "Tensor":
-        """Each row over the last dim divided by ``max(its L2 norm, 1e-12)``."""
+        """Each row over the last dim divided by ``max(its L2 norm, 1e-12)``: a new f32 tensor
+        of ``self``'s shape (an all-zero row stays zero). Raises: ``TypeError`` for an ``i32``
+        tensor."""
         n = self.shape[-1] if self.shape else 1
         if n == 0:                                  # rows of nothing: nothing to normalize
             return self._out(self.shape)

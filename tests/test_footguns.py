@@ -17,6 +17,8 @@ Errors raised (loud, so less bad):
      ``.numpy()``), as cupy and torch do, not a 0-d object array.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -118,13 +120,16 @@ def test_8_start_capture_needs_graph_prepare(c):
         c.start_capture()
 
 
-def _blocking_body(c, where, other=None):
+def _blocking_body(c, where, other=None, ready=None):
     """A cpu kernel whose body blocks on ``c``'s stream (``where`` = "sync" or "read"), or
-    syncs client ``other`` (another stream) when given."""
+    syncs client ``other`` (another stream) when given, once ``ready`` (a threading.Event,
+    when given) is set."""
     from runtime import Kernel
     from runtime.kernel import Binding
 
     def body(y, *, count):
+        if ready is not None:
+            ready.wait(10)
         if other is not None:
             other.sync()
         elif where == "sync":
@@ -186,8 +191,10 @@ def test_9_a_kernel_body_waiting_for_a_stream_that_waits_for_it_raises_after_a_p
     a.set_stream(runtime.StreamId.new())
     b = a.with_stream(runtime.StreamId.new())
     x = a.create(np.zeros(1 << 18, np.float32))
-    a.launch(_blocking_body(a, "sync", other=b), (1, 1, 1), [x])
+    issued = threading.Event()          # a worker may start the body at once: it syncs B only
+    a.launch(_blocking_body(a, "sync", other=b, ready=issued), (1, 1, 1), [x])
     b.wait_event(a.record_event())
+    issued.set()                        # ... once B waits for the event after it (the cycle)
     with pytest.raises(runtime.ServerError) as info:
         a.sync()
     assert "from inside a cpu kernel body" in str(info.value), str(info.value)

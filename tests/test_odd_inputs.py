@@ -57,3 +57,17 @@ def test_a_bad_max_idle_bytes_is_a_value_error_and_leaves_no_threads():
         with pytest.raises(ValueError, match="max_idle_bytes"):
             runtime.client("cpu", max_idle_bytes=float("inf"))
     assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+def test_a_bad_runtime_backend_variable_is_named_in_the_error(monkeypatch):
+    # runtime.client() with no backend reads RUNTIME_BACKEND: the error names the variable,
+    # since the caller passed no name (USER5)
+    monkeypatch.setenv("RUNTIME_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="RUNTIME_BACKEND"):
+        runtime.client()
+
+
+def test_an_option_the_cpu_backend_does_not_take_is_a_type_error_listing_what_it_takes():
+    # as the wgpu backend's (USER5): the option named, and the ones the backend takes
+    with pytest.raises(TypeError, match=r"takes no option 'threds': it takes .*threads="):
+        runtime.client("cpu", threds=2)

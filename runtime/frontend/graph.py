@@ -237,9 +237,10 @@ class Graph:
             (``cuGraphExecKernelNodeSetParams``) where it can, else rebuilds the graph from its
             recording and says why in :attr:`fallback_reason` (None after an update that
             patched in place).
-        Raises: ``TypeError`` (not Handles / dicts); ``ValueError`` (a rebind changing nbytes or
-            dtype, a handle the graph does not use, an index out of range, an unknown param
-            name, a bad value); ``UnknownGraph``; ``CaptureRefused`` (the capture stream is
+        Raises: ``TypeError`` (not Handles / dicts; a param value that is not a number, as
+            ``launch`` raises); ``ValueError`` (a rebind changing nbytes or dtype, a handle the
+            graph does not use, an index out of range, an unknown param name, a value out of
+            its dtype's range); ``UnknownGraph``; ``CaptureRefused`` (the capture stream is
             recording); ``InvalidHandle`` (a released handle).
         """
         srv = self._srv("update")

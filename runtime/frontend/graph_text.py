@@ -7,6 +7,10 @@ body, so the same recording prints the same on every backend. Pure functions of 
 from __future__ import annotations
 
 
+#: a binding's access as str(graph) prints it (the kernel's declaration: ``Binding.access``)
+_ACCESS = {"read": "r", "write": "w", "read_write": "rw"}
+
+
 def _plural(n: int, one: str, many: str) -> str:
     """``"1 launch"``, ``"2 launches"``."""
     return f"{n} {one if n == 1 else many}"
@@ -32,7 +36,8 @@ def _size(n) -> str:
 
 def table(d: dict) -> str:
     """A short table: a header line, one row per launch (index, scope, kernel, count, params,
-    bindings as ``name=buffer`` with ``r``/``rw``), the conditional nodes, the buffers.
+    bindings as ``name=buffer:access``, ``r``/``w``/``rw`` as the kernel declares it), the
+    conditional nodes, the buffers.
 
     Args: ``d``: ``Graph.describe()``'s dict.
     """
@@ -44,7 +49,7 @@ def table(d: dict) -> str:
     rows = [("#", "scope", "kernel", "count", "params", "bindings")]
     for ln in d["launches"]:
         params = " ".join(f"{k}={_fmt(v)}" for k, v in ln["params"].items()) or "-"
-        binds = " ".join(f"{b['name']}={b['buffer']}:{'rw' if b['access'] != 'read' else 'r'}"
+        binds = " ".join(f"{b['name']}={b['buffer']}:{_ACCESS.get(b['access'], b['access'])}"
                          for b in ln["bindings"])
         rows.append((str(ln["index"]), _scope(ln["scope"]), ln["kernel"], _count(ln["count"]),
                      params, binds))

@@ -127,9 +127,15 @@ def available_backends() -> dict:
 
 
 def resolve_backend(name):
-    """``name``, or for ``None`` the ``RUNTIME_BACKEND`` variable, else the best available."""
+    """``name``, or for ``None`` the ``RUNTIME_BACKEND`` variable, else the best available.
+
+    Raises: ``ValueError`` when ``RUNTIME_BACKEND`` names no backend (the message names the
+    variable: the caller passed no name)."""
     if name is None:
         name = os.environ.get("RUNTIME_BACKEND") or None
+        if name is not None and name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r} in the RUNTIME_BACKEND environment "
+                             f"variable; choose one of {sorted(BACKENDS)} or unset it")
     if name is None:
         for cand in PREFERENCE:
             if _usable_best(cand):
@@ -172,6 +178,7 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
         max_idle = options.pop("max_idle_bytes", None)
         for k in [k for k, old in _servers.items() if old.closed]:
             del _servers[k]             # stopped servers (client.shutdown()): bounded by live ones
+        _check_options(name, cls, options)
         be = cls(device, **options)
         try:
             srv = ComputeServer(be, f"runtime-{name}:{device}", check=check,
@@ -181,6 +188,21 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
             raise
         _servers[key] = srv
         return srv
+
+
+def _check_options(name: str, cls, options: dict) -> None:
+    """A ``TypeError`` naming the options ``cls`` does not take and the ones it does (the
+    constructor's own "unexpected keyword argument" names a class and one option only)."""
+    import inspect
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return                          # (it checks them itself: the wgpu backend)
+    takes = [p for p in params if p not in ("self", "device")]
+    bad = sorted(k for k in options if k not in takes)
+    if bad:
+        raise TypeError(f"the {name} backend takes no option {', '.join(map(repr, bad))}: it "
+                        f"takes {', '.join(t + '=' for t in takes) or 'none'} (and check=, "
+                        "max_idle_bytes=, as every backend)")
 
 
 def shutdown() -> None:

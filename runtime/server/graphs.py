@@ -25,7 +25,7 @@ replays enqueued after it, never racing one in flight (CUDA ``cudaGraphExecUpdat
 
 from __future__ import annotations
 
-from ..errors import CaptureRefused, InvalidHandle
+from ..errors import CaptureRefused, InvalidHandle, ServerError
 from ..kernel import normalize_count
 from .capture import GraphState, Window, maybe_written, merge, sources
 from .ops import CondRec, LaunchRec, cond_recs, launch_recs, used_ids
@@ -270,8 +270,8 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
         merged.update(values)
         try:
             new_params[i] = k.pack_params(merged)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"update of graph {g.id}: launch {i}: {e}") from None
+        except (TypeError, ValueError) as e:    # (the type of launch()'s own error)
+            raise type(e)(f"update of graph {g.id}: launch {i}: {e}") from None
         if k.element_checks:        # n past a bound buffer: refused, as a launch is (h_launch)
             sizes = _nbytes(g, server)
             msg = k.elements_error(new_params[i], [sizes[h] for h in recs[i].hids], recs[i].hids)
@@ -360,20 +360,30 @@ def update(server, g: GraphState, rebind, params, count) -> None:
         g.fallback_reason = None              # (says why the *last* update rebuilt the graph)
         return
     be = server.backend
-    graph = be.update_graph(s.raw, g.graph, changes, conds) if (changes or conds) else g.graph
-    reason = None
-    if graph is None:                         # the backend cannot patch: rebuild from the ops
-        graph = build(server, s, new_ops, _lookup(server, g))
-        reason = getattr(be, "update_fallback_reason", None) or (
-            f"{be.name}: the graph was rebuilt from its recording (the backend cannot patch "
-            "an instantiated graph in place)")
-    old_graph = g.graph
-    _rebind_state(server, g, new_ops, s)
-    g.fallback_reason = reason
-    if graph is not old_graph:
-        g.graph = graph
-        if not server.capture.on_destroy(s, old_graph):
-            be.destroy_graph(s.raw, old_graph)
+    try:
+        graph = be.update_graph(s.raw, g.graph, changes, conds) if (changes or conds) else g.graph
+        reason = None
+        if graph is None:                         # the backend cannot patch: rebuild from the ops
+            graph = build(server, s, new_ops, _lookup(server, g))
+            reason = getattr(be, "update_fallback_reason", None) or (
+                f"{be.name}: the graph was rebuilt from its recording (the backend cannot patch "
+                "an instantiated graph in place)")
+        old_graph = g.graph
+        _rebind_state(server, g, new_ops, s)
+        g.fallback_reason = reason
+        if graph is not old_graph:
+            g.graph = graph
+            if not server.capture.on_destroy(s, old_graph):
+                be.destroy_graph(s.raw, old_graph)
+    except (ServerError, ValueError, TypeError):
+        raise                                 # refused before anything changed (all or nothing)
+    except BaseException:
+        # interrupted half-way (an asynchronous exception: a signal handler's): the backend
+        # graph and the server's read/write sets may disagree, so a replay could read a buffer
+        # whose failure mark the sets do not see. The graph is destroyed (its replays raise
+        # UnknownGraph), never replayed from a state nobody knows (ADV5)
+        server.h_graph_destroy(g.id)
+        raise
 
 
 def _rebind_state(server, g: GraphState, new_ops, s) -> None:
@@ -405,6 +415,7 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     for key, sl in slots.items():
         if key not in old_slots:
             sl.pins += 1
+    g.retained = list(slots.values())   # before the unpins: an interrupt leaks a pin, never two
     fence = {g.stream: s.pos}
     for key, sl in old_slots.items():
         if key not in slots:
@@ -413,7 +424,6 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
                 f = dict(sl.fences)
                 merge(f, fence)
                 server.pool.give(sl, f)
-    g.retained = list(slots.values())
     g.required = frozenset() if g.retain else frozenset(
         st.id for st in g.handles if id(st.slot) not in alloc_ids)
     g.freed = [h for h in g.freed if h in new_ids]

@@ -221,6 +221,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _nothing() -> None:
+    """The default ``Marks.before_take``."""
+
+
 class Marks:
     """The failure-mark and fence policy of one server (design.md section 4), in one place.
 
@@ -242,13 +246,16 @@ class Marks:
     """
 
     __slots__ = ("backend", "streams", "handles", "graphs", "async_errors", "checker",
-                 "fenced", "epoch")
+                 "before_take", "fenced", "epoch")
 
     def __init__(self, backend, streams: dict, handles: dict, graphs: dict):
         self.backend = backend
         self.streams, self.handles, self.graphs = streams, handles, graphs
         self.async_errors: list = []
         self.checker = None
+        #: called first by :meth:`take_errors` (the server's ``_reap_busy``: streams nobody can
+        #: name whose work was still running when they ended; their errors are due now)
+        self.before_take = _nothing
         #: streams with fences not settled yet (a few: those with recent blocking calls)
         self.fenced: set = set()
         #: counts what became known to have run (``settle``): a prune walk is not repeated
@@ -287,6 +294,7 @@ class Marks:
     def take_errors(self, s) -> list:
         """The errors queued on ``s`` and the unattributed ones (the backend's included),
         emptied."""
+        self.before_take()
         self.collect()
         if not (s.errors or self.async_errors):
             return []

@@ -108,6 +108,9 @@ class ComputeServer:
         self.pool = Pool(backend, max_idle_bytes)
         self.streams: dict = {}        # {int stream id: StreamState}
         self.ended: set = set()        # ids nobody can name any more, not yet reclaimed
+        #: of those, the ones whose work had not run yet (not a live graph): a blocking call
+        #: reclaims them first, so the errors their work left are raised (``_reap_busy``)
+        self.ended_busy: set = set()
         self._reaped = 0               # streams reclaimed since the last _sweep
         self.handles: dict = {}
         self.graphs: dict = {}
@@ -125,6 +128,7 @@ class ComputeServer:
                                  reentrant=getattr(backend, "reentrant", None),
                                  in_kernel=getattr(backend, "in_kernel", None))
         self.queue.run_lazy = self._run_lazy
+        self.marks.before_take = self._reap_busy
         self.queue.message_error = self._on_async_error
         backend.on_room = self.queue.notify_room
         backend.on_broken = self.queue._check_backend    # (cpu: an interrupted helper)
@@ -151,8 +155,9 @@ class ComputeServer:
         self.release(self.h_stream_ended, sid)
 
     def h_stream_ended(self, sid) -> None:
-        """Reclaim ``sid`` now if nothing uses it, else when its work ran or its last graph
-        went (``_reap_streams``, at the next new stream, graph destroy or ``memory_usage``)."""
+        """Reclaim ``sid`` now if nothing uses it, else when its work ran (``_reap_busy``, at
+        the next blocking call; ``_reap_streams``, at the next new stream, graph destroy or
+        ``memory_usage``) or its last graph went."""
         if sid in self.streams:
             self.ended.add(sid)
             self._reap(sid)
@@ -160,6 +165,14 @@ class ComputeServer:
     def _reap_streams(self) -> None:
         """Try to reclaim every stream nobody can name any more (``_reap``)."""
         for sid in list(self.ended):
+            self._reap(sid)
+
+    def _reap_busy(self) -> None:
+        """Before a blocking call takes the errors it raises (``Marks.before_take``): reclaim
+        the ended streams whose work had not run when they ended (``ended_busy``), so errors
+        that work left since are raised by this call (docs/contract.md section 3: the next
+        blocking call on any stream), not at some later new stream or ``memory_usage``."""
+        for sid in list(self.ended_busy):
             self._reap(sid)
 
     def _reap(self, sid) -> bool:
@@ -172,15 +185,19 @@ class ComputeServer:
         s = self.streams.get(sid)
         if s is None:
             self.ended.discard(sid)
+            self.ended_busy.discard(sid)
             return True
         if s.graphs:
+            self.ended_busy.discard(sid)    # (its last graph's destroy reclaims it)
             return False
         if s.state != cap.NO_CAPTURE or s.window is not None or s.primed:
             self.capture.abort(s)
         if not self.backend.release_stream(s.raw):
+            self.ended_busy.add(sid)
             return False
         del self.streams[sid]
         self.ended.discard(sid)
+        self.ended_busy.discard(sid)
         self.marks.on_reclaim(s)      # its queued errors: to the next blocking call (bounded)
         self.marks.collect()          # (release_stream handed the backend's to failures)
         self._bound_async_errors()
@@ -240,7 +257,9 @@ class ComputeServer:
         asynchronous exception landed in it, or a bug): it may not have run, or run in part.
         What it would have written is marked with the error (``ReplayFailed`` on read until a
         later write lands), as for a launch that failed, so the values from before it are never
-        read as if it ran once the error itself was raised (ADV5)."""
+        read as if it ran once the error itself was raised; on a capturing stream the window is
+        refused (``stop_capture`` raises ``CaptureRefused``: a graph never silently lacks it).
+        (ADV5)"""
         fn = getattr(fn, "fn", fn)                  # a message carrying host data (_Counted)
         f = getattr(fn, "__func__", None)
         if f is ComputeServer.h_launch:
@@ -253,11 +272,15 @@ class ComputeServer:
             states, op = [self.handles.get(hid)], ("write", hid, sid)
         else:
             return
+        what = (f"{op[0]} on stream {int(sid)} was interrupted ({type(exc).__name__}: {exc}); "
+                "it may not have run")
+        s = self.streams.get(sid)
+        if s is not None and s.window is not None:   # a window that may lack it makes no graph
+            self.capture.refuse(s, what)
         states = [st for st in states if st is not None]
         if states:
             err = exc if isinstance(exc, ServerError) else LaunchError(
-                f"{op[0]} on stream {int(sid)} was interrupted ({type(exc).__name__}: {exc}); "
-                "it may not have run: what it writes is marked until a later write lands")
+                what + ": what it writes is marked until a later write lands")
             self.marks.fail(states, op, Mark(op).fail(err))
 
     def _handle(self, s: StreamState, hid: int, what: str):
@@ -469,7 +492,8 @@ class ComputeServer:
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
         if (st is not None and s.window is None and self.checker is None
-                and not (s.errors or self.marks.async_errors or self.backend.failures)):
+                and not (s.errors or self.marks.async_errors or self.backend.failures
+                         or self.ended_busy)):
             w = st.writes
             if len(w) > 1 or sid not in w and w:
                 self._wait_for(s, w)        # (an event wait queued: not idle any more)
@@ -719,7 +743,7 @@ class ComputeServer:
                 self._run_lazy()
             s = self.streams.get(sid)
             if (s is None or s.window is not None or s.errors or self.marks.async_errors
-                    or self.checker is not None or self.backend.failures
+                    or self.checker is not None or self.backend.failures or self.ended_busy
                     or queue._q or queue.closed or not self.backend.idle(s.raw)):
                 return False
             s.done_pos = s.pos

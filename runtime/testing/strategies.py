@@ -835,7 +835,9 @@ def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: b
         missing = [n for n in spec.kernel.param_names if n not in spec.params and n != "n"]
         if missing:
             raise ValueError(f"kernel {spec.kernel.name}: give params {missing} (values or "
-                             "strategies)")
+                             f"strategies): pass KernelSpec({spec.kernel.name}, {{"
+                             + ", ".join(f"{m!r}: ..." for m in missing) + "}) (runtime.testing),"
+                             " or that (kernel, params) tuple, in kernels=")
     for name, v in (("buffers", buffers), ("streams", streams), ("size", size), ("steps", steps)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -91,6 +91,9 @@ def test_update_errors_change_nothing(client):
             g.update(**kw)
     with pytest.raises(TypeError):
         g.update(rebind={y.id: other.id})
+    for bad in ("x", None, [1]):             # not a number: the TypeError launch() raises
+        with pytest.raises(TypeError, match="must be a number"):
+            g.update(params={0: {"alpha": bad}})
     g.replay()
     np.testing.assert_array_equal(client.read(y), [1, 2, 3, 4])
     assert g.launches()[0]["params"]["alpha"] == 1.0
@@ -197,7 +200,7 @@ def test_describe_str_and_dot(client):
     assert d["writes"] == [y.id] and d["retained"] >= 2
     assert d["retained_bytes"] >= 32
     text = str(g)
-    assert "add_scalar" in text and "x=b0:r" in text and "y=b1:rw" in text
+    assert "add_scalar" in text and "x=b0:r" in text and "y=b1:w" in text
     # x and y are caller-owned: the graph pins them (out of the pool) but does not keep them
     # alive (freeing x makes a replay raise LivenessError), so the header must not say
     # "retained", the word of stop_capture(retain=True) (USER5)

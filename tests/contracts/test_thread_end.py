@@ -116,3 +116,60 @@ def test_the_errors_an_ended_threads_stream_left_are_raised_not_dropped(checked)
     with pytest.raises(ReplayFailed, match="past_end"):
         c.read(small)                             # and its output stays marked
     _reclaimed(c, before)
+
+
+def _gated_failure():
+    """A cpu kernel that waits for ``gate`` and then raises: work still running when the
+    stream that launched it can no longer be named."""
+    gate = threading.Event()
+
+    def body(y, *, count):
+        gate.wait(10)
+        raise RuntimeError("failed after its stream ended")
+    kern = runtime.Kernel("gated_failure", [runtime.Binding("y", "f32", "read_write")], cpu=body)
+    return kern, gate
+
+
+@pytest.mark.parametrize("how", ["ended thread", "dropped StreamId"])
+@pytest.mark.parametrize("call", ["sync", "read"])
+def test_an_unnamed_streams_error_found_after_it_ended_is_raised_by_the_next_blocking_call(
+        how, call):
+    # docs/contract.md section 3: errors queued on a stream nothing can name any more are
+    # raised by the next blocking call on any stream; the stream ended (its thread ended, or
+    # its last StreamId was dropped: a per-request stream) while its failing work still ran,
+    # so the error came after the stream's release was handled. Only sync/read here: no new
+    # stream, graph destroy or memory_usage (which reclaimed it before) in between.
+    import gc
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    kern, gate = _gated_failure()
+    probe = c.create(np.arange(4, dtype=np.float32))
+    c.sync()
+    if how == "ended thread":
+        def worker():
+            w = runtime.client("cpu")
+            w.launch(kern, 1, [w.create(np.zeros(4, np.float32))])
+            w.flush()
+        _in_thread(worker)
+    else:
+        sid = runtime.StreamId.new()
+        w = c.with_stream(sid)
+        w.launch(kern, 1, [w.create(np.zeros(4, np.float32))])
+        w.flush()
+        del w, sid
+        gc.collect()
+    c.sync()                                    # the stream's release is handled now
+    gate.set()                                  # ... and its work fails after that
+    deadline = time.monotonic() + 10
+    raised = None
+    while raised is None:
+        assert time.monotonic() < deadline, "the error of a stream nobody can name was not raised"
+        try:
+            if call == "sync":
+                c.sync()
+            else:
+                np.testing.assert_array_equal(c.read(probe), np.arange(4, dtype=np.float32))
+        except LaunchError as e:
+            raised = e
+        time.sleep(0.01)
+    assert "failed after its stream ended" in str(raised)
+    c.sync()                                    # raised once

@@ -134,3 +134,166 @@ def test_an_interrupted_launch_write_or_create_never_leaves_stale_values_readabl
                          f"the call raised {res.get('raised')!r}")
     assert cases >= 5, f"the sweep reached only {cases} interrupt points"
     assert not stale, "stale values read as if the work ran:\n" + "\n".join(stale)
+
+
+def _window(code, off):
+    """A launch recorded into a capture window with a TimeoutError right after the call ending
+    at ``off`` in ``code``; returns ``(hit, the call raised, stop_capture's error or the graph's
+    replayed y)`` (the replay retried past queued errors)."""
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 41).with_stream(runtime.StreamId.new())
+    x = c.create(np.arange(N, dtype=np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    c.graph_prepare()
+    c.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})
+    c.sync()
+    c.start_capture()
+    hit, res = [], {}
+
+    def local(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode" and not hit and frame.f_lasti == off:
+            hit.append(1)
+            raise TimeoutError("injected")
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    def work():
+        sys.settrace(tracer)
+        try:
+            try:
+                c.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})
+            except TimeoutError as e:
+                res["raised"] = e
+            try:
+                g = c.stop_capture()
+            except (ServerError, TimeoutError) as e:
+                res["stop"] = e
+                return
+        finally:
+            sys.settrace(None)
+        for _ in range(3):
+            try:
+                c.write(y, np.zeros(N, np.float32))
+                g.replay()
+                res["value"] = c.read(y)
+                return
+            except ServerUnhealthy:
+                continue
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(LIMIT_S)
+    assert not t.is_alive(), "hung"
+    runtime.shutdown()
+    return bool(hit), res
+
+
+def test_a_launch_interrupted_in_a_capture_window_never_leaves_a_graph_without_it():
+    """Inside a window, an exception that kept the launch from being recorded used to go to the
+    next blocking call only: ``stop_capture`` made a graph without the launch and its replays
+    silently left ``y`` alone (8 interrupt points in ``ComputeServer.launch``/``h_launch``).
+    Now the window is refused: ``stop_capture`` raises and makes no graph."""
+    want = np.arange(N, dtype=np.float32) + 1
+    missing, cases = [], 0
+    for fn in (S.launch, S.h_launch):
+        for off in _after_calls(fn):
+            hit, res = _window(fn.__code__, off)
+            if not hit:
+                continue
+            cases += 1
+            if "value" in res and "raised" not in res and not np.array_equal(res["value"], want):
+                missing.append(f"{fn.__qualname__}+{off}: replay gave {res['value'][:3].tolist()}")
+    assert cases >= 5, f"the sweep reached only {cases} interrupt points"
+    assert not missing, "a graph lacking the interrupted launch:\n" + "\n".join(missing)
+
+
+def _always_fails(x, y, *, n, count):
+    raise ValueError("fails")
+
+
+ALWAYS_FAILS = runtime.Kernel("always_fails", [("x", "f32", "read"), ("y", "f32", "write")],
+                              [("n", "u32")], cpu=_always_fails)
+
+
+def _update(code, off):
+    """``g.update(rebind={x: x2})`` of a graph ``y = x + 1`` with a TimeoutError right after the
+    call ending at ``off`` in ``code``; then x2's last writer fails and the graph is replayed.
+    Returns ``(hit, what the read of y gave or raised)``."""
+    from runtime.errors import UnknownGraph
+    c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 43).with_stream(runtime.StreamId.new())
+    x, x2 = c.create(np.arange(N, dtype=np.float32)), c.create(np.full(N, 10, np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    c.graph_prepare()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": N})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": N})
+    g = c.stop_capture()
+    c.sync()
+    hit, res = [], {}
+
+    def local(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode" and not hit and frame.f_lasti == off:
+            hit.append(1)
+            raise TimeoutError("injected")
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    def work():
+        sys.settrace(tracer)
+        try:
+            g.update(rebind={x: x2})
+        except TimeoutError:
+            pass
+        finally:
+            sys.settrace(None)
+        c.launch(ALWAYS_FAILS, 1, [c.create(np.zeros(N, np.float32)), x2], {"n": N})
+        try:
+            c.sync()
+        except ServerError:
+            pass                        # its LaunchError: x2 is marked now
+        c.write(y, np.zeros(N, np.float32))
+        try:
+            g.replay()
+            res["value"] = c.read(y)
+        except (ServerError, UnknownGraph) as e:
+            res["error"] = e
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(LIMIT_S)
+    assert not t.is_alive(), "hung"
+    runtime.shutdown()
+    return bool(hit), res
+
+
+def test_an_interrupted_graph_update_never_replays_a_state_the_marks_do_not_follow():
+    """``Graph.update`` interrupted after the backend graph was patched and before the server's
+    read/write sets followed (graphs.update, _rebind_state, CpuBackend.update_graph: 14 of 39
+    points) left a graph that read x2 while its sources said x: x2's failure did not reach y,
+    and the replay returned x2's stale data + 1 silently. Now such an update destroys the
+    graph (its replays raise UnknownGraph); an update refused before anything changed keeps
+    it, as before (all or nothing)."""
+    from runtime.backends.cpu import CpuBackend
+    from runtime.server import graphs as graphs_mod
+    wrong, cases = [], 0
+    for fn in (graphs_mod.update, graphs_mod._rebind_state, CpuBackend.update_graph):
+        for off in _after_calls(fn):
+            hit, res = _update(fn.__code__, off)
+            if not hit:
+                continue
+            cases += 1
+            if "value" in res and not np.array_equal(res["value"], np.arange(N) + 1):
+                wrong.append(f"{fn.__qualname__}+{off}: read {res['value'][:3].tolist()}")
+    assert cases >= 10, f"the sweep reached only {cases} interrupt points"
+    assert not wrong, "a replay computed from a failed input, silently:\n" + "\n".join(wrong)

@@ -17,8 +17,9 @@ and inside a replayed graph. Every read must match the model built from the kern
 bodies, and a buffer whose last writer failed (or was computed from one) must raise
 ``ReplayFailed`` until a later write lands; the failing stream raises the ``LaunchError``.
 
-Under CI (``CI=true``, tests/conftest.py) hypothesis is derandomized: the same ``EXAMPLES``
-programs every run. ``RUNTIME_PROPERTY_EXAMPLES`` raises the count for a local soak.
+Hypothesis runs derandomized (tests/conftest.py): the same ``EXAMPLES`` programs every run.
+``RUNTIME_PROPERTY_EXAMPLES`` raises the count and ``RUNTIME_HYPOTHESIS_EXPLORE=1`` draws new
+programs each run, for a local soak.
 """
 
 import os

@@ -111,8 +111,8 @@ def test_traces_encode_compactly_and_bad_ones_are_refused():
 def test_programs_refuses_bad_kernels_and_sizes():
     with pytest.raises(ValueError):
         programs([])
-    with pytest.raises(ValueError):
-        programs([K.add_scalar])                          # alpha has no value
+    with pytest.raises(ValueError, match=r"KernelSpec\(add_scalar, \{'alpha': \.\.\.\}\)"):
+        programs([K.add_scalar])                          # alpha has no value: says how
     with pytest.raises(ValueError):
         programs([(K.copy, {"beta": 1})])
     with pytest.raises(TypeError):

@@ -56,3 +56,60 @@ def test_ratios_are_against_the_best_thread_count_of_each_row_and_round(fwd, mon
     fwd.print_table(res)
     out = capsys.readouterr().out
     assert "vs ST best" in out and "best per row: 1x16 1t, 8x16 2t" in out
+
+
+def test_each_ratio_splits_into_cpu_per_forward_and_cores_obtained(fwd, monkeypatch, capsys,
+                                                                    tmp_path):
+    # the workers report what their timed calls cost (CPU, wall, run-queue wait); the table
+    # gives CPU ms per forward and cores per implementation (medians over rounds) and splits
+    # the ratio: (ST's CPU per forward / ours) x (our cores / ST's). Fake workers, no timing.
+    from runtime.models import default_model_dir
+    try:
+        default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+    def cost(cpu_ms, cores, got, calls=4):
+        wall = calls * cpu_ms / 1e3 / cores
+        return {"wall_s": wall, "cpu_s": calls * cpu_ms / 1e3, "run_s": got, "wait_s": 1 - got,
+                "calls": calls, "threads": 3}
+    # ours: 40 ms of CPU a forward on 0.5 cores (80 ms wall); torch: 50 ms on 0.4 cores (125)
+    per_round = {"product": [cost(40, 0.5, 0.5), cost(44, 0.5, 0.4), cost(40, 0.4, 0.5)],
+                 "st": [cost(50, 0.4, 0.3), cost(50, 0.4, 0.3), cost(60, 0.5, 0.3)]}
+    walls = {"product": 0.08, "st": 0.125}
+    seen = {"product": 0, "st": 0}
+
+    def fake(python, kind, job, env):
+        r = seen[kind]
+        seen[kind] += 1
+        return {"samples": {"1x16": [walls[kind]] * 4}, "cost": {"1x16": per_round[kind][r]},
+                "threads": {}}
+    monkeypatch.setattr(fwd, "_run_worker", fake)
+    partial = tmp_path / "part.json"
+    res = fwd.compare("python-with-st", rows=((1, 16),), rounds=3, reps=4, budget_s=0.1,
+                      st_threads=[1], partial=str(partial))
+    row = res["rows"][0]
+    ours, theirs = row["runtime"]["cost"], row["sentence-transformers 1t"]["cost"]
+    assert ours["cpu_ms"] == pytest.approx(40) and theirs["cpu_ms"] == pytest.approx(50)
+    assert ours["rounds"]["cpu_ms"]["max"] == pytest.approx(44)
+    assert ours["cores"] == pytest.approx(0.5) and theirs["cores"] == pytest.approx(0.4)
+    assert ours["got"] == pytest.approx(0.5) and theirs["got"] == pytest.approx(0.3)
+    split = row["split:runtime"]
+    assert split["cpu_efficiency"] == pytest.approx(50 / 40)
+    assert split["cpu_share"] == pytest.approx(0.5 / 0.4)
+    assert row["ratio:runtime"] == pytest.approx(0.125 / 0.08)   # = 1.25 x 1.25
+    import json
+    saved = json.loads(partial.read_text())                       # after the last process
+    assert saved["round"] == 2 and len(saved["costs"]["runtime"]["1x16"]) == 3
+    fwd.print_table(res)
+    assert "1.25 x 1.25" in capsys.readouterr().out
+
+
+def test_time_calls_accounts_cpu_wall_and_threads(fwd):
+    acc = {}
+    x = []
+    times = fwd._time_calls(lambda: x.append(sum(range(20000))), reps=5, budget_s=1.0,
+                            account=acc)
+    assert len(times) == acc["calls"] == 5 and len(x) == 7        # 2 warm-up calls
+    assert acc["wall_s"] >= sum(times) and acc["cpu_s"] > 0 and acc["threads"] >= 1
+    assert acc["run_s"] >= 0 and acc["wait_s"] >= 0

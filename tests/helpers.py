@@ -137,3 +137,40 @@ def until(pred, what: str, limit_s: float = LIMIT_S) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
         time.sleep(0.001)
+
+
+def after_calls(fn) -> list:
+    """Offsets of ``fn``'s (a function or code object) instructions right after a call returned: where CPython runs a
+    pending signal handler, so where an asynchronous exception (a signal handler's
+    TimeoutError, KeyboardInterrupt, ``PyThreadState_SetAsyncExc``) lands."""
+    import dis
+    ins = list(dis.get_instructions(getattr(fn, "__code__", fn)))
+    return [x.offset for i, x in enumerate(ins) if i and ins[i - 1].opname.startswith("CALL")]
+
+
+def interrupting_tracer(code, offsets, exc, hit: list, nth: int = 1, when=None):
+    """A ``sys.settrace`` function raising ``exc("interrupted (injected by the test)")`` in
+    ``code`` at an instruction of ``offsets`` (an offset or a collection), the ``nth`` time
+    execution gets to one of them (while ``when()`` is true, if given), once: ``hit`` gets the
+    offset. Instruction-level, as a signal lands: a line-level trace would also raise at
+    ``try:`` lines, which no handler covers (an artefact)."""
+    where = {offsets} if isinstance(offsets, int) else set(offsets)
+    seen = []
+
+    def local(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if (event == "opcode" and not hit and frame.f_lasti in where
+                and (when is None or when())):
+            seen.append(1)
+            if len(seen) < nth:
+                return local
+            hit.append(frame.f_lasti)
+            raise exc("interrupted (injected by the test)")
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+    return tracer

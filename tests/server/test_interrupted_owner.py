@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import runtime
+from helpers import after_calls, interrupting_tracer
 from runtime import kernels as K
 from runtime.errors import ServerClosed, ServerError
 from runtime.server import queue as queue_mod
@@ -51,30 +52,13 @@ def _interrupt_after(fn, text: str, exc, queue, hit: list, nth: int = 1):
     provided the owner lock of ``queue`` is held then (``queue`` None: always). Instruction-level, as a signal lands: a line-level
     trace would also raise at ``try:`` lines, which no handler covers (an artefact)."""
     code, line = fn.__code__, _line_of(fn, text)
-    seen = []
     ins = list(dis.get_instructions(code))
     calls = [i for i, x in enumerate(ins) if x.positions.lineno == line
              and x.opname.startswith("CALL")]
     assert calls, f"no call on line {line} of {fn.__qualname__}"
     target = ins[calls[-1] + 1].offset
-
-    def local(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if (event == "opcode" and not hit and frame.f_lasti == target
-                and (queue is None or queue._owner.locked())):
-            seen.append(1)
-            if len(seen) < nth:
-                return local
-            hit.append(frame.f_lineno)
-            raise exc("interrupted (injected by the test)")
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code is code:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-    return tracer
+    return interrupting_tracer(code, target, exc, hit, nth,
+                               when=None if queue is None else queue._owner.locked)
 
 
 def _bounded(fn):
@@ -283,28 +267,7 @@ def test_an_interrupt_while_a_caller_runs_its_streams_work_never_leaves_a_stale_
 def _after_each_call(code, exc, nth_call: int, hit: list):
     """A trace function raising ``exc`` in ``code`` right after its ``nth_call``-th call
     instruction (in execution order) returned, once."""
-    seen = []
-    calls = {x.offset for x in dis.get_instructions(code) if x.opname.startswith("CALL")}
-    after = {}
-    ins = list(dis.get_instructions(code))
-    for i, x in enumerate(ins[:-1]):
-        if x.offset in calls:
-            after[ins[i + 1].offset] = True
-
-    def local(frame, event, arg):
-        if event == "opcode" and not hit and frame.f_lasti in after:
-            seen.append(frame.f_lasti)
-            if len(seen) == nth_call:
-                hit.append(frame.f_lasti)
-                raise exc("interrupted (injected by the test)")
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code is code:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-    return tracer
+    return interrupting_tracer(code, after_calls(code), exc, hit, nth_call)
 
 
 @pytest.mark.parametrize("nth_call", range(1, 7))

@@ -26,7 +26,6 @@ the exception is raised by the next blocking call: not swept here.
 
 from __future__ import annotations
 
-import dis
 import gc
 import sys
 import threading
@@ -36,6 +35,7 @@ import numpy as np
 import pytest
 
 import runtime
+from helpers import after_calls, interrupting_tracer
 from runtime import kernels as K
 from runtime import streams as streams_mod
 from runtime.errors import ServerClosed, ServerError
@@ -56,31 +56,6 @@ SITES = {
 }
 
 
-def _after_calls(fn) -> list:
-    """Offsets of ``fn``'s instructions right after a call (where a signal handler runs)."""
-    ins = list(dis.get_instructions(fn.__code__))
-    return [x.offset for i, x in enumerate(ins) if i and ins[i - 1].opname.startswith("CALL")]
-
-
-def _tracer(code, offset, exc, hit, nth=1):
-    seen = []
-
-    def local(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode" and not hit and frame.f_lasti == offset:
-            seen.append(1)
-            if len(seen) < nth:
-                return local
-            hit.append(offset)
-            raise exc("interrupted (injected by the test)")
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code is code:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-    return tracer
 
 
 def _bounded(fn):
@@ -126,7 +101,7 @@ def _one_case(fn, offset, exc, nth=1) -> str | None:
         hs = [c2.create(np.ones(N, np.float32)) for _ in range(5)]
         g.replay()
         hit = []
-        sys.settrace(_tracer(fn.__code__, offset, exc, hit, nth))
+        sys.settrace(interrupting_tracer(fn.__code__, offset, exc, hit, nth))
         try:
             del g, g2, hs, one, acc, c2, s
             c.sync()
@@ -176,7 +151,7 @@ def test_an_interrupt_while_releases_are_queued_or_run_never_loses_one(site, exc
     monkeypatch.setattr(sys, "unraisablehook", lambda info: None)
     ran = 0
     for fn in SITES[site]:
-        for offset in _after_calls(fn):
+        for offset in after_calls(fn):
             for nth in (1, 2):
                 ran += _one_case(fn, offset, exc, nth) == "ok"
     assert ran, f"no interruption in {site} ever ran"
@@ -201,9 +176,9 @@ def test_an_interrupt_while_a_graph_is_cloned_never_keeps_it_for_ever(exc, monke
         c2.launch(K.add_scalar, K.grid(N), [x, y], {"alpha": 1.0, "n": N})
         g = c2.stop_capture()
         hits = 0
-        for offset in _after_calls(graph_mod.Graph.__init__):
+        for offset in after_calls(graph_mod.Graph.__init__):
             hit = []
-            sys.settrace(_tracer(graph_mod.Graph.__init__.__code__, offset, exc, hit))
+            sys.settrace(interrupting_tracer(graph_mod.Graph.__init__.__code__, offset, exc, hit))
             try:
                 g.clone()
             except exc:

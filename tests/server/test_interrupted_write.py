@@ -19,7 +19,6 @@ function (where CPython runs a pending signal handler: tests/server/test_interru
 
 from __future__ import annotations
 
-import dis
 import sys
 import threading
 
@@ -27,6 +26,7 @@ import numpy as np
 import pytest
 
 import runtime
+from helpers import after_calls, interrupting_tracer
 from runtime import kernels as K
 from runtime.errors import ServerError, ServerUnhealthy
 from runtime.server import queue as queue_mod, server as server_mod
@@ -41,11 +41,6 @@ SITES = {
 }
 
 
-def _after_calls(fn) -> list:
-    ins = list(dis.get_instructions(fn.__code__))
-    return [x.offset for i, x in enumerate(ins) if i and ins[i - 1].opname.startswith("CALL")]
-
-
 def _interrupted(code, off, op):
     """Run ``op(c)`` then read its output on a fresh server, with a TimeoutError raised right
     after the call ending at ``off`` in ``code`` (the first time it is reached). Returns
@@ -56,18 +51,7 @@ def _interrupted(code, off, op):
     c.sync()
     hit, res = [], {}
 
-    def local(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode" and not hit and frame.f_lasti == off:
-            hit.append(1)
-            raise TimeoutError("injected")
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code is code:
-            frame.f_trace_opcodes = True
-            return local
-        return None
+    tracer = interrupting_tracer(code, off, TimeoutError, hit)
 
     def work():
         sys.settrace(tracer)
@@ -121,7 +105,7 @@ def test_an_interrupted_launch_write_or_create_never_leaves_stale_values_readabl
     want = np.arange(N, dtype=np.float32) + 1
     stale, cases = [], 0
     for fn in SITES[kind]:
-        for off in _after_calls(fn):
+        for off in after_calls(fn):
             hit, res = _interrupted(fn.__code__, off, OPS[kind])
             if not hit:
                 continue
@@ -149,18 +133,7 @@ def _window(code, off):
     c.start_capture()
     hit, res = [], {}
 
-    def local(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode" and not hit and frame.f_lasti == off:
-            hit.append(1)
-            raise TimeoutError("injected")
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code is code:
-            frame.f_trace_opcodes = True
-            return local
-        return None
+    tracer = interrupting_tracer(code, off, TimeoutError, hit)
 
     def work():
         sys.settrace(tracer)
@@ -201,7 +174,7 @@ def test_a_launch_interrupted_in_a_capture_window_never_leaves_a_graph_without_i
     want = np.arange(N, dtype=np.float32) + 1
     missing, cases = [], 0
     for fn in (S.launch, S.h_launch):
-        for off in _after_calls(fn):
+        for off in after_calls(fn):
             hit, res = _window(fn.__code__, off)
             if not hit:
                 continue
@@ -236,18 +209,7 @@ def _update(code, off):
     c.sync()
     hit, res = [], {}
 
-    def local(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode" and not hit and frame.f_lasti == off:
-            hit.append(1)
-            raise TimeoutError("injected")
-        return local
-
-    def tracer(frame, event, arg):
-        if frame.f_code is code:
-            frame.f_trace_opcodes = True
-            return local
-        return None
+    tracer = interrupting_tracer(code, off, TimeoutError, hit)
 
     def work():
         sys.settrace(tracer)
@@ -288,7 +250,7 @@ def test_an_interrupted_graph_update_never_replays_a_state_the_marks_do_not_foll
     from runtime.server import graphs as graphs_mod
     wrong, cases = [], 0
     for fn in (graphs_mod.update, graphs_mod._rebind_state, CpuBackend.update_graph):
-        for off in _after_calls(fn):
+        for off in after_calls(fn):
             hit, res = _update(fn.__code__, off)
             if not hit:
                 continue

@@ -21,6 +21,7 @@ capture needs: the warm-up run fills the arena and the recorded run allocates no
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import numpy as np
@@ -380,13 +381,25 @@ def _check_i32_range(a: np.ndarray, what: str) -> None:
                          "would wrap them")
 
 
+def _caller() -> str:
+    """The public operation of this module that is launching (``Tensor.matmul``,
+    ``attention``): the first caller up the stack whose name has no leading underscore; an
+    error names it rather than only the kernel (``matmul_m16``). Only on error paths."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename == __file__:
+        if not f.f_code.co_name.startswith("_"):
+            return f.f_code.co_qualname
+        f = f.f_back
+    return "runtime.tensor"
+
+
 def _launch(client, kernel, count, tensors, params) -> None:
     """Launch ``kernel`` over ``tensors``; ``TypeError`` when a tensor's dtype is not its
     binding's (an ``i32`` tensor read as ``f32`` gives its bits, not its values)."""
     for t, b in zip(tensors, kernel.bindings):
         if t.dtype != b.dtype:
-            raise TypeError(f"{kernel.name}: binding {b.name} takes a {b.dtype} tensor, got "
-                            f"{t.dtype} {t.shape}")
+            raise TypeError(f"{_caller()} (kernel {kernel.name}): binding {b.name} takes a "
+                            f"{b.dtype} tensor, got {t.dtype} {t.shape}")
     client.launch(kernel, count, [t.handle for t in tensors], params)
 
 

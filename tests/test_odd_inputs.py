@@ -71,3 +71,11 @@ def test_an_option_the_cpu_backend_does_not_take_is_a_type_error_listing_what_it
     # as the wgpu backend's (USER5): the option named, and the ones the backend takes
     with pytest.raises(TypeError, match=r"takes no option 'threds': it takes .*threads="):
         runtime.client("cpu", threds=2)
+
+
+def test_servers_of_one_device_with_other_options_have_other_names():
+    # errors, thread names and trace lanes name the server: a checked server and the default
+    # one of the same device must not read the same (USER5)
+    plain, checked = runtime.client("cpu")._server, runtime.client("cpu", check=True)._server
+    assert plain is not checked and plain.name == "runtime-cpu:0"
+    assert checked.name == "runtime-cpu:0 (check=True)"

@@ -174,6 +174,7 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
         if why is not None:
             raise UnsupportedError(why)
         cls = backend_class(name)
+        label = _label(name, device, options)
         check = bool(options.pop("check", False))
         max_idle = options.pop("max_idle_bytes", None)
         for k in [k for k, old in _servers.items() if old.closed]:
@@ -181,13 +182,22 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
         _check_options(name, cls, options)
         be = cls(device, **options)
         try:
-            srv = ComputeServer(be, f"runtime-{name}:{device}", check=check,
-                                max_idle_bytes=max_idle)
+            srv = ComputeServer(be, label, check=check, max_idle_bytes=max_idle)
         except BaseException:           # (a bad max_idle_bytes): no backend workers left over
             be.close()
             raise
         _servers[key] = srv
         return srv
+
+
+def _label(name: str, device: int, options: dict) -> str:
+    """The server's name (its device thread's, its errors', its trace lane's):
+    ``runtime-cpu:0``, with the options that make it another server than the default one,
+    ``runtime-cpu:0 (check=True)``, so two servers of one device never read the same."""
+    if not options:
+        return f"runtime-{name}:{device}"
+    shown = ", ".join(f"{k}={v!r}"[:40] for k, v in sorted(options.items()))
+    return f"runtime-{name}:{device} ({shown})"
 
 
 def _check_options(name: str, cls, options: dict) -> None:

@@ -181,7 +181,7 @@ class GraphState:
     __slots__ = ("op", "id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
                  "wstates", "istates", "sstates", "mstates", "retained", "allocated", "required",
                  "freed", "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
-                 "fallback_reason")
+                 "fallback_reason", "defer")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
@@ -195,6 +195,7 @@ class GraphState:
         self.sstates = [st for st in self.handles if st.id in self.sources]
         maybe = maybe_written(window.ops)
         self.mstates = [st for st in self.wstates if st.id in maybe]
+        self.set_defer()
         allocated = {st.id for st in window.allocs}
         slots = {id(st.slot): st.slot for st in self.handles}
         for st in window.allocs:
@@ -213,6 +214,13 @@ class GraphState:
         self.alloc_slots = [st.slot for st in window.allocs]
         self.retain = retain
         self.fallback_reason = None
+
+    def set_defer(self) -> None:
+        """``defer``: a replay may be deferred (``ComputeServer.replay``) as far as the graph
+        itself says: its backend graph allows it (``graph.defer``: the cpu backend's) and no
+        buffer is written only inside conditional nodes. Called whenever ``graph`` or
+        ``mstates`` change (capture, ``graphs.update``)."""
+        self.defer = bool(getattr(self.graph, "defer", False)) and not self.mstates
 
 
 class Capture:

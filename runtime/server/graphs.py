@@ -375,6 +375,7 @@ def update(server, g: GraphState, rebind, params, count) -> None:
             g.graph = graph
             if not server.capture.on_destroy(s, old_graph):
                 be.destroy_graph(s.raw, old_graph)
+        g.set_defer()                         # (the graph, patched or new, and its sets)
     except (ServerError, ValueError, TypeError):
         raise                                 # refused before anything changed (all or nothing)
     except BaseException:

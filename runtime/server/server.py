@@ -915,10 +915,10 @@ class ComputeServer:
     def replay(self, gid: int):
         """``Graph.replay``'s entry. While the server is idle the caller runs it, holding the
         owner lock (``DeviceQueue.call``'s combining path, written out: a replay is the hot path
-        of issue 26). A replay of small work (``graph.defer``: the cpu backend's ufunc-only graphs
-        whose launches a waiter would run anyway) with no capture window on its stream, no
-        freed handle, no first-replay fences, no buffer written only inside conditional nodes and
-        no checker is deferred: appended to ``queue.lazy`` and run by the next owner before
+        of issue 26). A replay of small work (``GraphState.defer``: the cpu backend's ufunc-only
+        graphs whose launches a waiter would run anyway, no buffer written only inside
+        conditional nodes) with no capture window on its stream, no freed handle, no
+        first-replay fences and no checker is deferred: appended to ``queue.lazy`` and run by the next owner before
         anything else (:meth:`_run_lazy`: tiny work at once on that thread when nothing needs
         the enqueue path, else enqueued; by the device thread within ``LAZY_S`` if no call
         came), so no read, launch, sync or message ever runs before it. Everything else goes to
@@ -938,8 +938,8 @@ class ComputeServer:
                     s = self.streams[g.stream]
                     # deferred when tiny and nothing sends it down the enqueue path but maybe
                     # its sources, decided when it runs (a deferred replay before it may fail)
-                    if (getattr(g.graph, "defer", False) and s.window is None and not g.freed
-                            and not g.fences and not g.mstates and self.checker is None):
+                    if (g.defer and s.window is None and not g.freed and not g.fences
+                            and self.checker is None):
                         lazy = queue.lazy
                         lazy.append(g)
                         if queue.lazy_asleep:    # (the device thread runs it if no call comes)

@@ -595,6 +595,10 @@ def test_a_service_loop_of_per_request_streams_graphs_and_failures_stays_bounded
     def tables():
         gc.collect()
         root.sync()
+        # the last requests' dropped streams are reclaimed once their work ran: on a loaded
+        # machine that work may still be queued right after the sync (a count, not a leak)
+        _until(lambda: root.memory_usage() and not srv.ended and srv.backend.load()[0] == 0,
+               "the last requests' streams to be reclaimed")
         u = root.memory_usage()
         be = srv.backend
         return dict(handles=u["handles"], graphs=u["graphs"], streams=u["streams"],

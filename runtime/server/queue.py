@@ -503,6 +503,12 @@ class DeviceQueue:
             if not q or self.closed or not self._owner.acquire(False):
                 return
 
+    def wake_for_lazy(self) -> None:
+        """Owner only, after an append to ``lazy`` while ``lazy_asleep``: wake the device thread
+        (once: the flag is cleared here, so a burst of deferrals costs one ``Event.set``)."""
+        self.lazy_asleep = False
+        self._wake.set()
+
     def _loop(self) -> None:
         looks = 0                       # timed looks left before an untimed wait (module doc)
         try:

@@ -556,9 +556,8 @@ class ComputeServer:
                             if self.checker is None and self.backend.defers(kernel, nbytes):
                                 lazy = queue.lazy
                                 lazy.append((sid, kernel, count, hids, params))
-                                if queue.lazy_asleep:    # (wake the device thread)
-                                    queue.lazy_asleep = False
-                                    queue._wake.set()
+                                if queue.lazy_asleep:
+                                    queue.wake_for_lazy()
                                 if len(lazy) >= LAZY_MAX:
                                     return self._run_lazy()
                                 return None
@@ -943,8 +942,7 @@ class ComputeServer:
                         lazy = queue.lazy
                         lazy.append(g)
                         if queue.lazy_asleep:    # (the device thread runs it if no call comes)
-                            queue.lazy_asleep = False   # (woken once)
-                            queue._wake.set()
+                            queue.wake_for_lazy()
                         if len(lazy) >= LAZY_MAX:     # (True: enqueued work; the caller looks for
                             return self._run_lazy()     # room in the queue)
                         return None

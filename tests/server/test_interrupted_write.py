@@ -41,6 +41,18 @@ SITES = {
 }
 
 
+def _run_bounded(work, hit: list, res: dict):
+    """Run ``work`` on a thread of its own (a trace is per thread), bounded by ``LIMIT_S``: an
+    interruption that leaves a wait with no way out fails the test instead of hanging it;
+    then stop the test's server. Returns ``(hit, res)``."""
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(LIMIT_S)
+    assert not t.is_alive(), "a call hung after the interruption"
+    runtime.shutdown()
+    return bool(hit), res
+
+
 def _interrupted(code, off, op):
     """Run ``op(c)`` then read its output on a fresh server, with a TimeoutError raised right
     after the call ending at ``off`` in ``code`` (the first time it is reached). Returns
@@ -75,12 +87,7 @@ def _interrupted(code, off, op):
         finally:
             sys.settrace(None)
 
-    t = threading.Thread(target=work, daemon=True)
-    t.start()
-    t.join(LIMIT_S)
-    assert not t.is_alive(), "the read hung"
-    runtime.shutdown()
-    return bool(hit), res
+    return _run_bounded(work, hit, res)
 
 
 def _launch(c, x, y):
@@ -158,12 +165,7 @@ def _window(code, off):
             except ServerUnhealthy:
                 continue
 
-    t = threading.Thread(target=work, daemon=True)
-    t.start()
-    t.join(LIMIT_S)
-    assert not t.is_alive(), "hung"
-    runtime.shutdown()
-    return bool(hit), res
+    return _run_bounded(work, hit, res)
 
 
 def test_a_launch_interrupted_in_a_capture_window_never_leaves_a_graph_without_it():
@@ -231,12 +233,7 @@ def _update(code, off):
         except (ServerError, UnknownGraph) as e:
             res["error"] = e
 
-    t = threading.Thread(target=work, daemon=True)
-    t.start()
-    t.join(LIMIT_S)
-    assert not t.is_alive(), "hung"
-    runtime.shutdown()
-    return bool(hit), res
+    return _run_bounded(work, hit, res)
 
 
 def test_an_interrupted_graph_update_never_replays_a_state_the_marks_do_not_follow():

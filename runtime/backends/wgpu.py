@@ -651,8 +651,9 @@ class WgpuBackend(Backend):
         """An operation of the queue thread failed; never dropped silently. A read fails its
         completion; a refused submit of a stream's batch fails the marks of the work it held
         (what it would have written reads as stale) and is reported on that stream (its next
-        completion); a refused write or readback submit is reported unattributed (the next
-        blocking call on any stream raises it)."""
+        completion); a loop-status or device-check readback that fails fails the mark of the
+        work it checks (its outcome is unknown); a refused write or readback submit is reported
+        unattributed (the next blocking call on any stream raises it)."""
         kind, obj, _ = op
         if kind == _MAP:
             err = LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}")
@@ -664,6 +665,12 @@ class WgpuBackend(Backend):
                 mark.fail(err)
             s = obj.stream
             (self.failures if s.released else s.errors).append(err)
+        elif kind in (_CHECK, _DEVCHECK):     # its work's outcome is unknown: failed
+            mark, s = obj[1], obj[2]
+            err = _gpu_error(exc, "reading back a replay's loop status" if kind == _CHECK
+                             else "reading back a device-side check")
+            (self.failures if s.released else s.errors).append(
+                mark.fail(err) if mark is not None else err)
         elif kind in (_SUBMIT, _WRITE):
             what = "a submit" if kind == _SUBMIT else "a write_buffer"
             self.failures.append(_gpu_error(exc, what))

@@ -154,3 +154,21 @@ def test_program_declares_the_flag_in_both_dialects_and_checks_are_typed():
     assert "__device__ u32 err_flag[1];" in k.cuda and "arrayLength" not in k.cuda
     with pytest.raises(TypeError, match="checks"):
         Kernel("bad", [("x", "f32", "read")], cpu=lambda x, count: None, checks="x outside")
+
+
+def test_a_check_that_cannot_be_read_back_fails_the_work_it_checks(checked, backend, monkeypatch):
+    if backend != "wgpu":
+        pytest.skip("the readback is wgpu's (cpu raises in the body)")
+    from runtime.backends import wgpu as W
+
+    def lost(self, kernels, mark, stream):
+        raise RuntimeError("device lost while mapping")
+    monkeypatch.setattr(W.QueueThread, "_check_device", lost)
+    c = checked
+    e = _Embedding(c)
+    e.run()                         # good ids, but nobody can tell: not returned as if fine
+    with pytest.raises(ReplayFailed, match="device-side check"):
+        c.read(e.out)
+    monkeypatch.undo()
+    e.run()
+    np.testing.assert_allclose(c.read(e.out), _reference(IDS, TYPES), rtol=1e-6)

@@ -512,7 +512,7 @@ class WgpuCond:
     """
 
     __slots__ = ("kind", "cond", "max_iterations", "index", "then", "other", "parent", "flags",
-                 "flat", "oversize")
+                 "flat", "oversize", "bufs")
 
     def __init__(self, kind, cond, max_iterations, index, parent, flags):
         self.kind, self.cond, self.max_iterations, self.index = kind, cond, max_iterations, index
@@ -520,6 +520,7 @@ class WgpuCond:
         self.parent, self.flags = parent, flags
         self.flat: list = []
         self.oversize = 0           # a loop past MAX_UNROLLED: its unrolled size (not built)
+        self.bufs = ()              # its gate's count table and indirect args (``_finish``)
 
 
 #: the most dispatches one unrolled ``capture_while`` may expand to (``max_iterations`` x (the
@@ -1111,6 +1112,7 @@ class WgpuBackend(Backend):
         cbuf = self._new_buffer(counts.nbytes, _STORAGE)
         self.qt.push((_WRITE, cbuf, counts.reshape(-1).view(np.uint8)))
         abuf = self._new_buffer(12 * max(n, 1), _STORAGE)
+        node.bufs = (cbuf, abuf)
         gate = self._gate
         pbuf, pidx = node.parent
         bufs = [node.cond, (pbuf, 16), (node.flags, 16), (cbuf, counts.nbytes),
@@ -1174,6 +1176,7 @@ class WgpuBackend(Backend):
         something in it changed. Replays enqueued before were encoded with the old ones."""
         counter = iter(range(1 << 62))
         built: list = []
+        replaced: list = []
 
         def patch(items, parent):
             out, changed = [], False
@@ -1196,6 +1199,7 @@ class WgpuBackend(Backend):
                 node.other, c2 = patch(t.other, node)
                 if c1 or c2 or t.index in conds:
                     built.append(node)
+                    replaced.extend(t.bufs)     # its old gate's buffers: forgotten below
                     changed = True
                     out.append(node)
                 else:
@@ -1204,6 +1208,9 @@ class WgpuBackend(Backend):
         tree, _ = patch(graph.tree, None)
         for node in built:           # innermost first: patch appends children before parents
             self._finish(node)
+        for buf in replaced:
+            for key in self._groups_of.pop(buf, ()):
+                self._forget_group(key, buf)
         graph.tree = tree
         graph.tasks = self._flatten(tree) if graph.count else tree
         if graph.count:
@@ -1260,6 +1267,19 @@ class WgpuBackend(Backend):
         buffers keep what they use alive, so queue order is enough (no host wait)."""
         self._submit(stream)
         graph.tasks = []
+        self._forget_nodes(graph.tree)
+
+    def _forget_nodes(self, items) -> None:
+        """Forget the cached gate bind groups over conditional nodes' own buffers (flags, count
+        table, indirect args): the cache kept them, and the buffers, after the graph was
+        destroyed, up to ``_CACHE_MAX`` groups (SOAK6). Graphs hold their own groups."""
+        for t in items:
+            if not isinstance(t, tuple):
+                for buf in (t.flags, *t.bufs):
+                    for key in self._groups_of.pop(buf, ()):
+                        self._forget_group(key, buf)
+                self._forget_nodes(t.then)
+                self._forget_nodes(t.other)
 
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:

@@ -438,6 +438,22 @@ class QueueThread:
             self._thread.join(timeout=1.0)
 
 
+#: :meth:`WgpuBackend._count_gate`'s kernel: ``atomicMax(err_flag)`` when a count at word ``at``
+#: of ``counts`` is past ``limit``.
+COUNT_CHECK_WGSL = """
+@group(0) @binding(0) var<storage, read> counts: array<u32>;
+struct Params { at: u32, limit: u32 }
+@group(0) @binding(1) var<uniform> p: Params;
+@group(0) @binding(2) var<storage, read_write> err_flag: array<atomic<u32>>;
+@compute @workgroup_size(1, 1, 1)
+fn main() {
+    if (counts[p.at] > p.limit || counts[p.at + 1u] > p.limit || counts[p.at + 2u] > p.limit) {
+        atomicMax(&err_flag[0], 1u);
+    }
+}
+"""
+
+
 def _checked(tasks) -> tuple:
     """The kernels with device-side checks (``Kernel.checks``) that ``tasks`` dispatch."""
     return tuple({t[4]: None for t in tasks if t[4].checks})
@@ -990,6 +1006,13 @@ class WgpuBackend(Backend):
             return
         group = self._bind_group(program, args, params)
         cpass = self._pass(stream)
+        gate = None
+        if resolved[1] is not None:     # an indirect count: checked against the limit first
+            gate = self._count_gate(resolved[1], 0)
+            cpass.set_pipeline(gate[0])
+            cpass.set_bind_group(0, gate[1])
+            cpass.dispatch_workgroups(1, 1, 1)
+            stream.pipeline = gate[0]
         if stream.pipeline is not program.pipeline:
             cpass.set_pipeline(program.pipeline)
             stream.pipeline = program.pipeline
@@ -999,12 +1022,15 @@ class WgpuBackend(Backend):
             cpass.dispatch_workgroups(*xyz)
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
-        stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   written_buffers(program.kernel, args)),), mark))
-        stream.tasks += 1
-        if program.checked:         # its own check: submitted now, read back after it
+        task = (program.pipeline, group, xyz, indirect, program.kernel,
+                written_buffers(program.kernel, args))
+        stream.log.append((None, (task,) if gate is None else (gate, task), mark))
+        stream.tasks += 1 if gate is None else 2
+        if program.checked or gate is not None:     # submitted now, its checks read back
             self._submit(stream)
-            self.qt.push((_DEVCHECK, ((program.kernel,), mark, stream), 0))
+            kernels = ((program.kernel,) if program.checked else ()) + (
+                (gate[4],) if gate is not None else ())
+            self.qt.push((_DEVCHECK, (kernels, mark, stream), 0))
         elif stream.tasks >= self.max_tasks:
             self._submit(stream)
 
@@ -1052,10 +1078,28 @@ class WgpuBackend(Backend):
                 f"than {MAX_UNROLLED:,} (runtime.backends.wgpu.MAX_UNROLLED): wgpu records one "
                 "gated copy of the body per iteration; lower max_iterations, or loop on the host")
         if recording.count:
-            recording.tasks = self._flatten(recording.tree)
             self._set_checks(recording)
+        recording.tasks = self._flatten(recording.tree)
         recording.checked = _checked(recording.tasks)
         return recording
+
+    def _count_gate(self, buf, offset: int) -> tuple:
+        """A dispatch that fails a device-side check when one of the three u32 workgroup counts
+        at byte ``offset`` of ``buf`` is past the device's per-dimension limit (WebGPU skips such
+        an indirect dispatch without a word: now its launch or replay fails, ``LaunchError``)."""
+        prog = getattr(self, "_gate_counts", None)
+        if prog is None:
+            from ..kernel import Binding, Kernel, Param
+            limit = self.max_workgroups[0]
+            kernel = Kernel("indirect_count_check", [Binding("counts", "u32", "read")],
+                            [Param("at", "u32"), Param("limit", "u32")], (1, 1, 1),
+                            wgsl=COUNT_CHECK_WGSL, checks=(
+                                f"an indirect workgroup count past the device's per-dimension "
+                                f"limit ({limit}): WebGPU ran nothing for that dispatch",))
+            prog = self._gate_counts = self.compile(kernel)
+        group = self._bind_group(prog, ((buf, offset + 12),),
+                                 (offset // 4, self.max_workgroups[0]))
+        return (prog.pipeline, group, (1, 1, 1), None, prog.kernel, ())
 
     # -- conditional nodes (WgpuCond) ------------------------------------------------------
     def _gate_program(self):
@@ -1161,11 +1205,21 @@ class WgpuBackend(Backend):
             graph.status = self._new_buffer(4 * len(checks), wgpu.BufferUsage.MAP_READ
                                             | wgpu.BufferUsage.COPY_DST)
 
-    @staticmethod
-    def _flatten(tree) -> list:
+    def _flatten(self, tree) -> list:
+        """The dispatches a replay encodes: ``tree``'s, each node's ``flat`` in its place and a
+        count check (:meth:`_count_gate`) before each indirect dispatch of the top level (a
+        node's own indirect counts are written by its gate, from recorded counts). ``tree``
+        itself when it holds neither."""
+        if not any(not isinstance(t, tuple) or t[3] is not None for t in tree):
+            return tree
         out = []
         for t in tree:
-            out.extend([t] if isinstance(t, tuple) else t.flat)
+            if not isinstance(t, tuple):
+                out.extend(t.flat)
+            elif t[3] is not None:
+                out += [self._count_gate(t[3], t[2] or 0), t]
+            else:
+                out.append(t)
         return out
 
     def update_graph(self, stream, graph: WgpuGraph, changes: dict, conds: dict):
@@ -1205,7 +1259,7 @@ class WgpuBackend(Backend):
         for node in built:           # innermost first: patch appends children before parents
             self._finish(node)
         graph.tree = tree
-        graph.tasks = self._flatten(tree) if graph.count else tree
+        graph.tasks = self._flatten(tree)
         if graph.count:
             self._set_checks(graph)
         graph.checked = _checked(graph.tasks)

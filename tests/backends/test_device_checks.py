@@ -172,3 +172,41 @@ def test_a_check_that_cannot_be_read_back_fails_the_work_it_checks(checked, back
     monkeypatch.undo()
     e.run()
     np.testing.assert_allclose(c.read(e.out), _reference(IDS, TYPES), rtol=1e-6)
+
+
+@pytest.mark.parametrize("via", ["launch", "replay"])
+def test_an_indirect_count_past_the_limit_fails_instead_of_running_nothing(checked, backend, via):
+    """WebGPU skips an indirect dispatch whose count is past the per-dimension limit without a
+    word: the launch (or the replay) now fails and its output reads raise; within the limit
+    the same buffers give the right values again."""
+    if backend != "wgpu":
+        pytest.skip("cpu has no per-dimension limit; cuda reads indirect counts on the host")
+    c = checked
+    limit = c.capabilities["max_workgroups"][0]
+    x = c.create(np.arange(64, dtype=np.float32))
+    y = c.create(np.zeros(64, np.float32))
+    counts = c.create(np.array([1, 1, 1], np.uint32))
+
+    def run():
+        c.launch(K.add_scalar, counts, [x, y], {"alpha": 1.0, "n": 64})
+    g = None
+    if via == "replay":
+        run()
+        c.sync()
+        c.graph_prepare()
+        run()
+        c.sync()
+        c.start_capture()
+        run()
+        g = c.stop_capture()
+    go = g.replay if g is not None else run
+    go()
+    np.testing.assert_array_equal(c.read(y), np.arange(64, dtype=np.float32) + 1)
+    c.write(y, np.zeros(64, np.float32))
+    c.write(counts, np.array([1, limit + 1, 1], np.uint32))
+    go()
+    _raises(c, y, "per-dimension limit")
+    c.write(counts, np.array([1, 1, 1], np.uint32))
+    c.write(y, np.zeros(64, np.float32))    # (an indirect launch may write nothing: its output
+    go()                                    # keeps the failure of the last writer until then)
+    np.testing.assert_array_equal(c.read(y), np.arange(64, dtype=np.float32) + 1)

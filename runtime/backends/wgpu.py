@@ -78,7 +78,7 @@ _LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size",
            "max-compute-workgroups-per-dimension", "max-bind-groups")
 _CACHE_MAX = 4096   # uniform buffers and bind groups kept before a cache is cleared
 _STAGING_KEEP = 4   # idle staging buffers kept per size class
-_SUBMIT, _WRITE, _MAP, _UNMAP, _DESTROY, _CHECK = range(6)
+_SUBMIT, _WRITE, _MAP, _UNMAP, _DESTROY, _CHECK, _DEVCHECK = range(7)
 _CLOSED_MSG = "the wgpu server was shut down before this work completed"
 
 
@@ -159,12 +159,13 @@ def describe(adapter) -> str:
 class WgpuProgram:
     """A compiled kernel: its compute pipeline and bind-group layout (plus the kernel)."""
 
-    __slots__ = ("kernel", "pipeline", "layout", "nbind", "has_params")
+    __slots__ = ("kernel", "pipeline", "layout", "nbind", "has_params", "checked")
 
     def __init__(self, kernel, pipeline, layout):
         self.kernel, self.pipeline, self.layout = kernel, pipeline, layout
         self.nbind = len(kernel.bindings)
         self.has_params = bool(kernel.params)
+        self.checked = bool(kernel.checks)     # binds the backend's err_flag (Kernel.checks)
 
     def __repr__(self):
         return f"WgpuProgram({self.kernel.name!r})"
@@ -355,6 +356,8 @@ class QueueThread:
             obj.destroy()
         elif kind == _CHECK:
             self._check_loops(*obj)
+        elif kind == _DEVCHECK:
+            self._check_device(*obj)
 
     def _check_loops(self, graph, mark, stream) -> None:
         """After a replay of ``graph`` (submitted just before): map its loop status (one u32
@@ -376,6 +379,36 @@ class QueueThread:
                                                   " on wgpu; the unrolled loop")
                 stream.errors.append(mark.fail(err) if mark is not None else err)
                 return
+
+    def _check_device(self, kernels, mark, stream) -> None:
+        """After a submit holding dispatches of kernels with device-side checks (``kernels``,
+        ``Kernel.checks``; the submit just before, of one launch or one replay): copy the
+        backend's ``err_flag`` out, wait on this thread for it, and when a check failed zero the
+        flag (before any later submit: this thread submits in order) and fail ``mark`` with a
+        ``LaunchError`` naming the kernel and the check, reported on ``stream``'s next
+        completion (design.md section 4: what the work writes reads as failed)."""
+        be = self.backend
+        enc = be.dev.create_command_encoder()
+        enc.copy_buffer_to_buffer(be._err, 0, be._err_read, 0, 4)
+        self.queue.submit([enc.finish()])
+        promise = be._err_read.map_async(wgpu.MapMode.READ, 0, 4)
+        while not promise._thread_event.wait(0.05):
+            if self.closed:
+                return
+        promise.sync_wait()
+        code = int(np.frombuffer(be._err_read.read_mapped(0, 4), np.uint32)[0])
+        be._err_read.unmap()
+        self.inflight = 0
+        if not code:
+            return
+        self.queue.write_buffer(be._err, 0, np.zeros(1, np.uint32))
+        what = " or ".join(f"kernel {k.name}: " + (k.checks[code - 1] if code <= len(k.checks)
+                                                   else f"device check {code}")
+                           for k in kernels)
+        err = LaunchError(f"{what} (a device-side check on wgpu; the dispatch's output is not "
+                          "written)")
+        err = mark.fail(err) if mark is not None else err
+        (be.failures if stream.released else stream.errors).append(err)
 
     def _fence(self) -> None:
         """Wait (on this thread) until every submission so far has finished."""
@@ -405,6 +438,27 @@ class QueueThread:
             self._thread.join(timeout=1.0)
 
 
+#: :meth:`WgpuBackend._count_gate`'s kernel: ``atomicMax(err_flag)`` when a count at word ``at``
+#: of ``counts`` is past ``limit``.
+COUNT_CHECK_WGSL = """
+@group(0) @binding(0) var<storage, read> counts: array<u32>;
+struct Params { at: u32, limit: u32 }
+@group(0) @binding(1) var<uniform> p: Params;
+@group(0) @binding(2) var<storage, read_write> err_flag: array<atomic<u32>>;
+@compute @workgroup_size(1, 1, 1)
+fn main() {
+    if (counts[p.at] > p.limit || counts[p.at + 1u] > p.limit || counts[p.at + 2u] > p.limit) {
+        atomicMax(&err_flag[0], 1u);
+    }
+}
+"""
+
+
+def _checked(tasks) -> tuple:
+    """The kernels with device-side checks (``Kernel.checks``) that ``tasks`` dispatch."""
+    return tuple({t[4]: None for t in tasks if t[4].checks})
+
+
 def _weight(op) -> int:
     return op[2] if op[0] == _SUBMIT else 1
 
@@ -428,7 +482,8 @@ class WgpuGraph:
     the server retains the runtime handles (CubeCL ``cubecl-wgpu/src/compute/graph.rs``).
     """
 
-    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count", "checks", "status")
+    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count", "checks", "status",
+                 "checked")
 
     def __init__(self, stream):
         self.stream, self.tasks = stream, []
@@ -437,6 +492,7 @@ class WgpuGraph:
         self.nodes: list = []
         self.count = 0
         self.checks: list = []     # (flags buffer, node) of every capture_while node
+        self.checked = ()          # kernels with device-side checks it dispatches (Kernel.checks)
         self.status = None         # MAP_READ buffer: one u32 per check, copied by each replay
 
     def __len__(self):
@@ -590,6 +646,10 @@ class WgpuBackend(Backend):
         self._groups_by: dict = {}       # WgpuProgram -> keys of its bind groups
         self._fence_src = self._new_buffer(4, _STORAGE)
         self._fence_dst = self._new_buffer(4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        # err_flag of kernels with device-side checks (Kernel.checks), read back and zeroed
+        # after each submit holding one (QueueThread._check_device); zero when created
+        self._err = self._new_buffer(4, _STORAGE)
+        self._err_read = self._new_buffer(4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         self.qt = QueueThread(self, int(max_inflight
                                         or os.environ.get("RUNTIME_WGPU_MAX_INFLIGHT", 8)))
 
@@ -607,8 +667,9 @@ class WgpuBackend(Backend):
         """An operation of the queue thread failed; never dropped silently. A read fails its
         completion; a refused submit of a stream's batch fails the marks of the work it held
         (what it would have written reads as stale) and is reported on that stream (its next
-        completion); a refused write or readback submit is reported unattributed (the next
-        blocking call on any stream raises it)."""
+        completion); a loop-status or device-check readback that fails fails the mark of the
+        work it checks (its outcome is unknown); a refused write or readback submit is reported
+        unattributed (the next blocking call on any stream raises it)."""
         kind, obj, _ = op
         if kind == _MAP:
             err = LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}")
@@ -620,6 +681,12 @@ class WgpuBackend(Backend):
                 mark.fail(err)
             s = obj.stream
             (self.failures if s.released else s.errors).append(err)
+        elif kind in (_CHECK, _DEVCHECK):     # its work's outcome is unknown: failed
+            mark, s = obj[1], obj[2]
+            err = _gpu_error(exc, "reading back a replay's loop status" if kind == _CHECK
+                             else "reading back a device-side check")
+            (self.failures if s.released else s.errors).append(
+                mark.fail(err) if mark is not None else err)
         elif kind in (_SUBMIT, _WRITE):
             what = "a submit" if kind == _SUBMIT else "a write_buffer"
             self.failures.append(_gpu_error(exc, what))
@@ -826,6 +893,9 @@ class WgpuBackend(Backend):
         if kernel.params:
             entries.append({"binding": len(kernel.bindings), "visibility": wgpu.ShaderStage.COMPUTE,
                             "buffer": {"type": "uniform"}})
+        if kernel.checks:               # err_flag (Kernel.checks), after the others
+            entries.append({"binding": len(entries), "visibility": wgpu.ShaderStage.COMPUTE,
+                            "buffer": {"type": "storage"}})
         try:
             module = self.dev.create_shader_module(label=kernel.name, code=kernel.wgsl)
             layout = self.dev.create_bind_group_layout(entries=entries)
@@ -867,6 +937,9 @@ class WgpuBackend(Backend):
             entries.append({"binding": program.nbind,
                             "resource": {"buffer": self._uniform(ubytes), "offset": 0,
                                          "size": len(ubytes)}})
+        if program.checked:
+            entries.append({"binding": len(entries),
+                            "resource": {"buffer": self._err, "offset": 0, "size": 4}})
         try:
             group = self.dev.create_bind_group(layout=program.layout, entries=entries)
         except Exception as exc:  # noqa: BLE001 - GPUValidationError: sizes, limits
@@ -922,7 +995,9 @@ class WgpuBackend(Backend):
         Raises: ``LaunchError`` (bad bindings, count over the limit). A dispatch that fails
             validation when its batch is finished fails ``mark`` (module doc).
         Streams: after ``stream``'s earlier work; submitted at ``max_tasks`` or the next blocking
-            call, ``flush``, ``wait_event`` from another stream, or ``copy_in``.
+            call, ``flush``, ``wait_event`` from another stream, or ``copy_in``; a kernel with
+            device-side checks (``Kernel.checks``) at once, its flag read back after it
+            (``QueueThread._check_device``: a failed check fails ``mark``).
         See also: ``GPUComputePassEncoder.set_pipeline``, ``set_bind_group``,
             ``dispatch_workgroups`` / ``dispatch_workgroups_indirect``.
         """
@@ -931,6 +1006,13 @@ class WgpuBackend(Backend):
             return
         group = self._bind_group(program, args, params)
         cpass = self._pass(stream)
+        gate = None
+        if resolved[1] is not None:     # an indirect count: checked against the limit first
+            gate = self._count_gate(resolved[1], 0)
+            cpass.set_pipeline(gate[0])
+            cpass.set_bind_group(0, gate[1])
+            cpass.dispatch_workgroups(1, 1, 1)
+            stream.pipeline = gate[0]
         if stream.pipeline is not program.pipeline:
             cpass.set_pipeline(program.pipeline)
             stream.pipeline = program.pipeline
@@ -940,10 +1022,16 @@ class WgpuBackend(Backend):
             cpass.dispatch_workgroups(*xyz)
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
-        stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   written_buffers(program.kernel, args)),), mark))
-        stream.tasks += 1
-        if stream.tasks >= self.max_tasks:
+        task = (program.pipeline, group, xyz, indirect, program.kernel,
+                written_buffers(program.kernel, args))
+        stream.log.append((None, (task,) if gate is None else (gate, task), mark))
+        stream.tasks += 1 if gate is None else 2
+        if program.checked or gate is not None:     # submitted now, its checks read back
+            self._submit(stream)
+            kernels = ((program.kernel,) if program.checked else ()) + (
+                (gate[4],) if gate is not None else ())
+            self.qt.push((_DEVCHECK, (kernels, mark, stream), 0))
+        elif stream.tasks >= self.max_tasks:
             self._submit(stream)
 
     # -- graphs ---------------------------------------------------------------------------
@@ -990,9 +1078,28 @@ class WgpuBackend(Backend):
                 f"than {MAX_UNROLLED:,} (runtime.backends.wgpu.MAX_UNROLLED): wgpu records one "
                 "gated copy of the body per iteration; lower max_iterations, or loop on the host")
         if recording.count:
-            recording.tasks = self._flatten(recording.tree)
             self._set_checks(recording)
+        recording.tasks = self._flatten(recording.tree)
+        recording.checked = _checked(recording.tasks)
         return recording
+
+    def _count_gate(self, buf, offset: int) -> tuple:
+        """A dispatch that fails a device-side check when one of the three u32 workgroup counts
+        at byte ``offset`` of ``buf`` is past the device's per-dimension limit (WebGPU skips such
+        an indirect dispatch without a word: now its launch or replay fails, ``LaunchError``)."""
+        prog = getattr(self, "_gate_counts", None)
+        if prog is None:
+            from ..kernel import Binding, Kernel, Param
+            limit = self.max_workgroups[0]
+            kernel = Kernel("indirect_count_check", [Binding("counts", "u32", "read")],
+                            [Param("at", "u32"), Param("limit", "u32")], (1, 1, 1),
+                            wgsl=COUNT_CHECK_WGSL, checks=(
+                                f"an indirect workgroup count past the device's per-dimension "
+                                f"limit ({limit}): WebGPU ran nothing for that dispatch",))
+            prog = self._gate_counts = self.compile(kernel)
+        group = self._bind_group(prog, ((buf, offset + 12),),
+                                 (offset // 4, self.max_workgroups[0]))
+        return (prog.pipeline, group, (1, 1, 1), None, prog.kernel, ())
 
     # -- conditional nodes (WgpuCond) ------------------------------------------------------
     def _gate_program(self):
@@ -1098,11 +1205,21 @@ class WgpuBackend(Backend):
             graph.status = self._new_buffer(4 * len(checks), wgpu.BufferUsage.MAP_READ
                                             | wgpu.BufferUsage.COPY_DST)
 
-    @staticmethod
-    def _flatten(tree) -> list:
+    def _flatten(self, tree) -> list:
+        """The dispatches a replay encodes: ``tree``'s, each node's ``flat`` in its place and a
+        count check (:meth:`_count_gate`) before each indirect dispatch of the top level (a
+        node's own indirect counts are written by its gate, from recorded counts). ``tree``
+        itself when it holds neither."""
+        if not any(not isinstance(t, tuple) or t[3] is not None for t in tree):
+            return tree
         out = []
         for t in tree:
-            out.extend([t] if isinstance(t, tuple) else t.flat)
+            if not isinstance(t, tuple):
+                out.extend(t.flat)
+            elif t[3] is not None:
+                out += [self._count_gate(t[3], t[2] or 0), t]
+            else:
+                out.append(t)
         return out
 
     def update_graph(self, stream, graph: WgpuGraph, changes: dict, conds: dict):
@@ -1142,9 +1259,10 @@ class WgpuBackend(Backend):
         for node in built:           # innermost first: patch appends children before parents
             self._finish(node)
         graph.tree = tree
-        graph.tasks = self._flatten(tree) if graph.count else tree
+        graph.tasks = self._flatten(tree)
         if graph.count:
             self._set_checks(graph)
+        graph.checked = _checked(graph.tasks)
         return graph
 
     def abort_graph(self, recording: WgpuGraph) -> None:
@@ -1188,6 +1306,8 @@ class WgpuBackend(Backend):
         self._submit(stream)
         if checks:
             self.qt.push((_CHECK, (graph, mark, stream), 0))
+        if graph.checked:            # device-side checks (Kernel.checks): read back after it
+            self.qt.push((_DEVCHECK, (graph.checked, mark, stream), 0))
 
     def destroy_graph(self, stream, graph: WgpuGraph) -> None:
         """Submit ``stream``'s pending work, then drop the graph's references: submitted command

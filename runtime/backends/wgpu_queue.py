@@ -222,18 +222,8 @@ class QueueThread:
         ``LaunchError`` naming the kernel and the check, reported on ``stream``'s next
         completion (design.md section 4: what the work writes reads as failed)."""
         be = self.backend
-        enc = be.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(be._err, 0, be._err_read, 0, 4)
-        self.queue.submit([enc.finish()])
-        promise = be._err_read.map_async(wgpu.MapMode.READ, 0, 4)
-        while not promise._thread_event.wait(0.05):
-            if self.closed:
-                return
-        promise.sync_wait()
-        code = int(np.frombuffer(be._err_read.read_mapped(0, 4), np.uint32)[0])
-        be._err_read.unmap()
-        self.inflight = 0
-        if not code:
+        code = self._copy_back(be._err, be._err_read)
+        if not code:                # (None: closed meanwhile)
             return
         self.queue.write_buffer(be._err, 0, np.zeros(1, np.uint32))
         what = " or ".join(f"kernel {k.name}: " + (k.checks[code - 1] if code <= len(k.checks)
@@ -246,17 +236,24 @@ class QueueThread:
 
     def _fence(self) -> None:
         """Wait (on this thread) until every submission so far has finished."""
-        be = self.backend
-        enc = be.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(be._fence_src, 0, be._fence_dst, 0, 4)
+        self._copy_back(self.backend._fence_src, self.backend._fence_dst)
+
+    def _copy_back(self, src, dst) -> int | None:
+        """Copy the 4 bytes of ``src`` into the ``MAP_READ`` buffer ``dst`` after every
+        submission so far, wait (on this thread) for the map and return them as a u32; None
+        when the thread was closed meanwhile."""
+        enc = self.backend.dev.create_command_encoder()
+        enc.copy_buffer_to_buffer(src, 0, dst, 0, 4)
         self.queue.submit([enc.finish()])
-        promise = be._fence_dst.map_async(wgpu.MapMode.READ, 0, 4)
+        promise = dst.map_async(wgpu.MapMode.READ, 0, 4)
         while not promise._thread_event.wait(0.05):
             if self.closed:
-                return
+                return None
         promise.sync_wait()
-        be._fence_dst.unmap()
+        value = int(np.frombuffer(dst.read_mapped(0, 4), np.uint32)[0])
+        dst.unmap()
         self.inflight = 0
+        return value
 
     def close(self) -> None:
         """Fail what is queued with ``ServerClosed`` and stop the thread (joined <= 1 s)."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import runtime
+from helpers import captured
 from runtime import kernels as K
 from runtime.errors import ReplayFailed
 from runtime.kernel import Kernel
@@ -47,16 +48,7 @@ class _Embedding:
         self.ids, self.types = c.create(IDS), c.create(TYPES)
         self.word, self.pos, self.ttab = c.create(WORD), c.create(POS), c.create(TTAB)
         self.out = c.empty(ROWS * H, np.float32)
-        self.g = None
-        if graph:
-            self.launch()
-            c.sync()
-            c.graph_prepare()
-            self.launch()
-            c.sync()
-            c.start_capture()
-            self.launch()
-            self.g = c.stop_capture()
+        self.g = captured(c, self.launch) if graph else None
 
     def launch(self):
         self.c.launch(K.embedding, K.grid(ROWS * H),
@@ -189,17 +181,7 @@ def test_an_indirect_count_past_the_limit_fails_instead_of_running_nothing(check
 
     def run():
         c.launch(K.add_scalar, counts, [x, y], {"alpha": 1.0, "n": 64})
-    g = None
-    if via == "replay":
-        run()
-        c.sync()
-        c.graph_prepare()
-        run()
-        c.sync()
-        c.start_capture()
-        run()
-        g = c.stop_capture()
-    go = g.replay if g is not None else run
+    go = captured(c, run).replay if via == "replay" else run
     go()
     np.testing.assert_array_equal(c.read(y), np.arange(64, dtype=np.float32) + 1)
     c.write(y, np.zeros(64, np.float32))

@@ -157,3 +157,17 @@ def test_a_buffer_shorter_than_a_product_of_params_is_refused(client, case):
         client.launch(kernel, count, full, params)
         a, w = vals[0].reshape(3, 4), vals[1].reshape(4, 2)
         np.testing.assert_allclose(client.read(full[-1]), (a @ w).reshape(-1), rtol=1e-5)
+
+
+def test_graph_update_of_a_matmul_past_its_buffers_is_a_value_error(client):
+    rng = np.random.default_rng(5)
+    a, w = rng.standard_normal(12).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    ha, hw, ho = client.create(a), client.create(w), client.create(np.zeros(6, np.float32))
+    count = K.nn.matmul_count(3, 2)
+    g = capture(client, lambda: client.launch(K.matmul, count, [ha, hw, ho],
+                                              {"M": 3, "N": 2, "K": 4}))
+    with pytest.raises(ValueError, match=r"M\*K = 16"):
+        g.update(params={0: {"M": 4}})
+    g.replay()                                  # unchanged: the old params
+    np.testing.assert_allclose(client.read(ho), (a.reshape(3, 4) @ w.reshape(4, 2)).reshape(-1),
+                               rtol=1e-5)

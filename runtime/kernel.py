@@ -91,6 +91,15 @@ class Kernel:
             ``nbytes // itemsize`` (:meth:`elements_error`). On the GPU backends the sources
             test ``i < n`` only: without this, ``n`` past the buffer reads and writes out of
             bounds on cuda and is clamped on wgpu (WebGPU robust buffer access).
+        checks: messages of the kernel's device-side checks (a bad value read on the device,
+            e.g. a token id outside its table: what ``IndexError`` is on cpu). Check ``k``
+            (1-based) fails with ``atomicMax(&err_flag[0], ku)`` in the source: on wgpu
+            ``err_flag`` is the storage binding after the others (after the params' uniform,
+            ``array<atomic<u32>>``), bound by the backend; the launch (or the replay holding it)
+            then fails with ``LaunchError`` naming the kernel and ``checks[k - 1]``, found after
+            its submit, which marks what it writes (design.md section 4: a read raises). On cuda
+            ``err_flag`` is a ``__device__`` global nobody reads yet: not checked there.
+            ``()`` (the default): none.
 
     Raises:
         TypeError / ValueError: a malformed description (unknown dtype or access, no source,
@@ -102,11 +111,11 @@ class Kernel:
 
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
-                 "element_checks", "__weakref__")
+                 "element_checks", "checks", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
-                 elements=None):
+                 elements=None, checks=()):
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"kernel name must be an identifier, got {name!r}")
         self.name = name
@@ -139,6 +148,10 @@ class Kernel:
         self.elements = elements
         #: ``((binding index, param index, itemsize), ...)``: what a launch checks (empty: none)
         self.element_checks = self._element_checks(elements)
+        if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
+            raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
+                            f"got {checks!r}")
+        self.checks = tuple(checks)
 
     def _element_checks(self, elements) -> tuple:
         if elements is None:

@@ -93,6 +93,31 @@ class Arena:
         """Bytes held by this arena (free or in use)."""
         return sum(h.nbytes for h in self._all)
 
+    def trim(self, keep=()) -> int:
+        """Free the arena's idle buffers (those no live tensor holds) but the handles whose
+        ids are in ``keep``; returns the bytes freed.
+
+        A graph that recorded work on a buffer keeps it alive (``runtime.capture`` retains what
+        its recording used), so trimming never breaks a live graph; it bounds the arena by the
+        work still live instead of every shape it ever served: ``runtime.models.MiniLM`` trims
+        all but its live bucket graphs' buffers (``keep``, shared on) when it evicts one.
+        Later tensors of a size no longer free allocate afresh."""
+        keep = set(keep)
+        freed, gone = 0, set()
+        for key in list(self._free):
+            stay = [h for h in self._free[key] if h.id in keep]
+            for h in self._free[key]:
+                if h.id not in keep:
+                    freed += h.nbytes
+                    gone.add(id(h))
+                    h.release()
+            if stay:
+                self._free[key] = stay
+            else:
+                del self._free[key]
+        self._all = [h for h in self._all if id(h) not in gone]
+        return freed
+
     def release(self) -> None:
         """Free every buffer of the arena (tensors still using them must not be used again)."""
         for h in self._all:

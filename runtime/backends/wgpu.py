@@ -47,14 +47,12 @@ buffer after a copy instead.
 
 from __future__ import annotations
 
-import collections
 import os
-import threading
 
 import numpy as np
 
-from ..errors import (ErrorQueue, InvalidHandle, LaunchError, LoopLimitExceeded, OutOfMemory,
-                      ServerClosed, UnsupportedError, error_list, unhealthy)
+from ..errors import (ErrorQueue, InvalidHandle, LaunchError, OutOfMemory, UnsupportedError,
+                      error_list, unhealthy)
 from .base import Backend, Completion, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
@@ -65,6 +63,11 @@ try:
     import wgpu
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise UnsupportedError(f"the wgpu backend needs wgpu-py: pip install wgpu ({exc})") from exc
+
+from .wgpu_graph import (COUNT_CHECK_WGSL, GATE_WGSL, MAX_UNROLLED, WgpuCond,  # noqa: E402
+                         WgpuGraph, _checked, _oversize)
+from .wgpu_queue import (_CHECK, _DESTROY, _DEVCHECK, _MAP, _SUBMIT, _WRITE,  # noqa: E402
+                         MapCompletion, QueueThread, _Batch)
 
 INSTALL_HINT = "apt-get install -y mesa-vulkan-drivers (lavapipe, a Vulkan CPU adapter)"
 _STORAGE = (wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
@@ -77,9 +80,6 @@ _LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size",
            "max-compute-workgroup-size-y", "max-compute-workgroup-size-z",
            "max-compute-workgroups-per-dimension", "max-bind-groups")
 _CACHE_MAX = 4096   # uniform buffers and bind groups kept before a cache is cleared
-_STAGING_KEEP = 4   # idle staging buffers kept per size class
-_SUBMIT, _WRITE, _MAP, _UNMAP, _DESTROY, _CHECK = range(6)
-_CLOSED_MSG = "the wgpu server was shut down before this work completed"
 
 
 def _align4(n: int) -> int:
@@ -159,12 +159,13 @@ def describe(adapter) -> str:
 class WgpuProgram:
     """A compiled kernel: its compute pipeline and bind-group layout (plus the kernel)."""
 
-    __slots__ = ("kernel", "pipeline", "layout", "nbind", "has_params")
+    __slots__ = ("kernel", "pipeline", "layout", "nbind", "has_params", "checked")
 
     def __init__(self, kernel, pipeline, layout):
         self.kernel, self.pipeline, self.layout = kernel, pipeline, layout
         self.nbind = len(kernel.bindings)
         self.has_params = bool(kernel.params)
+        self.checked = bool(kernel.checks)     # binds the backend's err_flag (Kernel.checks)
 
     def __repr__(self):
         return f"WgpuProgram({self.kernel.name!r})"
@@ -189,340 +190,6 @@ class WgpuStream:
         self.log: list = []
         self.errors = ErrorQueue()
         self.released = False      # reclaimed: later errors go to the backend's ``failures``
-
-
-class _Batch:
-    """A stream's submitted command buffer and the marks of the work it holds (a refused
-    submit fails them and is reported on the stream)."""
-
-    __slots__ = ("cb", "stream", "marks")
-
-    def __init__(self, cb, stream, marks):
-        self.cb, self.stream, self.marks = cb, stream, marks
-
-
-def _report(comp: "MapCompletion") -> None:
-    """Queue thread, at a stream's read or fence: fail it with the stream's reported errors
-    (every earlier submit of the stream ran or was refused by now)."""
-    s = comp.stream
-    if s is not None and s.errors:
-        comp.error = unhealthy(error_list(comp.error) + s.errors.take())
-
-
-class MapCompletion(Completion):
-    """A read (or a fence) whose staging buffer the queue thread maps asynchronously.
-
-    ``wait`` runs on the caller's thread: it waits until the queue thread has issued the map,
-    then for the map itself (``GPUPromise``, resolved by wgpu-py's poll thread), copies the
-    first ``nbytes`` out (``read_mapped``) and hands the buffer back to the queue thread for
-    ``unmap``. Value: a ``uint8`` array of ``nbytes``, or None for a fence. Fails with
-    ``LaunchError`` when the map fails and ``ServerClosed`` when the server shuts down first.
-    """
-
-    __slots__ = ("qt", "staging", "size", "nbytes", "issued", "promise", "_lock", "stream")
-
-    def __init__(self, qt, staging, size: int, nbytes, stream=None):
-        super().__init__()
-        self.qt, self.staging, self.size, self.nbytes = qt, staging, size, nbytes
-        self.stream = stream                # its errors are reported by this completion
-        self.issued = threading.Event()     # set once map_async was called (or it failed)
-        self.promise = None
-        self._lock = threading.Lock()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block up to ``timeout`` seconds (None: until done); True once done."""
-        if self.done:
-            return True
-        if not self.issued.wait(timeout):
-            return False
-        promise = self.promise
-        if not self.done and promise is not None:
-            if not promise._thread_event.wait(timeout):   # set by wgpu-py's poll thread
-                return False
-            self._collect()
-        return True
-
-    def _collect(self) -> None:
-        with self._lock:
-            if self.done:
-                return
-            staging = self.staging
-            try:
-                self.promise.sync_wait()      # resolved already; raises if the map failed
-                value = None
-                if self.nbytes is not None:
-                    value = np.frombuffer(staging.read_mapped(0, self.size), np.uint8)[:self.nbytes]
-            except Exception as exc:  # noqa: BLE001 - a failed map (device lost, closed)
-                self.qt.push((_UNMAP, staging, 0))
-                err = (ServerClosed(_CLOSED_MSG) if self.qt.closed
-                       else LaunchError(f"wgpu: reading back {self.size} bytes failed: {exc}"))
-                self.fail(unhealthy(error_list(self.error) + [err]) if self.error else err)
-                return
-            self.qt.push((_UNMAP, staging, 0))
-            self.set(value)
-
-
-class QueueThread:
-    """The thread that owns the ``GPUQueue``: runs queue operations in issue order.
-
-    Operations: submit a command buffer, ``write_buffer``, ``map_async`` of a staging buffer
-    (a :class:`MapCompletion`), ``unmap`` (the staging buffer goes back to the free list) and
-    ``destroy``. Before a submit, when ``max_inflight`` submits are unfinished, it waits for a
-    fence (submission load). Never a hang: ``close`` fails what is queued with ``ServerClosed``
-    and joins the thread for at most 1 s (it may be inside a submit that waits for the device).
-    """
-
-    def __init__(self, backend: "WgpuBackend", max_inflight: int):
-        self.backend = backend
-        self.queue = backend.queue
-        self.max_inflight = max_inflight
-        self.ops: collections.deque = collections.deque()
-        self.cv = threading.Condition(threading.Lock())
-        self.closed = False
-        self.items = 0           # dispatches (or 1 per other op) queued here, for load()
-        self.bytes = 0           # host bytes of queued writes
-        self.inflight = 0        # submits since the last fence completed
-        self.submits = 0         # command buffers handed over (counted at push, by the owner)
-        self.free_staging: dict = {}     # size -> idle MAP_READ buffers
-        self._thread = threading.Thread(target=self._loop, name="runtime-wgpu-queue", daemon=True)
-        self._thread.start()
-
-    def push(self, op) -> None:
-        """Queue ``(kind, obj, arg)``; ``arg`` is the dispatch count of a submit, the data of a
-        write. Raises ``ServerClosed`` once closed (the op's completion is failed)."""
-        with self.cv:
-            if self.closed:
-                if op[0] == _MAP:
-                    _fail_closed(op[1])
-                    return
-                if op[0] == _UNMAP:
-                    return
-                raise ServerClosed(_CLOSED_MSG)
-            self.items += _weight(op)
-            if op[0] == _SUBMIT:
-                self.submits += 1
-            elif op[0] == _WRITE:
-                self.bytes += op[2].nbytes
-            self.ops.append(op)
-            self.cv.notify()
-
-    def _loop(self) -> None:
-        cv, ops = self.cv, self.ops
-        while True:
-            with cv:
-                while not ops and not self.closed:
-                    cv.wait()
-                if self.closed:
-                    return
-                op = ops.popleft()
-            try:
-                self._run(op)
-            except Exception as exc:  # noqa: BLE001 - reported, the thread goes on
-                self.backend._queue_error(op, exc)
-            finally:
-                with cv:
-                    self.items -= _weight(op)
-                    if op[0] == _WRITE:
-                        self.bytes -= op[2].nbytes
-                self.backend.on_room()
-
-    def _run(self, op) -> None:
-        kind, obj, arg = op
-        if kind == _SUBMIT:
-            if self.inflight >= self.max_inflight:
-                self._fence()
-            self.queue.submit([obj.cb if type(obj) is _Batch else obj])
-            self.inflight += 1
-        elif kind == _WRITE:
-            self.queue.write_buffer(obj, 0, arg)
-        elif kind == _MAP:
-            _report(obj)
-            try:
-                obj.promise = obj.staging.map_async(wgpu.MapMode.READ, 0, obj.size)
-            finally:
-                obj.issued.set()
-            self.inflight = 0            # the map resolves after every earlier submission
-        elif kind == _UNMAP:
-            state = obj.map_state
-            if state == "mapped":
-                obj.unmap()
-            keep = self.free_staging.setdefault(obj.size, [])
-            if state != "pending" and len(keep) < _STAGING_KEEP and not self.closed:
-                keep.append(obj)
-            else:
-                obj.destroy()
-        elif kind == _DESTROY:
-            obj.destroy()
-        elif kind == _CHECK:
-            self._check_loops(*obj)
-
-    def _check_loops(self, graph, mark, stream) -> None:
-        """After a replay of ``graph`` (submitted just before): map its loop status (one u32
-        per ``capture_while`` node, copied by the replay) and fail ``mark`` with
-        ``LoopLimitExceeded`` when a loop's condition still held after ``max_iterations``
-        (reported on ``stream``'s next completion). Waits on this thread for that replay."""
-        status = graph.status
-        promise = status.map_async(wgpu.MapMode.READ, 0, status.size)
-        while not promise._thread_event.wait(0.05):
-            if self.closed:
-                return
-        promise.sync_wait()
-        over = np.frombuffer(status.read_mapped(0, status.size), np.uint32).copy()
-        status.unmap()
-        self.inflight = 0
-        for (_, node), v in zip(graph.checks, over):
-            if v:
-                err = LoopLimitExceeded.in_replay(node.index, node.max_iterations,
-                                                  " on wgpu; the unrolled loop")
-                stream.errors.append(mark.fail(err) if mark is not None else err)
-                return
-
-    def _fence(self) -> None:
-        """Wait (on this thread) until every submission so far has finished."""
-        be = self.backend
-        enc = be.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(be._fence_src, 0, be._fence_dst, 0, 4)
-        self.queue.submit([enc.finish()])
-        promise = be._fence_dst.map_async(wgpu.MapMode.READ, 0, 4)
-        while not promise._thread_event.wait(0.05):
-            if self.closed:
-                return
-        promise.sync_wait()
-        be._fence_dst.unmap()
-        self.inflight = 0
-
-    def close(self) -> None:
-        """Fail what is queued with ``ServerClosed`` and stop the thread (joined <= 1 s)."""
-        with self.cv:
-            self.closed = True
-            ops, self.ops = list(self.ops), collections.deque()
-            self.items = self.bytes = 0
-            self.cv.notify_all()
-        for kind, obj, _ in ops:
-            if kind == _MAP:
-                _fail_closed(obj)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=1.0)
-
-
-def _weight(op) -> int:
-    return op[2] if op[0] == _SUBMIT else 1
-
-
-def _fail_closed(comp: MapCompletion) -> None:
-    if not comp.done:
-        comp.fail(ServerClosed(_CLOSED_MSG))
-    comp.issued.set()
-
-
-class WgpuGraph:
-    """A software graph: resolved dispatches ``(pipeline, bind_group, count, indirect_buf,
-    kernel, written buffers)``; for an indirect dispatch ``count`` is the byte offset of its
-    three u32 in ``indirect_buf`` (0 for a launch's own count buffer).
-
-    ``tree`` is what was recorded: dispatches and :class:`WgpuCond` nodes; ``tasks`` is its
-    flattening (the two are the same list when there are no nodes). ``stack``/``nodes`` are the
-    open lists and nodes while recording.
-
-    Holding the bind groups keeps their buffers and uniform buffers alive on the device side;
-    the server retains the runtime handles (CubeCL ``cubecl-wgpu/src/compute/graph.rs``).
-    """
-
-    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count", "checks", "status")
-
-    def __init__(self, stream):
-        self.stream, self.tasks = stream, []
-        self.tree = self.tasks
-        self.stack = [self.tasks]
-        self.nodes: list = []
-        self.count = 0
-        self.checks: list = []     # (flags buffer, node) of every capture_while node
-        self.status = None         # MAP_READ buffer: one u32 per check, copied by each replay
-
-    def __len__(self):
-        return len(self.tasks)
-
-
-def _oversize(tree):
-    """The first loop node in ``tree`` (nested included) too big to unroll, or None."""
-    for t in tree:
-        if not isinstance(t, tuple):
-            if t.oversize:
-                return t
-            inner = _oversize(t.then) or _oversize(t.other)
-            if inner is not None:
-                return inner
-    return None
-
-
-class WgpuCond:
-    """A ``capture_if``/``capture_while`` node of a :class:`WgpuGraph`, with no host round trip.
-
-    A gate dispatch (:data:`GATE`, one invocation) reads the condition and the enclosing
-    node's flag and writes this node's flags (``[then, else]`` for an if; ``[body]`` for a
-    while, and-ed with its previous value each iteration) and, for every dispatch directly in
-    its branches, the three u32 indirect counts: the recorded count if its branch is on, else
-    0. A while loop is unrolled: ``max_iterations`` times (gate, body). Nested nodes read this
-    node's flag as their parent flag.
-
-    Attributes: ``kind``, ``cond`` (``(buf, nbytes)``), ``max_iterations``, ``index``,
-    ``then``/``other`` (recorded dispatches and nested nodes), ``parent`` (``(flags buffer,
-    flag index)`` of the enclosing branch), ``flags`` (8-byte buffer), ``flat`` (the
-    flattened dispatches).
-    """
-
-    __slots__ = ("kind", "cond", "max_iterations", "index", "then", "other", "parent", "flags",
-                 "flat", "oversize")
-
-    def __init__(self, kind, cond, max_iterations, index, parent, flags):
-        self.kind, self.cond, self.max_iterations, self.index = kind, cond, max_iterations, index
-        self.then, self.other = [], []
-        self.parent, self.flags = parent, flags
-        self.flat: list = []
-        self.oversize = 0           # a loop past MAX_UNROLLED: its unrolled size (not built)
-
-
-#: the most dispatches one unrolled ``capture_while`` may expand to (``max_iterations`` x (the
-#: body's dispatches + a gate)); past it ``stop_capture`` raises ``LaunchError`` instead of
-#: building it. A list entry costs ~3 KB (bind group, indirect slot): 2**19 is ~1.5 GB and
-#: seconds of encoding per replay, and covers a 32-layer decode step looped over 1,024 tokens;
-#: ``max_iterations=2**40`` built for ever on the owner thread, stalling every client.
-MAX_UNROLLED = 1 << 19
-
-
-#: The gate of a conditional node (see :class:`WgpuCond`): mode 0 = if, 1 = first while
-#: iteration, 2 = a later one, 3 = after the last unrolled iteration (``flags[2]``: the loop
-#: would go on: ``LoopLimitExceeded``); ``pidx``: the parent's flag; ``n``: dispatches it gates.
-GATE_WGSL = """
-@group(0) @binding(0) var<storage, read> cond: array<u32>;
-@group(0) @binding(1) var<storage, read> parent: array<u32>;
-@group(0) @binding(2) var<storage, read_write> flags: array<u32>;
-@group(0) @binding(3) var<storage, read> counts: array<u32>;
-@group(0) @binding(4) var<storage, read_write> args: array<u32>;
-struct Params { mode: u32, pidx: u32, n: u32 }
-@group(0) @binding(5) var<uniform> p: Params;
-@compute @workgroup_size(1)
-fn main() {
-    let on = parent[p.pidx] != 0u;
-    let c = cond[0] != 0u;
-    if (p.mode == 0u) {
-        flags[0] = select(0u, 1u, on && c);
-        flags[1] = select(0u, 1u, on && !c);
-    } else if (p.mode == 1u) {
-        flags[0] = select(0u, 1u, on && c);
-    } else if (p.mode == 2u) {
-        flags[0] = select(0u, 1u, on && c && flags[0] != 0u);
-    } else {
-        flags[2] = select(0u, 1u, on && c && flags[0] != 0u);
-    }
-    for (var i = 0u; i < p.n; i = i + 1u) {
-        let f = flags[counts[4u * i + 3u]] != 0u;
-        for (var k = 0u; k < 3u; k = k + 1u) {
-            args[3u * i + k] = select(0u, counts[4u * i + k], f);
-        }
-    }
-}
-"""
 
 
 class WgpuBackend(Backend):
@@ -590,6 +257,10 @@ class WgpuBackend(Backend):
         self._groups_by: dict = {}       # WgpuProgram -> keys of its bind groups
         self._fence_src = self._new_buffer(4, _STORAGE)
         self._fence_dst = self._new_buffer(4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        # err_flag of kernels with device-side checks (Kernel.checks), read back and zeroed
+        # after each submit holding one (QueueThread._check_device); zero when created
+        self._err = self._new_buffer(4, _STORAGE)
+        self._err_read = self._new_buffer(4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         self.qt = QueueThread(self, int(max_inflight
                                         or os.environ.get("RUNTIME_WGPU_MAX_INFLIGHT", 8)))
 
@@ -607,8 +278,9 @@ class WgpuBackend(Backend):
         """An operation of the queue thread failed; never dropped silently. A read fails its
         completion; a refused submit of a stream's batch fails the marks of the work it held
         (what it would have written reads as stale) and is reported on that stream (its next
-        completion); a refused write or readback submit is reported unattributed (the next
-        blocking call on any stream raises it)."""
+        completion); a loop-status or device-check readback that fails fails the mark of the
+        work it checks (its outcome is unknown); a refused write or readback submit is reported
+        unattributed (the next blocking call on any stream raises it)."""
         kind, obj, _ = op
         if kind == _MAP:
             err = LaunchError(f"wgpu: reading back {obj.size} bytes failed: {exc}")
@@ -620,6 +292,12 @@ class WgpuBackend(Backend):
                 mark.fail(err)
             s = obj.stream
             (self.failures if s.released else s.errors).append(err)
+        elif kind in (_CHECK, _DEVCHECK):     # its work's outcome is unknown: failed
+            mark, s = obj[1], obj[2]
+            err = _gpu_error(exc, "reading back a replay's loop status" if kind == _CHECK
+                             else "reading back a device-side check")
+            (self.failures if s.released else s.errors).append(
+                mark.fail(err) if mark is not None else err)
         elif kind in (_SUBMIT, _WRITE):
             what = "a submit" if kind == _SUBMIT else "a write_buffer"
             self.failures.append(_gpu_error(exc, what))
@@ -826,6 +504,9 @@ class WgpuBackend(Backend):
         if kernel.params:
             entries.append({"binding": len(kernel.bindings), "visibility": wgpu.ShaderStage.COMPUTE,
                             "buffer": {"type": "uniform"}})
+        if kernel.checks:               # err_flag (Kernel.checks), after the others
+            entries.append({"binding": len(entries), "visibility": wgpu.ShaderStage.COMPUTE,
+                            "buffer": {"type": "storage"}})
         try:
             module = self.dev.create_shader_module(label=kernel.name, code=kernel.wgsl)
             layout = self.dev.create_bind_group_layout(entries=entries)
@@ -867,6 +548,9 @@ class WgpuBackend(Backend):
             entries.append({"binding": program.nbind,
                             "resource": {"buffer": self._uniform(ubytes), "offset": 0,
                                          "size": len(ubytes)}})
+        if program.checked:
+            entries.append({"binding": len(entries),
+                            "resource": {"buffer": self._err, "offset": 0, "size": 4}})
         try:
             group = self.dev.create_bind_group(layout=program.layout, entries=entries)
         except Exception as exc:  # noqa: BLE001 - GPUValidationError: sizes, limits
@@ -922,7 +606,9 @@ class WgpuBackend(Backend):
         Raises: ``LaunchError`` (bad bindings, count over the limit). A dispatch that fails
             validation when its batch is finished fails ``mark`` (module doc).
         Streams: after ``stream``'s earlier work; submitted at ``max_tasks`` or the next blocking
-            call, ``flush``, ``wait_event`` from another stream, or ``copy_in``.
+            call, ``flush``, ``wait_event`` from another stream, or ``copy_in``; a kernel with
+            device-side checks (``Kernel.checks``) at once, its flag read back after it
+            (``QueueThread._check_device``: a failed check fails ``mark``).
         See also: ``GPUComputePassEncoder.set_pipeline``, ``set_bind_group``,
             ``dispatch_workgroups`` / ``dispatch_workgroups_indirect``.
         """
@@ -931,6 +617,13 @@ class WgpuBackend(Backend):
             return
         group = self._bind_group(program, args, params)
         cpass = self._pass(stream)
+        gate = None
+        if resolved[1] is not None:     # an indirect count: checked against the limit first
+            gate = self._count_gate(resolved[1], 0)
+            cpass.set_pipeline(gate[0])
+            cpass.set_bind_group(0, gate[1])
+            cpass.dispatch_workgroups(1, 1, 1)
+            stream.pipeline = gate[0]
         if stream.pipeline is not program.pipeline:
             cpass.set_pipeline(program.pipeline)
             stream.pipeline = program.pipeline
@@ -940,10 +633,16 @@ class WgpuBackend(Backend):
             cpass.dispatch_workgroups(*xyz)
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
-        stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   written_buffers(program.kernel, args)),), mark))
-        stream.tasks += 1
-        if stream.tasks >= self.max_tasks:
+        task = (program.pipeline, group, xyz, indirect, program.kernel,
+                written_buffers(program.kernel, args))
+        stream.log.append((None, (task,) if gate is None else (gate, task), mark))
+        stream.tasks += 1 if gate is None else 2
+        if program.checked or gate is not None:     # submitted now, its checks read back
+            self._submit(stream)
+            kernels = ((program.kernel,) if program.checked else ()) + (
+                (gate[4],) if gate is not None else ())
+            self.qt.push((_DEVCHECK, (kernels, mark, stream), 0))
+        elif stream.tasks >= self.max_tasks:
             self._submit(stream)
 
     # -- graphs ---------------------------------------------------------------------------
@@ -990,9 +689,28 @@ class WgpuBackend(Backend):
                 f"than {MAX_UNROLLED:,} (runtime.backends.wgpu.MAX_UNROLLED): wgpu records one "
                 "gated copy of the body per iteration; lower max_iterations, or loop on the host")
         if recording.count:
-            recording.tasks = self._flatten(recording.tree)
             self._set_checks(recording)
+        recording.tasks = self._flatten(recording.tree)
+        recording.checked = _checked(recording.tasks)
         return recording
+
+    def _count_gate(self, buf, offset: int) -> tuple:
+        """A dispatch that fails a device-side check when one of the three u32 workgroup counts
+        at byte ``offset`` of ``buf`` is past the device's per-dimension limit (WebGPU skips such
+        an indirect dispatch without a word: now its launch or replay fails, ``LaunchError``)."""
+        prog = getattr(self, "_gate_counts", None)
+        if prog is None:
+            from ..kernel import Binding, Kernel, Param
+            limit = self.max_workgroups[0]
+            kernel = Kernel("indirect_count_check", [Binding("counts", "u32", "read")],
+                            [Param("at", "u32"), Param("limit", "u32")], (1, 1, 1),
+                            wgsl=COUNT_CHECK_WGSL, checks=(
+                                f"an indirect workgroup count past the device's per-dimension "
+                                f"limit ({limit}): WebGPU ran nothing for that dispatch",))
+            prog = self._gate_counts = self.compile(kernel)
+        group = self._bind_group(prog, ((buf, offset + 12),),
+                                 (offset // 4, self.max_workgroups[0]))
+        return (prog.pipeline, group, (1, 1, 1), None, prog.kernel, ())
 
     # -- conditional nodes (WgpuCond) ------------------------------------------------------
     def _gate_program(self):
@@ -1098,11 +816,21 @@ class WgpuBackend(Backend):
             graph.status = self._new_buffer(4 * len(checks), wgpu.BufferUsage.MAP_READ
                                             | wgpu.BufferUsage.COPY_DST)
 
-    @staticmethod
-    def _flatten(tree) -> list:
+    def _flatten(self, tree) -> list:
+        """The dispatches a replay encodes: ``tree``'s, each node's ``flat`` in its place and a
+        count check (:meth:`_count_gate`) before each indirect dispatch of the top level (a
+        node's own indirect counts are written by its gate, from recorded counts). ``tree``
+        itself when it holds neither."""
+        if not any(not isinstance(t, tuple) or t[3] is not None for t in tree):
+            return tree
         out = []
         for t in tree:
-            out.extend([t] if isinstance(t, tuple) else t.flat)
+            if not isinstance(t, tuple):
+                out.extend(t.flat)
+            elif t[3] is not None:
+                out += [self._count_gate(t[3], t[2] or 0), t]
+            else:
+                out.append(t)
         return out
 
     def update_graph(self, stream, graph: WgpuGraph, changes: dict, conds: dict):
@@ -1142,9 +870,10 @@ class WgpuBackend(Backend):
         for node in built:           # innermost first: patch appends children before parents
             self._finish(node)
         graph.tree = tree
-        graph.tasks = self._flatten(tree) if graph.count else tree
+        graph.tasks = self._flatten(tree)
         if graph.count:
             self._set_checks(graph)
+        graph.checked = _checked(graph.tasks)
         return graph
 
     def abort_graph(self, recording: WgpuGraph) -> None:
@@ -1188,6 +917,8 @@ class WgpuBackend(Backend):
         self._submit(stream)
         if checks:
             self.qt.push((_CHECK, (graph, mark, stream), 0))
+        if graph.checked:            # device-side checks (Kernel.checks): read back after it
+            self.qt.push((_DEVCHECK, (graph.checked, mark, stream), 0))
 
     def destroy_graph(self, stream, graph: WgpuGraph) -> None:
         """Submit ``stream``'s pending work, then drop the graph's references: submitted command

@@ -430,7 +430,12 @@ class ComputeClient:
         elif isinstance(event, tuple) and len(event) == 2:
             warnings.warn("wait_event((stream, position)) is deprecated: pass the Event "
                           "record_event() returns", DeprecationWarning, stacklevel=2)
-            token = event
+            if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                       for v in event) or event[1] < 0:      # (was taken silently: ADV6)
+                raise TypeError(f"wait_event((stream, position)) takes a stream id and a "
+                                f"position >= 0 (ints), got {event!r}; pass the Event "
+                                "record_event() returns")
+            token = (int(event[0]), int(event[1]))
         else:
             raise TypeError(f"wait_event takes the Event record_event() returns, got {event!r}")
         srv.call(srv.h_wait_event, self._sid, token)

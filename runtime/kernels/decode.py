@@ -50,9 +50,10 @@ def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
 
 
 #: ``out[c] = wte[token[0], c] + wpe[pos[0], c]`` for ``c < H``: ``token``/``pos`` are one-element
-#: ``i32`` buffers read on the device (``token`` must index inside ``wte``: the cpu body raises
-#: ``IndexError`` (a ``LaunchError``) outside it, wgpu/cuda do not check; ``pos`` is clamped to
-#: ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
+#: ``i32`` buffers read on the device (``token`` must index inside ``wte``: outside it the launch
+#: fails with ``LaunchError``: ``IndexError`` on cpu, a device-side check on wgpu
+#: (``Kernel.checks``, found after the submit; its output reads raise); cuda does not check;
+#: ``pos`` is clamped to ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
 embed_at = program(
     "embed_at", [("token", "i32", R), ("pos", "i32", R), ("wte", "f32", R), ("wpe", "f32", R),
                  ("out", "f32", W)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
@@ -60,8 +61,12 @@ embed_at = program(
     if (c < p.H) {{
         let t = u32(token[0]);
         let q = min(u32(max(pos[0], 0)), p.T - 1u);
-        out[c] = wte[t * p.H + c] + wpe[q * p.H + c];
-    }}""", cpu=_embed_at_cpu)
+        if (t >= arrayLength(&wte) / p.H) {{
+            atomicMax(&err_flag[0], 1u);
+        }} else {{
+            out[c] = wte[t * p.H + c] + wpe[q * p.H + c];
+        }}
+    }}""", cpu=_embed_at_cpu, checks=("token outside the rows of wte",))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -178,7 +178,10 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
 
 #: ``out[r, c] = word[ids[r], c] + pos[r % S, c] + ttab[types[r], c]`` for ``r < n / H`` rows
 #: (``S`` tokens per sequence; positions restart at 0 in each). ``ids``/``types`` are ``i32``
-#: and must index inside their tables (not checked on the device). Launch over ``grid(n)``.
+#: and must index inside their tables (rows: a table's elements over ``H``), and ``S`` must not
+#: exceed the rows of ``pos``: outside them the launch fails with ``LaunchError`` (``IndexError``
+#: on cpu; a device-side check on wgpu, ``Kernel.checks``, found after the submit; its output
+#: reads raise). cuda does not check. Launch over ``grid(n)``.
 embedding = program(
     "embedding", [("ids", "i32", R), ("types", "i32", R), ("word", "f32", R), ("pos", "f32", R),
                   ("ttab", "f32", R), ("out", "f32", W)],
@@ -187,9 +190,20 @@ embedding = program(
     if (i < p.n) {{
         let r = i / p.H;
         let c = i % p.H;
-        out[i] = word[u32(ids[r]) * p.H + c] + pos[(r % p.S) * p.H + c]
-            + ttab[u32(types[r]) * p.H + c];
-    }}""", cpu=_embedding_cpu)
+        let w = u32(ids[r]);
+        let t = u32(types[r]);
+        let q = r % p.S;
+        if (w >= arrayLength(&word) / p.H) {{
+            atomicMax(&err_flag[0], 1u);
+        }} else if (t >= arrayLength(&ttab) / p.H) {{
+            atomicMax(&err_flag[0], 2u);
+        }} else if (q >= arrayLength(&pos) / p.H) {{
+            atomicMax(&err_flag[0], 3u);
+        }} else {{
+            out[i] = word[w * p.H + c] + pos[q * p.H + c] + ttab[t * p.H + c];
+        }}
+    }}""", cpu=_embedding_cpu, checks=("ids outside the rows of word", "types outside the rows of "
+                                       "ttab", "positions (S) outside the rows of pos"))
 
 # ---------------------------------------------------------------------------------------------
 # Matmul: out[M, N] = A[M, K] @ W[K, N] (+ b[N]) (then GELU)

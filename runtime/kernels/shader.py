@@ -20,6 +20,11 @@ The subset:
 - Bindings are used by name (``x[i]``); params as ``p.name``. Helper functions
   (``fn f(a: f32) -> f32 { ... }``) may only do arithmetic: they cannot see the bindings in CUDA.
 - Workgroup memory is declared with ``shared=[("name", "f32", size)]``.
+- Device-side checks (``program(..., checks=[message, ...])``): ``atomicMax(&err_flag[0], ku);``
+  fails check ``k`` (``Kernel.checks``); ``arrayLength(&name)`` is a binding's element count
+  (the bound handle's ``nbytes`` over the item size). CUDA has neither a binding length nor a
+  reader of the flag yet: there ``arrayLength`` reads as ``0xffffffffu`` and ``err_flag`` is a
+  ``__device__`` global, so cuda does not check.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ _TO_CUDA = [
     (re.compile(r"\bexp\("), "expf("),
     (re.compile(r"\bsqrt\("), "sqrtf("),
     (re.compile(r"\babs\("), "fabsf("),
+    (re.compile(r"\barrayLength\(\s*&\s*\w+\s*\)"), "0xffffffffu"),
 ]
 _FN = re.compile(r"\bfn\s+(\w+)\s*\(([^)]*)\)\s*->\s*(\w+)\s*\{")
 
@@ -67,7 +73,7 @@ def to_cuda(text: str) -> str:
 
 
 def program(name: str, bindings, params, workgroup_size, body: str, *, shared=(), helpers="",
-            cpu=None, elements=None) -> Kernel:
+            cpu=None, elements=None, checks=()) -> Kernel:
     """Build a :class:`~runtime.Kernel` whose WGSL and CUDA sources share one body.
 
     Args:
@@ -81,6 +87,8 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
         cpu: the numpy callable (``runtime.kernel`` conventions).
         elements: the ``Kernel`` keyword: the integer param counting the elements each binding
             (or each binding of a ``{binding: param}`` dict) must hold; checked by the server.
+        checks: the messages of the body's device-side checks (``Kernel.checks``; the module
+            docstring says how the body fails one); declares ``err_flag``.
     Returns:
         a ``Kernel`` with ``wgsl``, ``cuda`` and ``cpu`` sources.
     Raises:
@@ -96,6 +104,9 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
     if params:
         lines.append("struct Params { " + ", ".join(f"{q.name}: {q.dtype}" for q in params) + " }")
         lines.append(f"@group(0) @binding({len(bindings)}) var<uniform> p: Params;")
+    if checks:
+        lines.append(f"@group(0) @binding({len(bindings) + bool(params)}) "
+                     "var<storage, read_write> err_flag: array<atomic<u32>>;")
     lines += [f"var<workgroup> {n}: array<{t}, {s}>;" for n, t, s in shared]
     wgsl = "\n".join(lines) + f"""
 {helpers}
@@ -115,6 +126,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(local_invocation_
         struct = f"struct {name}_params {{ {fields} }};"
         init = f"    const {name}_params p = {{{', '.join(q.name for q in params)}}};"
     smem = "\n".join(f"__shared__ {t} {n}[{s}];" for n, t, s in shared)
+    if checks:
+        smem += "\n__device__ u32 err_flag[1];"
     cuda = f"""{_CUDA_PRELUDE}{struct}
 {smem}
 {to_cuda(helpers)}
@@ -128,7 +141,7 @@ extern "C" __global__ void {name}({', '.join(args)}) {{
 }}
 """
     return Kernel(name, bindings, params, (wgx, wgy, wgz), wgsl=wgsl, cuda=cuda, cpu=cpu,
-                  elements=elements)
+                  elements=elements, checks=checks)
 
 
 #: WGSL helpers for kernels that must carry NaN through: WGSL leaves ``min``/``max`` with a NaN

@@ -374,9 +374,18 @@ class MiniLM:
             return bk.graph.replay().numpy()[:b]
 
     def _capture(self, batch: int, seq_len: int) -> _Bucket:
+        evicted = False
         while len(self._buckets) >= max(self.max_graphs, 1):
             _, old = self._buckets.popitem(last=False)
             old.release()
+            evicted = True
+        if evicted:     # bounded by the live buckets: free what only evicted ones used
+            live = set()
+            for bk in self._buckets.values():
+                info = bk.graph.graph.info() if bk.graph is not None and bk.graph.graph else None
+                if info:
+                    live.update(info["reads"], info["writes"])
+            self.arena.trim(keep=live)
         bk = _Bucket(self, batch, seq_len)
         bk.ids.write(np.zeros((batch, seq_len), np.int32))
         bk.types.write(np.zeros((batch, seq_len), np.int32))

@@ -45,6 +45,7 @@ wake-up per ~0.1 s at most, and the look, which takes the GIL, stays rare.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -161,6 +162,9 @@ class DeviceQueue:
         #: then sets ``_wake``. The thread sets it first, then looks at ``lazy``, and the owner
         #: appends first, then reads it: either the thread sees the work or the owner wakes it.
         self.lazy_asleep = False
+        #: run by the device thread as it ends after a death (the server: close the backend,
+        #: whose workers would otherwise outlive it; a shutdown closes it in its last message)
+        self.on_death = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _QUEUES.add(self)
@@ -535,6 +539,9 @@ class DeviceQueue:
         finally:
             if not self.closed:
                 self._die(RuntimeError("device thread exited"))
+            if self.death is not None and self.on_death is not None:
+                with contextlib.suppress(Exception):
+                    self.on_death()
 
     def _take_owner(self) -> bool:
         """The device thread waited ``OWNER_CHECK_S`` for the owner lock with messages queued:
@@ -568,6 +575,7 @@ class DeviceQueue:
             if not isinstance(exc, _Fatal):
                 traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         self.closed = True
+        self._wake.set()                # the device thread ends (and runs on_death)
         self._fail_pending()
         with self._room:
             self._room.notify_all()

@@ -128,6 +128,7 @@ class ComputeServer:
                                  reentrant=getattr(backend, "reentrant", None),
                                  in_kernel=getattr(backend, "in_kernel", None))
         self.queue.run_lazy = self._run_lazy
+        self.queue.on_death = backend.close     # SOAK6: a dead server's workers end too
         self.marks.before_take = self._reap_busy
         self.queue.message_error = self._on_async_error
         backend.on_room = self.queue.notify_room

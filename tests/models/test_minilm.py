@@ -127,6 +127,36 @@ def test_run_bucket_pads_into_the_bucket_and_evicts_the_least_recently_used(cpu_
     assert SEQ_BUCKETS[-1] == model.max_seq_length and BATCH_BUCKETS[-1] == 32
 
 
+def test_evicted_buckets_leave_the_arena_so_memory_follows_the_live_buckets(cpu_model, ref):
+    """A table keyed by shapes stays bounded by live work: with ``max_graphs=2``, a run of
+    ever larger buckets (``run_bucket`` takes any sizes) and then small ones leaves the arena
+    and the server's bytes in use at what the two live buckets hold, not every shape run
+    (before: every evicted bucket's temporaries stayed in the model's arena for ever)."""
+    r = cpu_model.replica(max_graphs=2)
+    try:
+        ids, mask = r.tokenize(sentences(ref)[:1])
+        ids, mask = ids[:, :8], mask[:, :8]
+        want = r.forward(ids, mask)                    # eager
+        base = None
+        for b in range(1, 9):                          # ever larger: (1, 12) ... (8, 40)
+            r.run_bucket(b, 8 + 4 * b, ids, mask)
+            if b == 2:
+                base = r.client.memory_usage()["bytes_in_use"]
+        for s in range(8, 14):                         # then small ones: the large ones go
+            got = r.run_bucket(1, s, ids, mask)
+            assert np.abs(got - want).max() < 1e-5
+        assert len(r.buckets) == 2
+        live = set()
+        for bk in r._buckets.values():
+            info = bk.graph.graph.info()
+            live.update(info["reads"], info["writes"])
+        assert all(h.id in live for h in r.arena._all), "the arena keeps an evicted bucket's"
+        assert r.arena.nbytes < 8 * 2**20
+        assert r.client.memory_usage()["bytes_in_use"] < base + 8 * 2**20
+    finally:
+        r.release()
+
+
 def test_bad_inputs_raise_before_anything_runs(model):
     with pytest.raises(ValueError, match="vocabulary|ids"):
         model.forward(np.array([[101, 10 ** 6]]), np.ones((1, 2)))

@@ -1,0 +1,194 @@
+"""A bad value read on the device fails the launch on every backend that checks (never silent).
+
+``embedding`` and ``embed_at`` index tables with ids read from device buffers. On cpu the body
+raises ``IndexError``; on wgpu the kernel fails a device-side check (``Kernel.checks``: it sets
+the backend's ``err_flag``, read back after the submit), so in both the launch (or the replay
+holding it) fails with ``LaunchError``, what it writes is marked, and a read of it raises
+``ReplayFailed`` (design.md section 4) instead of returning zeros or clamped rows. cuda does not
+check (documented on the kernels): skipped there with that reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import runtime
+from helpers import captured
+from runtime import kernels as K
+from runtime.errors import ReplayFailed
+from runtime.kernel import Kernel
+from runtime.kernels.decode import embed_at
+from runtime.kernels.shader import program
+
+H, V, S, T, ROWS = 8, 5, 4, 2, 6
+RNG = np.random.default_rng(7)
+WORD = RNG.standard_normal((V, H)).astype(np.float32)
+POS = RNG.standard_normal((S, H)).astype(np.float32)
+TTAB = RNG.standard_normal((T, H)).astype(np.float32)
+IDS = np.array([0, 1, 4, 2, 3, 1], np.int32)
+TYPES = np.array([0, 1, 0, 1, 1, 0], np.int32)
+
+
+@pytest.fixture
+def checked(client, backend):
+    if backend == "cuda":
+        pytest.skip("cuda does not check ids on the device (runtime.kernels.embedding docs)")
+    return client
+
+
+def _reference(ids, types, s=S):
+    r = np.arange(ROWS)
+    return (WORD[ids] + POS[r % s] + TTAB[types]).reshape(-1)
+
+
+class _Embedding:
+    def __init__(self, c, s=S, graph=False):
+        self.c, self.s = c, s
+        self.ids, self.types = c.create(IDS), c.create(TYPES)
+        self.word, self.pos, self.ttab = c.create(WORD), c.create(POS), c.create(TTAB)
+        self.out = c.empty(ROWS * H, np.float32)
+        self.g = captured(c, self.launch) if graph else None
+
+    def launch(self):
+        self.c.launch(K.embedding, K.grid(ROWS * H),
+                      [self.ids, self.types, self.word, self.pos, self.ttab, self.out],
+                      {"H": H, "S": self.s, "n": ROWS * H})
+
+    def run(self):
+        self.g.replay() if self.g is not None else self.launch()
+
+
+def _raises(c, handle, what):
+    with pytest.raises(ReplayFailed) as info:
+        c.read(handle)
+    assert what in str(info.value)
+    try:
+        c.sync()                    # every error was raised once, by the read
+    except runtime.ServerError as e:    # pragma: no cover - a failure message
+        pytest.fail(f"sync after the raising read raised again: {e!r}")
+
+
+BAD = {
+    "id past the table": ("ids", lambda a: a.__setitem__(2, V), "ids"),
+    "negative id": ("ids", lambda a: a.__setitem__(0, -1), "ids"),
+    "type past the table": ("types", lambda a: a.__setitem__(3, T), "types"),
+}
+
+
+@pytest.mark.parametrize("via", ["launch", "replay"])
+@pytest.mark.parametrize("case", list(BAD))
+def test_an_embedding_id_outside_its_table_fails_the_launch_and_its_reads(checked, via, case):
+    c = checked
+    e = _Embedding(c, graph=via == "replay")
+    e.run()
+    np.testing.assert_allclose(c.read(e.out), _reference(IDS, TYPES), rtol=1e-6)
+    which, spoil, what = BAD[case]
+    bad = (IDS if which == "ids" else TYPES).copy()
+    spoil(bad)
+    c.write(getattr(e, which), bad)
+    e.run()
+    _raises(c, e.out, what)
+    with pytest.raises(ReplayFailed):   # until a later write lands
+        c.read(e.out)
+    c.write(getattr(e, which), IDS if which == "ids" else TYPES)
+    e.run()                         # the flag was cleared: the next run is clean
+    np.testing.assert_allclose(c.read(e.out), _reference(IDS, TYPES), rtol=1e-6)
+
+
+def test_a_sequence_longer_than_the_position_table_fails(checked):
+    c = checked
+    e = _Embedding(c, s=S + 2)      # rows 4 and 5 want positions 4 and 5: the table has 4
+    e.run()
+    _raises(c, e.out, "pos")
+
+
+def test_work_reading_a_failed_embedding_fails_too_and_other_work_does_not(checked):
+    c = checked
+    e = _Embedding(c)
+    bad = IDS.copy()
+    bad[1] = 1000
+    c.write(e.ids, bad)
+    e.run()
+    y = c.empty(ROWS * H, np.float32)
+    c.launch(K.gelu, K.grid(ROWS * H), [e.out, y], {"n": ROWS * H})    # reads the failed output
+    x = c.create(np.arange(16, dtype=np.float32))
+    z = c.empty(16, np.float32)
+    c.launch(K.add_scalar, K.grid(16), [x, z], {"alpha": 2.0, "n": 16})  # unrelated, after it
+    with pytest.raises(ReplayFailed):
+        c.read(y)
+    np.testing.assert_array_equal(c.read(z), np.arange(16, dtype=np.float32) + 2.0)
+    with pytest.raises(ReplayFailed):
+        c.read(e.out)
+
+
+def test_embed_at_with_a_token_outside_its_table_fails(checked):
+    c = checked
+    wte, wpe = c.create(WORD), c.create(POS)
+    tok, pos = c.create(np.array([V + 3], np.int32)), c.create(np.array([1], np.int32))
+    out = c.empty(H, np.float32)
+    c.launch(embed_at, K.grid(H), [tok, pos, wte, wpe, out], {"H": H, "T": S})
+    _raises(c, out, "token")
+    c.write(tok, np.array([3], np.int32))
+    c.launch(embed_at, K.grid(H), [tok, pos, wte, wpe, out], {"H": H, "T": S})
+    np.testing.assert_allclose(c.read(out), WORD[3] + POS[1], rtol=1e-6)
+
+
+def test_program_declares_the_flag_in_both_dialects_and_checks_are_typed():
+    k = program("chk", [("x", "i32", "read"), ("y", "f32", "write")], [("n", "u32")], (64, 1, 1),
+                """
+    let i = wg.x * 64u + lidx;
+    if (i < p.n) {
+        if (u32(x[i]) >= arrayLength(&y)) { atomicMax(&err_flag[0], 1u); } else { y[i] = 1.0f; }
+    }""", checks=("x outside y",))
+    assert k.checks == ("x outside y",)
+    assert "@binding(3) var<storage, read_write> err_flag: array<atomic<u32>>;" in k.wgsl
+    assert "__device__ u32 err_flag[1];" in k.cuda and "arrayLength" not in k.cuda
+    with pytest.raises(TypeError, match="checks"):
+        Kernel("bad", [("x", "f32", "read")], cpu=lambda x, count: None, checks="x outside")
+
+
+def test_a_check_that_cannot_be_read_back_fails_the_work_it_checks(checked, backend, monkeypatch):
+    if backend != "wgpu":
+        pytest.skip("the readback is wgpu's (cpu raises in the body)")
+    from runtime.backends import wgpu as W
+
+    def lost(self, kernels, mark, stream):
+        raise RuntimeError("device lost while mapping")
+    monkeypatch.setattr(W.QueueThread, "_check_device", lost)
+    c = checked
+    e = _Embedding(c)
+    e.run()                         # good ids, but nobody can tell: not returned as if fine
+    with pytest.raises(ReplayFailed, match="device-side check"):
+        c.read(e.out)
+    monkeypatch.undo()
+    e.run()
+    np.testing.assert_allclose(c.read(e.out), _reference(IDS, TYPES), rtol=1e-6)
+
+
+@pytest.mark.parametrize("via", ["launch", "replay"])
+def test_an_indirect_count_past_the_limit_fails_instead_of_running_nothing(checked, backend, via):
+    """WebGPU skips an indirect dispatch whose count is past the per-dimension limit without a
+    word: the launch (or the replay) now fails and its output reads raise; within the limit
+    the same buffers give the right values again."""
+    if backend != "wgpu":
+        pytest.skip("cpu has no per-dimension limit; cuda reads indirect counts on the host")
+    c = checked
+    limit = c.capabilities["max_workgroups"][0]
+    x = c.create(np.arange(64, dtype=np.float32))
+    y = c.create(np.zeros(64, np.float32))
+    counts = c.create(np.array([1, 1, 1], np.uint32))
+
+    def run():
+        c.launch(K.add_scalar, counts, [x, y], {"alpha": 1.0, "n": 64})
+    go = captured(c, run).replay if via == "replay" else run
+    go()
+    np.testing.assert_array_equal(c.read(y), np.arange(64, dtype=np.float32) + 1)
+    c.write(y, np.zeros(64, np.float32))
+    c.write(counts, np.array([1, limit + 1, 1], np.uint32))
+    go()
+    _raises(c, y, "per-dimension limit")
+    c.write(counts, np.array([1, 1, 1], np.uint32))
+    c.write(y, np.zeros(64, np.float32))    # (an indirect launch may write nothing: its output
+    go()                                    # keeps the failure of the last writer until then)
+    np.testing.assert_array_equal(c.read(y), np.arange(64, dtype=np.float32) + 1)

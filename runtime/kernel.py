@@ -100,6 +100,11 @@ class Kernel:
             its submit, which marks what it writes (design.md section 4: a read raises). On cuda
             ``err_flag`` is a ``__device__`` global nobody reads yet: not checked there.
             ``()`` (the default): none.
+        ranges: ``{param name: (lo, hi)}``: the values an integer param may take (inclusive),
+            where the device sources hold a fixed size (a workgroup array of ``MAX_CACHE``
+            rows, a head dim compiled in): ``pack_params`` (every launch, capture and
+            ``Graph.update``) raises ``ValueError`` outside them on every backend, instead of
+            a GPU reading past the array or computing with the compiled size. ``None``: none.
 
     Raises:
         TypeError / ValueError: a malformed description (unknown dtype or access, no source,
@@ -111,11 +116,11 @@ class Kernel:
 
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
-                 "element_checks", "checks", "__weakref__")
+                 "element_checks", "checks", "ranges", "_ranges", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
-                 elements=None, checks=()):
+                 elements=None, checks=(), ranges=None):
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"kernel name must be an identifier, got {name!r}")
         self.name = name
@@ -152,6 +157,25 @@ class Kernel:
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
                             f"got {checks!r}")
         self.checks = tuple(checks)
+        self.ranges = dict(ranges or {})
+        #: ``((param index, lo, hi), ...)`` of ``ranges`` (empty: pack_params' one extra test)
+        self._ranges = self._range_checks(self.ranges)
+
+    def _range_checks(self, ranges) -> tuple:
+        out = []
+        for pname, bounds in ranges.items():
+            if pname not in self.param_names or self.params[self.param_names.index(pname)].dtype == "f32":
+                raise ValueError(f"kernel {self.name}: ranges names {pname!r}, not one of its "
+                                 f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
+            lo, hi = bounds
+            out.append((self.param_names.index(pname), int(lo), int(hi)))
+        return tuple(out)
+
+    def _range_error(self, out: tuple) -> None:
+        for i, lo, hi in self._ranges:
+            if not lo <= out[i] <= hi:
+                raise ValueError(f"kernel {self.name}: param {self.param_names[i]}={out[i]} is "
+                                 f"outside [{lo}, {hi}], the sizes its device sources hold")
 
     def _element_checks(self, elements) -> tuple:
         if elements is None:
@@ -205,7 +229,8 @@ class Kernel:
         Returns:
             a tuple of Python ``float``/``int`` in param order.
         Raises:
-            TypeError / ValueError: missing, unknown or non-numeric params.
+            TypeError / ValueError: missing, unknown or non-numeric params; ``ValueError``: a
+                param outside its declared ``ranges``.
         """
         if values is None:
             values = ()
@@ -221,6 +246,8 @@ class Kernel:
                     if not 0 <= out[i] < 2147483648:
                         break
                 else:
+                    if self._ranges:
+                        self._range_error(out)
                     return out
         if isinstance(values, dict):
             unknown = set(values) - set(self.param_names)
@@ -252,7 +279,10 @@ class Kernel:
                 if not lo <= iv <= hi:
                     raise ValueError(f"kernel {self.name}: param {p.name}={iv} is out of range for {p.dtype}")
                 out.append(iv)
-        return tuple(out)
+        out = tuple(out)
+        if self._ranges:
+            self._range_error(out)
+        return out
 
     def uniform_bytes(self, values: tuple) -> bytes:
         """Params packed as a WGSL uniform struct: 4 bytes each, padded to 16 bytes."""

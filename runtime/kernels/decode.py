@@ -109,7 +109,8 @@ def _causal_attend_cpu(qkv, pos, kc, vc, out, *, heads, hd, T, off, scale, count
 #: ``out[h*hd + d] = sum_j softmax_j(scale * q_h . kc[j, h]) vc[j, h, d]`` over cache rows
 #: ``j <= pos[0]`` (the mask comes from the device position; later rows are never read). ``q`` is
 #: the first ``H = heads*hd`` values of the packed ``qkv``; ``off`` is the layer's element offset
-#: in ``kc``/``vc`` (``[T, H]`` blocks). ``T <= MAX_CACHE``, ``hd <= MAX_HEAD_DIM``.
+#: in ``kc``/``vc`` (``[T, H]`` blocks). ``1 <= T <= MAX_CACHE``, ``1 <= hd <= MAX_HEAD_DIM``
+#: (``Kernel.ranges``: a launch outside them raises ``ValueError`` on every backend).
 #: Launch over ``(heads, 1, 1)``.
 causal_attend = program(
     "causal_attend", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", R), ("vc", "f32", R),
@@ -151,7 +152,8 @@ causal_attend = program(
         for (var j = 0u; j <= last; j++) {{ acc += sc[j] * vc[p.off + j * H + h * p.hd + d]; }}
         out[h * p.hd + d] = acc * inv;
     }}""", shared=[("qs", "f32", MAX_HEAD_DIM), ("sc", "f32", MAX_CACHE),
-                  ("red", "f32", DECODE_WORKGROUP)], cpu=_causal_attend_cpu)
+                  ("red", "f32", DECODE_WORKGROUP)], cpu=_causal_attend_cpu,
+    ranges={"T": (1, MAX_CACHE), "hd": (1, MAX_HEAD_DIM)})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -679,7 +679,7 @@ def _attention(hd: int):
          ("k_off", "u32"), ("v_off", "u32"), ("ld_out", "u32"), ("scale", "f32")],
         (ATTN_WORKGROUP, 1, 1), body,
         shared=[("Ks", "f32", tk * hd), ("Vs", "f32", tk * hd), ("Ms", "f32", tk)],
-        cpu=_attention_cpu)
+        cpu=_attention_cpu, ranges={"hd": (hd, hd)})     # (the sources compile hd in)
 
 
 _ATTN: dict = {}

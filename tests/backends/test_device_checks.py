@@ -192,3 +192,32 @@ def test_an_indirect_count_past_the_limit_fails_instead_of_running_nothing(check
     c.write(y, np.zeros(64, np.float32))    # (an indirect launch may write nothing: its output
     go()                                    # keeps the failure of the last writer until then)
     np.testing.assert_array_equal(c.read(y), np.arange(64, dtype=np.float32) + 1)
+
+
+def test_a_param_past_the_size_the_sources_hold_is_refused_on_every_backend(client):
+    """causal_attend keeps scores in a workgroup array of MAX_CACHE rows and q in one of
+    MAX_HEAD_DIM; attention_hd32 compiles its head dim in. A launch past them read and wrote
+    past the arrays on the GPU (silently wrong) while cpu computed it: now ``ValueError`` at
+    the call on every backend (``Kernel.ranges``), and the server serves on."""
+    from runtime.kernels import decode as D
+    c = client
+    heads, hd, T = 2, 4, D.MAX_CACHE + 1
+    H = heads * hd
+    qkv, pos = c.create(np.ones(3 * H, np.float32)), c.create(np.array([0], np.int32))
+    kc, vc = c.create(np.ones(T * H, np.float32)), c.create(np.ones(T * H, np.float32))
+    out = c.empty(H, np.float32)
+    base = {"heads": heads, "hd": hd, "off": 0, "scale": 0.5}
+    for bad, match in (({"T": T}, r"T=1025 is outside \[1, 1024\]"),
+                       ({"T": 0}, r"T=0 is outside"),
+                       ({"T": 8, "hd": D.MAX_HEAD_DIM + 1, "heads": 1}, r"hd=")):
+        with pytest.raises(ValueError, match=match):
+            c.launch(D.causal_attend, (heads, 1, 1), [qkv, pos, kc, vc, out], {**base, **bad})
+    c.launch(D.causal_attend, (heads, 1, 1), [qkv, pos, kc, vc, out], {**base, "T": 8})
+    np.testing.assert_allclose(c.read(out), np.ones(H, np.float32), rtol=1e-6)
+    att = K.nn.attention_for(32)
+    with pytest.raises(ValueError, match=r"hd=64 is outside \[32, 32\]"):
+        att.pack_params({"S": 4, "heads": 1, "hd": 64, "ld_in": 64, "q_off": 0, "k_off": 0,
+                         "v_off": 0, "ld_out": 64, "scale": 1.0})
+    with pytest.raises(ValueError, match="ranges names 'x'"):
+        Kernel("r", [("y", "f32", "write")], [("n", "u32")], cpu=lambda y, count, n: None,
+               ranges={"x": (0, 1)})

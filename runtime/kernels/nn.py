@@ -168,6 +168,9 @@ add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f
 
 def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
     rows = n // H
+    if ids.size < rows or types.size < rows:        # (the loop would read past them)
+        raise IndexError(f"embedding: ids/types hold {min(ids.size, types.size)} rows, "
+                         f"n / H = {rows}")
     tables = [t[:t.size - t.size % H].reshape(-1, H) for t in (word, pos, ttab)]
     for name, idx, tab in (("ids", ids[:rows], tables[0]), ("types", types[:rows], tables[2]),
                            ("positions", np.array([min(rows, S) - 1]), tables[1])):
@@ -178,8 +181,8 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
 
 #: ``out[r, c] = word[ids[r], c] + pos[r % S, c] + ttab[types[r], c]`` for ``r < n / H`` rows
 #: (``S`` tokens per sequence; positions restart at 0 in each). ``ids``/``types`` are ``i32``
-#: and must index inside their tables (rows: a table's elements over ``H``), and ``S`` must not
-#: exceed the rows of ``pos``: outside them the launch fails with ``LaunchError`` (``IndexError``
+#: and must index inside their tables (rows: a table's elements over ``H``), hold ``n / H`` rows
+#: each, and ``S`` must not exceed the rows of ``pos``: outside them the launch fails with ``LaunchError`` (``IndexError``
 #: on cpu; a device-side check on wgpu, ``Kernel.checks``, found after the submit; its output
 #: reads raise). cuda does not check. Launch over ``grid(n)``.
 embedding = program(
@@ -193,7 +196,9 @@ embedding = program(
         let w = u32(ids[r]);
         let t = u32(types[r]);
         let q = r % p.S;
-        if (w >= arrayLength(&word) / p.H) {{
+        if (r >= arrayLength(&ids) || r >= arrayLength(&types)) {{
+            atomicMax(&err_flag[0], 4u);
+        }} else if (w >= arrayLength(&word) / p.H) {{
             atomicMax(&err_flag[0], 1u);
         }} else if (t >= arrayLength(&ttab) / p.H) {{
             atomicMax(&err_flag[0], 2u);
@@ -203,7 +208,9 @@ embedding = program(
             out[i] = word[w * p.H + c] + pos[q * p.H + c] + ttab[t * p.H + c];
         }}
     }}""", cpu=_embedding_cpu, checks=("ids outside the rows of word", "types outside the rows of "
-                                       "ttab", "positions (S) outside the rows of pos"))
+                                       "ttab", "positions (S) outside the rows of pos",
+                                       "ids/types hold fewer than n / H rows"),
+    elements={"out": "n"})
 
 # ---------------------------------------------------------------------------------------------
 # Matmul: out[M, N] = A[M, K] @ W[K, N] (+ b[N]) (then GELU)

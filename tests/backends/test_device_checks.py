@@ -96,6 +96,17 @@ def test_an_embedding_id_outside_its_table_fails_the_launch_and_its_reads(checke
     np.testing.assert_allclose(c.read(e.out), _reference(IDS, TYPES), rtol=1e-6)
 
 
+def test_ids_shorter_than_the_rows_fail_on_every_backend_that_checks(checked):
+    """``n / H`` rows need as many ids and types: a shorter ids buffer was read past its end
+    (numba on cpu, robust access on wgpu) and gave rows from whatever was there."""
+    c = checked
+    e = _Embedding(c)
+    short = c.create(IDS[:ROWS - 2])
+    c.launch(K.embedding, K.grid(ROWS * H), [short, e.types, e.word, e.pos, e.ttab, e.out],
+             {"H": H, "S": S, "n": ROWS * H})
+    _raises(c, e.out, "rows")
+
+
 def test_a_sequence_longer_than_the_position_table_fails(checked):
     c = checked
     e = _Embedding(c, s=S + 2)      # rows 4 and 5 want positions 4 and 5: the table has 4

@@ -328,7 +328,9 @@ def _matmul(name: str, bias: bool, act: str | None, rows: int = 8):
     binds = [("a", "f32", R), ("w", "f32", R)] + ([("bias", "f32", R)] if bias else [])
     return program(name, binds + [("out", "f32", W)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
                    (th, th, 1), body, shared=[("As", "f32", bk * tm), ("Ws", "f32", bk * tn)],
-                   helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act))
+                   helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act),
+                   elements={"a": ("M", "K"), "w": ("K", "N"), "out": ("M", "N"),
+                             **({"bias": "N"} if bias else {})})
 
 
 _EPILOGUES = {"matmul": (False, None), "matmul_bias": (True, None),
@@ -446,7 +448,9 @@ def _layer_norm(name: str, residual: bool):
     binds += [("gamma", "f32", R), ("beta", "f32", R), ("out", "f32", W)]
     return program(name, binds, [("rows", "u32"), ("n", "u32"), ("eps", "f32")],
                    (ROW_WORKGROUP, 1, 1), body, shared=[("red", "f32", ROW_WORKGROUP)],
-                   cpu=_layer_norm_cpu(residual))
+                   cpu=_layer_norm_cpu(residual),
+                   elements={"x": ("rows", "n"), "out": ("rows", "n"), "gamma": "n", "beta": "n",
+                             **({"res": ("rows", "n")} if residual else {})})
 
 
 #: ``out[r] = (x[r] - mean) / sqrt(var + eps) * gamma + beta`` per row of ``[rows, n]`` (biased
@@ -487,7 +491,8 @@ l2_normalize = program(
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] / sc * inv; }}
     }}""",
-    shared=[("red", "f32", ROW_WORKGROUP)], helpers=NAN_HELPERS, cpu=_l2_cpu)
+    shared=[("red", "f32", ROW_WORKGROUP)], helpers=NAN_HELPERS, cpu=_l2_cpu,
+    elements={"x": ("rows", "n"), "out": ("rows", "n")})
 
 # ---------------------------------------------------------------------------------------------
 # Masked mean pooling

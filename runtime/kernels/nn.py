@@ -635,6 +635,15 @@ def _attention(hd: int):
     upd = "\n".join(f"            o{d} = o{d} * corr + pj * Vs[kb + {d}u];" for d in dd)
     store = "\n".join(f"        out[obase + {d}u] = o{d} * inv;" for d in dd)
     body = f"""
+    let rows = (nwg.y / p.heads) * p.S;      // the buffers' rows (B * S), as the cpu source's
+    let span = p.heads * {hd}u;
+    if (p.q_off + span > p.ld_in || p.k_off + span > p.ld_in || p.v_off + span > p.ld_in
+            || span > p.ld_out || rows * p.ld_in > arrayLength(&q)
+            || rows * p.ld_in > arrayLength(&k) || rows * p.ld_in > arrayLength(&v)
+            || rows * p.ld_out > arrayLength(&out) || rows > arrayLength(&mask)) {{
+        if (lidx == 0u) {{ atomicMax(&err_flag[0], 1u); }}
+        return;
+    }}
     let b = wg.y / p.heads;
     let h = wg.y % p.heads;
     let i = wg.x * {ATTN_WORKGROUP}u + lidx;
@@ -691,7 +700,9 @@ def _attention(hd: int):
          ("k_off", "u32"), ("v_off", "u32"), ("ld_out", "u32"), ("scale", "f32")],
         (ATTN_WORKGROUP, 1, 1), body,
         shared=[("Ks", "f32", tk * hd), ("Vs", "f32", tk * hd), ("Ms", "f32", tk)],
-        cpu=_attention_cpu, ranges={"hd": (hd, hd)})     # (the sources compile hd in)
+        cpu=_attention_cpu, ranges={"hd": (hd, hd)},     # (the sources compile hd in)
+        checks=("heads past a row (offset + heads * hd > ld) or rows past a buffer (B * S "
+                "rows of ld_in / ld_out, B * S mask values)",))
 
 
 _ATTN: dict = {}

@@ -232,3 +232,44 @@ def test_a_param_past_the_size_the_sources_hold_is_refused_on_every_backend(clie
     with pytest.raises(ValueError, match="ranges names 'x'"):
         Kernel("r", [("y", "f32", "write")], [("n", "u32")], cpu=lambda y, count, n: None,
                ranges={"x": (0, 1)})
+
+
+def _attention_ref(qkv, mask, B, S, heads, hd):
+    x = qkv.reshape(B, S, 3, heads, hd)
+    q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))      # [B, heads, S, hd]
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + (1.0 - mask.reshape(B, 1, 1, S)) * -1e9
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o = (p / p.sum(-1, keepdims=True)) @ v
+    return o.transpose(0, 2, 1, 3).reshape(-1)
+
+
+@pytest.mark.parametrize("short", ["qkv", "mask", "out"])
+def test_attention_over_buffers_shorter_than_its_rows_fails(checked, short):
+    """The attention kernel reads B * S rows of ``ld_in`` (q, k, v at their offsets), B * S mask
+    values and writes B * S rows of ``ld_out``: a shorter buffer raised on cpu and was read
+    clamped on wgpu. A full launch matches numpy."""
+    c = checked
+    B, S, heads, hd = 2, 5, 2, 32
+    ld, H = 3 * heads * hd, heads * hd
+    rng = np.random.default_rng(11)
+    qkv = rng.standard_normal(B * S * ld).astype(np.float32)
+    mask = np.ones(B * S, np.float32)
+    mask[S - 1] = 0.0
+    att = K.nn.attention_for(hd)
+    params = {"S": S, "heads": heads, "hd": hd, "ld_in": ld, "q_off": 0, "k_off": H,
+              "v_off": 2 * H, "ld_out": H, "scale": float(1 / np.sqrt(hd))}
+    count = K.nn.attention_count(B, S, heads)
+    hq, hm, ho = c.create(qkv), c.create(mask), c.empty(B * S * H, np.float32)
+    c.launch(att, count, [hq, hq, hq, hm, ho], params)
+    np.testing.assert_allclose(c.read(ho), _attention_ref(qkv, mask, B, S, heads, hd),
+                               rtol=1e-4, atol=1e-5)
+    bad = {"qkv": c.create(qkv[:-ld]), "mask": c.create(mask[:-1]),
+           "out": c.empty(B * S * H - H, np.float32)}[short]
+    args = {"qkv": [bad, bad, bad, hm, ho], "mask": [hq, hq, hq, bad, ho],
+            "out": [hq, hq, hq, hm, bad]}[short]
+    c.launch(att, count, args, params)
+    written = args[-1]
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+    with pytest.raises(ReplayFailed):
+        c.read(written)

@@ -517,7 +517,10 @@ mean_pool = program(
     "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", W)],
     [("S", "u32"), ("H", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
-    if (i < p.n) {{
+    let rows = (p.n / p.H) * p.S;           // B * S, as the cpu source's reshapes
+    if (rows * p.H > arrayLength(&x) || rows > arrayLength(&mask)) {{
+        if (i == 0u) {{ atomicMax(&err_flag[0], 1u); }}
+    }} else if (i < p.n) {{
         let b = i / p.H;
         let c = i % p.H;
         var s = 0.0f;
@@ -528,7 +531,8 @@ mean_pool = program(
             cnt += m;
         }}
         out[i] = s / max(cnt, 1e-9f);
-    }}""", cpu=_mean_pool_cpu)
+    }}""", cpu=_mean_pool_cpu, elements={"out": "n"},
+    checks=("x holds fewer than (n / H) * S rows of H, or mask fewer than (n / H) * S values",))
 
 # ---------------------------------------------------------------------------------------------
 # Attention

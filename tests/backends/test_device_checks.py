@@ -273,3 +273,57 @@ def test_attention_over_buffers_shorter_than_its_rows_fails(checked, short):
         c.sync()
     with pytest.raises(ReplayFailed):
         c.read(written)
+
+
+def _decode_case(name):
+    """(kernel, count, arrays, params, index of the binding to shorten, index of the output)"""
+    from runtime.kernels import decode as D
+    H, T, heads = 8, 4, 2
+    f = np.float32
+    rng = np.random.default_rng(2)
+    qkv, cache = rng.standard_normal(3 * H).astype(f), rng.standard_normal(T * H).astype(f)
+    pos = np.array([T - 1], np.int32)
+    return {
+        "mean_pool x": (K.mean_pool, K.grid(2 * H), [rng.standard_normal(2 * 3 * H).astype(f),
+                        np.ones(6, f), np.zeros(2 * H, f)], {"S": 3, "H": H, "n": 2 * H}, 0, 2),
+        "mean_pool mask": (K.mean_pool, K.grid(2 * H), [rng.standard_normal(2 * 3 * H).astype(f),
+                           np.ones(6, f), np.zeros(2 * H, f)], {"S": 3, "H": H, "n": 2 * H}, 1, 2),
+        "embed_at wpe": (D.embed_at, K.grid(H), [np.array([1], np.int32), pos,
+                         rng.standard_normal(3 * H).astype(f), cache.copy(), np.zeros(H, f)],
+                         {"H": H, "T": T}, 3, 4),
+        "kv_append kc": (D.kv_append, K.grid(H), [qkv, pos, cache.copy(), cache.copy()],
+                         {"H": H, "T": T, "off": 0}, 2, 2),
+        "kv_append qkv": (D.kv_append, K.grid(H), [qkv, pos, cache.copy(), cache.copy()],
+                          {"H": H, "T": T, "off": 0}, 0, 3),
+        "causal_attend vc": (D.causal_attend, (heads, 1, 1), [qkv, pos, cache, cache.copy(),
+                             np.zeros(H, f)], {"heads": heads, "hd": H // heads, "T": T, "off": 0,
+                                               "scale": 0.5}, 3, 4),
+        "argmax x": (D.argmax, (1, 1, 1), [rng.standard_normal(16).astype(f),
+                     np.zeros(1, np.int32)], {"n": 16}, 0, 1),
+        "feed_back hist": (D.feed_back, (1, 1, 1), [np.array([5], np.int32),
+                           np.array([0], np.int32), np.array([0], np.int32),
+                           np.zeros(T, np.int32)], {"T": T}, 3, 3),
+    }[name]
+
+
+@pytest.mark.parametrize("case", ["mean_pool x", "mean_pool mask", "embed_at wpe", "kv_append kc",
+                                  "kv_append qkv", "causal_attend vc", "argmax x",
+                                  "feed_back hist"])
+def test_a_buffer_shorter_than_the_kernel_reads_fails_on_every_backend(checked, case):
+    """Each kernel reads or writes a row its params (or a device position) name: with that
+    buffer one element short, cpu raised (a reshape or slice of the wrong length) while wgpu
+    read or dropped it silently (robust access). Now every backend fails the launch (a declared
+    element count the server checks, or a device-side check) and marks its output; the full
+    buffers run clean."""
+    c = checked
+    kernel, count, arrays, params, short, out = _decode_case(case)
+    full = [c.create(a) for a in arrays]
+    c.launch(kernel, count, full, params)
+    c.sync()
+    c.read(full[out])                           # the full launch: clean
+    bufs = [c.create(a[:-1] if i == short else a) for i, a in enumerate(arrays)]
+    c.launch(kernel, count, bufs, params)
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+    with pytest.raises(ReplayFailed):
+        c.read(bufs[out])

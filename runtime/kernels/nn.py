@@ -157,10 +157,11 @@ def _add_bias_cpu(x, b, out, *, N, n, count):
 
 
 #: ``out[i] = x[i] + b[i % N]`` (a bias broadcast over the rows of an ``[*, N]`` tensor);
-#: launch over ``grid(n)``.
+#: launch over ``grid(n)``. ``b`` holds ``N`` (a launch shorter than a row still binds the whole
+#: bias: a shorter one was read past its end on cpu and clamped on wgpu).
 add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f32", W)],
                        "x[i] + b[i % {N}]", [("N", "u32")], _add_bias_cpu,
-                       elements={"x": "n", "out": "n"})
+                       elements={"x": "n", "out": "n", "b": "N"})
 
 # ---------------------------------------------------------------------------------------------
 # Embedding gather

@@ -97,7 +97,7 @@ def test_graph_update_params_past_the_buffer_is_a_value_error_and_changes_nothin
     np.testing.assert_array_equal(client.read(y), np.array([3, 4, 3, 4], np.float32))
 
 
-def test_add_bias_checks_x_and_out_but_not_the_bias(client):
+def test_add_bias_checks_x_and_out_against_n_and_the_bias_against_n_of_a_row(client):
     x = client.create(np.arange(6, dtype=np.float32))
     b = client.create(np.array([10, 20, 30], np.float32))          # N = 3: fewer than n
     out = client.create(np.zeros(6, np.float32))
@@ -107,6 +107,12 @@ def test_add_bias_checks_x_and_out_but_not_the_bias(client):
     client.launch(K.add_bias, K.grid(7), [x, b, out], {"N": 3, "n": 7})
     with pytest.raises(LaunchError, match=r"add_bias: param n=7 exceeds the 6 elements"):
         client.sync()
+    short = client.create(np.array([10, 20], np.float32))          # N = 3: one short
+    client.launch(K.add_bias, K.grid(6), [x, short, out], {"N": 3, "n": 6})
+    with pytest.raises(LaunchError, match=r"param N=3 exceeds the 2 elements \(f32\) of binding b"):
+        client.sync()                   # (cpu read b[2] past its end, wgpu clamped: no error)
+    with pytest.raises(ReplayFailed):
+        client.read(out)
 
 
 def test_elements_must_name_an_integer_param_and_a_binding():

@@ -448,7 +448,7 @@ class CpuBackend(Backend):
                 with cv:
                     stream.busy = False
                     if q and self.scheduler.waiting:
-                        cv.notify()
+                        self.scheduler._requeue(stream)     # (wakes one idle worker)
 
     def held_by_caller(self, stream) -> bool:
         """Whether the calling thread is running ``stream``'s work now (it set ``busy``: a

@@ -119,7 +119,11 @@ class ThreadScheduler(Scheduler):
 
     def attach(self, backend):
         super().attach(backend)
-        self.cv = threading.Condition()
+        lock = threading.Lock()
+        self.cv = threading.Condition(lock)
+        # the polling worker's untimed sleep: a deferred push after a pause wakes it alone
+        # (cv would wake every idle worker, and each would race to take the caller's work)
+        self.poll_cv = threading.Condition(lock)
         self.ready = collections.deque()      # streams that may be runnable (sched == READY)
         self.deferred = collections.deque()   # streams given deferred work (pending == True)
         self.waiting = 0
@@ -136,7 +140,15 @@ class ThreadScheduler(Scheduler):
     def notify(self):
         if self.waiting:
             with self.cv:
-                self.cv.notify()
+                self._wake_one()
+
+    def _wake_one(self) -> None:
+        """Wake one idle worker for runnable work (under cv): a worker waiting on cv, else the
+        polling worker from its untimed sleep."""
+        if self.waiting > self.poller_asleep:
+            self.cv.notify()
+        elif self.poller_asleep:
+            self.poll_cv.notify()
 
     def push(self, s, item, defer=False):
         if defer:
@@ -149,7 +161,7 @@ class ThreadScheduler(Scheduler):
                 self.pushes += 1
                 if self.poller_asleep:      # (read after the count: see _loop)
                     with self.cv:
-                        self.cv.notify_all()
+                        self.poll_cv.notify()
                 return True
         with self.cv:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
@@ -157,7 +169,7 @@ class ThreadScheduler(Scheduler):
                 s.sched = READY
                 self.ready.append(s)
                 if self.waiting:
-                    self.cv.notify()
+                    self._wake_one()
 
     def _requeue(self, s) -> None:
         """``s`` stopped running, got work or its event completed: ready again if it has work
@@ -166,16 +178,20 @@ class ThreadScheduler(Scheduler):
             s.sched = READY
             self.ready.append(s)
             if self.waiting:
-                self.cv.notify()
+                self._wake_one()
 
     def kick(self):
         if self.waiting:
             with self.cv:
-                self.cv.notify_all()
+                self._wake_all()
 
     def notify_all(self):
         with self.cv:
-            self.cv.notify_all()
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        self.cv.notify_all()
+        self.poll_cv.notify_all()
 
     def event_done(self, event):
         with self.cv:
@@ -239,8 +255,13 @@ class ThreadScheduler(Scheduler):
                             self.poller_asleep = False
                             cv.wait(DEFER_S)
                         else:
-                            cv.wait()
+                            self.poll_cv.wait()
                             self.poller_asleep = False
+                            if self.pushes != self._seen and not self.ready:
+                                # woken by a deferred push: its caller runs it when it waits
+                                # for it (help); look after DEFER_S, not at once
+                                self._seen = self.pushes
+                                cv.wait(DEFER_S)
                     else:
                         cv.wait()
                     self.waiting -= 1
@@ -274,8 +295,8 @@ class ThreadScheduler(Scheduler):
         try:                                # (from before busy is set: an interrupt anywhere
             with cv:                        # after it still clears it, else the stream hangs)
                 if stream.busy or not stream.q or self.closed:
-                    if not comp.done and self.waiting:
-                        cv.notify_all()
+                    if not comp.done and self.waiting and (self.deferred or self.ready):
+                        self._wake_all()        # (deferred work it waits for: see _pick)
                     return
                 stream.runner = threading.get_ident()
                 stream.busy = claimed = True
@@ -297,8 +318,8 @@ class ThreadScheduler(Scheduler):
                 with cv:
                     stream.busy = False
                     self._requeue(stream)
-                    if not comp.done and self.waiting:
-                        cv.notify_all()         # (deferred work it waits for: see _pick)
+                    if not comp.done and self.waiting and (self.deferred or self.ready):
+                        self._wake_all()        # (deferred work it waits for: see _pick)
 
     def is_alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
@@ -306,7 +327,7 @@ class ThreadScheduler(Scheduler):
     def close(self):
         with self.cv:
             self.closed = True
-            self.cv.notify_all()
+            self._wake_all()
         for t in self.threads:
             t.join(timeout=5.0)
 

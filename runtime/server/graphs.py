@@ -272,7 +272,7 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
             new_params[i] = k.pack_params(merged)
         except (TypeError, ValueError) as e:    # (the type of launch()'s own error)
             raise type(e)(f"update of graph {g.id}: launch {i}: {e}") from None
-        if k.element_checks:        # n past a bound buffer: refused, as a launch is (h_launch)
+        if k.element_checks or k.product_checks:    # past a bound buffer: refused (h_launch)
             sizes = _nbytes(g, server)
             msg = k.elements_error(new_params[i], [sizes[h] for h in recs[i].hids], recs[i].hids)
             if msg is not None:

@@ -626,6 +626,10 @@ class ComputeServer:
                 if params[pi] * size > states[bi].nbytes:  # n past a buffer: refused, never
                     raise LaunchError(kernel.elements_error(   # clamped or out of bounds
                         params, [st.nbytes for st in states], hids))
+            if kernel.product_checks:                       # (M*K past a matmul's a, ...)
+                msg = kernel.elements_error(params, [st.nbytes for st in states], hids)
+                if msg is not None:
+                    raise LaunchError(msg)
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return

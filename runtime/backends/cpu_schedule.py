@@ -228,6 +228,18 @@ class ThreadScheduler(Scheduler):
         return None
 
     def _loop(self, poller=False):
+        try:
+            self._work(poller)
+        except BaseException as e:
+            # an exception ending a worker (an asynchronous one: KeyboardInterrupt,
+            # PyThreadState_SetAsyncExc) may have landed with an item taken and not run (or
+            # run unmarked): the backend is broken and the server stops at once, before a fast
+            # path or another worker answers from a buffer that item should have written
+            # (before: the stream's later reads returned the stale values; ADV6)
+            self.backend.set_broken(e)
+            raise
+
+    def _work(self, poller):
         cv = self.cv
         with cv:
             while not self.closed:
@@ -257,6 +269,9 @@ class ThreadScheduler(Scheduler):
                 cv.release()
                 try:
                     self.backend.execute(*item)
+                except BaseException as e:  # see _loop: broken before the stream is requeued
+                    self.backend.set_broken(e)
+                    raise
                 finally:
                     cv.acquire()
                     item[0].busy = False

@@ -191,13 +191,25 @@ class DeviceQueue:
                     if self.closed or self.closing or not self._thread.is_alive():
                         raise self.closed_error()
                     if not self._healthy():
-                        self.death = self.death or RuntimeError("a backend worker thread died")
-                        raise self.closed_error()
+                        break               # (stopped below, outside the room's lock)
                     self._room.wait(POLL_S)
                     if self.full() and self._owner.locked() and self._reentrant():
                         raise self._reentry()     # only this thread's owner lock makes room
             finally:
                 self.room_waiters -= 1
+        if self.full():                     # a worker the backlog depends on died
+            self._worker_died()
+
+    def _worker_died(self) -> None:
+        """A waiting caller found the backend dead (a worker thread died): stop the server
+        (``_die``: every later call raises ``ServerClosed``, the next ``runtime.client`` gets
+        a fresh server) and raise ``ServerClosed``. Before, the server only raised to the
+        callers that noticed and stayed in the server table: a new client was handed the dead
+        server for ever (wgpu, its queue thread), or calls on streams of the cpu workers still
+        alive kept answering (ADV6)."""
+        if not (self.closed or self.closing):
+            self._die(RuntimeError("a backend worker thread died"))
+        raise self.closed_error()
 
     def notify_room(self) -> None:
         """Wake producers waiting for room (the owner after a message, the backend when its
@@ -455,7 +467,7 @@ class DeviceQueue:
             if waitable.wait(0):
                 return
             if not (self.closed or self.closing) and not self._healthy():
-                self.death = self.death or RuntimeError("a backend worker thread died")
+                self._worker_died()
             raise self.closed_error()
 
     # -- the owner ------------------------------------------------------------------------

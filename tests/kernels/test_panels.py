@@ -142,7 +142,6 @@ def test_a_bias_shorter_than_n_is_refused_not_read_past_its_end():
     """The panel kernels' epilogue (numba) read ``bias[j]`` for every column: a bias shorter
     than ``N`` was read past its end (whatever memory held). They declare their element
     counts now (``a``: M*K, ``w``: K*N, ``bias``: N, ``out``: M*N): the server refuses it."""
-    import runtime
     from runtime.errors import LaunchError, ReplayFailed
     c = runtime.client("cpu").with_stream(runtime.StreamId.new())
     M, N, K, P = 2, 8, 4, 4

@@ -260,24 +260,24 @@ def test_a_dead_backend_worker_wakes_the_waiting_reader():
             raise SystemExit("test: kill the worker")
         return execute(*args)
     backend.execute = dying
-    threads = backend.scheduler.threads   # large launches, which a worker runs, until one
-    n = 1 << 19                           # died: the first worker that dies stops the server
-    deadline = time.time() + 10           # (ADV6: before, the others served on, and a reader
-    try:                                  # waiting on the dead one's work got ServerClosed)
-        while all(t.is_alive() for t in threads) and time.time() < deadline:
-            k = c.with_stream(runtime.StreamId.new())
-            k.launch(K.fill, K.grid(n), [k.empty(n, np.float32)], {"value": 1.0, "n": n})
-            time.sleep(0.01)
-    except ServerClosed:
-        pass
+    threads = backend.scheduler.threads   # every one dead (is_alive() turns False at the first:
+    n = 1 << 19                           # a survivor ran the work below under load, and the
+    deadline = time.time() + 10           # read returned): large launches, which a worker runs
+    while any(t.is_alive() for t in threads) and time.time() < deadline:
+        k = c.with_stream(runtime.StreamId.new())
+        k.launch(K.fill, K.grid(n), [k.empty(n, np.float32)], {"value": 1.0, "n": n})
+        time.sleep(0.01)
     backend.execute = execute
-    assert not all(t.is_alive() for t in threads)
-    with pytest.raises(ServerClosed, match="worker"):
-        a = c.with_stream(runtime.StreamId.new())
-        b = c.with_stream(runtime.StreamId.new())
-        h = a.create(np.zeros(4, np.float32))        # queued on a; no worker will run it
-        b.launch(K.fill, 1, [h], {"value": 1.0, "n": 4})   # b waits on a's event
+    assert not any(t.is_alive() for t in threads)
+    a = c.with_stream(runtime.StreamId.new())
+    b = c.with_stream(runtime.StreamId.new())
+    with pytest.raises(ServerClosed, match="worker"):  # (since ADV6's 8593783 a dying worker
+        h = a.create(np.zeros(4, np.float32))          # stops the server at once: the create
+        b.launch(K.fill, 1, [h], {"value": 1.0, "n": 4})   # raises; before, the read did)
         b.read(h)
+    fresh = runtime.client("cpu", scheduler="thread", seed=96)     # a new server, not the dead one
+    assert fresh._server is not c._server
+    fresh.shutdown()
     c.shutdown()
 
 

@@ -26,6 +26,7 @@ Conventions every backend follows:
 
 from __future__ import annotations
 
+import math
 import operator
 import struct
 from typing import Callable, NamedTuple
@@ -119,7 +120,7 @@ class Kernel:
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
                  "element_checks", "product_checks", "checks", "ranges", "_ranges",
-                 "__weakref__")
+                 "write_checks", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
@@ -160,6 +161,8 @@ class Kernel:
         #: ``((binding index, (param index, ...), itemsize), ...)``: the product declarations
         #: (a separate tuple: the launch path tests it once, empty for most kernels)
         self.product_checks = tuple(c for c in checks_ if type(c[1]) is tuple)
+        #: the ``element_checks``/``product_checks`` of ``write`` bindings (:meth:`partial_write`)
+        self.write_checks = tuple(c for c in checks_ if self.accesses[c[0]] == "write")
         if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
                             f"got {checks!r}")
@@ -209,6 +212,20 @@ class Kernel:
                   else self.param_names.index(pnames))
             out.append((bi, pi, DTYPES[self.bindings[bi].dtype].itemsize))
         return tuple(out)
+
+    def partial_write(self, bi: int, params: tuple, nbytes: int) -> bool:
+        """Whether a launch with packed ``params`` writes the buffer of ``write`` binding ``bi``
+        (``nbytes`` bytes) only in part: the element count it declares for that binding
+        (``elements=``, a product) times the itemsize is less than ``nbytes``. Such a
+        ``write`` keeps the buffer's failure mark (docs/contract.md section 4: the rest still
+        holds what a failed writer left). False when the binding declares no count (a
+        ``write`` binding is then taken to rewrite its whole buffer)."""
+        for b, pi, size in self.write_checks:
+            if b == bi:
+                n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
+                if n * size < nbytes:
+                    return True
+        return False
 
     def elements_error(self, params: tuple, nbytes, hids=None) -> str | None:
         """Why a launch with packed ``params`` over buffers of ``nbytes`` (bytes, one per

@@ -94,18 +94,26 @@ def sources(ops) -> frozenset:
     return frozenset(out)
 
 
-def maybe_written(ops) -> frozenset:
+def maybe_written(ops, nbytes=None) -> frozenset:
     """Handle ids a graph of ``ops`` writes only through launches that may not run
     (:func:`surely_runs`: inside conditional nodes, a zero or indirect workgroup count): a
     replay may leave them unwritten (the branch not taken, a loop run zero times, a count of
     0), and the server cannot see which ran (it is decided on the device). A failure mark on
     such a buffer therefore outlives a replay that succeeds: only a write that surely runs, a
-    launch or a host write clears it (docs/contract.md section 4b)."""
+    launch or a host write clears it (docs/contract.md section 4b). The same holds for a
+    buffer (of ``nbytes[handle id]`` bytes) the graph writes only in part: a ``write`` whose
+    declared element count covers less than the buffer (``Kernel.partial_write``) leaves the
+    rest as it was (ADV6)."""
     cond, top = set(), set()
     for op in ops:
         if isinstance(op, LaunchRec):
-            out = {h for b, h in zip(op.kernel.bindings, op.hids) if b.access != "read"}
-            (top if surely_runs(op) else cond).update(out)
+            k, runs = op.kernel, surely_runs(op)
+            for bi, (b, h) in enumerate(zip(k.bindings, op.hids)):
+                if b.access == "read":
+                    continue
+                whole = runs and not (nbytes and k.write_checks and b.access == "write"
+                                      and k.partial_write(bi, op.params, nbytes.get(h, 0)))
+                (top if whole else cond).add(h)
     return frozenset(cond - top)
 
 
@@ -193,7 +201,7 @@ class GraphState:
         self.wstates = [st for st in self.handles if st.id in self.writes]
         self.istates = [st for st in self.handles if st.id in self.inputs]
         self.sstates = [st for st in self.handles if st.id in self.sources]
-        maybe = maybe_written(window.ops)
+        maybe = maybe_written(window.ops, {st.id: st.nbytes for st in self.handles})
         self.mstates = [st for st in self.wstates if st.id in maybe]
         self.set_defer()
         allocated = {st.id for st in window.allocs}

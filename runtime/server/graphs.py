@@ -398,7 +398,7 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     g.istates = [st for st in g.handles if st.id in g.inputs]
     g.sources = sources(new_ops)
     g.sstates = [st for st in g.handles if st.id in g.sources]
-    maybe = maybe_written(new_ops)
+    maybe = maybe_written(new_ops, {st.id: st.nbytes for st in g.handles})
     g.mstates = [st for st in g.wstates if st.id in maybe]
     new_ids = {st.id for st in g.handles}
     for hid, st in old_states.items():          # handles it no longer uses

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 
 from ..backends.base import Completion
 from ..streams import watch_thread_ends
@@ -33,6 +34,17 @@ from . import queue as queue_mod
 from .queue import LAZY_MAX, DeviceQueue
 
 _graph_ids = itertools.count(1)
+
+
+def _partly(kernel, params, states, st) -> bool:
+    """Whether a launch of ``kernel`` writes handle state ``st`` (bound ``write``) only in part
+    (``Kernel.partial_write``): it then keeps ``st``'s failure mark, as a ``read_write``
+    binding does (the part it does not cover still holds what a failed writer left)."""
+    for bi, pi, size in kernel.write_checks:
+        if states[bi] is st and (params[pi] if type(pi) is int else math.prod(
+                params[i] for i in pi)) * size < st.nbytes:
+            return True
+    return False
 
 
 class StreamState:
@@ -641,8 +653,10 @@ class ComputeServer:
                 if acc != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if (acc != "write" or cst is not None) and st.mark is not CLEAN and (
-                        not Marks.clean(st)):   # (an indirect count may be 0: writes nothing)
+                if st.mark is not CLEAN and (acc != "write" or cst is not None or (
+                        kernel.write_checks and _partly(kernel, params, states, st))) and (
+                        not Marks.clean(st)):   # (an indirect count may be 0: writes nothing;
+                    # a write covering part of the buffer leaves the rest as it was: ADV6)
                     if reads is None:
                         reads = []
                     reads.append((st.id, st.mark))

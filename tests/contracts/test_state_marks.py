@@ -260,3 +260,47 @@ def test_a_static_graph_with_state_keeps_failing_until_the_state_is_written(
     np.testing.assert_array_equal(sg(f=[0.0])["out"], START + 1)
     np.testing.assert_array_equal(sg.read("s"), START + 1)
     sg.release()
+
+
+def _fail_a_write_of(c, y, short):
+    """A launch that would write all of ``y`` fails (its ``x`` is too short: the elements
+    check refuses it at enqueue, on every backend): ``y`` is marked."""
+    n = y.nbytes // 4
+    c.launch(K.add_scalar, K.grid(n), [short, y], {"alpha": 1.0, "n": n})
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+
+
+def _raises_elements(c, h):
+    for _ in range(2):                                 # every read, not only the first
+        with pytest.raises(ReplayFailed, match="add_scalar"):
+            c.read(h)
+
+
+def test_a_write_covering_part_of_a_marked_buffer_keeps_its_mark(client):
+    """A ``write`` binding clears a mark only for what it covers: a launch (or a graph) that
+    rewrites the first half of a buffer whose last writer failed leaves the second half as the
+    failure left it, so a read still raises (before: the stale half read back with no error;
+    ADV6). A write of the whole buffer (a launch or the host) clears it."""
+    c = client.with_stream(runtime.StreamId.new())
+    short = c.create(np.zeros(4, np.float32))
+    y = c.create(np.full(8, 100, np.float32))
+    _fail_a_write_of(c, y, short)
+    c.launch(K.fill, K.grid(4), [y], {"value": 1.0, "n": 4})        # half of y
+    _raises_elements(c, y)
+    c.launch(K.fill, K.grid(8), [y], {"value": 2.0, "n": 8})        # all of y
+    np.testing.assert_array_equal(c.read(y), np.full(8, 2, np.float32))
+
+    g_y = c.create(np.full(8, 100, np.float32))                     # the same through a graph
+    c.graph_prepare()
+    c.launch(K.fill, K.grid(4), [g_y], {"value": 3.0, "n": 4})
+    c.start_capture()
+    c.launch(K.fill, K.grid(4), [g_y], {"value": 3.0, "n": 4})
+    g = c.stop_capture()
+    _fail_a_write_of(c, g_y, short)
+    for _ in range(2):                                              # replays keep failing
+        g.replay()
+        _raises_elements(c, g_y)
+    c.write(g_y, np.zeros(8, np.float32))                           # the host writes it all
+    g.replay()
+    np.testing.assert_array_equal(c.read(g_y), [3, 3, 3, 3, 0, 0, 0, 0])

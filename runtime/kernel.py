@@ -100,8 +100,8 @@ class Kernel:
             ``err_flag`` is the storage binding after the others (after the params' uniform,
             ``array<atomic<u32>>``), bound by the backend; the launch (or the replay holding it)
             then fails with ``LaunchError`` naming the kernel and ``checks[k - 1]``, found after
-            its submit, which marks what it writes (design.md section 4: a read raises). On cuda
-            ``err_flag`` is a ``__device__`` global nobody reads yet: not checked there.
+            its submit, which marks what it writes (docs/contract.md section 4: a read raises).
+            On cuda ``err_flag`` is a ``__device__`` global nobody reads yet: not checked there.
             ``()`` (the default): none.
         ranges: ``{param name: (lo, hi)}``: the values an integer param may take (inclusive),
             where the device sources hold a fixed size (a workgroup array of ``MAX_CACHE``

@@ -107,7 +107,7 @@ class ThreadScheduler(Scheduler):
     another stream's event), and by :meth:`kick`. Nobody has to wait for deferred work to
     run: worker 0 polls every :data:`DEFER_S` while deferred pushes keep coming (one wake-up
     when they start again after a pause), so a fire-and-forget launch runs within tens
-    of milliseconds on its own (a stream is asynchronous to the caller, design.md section
+    of milliseconds on its own (a stream is asynchronous to the caller, docs/contract.md section
     3), and the poll, which takes the GIL from the caller, stays rare.
 
     Args:

@@ -24,8 +24,8 @@ Device verbs only (see ``runtime.backends.base``); the server owns every policy.
   issued them. Measured on lavapipe: ``queue.submit`` blocks until the previous submission has
   finished (1.2-1.6 s behind three 384x384 matmuls), and ``destroy``, ``map_async`` and
   ``create_buffer_with_data`` block as long while another thread is inside a submit; so none of
-  them may run in a server handler (design.md section 2: no handler waits for the device). The
-  owner only encodes and hands finished command buffers over.
+  them may run in a server handler (docs/contract.md section 2: no handler waits for the device).
+  The owner only encodes and hands finished command buffers over.
 - Reads and ``synchronize`` return a :class:`MapCompletion`: the queue thread maps a staging
   buffer asynchronously after the copy; the *caller's* thread waits for the map and copies the
   bytes out (``Completion.wait``), never the server.

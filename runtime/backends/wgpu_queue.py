@@ -6,8 +6,8 @@ The ``GPUQueue`` belongs to one :class:`QueueThread`: every ``submit``, ``write_
 Reads and fences are :class:`MapCompletion` objects the caller's thread waits on. After a submit
 that holds device-side flags the thread reads them back before the next operation: a replay's
 loop status (``capture_while``: ``LoopLimitExceeded``) and the backend's ``err_flag``
-(``Kernel.checks``: ``LaunchError``), failing the mark of the work they belong to (design.md
-section 4). See the :mod:`.wgpu` module docstring for the whole backend.
+(``Kernel.checks``: ``LaunchError``), failing the mark of the work they belong to
+(docs/contract.md section 4). See the :mod:`.wgpu` module docstring for the whole backend.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class QueueThread:
         backend's ``err_flag`` out, wait on this thread for it, and when a check failed zero the
         flag (before any later submit: this thread submits in order) and fail ``mark`` with a
         ``LaunchError`` naming the kernel and the check, reported on ``stream``'s next
-        completion (design.md section 4: what the work writes reads as failed)."""
+        completion (docs/contract.md section 4: what the work writes reads as failed)."""
         be = self.backend
         code = self._copy_back(be._err, be._err_read)
         if not code:                # (None: closed meanwhile)

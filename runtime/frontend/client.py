@@ -150,7 +150,7 @@ class ComputeClient:
         Raises: ``TypeError`` (not an array/bytes); ``ServerClosed``. Allocation failures
             (``OutOfMemory``, after the idle pool was given back and the allocation retried once)
             are queued on the stream and raised by its next blocking call.
-        Backpressure: waits for room while the device queue is full (design.md section 1).
+        Backpressure: waits for room while the device queue is full (docs/contract.md section 1).
         Streams: the copy is ordered on this client's stream.
         Capture: inside a window on this stream the copy is a host write: ``stop_capture``
             refuses the window.
@@ -196,7 +196,7 @@ class ComputeClient:
             data: a numpy array with ``handle.size`` elements (cast to ``handle.dtype`` with
                 ``same_kind`` casting), or bytes-like of exactly ``handle.nbytes`` bytes.
         Returns: at once (fire-and-forget); the copy is taken now. Waits for room while the
-            device queue is full (its bytes of pending host data count; design.md section 1).
+            device queue is full (its bytes of pending host data count; docs/contract.md section 1).
         Raises: ``InvalidHandle`` (released, foreign, or a size mismatch); ``TypeError``;
             ``ServerClosed`` (also while waiting for room).
         Streams: ordered on this client's stream after earlier work on it, and after earlier

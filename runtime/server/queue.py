@@ -10,7 +10,7 @@ Invariant that keeps a message from being stranded: whoever holds the owner lock
 the queue is empty, releases, and looks again; a message appended while the lock was held is
 therefore either drained by the holder or seen by it after its release.
 
-Bounds (design.md section 1): the queue holds at most ``max_messages`` messages and
+Bounds (docs/contract.md section 1): the queue holds at most ``max_messages`` messages and
 ``max_bytes`` of pending host data (writes), and the backend's own backlog (``load``: items
 enqueued on its streams but not yet run, and their bytes) at most ``max_load`` items. A
 fire-and-forget ``submit`` that finds the queue full waits on its own thread until there is
@@ -38,8 +38,8 @@ asked for, never out of order and never unseen. Work no call ran meanwhile is ru
 thread within ``LAZY_S``: after any wake-up it looks every ``LAZY_S`` until ``LAZY_LOOKS`` looks
 in a row found nothing, then waits without a timeout, and the next deferral wakes it
 (``lazy_asleep``); so a deferred launch or replay runs on its own within tens of milliseconds,
-as a fire-and-forget enqueue does (design.md section 3), a steady stream of deferrals costs one
-wake-up per ~0.1 s at most, and the look, which takes the GIL, stays rare.
+as a fire-and-forget enqueue does (docs/contract.md section 3), a steady stream of deferrals costs
+one wake-up per ~0.1 s at most, and the look, which takes the GIL, stays rare.
 """
 
 from __future__ import annotations

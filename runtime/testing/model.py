@@ -1,5 +1,5 @@
 """The sequential model: a program run in issue order on numpy arrays with the kernels' cpu
-bodies, and the contract's rules for what must raise (design.md sections 2, 4 and 5).
+bodies, and the contract's rules for what must raise (docs/contract.md sections 2, 4 and 5).
 
 ``Model.step(op, value, error)`` takes what the runtime answered for one op and returns a
 mismatch (a sentence) or None. Where the model cannot know the answer it accepts either and
@@ -294,8 +294,8 @@ class Model:
             return str(e)
 
     def _refused(self, op, error):
-        """Calls refused at once on a capturing stream (design.md section 4); each invalidates
-        the window: its ``stop_capture`` raises ``CaptureRefused`` and makes no graph."""
+        """Calls refused at once on a capturing stream (docs/contract.md section 4); each
+        invalidates the window: its ``stop_capture`` raises ``CaptureRefused`` and makes no graph."""
         what = P.Program.line(self.p, op)
         self.windows[self.stream(op)].refused.append(f"{what} (refused at once)")
         return self._expect_raise(error, CaptureRefused, what)

@@ -4,8 +4,8 @@
 raises ``IndexError``; on wgpu the kernel fails a device-side check (``Kernel.checks``: it sets
 the backend's ``err_flag``, read back after the submit), so in both the launch (or the replay
 holding it) fails with ``LaunchError``, what it writes is marked, and a read of it raises
-``ReplayFailed`` (design.md section 4) instead of returning zeros or clamped rows. cuda does not
-check (documented on the kernels): skipped there with that reason.
+``ReplayFailed`` (docs/contract.md section 4) instead of returning zeros or clamped rows. cuda does
+not check (documented on the kernels): skipped there with that reason.
 """
 
 from __future__ import annotations

@@ -304,3 +304,24 @@ def test_a_write_covering_part_of_a_marked_buffer_keeps_its_mark(client):
     c.write(g_y, np.zeros(8, np.float32))                           # the host writes it all
     g.replay()
     np.testing.assert_array_equal(c.read(g_y), [3, 3, 3, 3, 0, 0, 0, 0])
+
+
+def test_a_graph_updated_to_write_part_of_a_buffer_keeps_its_mark(client):
+    """The same shape through ``Graph.update(params=...)``: a graph's fill of all of ``y``
+    updated to cover half keeps ``y``'s failure mark across replays; updated back, a replay
+    clears it (ADV6)."""
+    c = client.with_stream(runtime.StreamId.new())
+    short = c.create(np.zeros(4, np.float32))
+    y = c.create(np.full(8, 100, np.float32))
+    c.graph_prepare()
+    c.launch(K.fill, K.grid(8), [y], {"value": 3.0, "n": 8})
+    c.start_capture()
+    c.launch(K.fill, K.grid(8), [y], {"value": 3.0, "n": 8})
+    g = c.stop_capture()
+    g.update(params={0: {"n": 4}})
+    _fail_a_write_of(c, y, short)
+    g.replay()
+    _raises_elements(c, y)
+    g.update(params={0: {"n": 8}})
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(8, 3, np.float32))

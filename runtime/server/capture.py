@@ -77,19 +77,32 @@ def sources(ops) -> frozenset:
     """Handle ids whose contents a graph of ``ops`` (``ops.LaunchRec``/``CondRec``, in recorded
     order) may read before it writes them: its inputs and its state (a buffer it reads and
     writes, a KV cache, an accumulator). A ``read`` or ``read_write`` binding, an indirect count
-    or a condition reads; a ``write`` binding does not. A write that may not run (inside a
-    conditional node, a zero or indirect count: :func:`surely_runs`) does not hide a later
-    read. A failure mark on a source marks what a replay writes (docs/contract.md section 4)."""
-    out, written = set(), set()
+    or a condition reads; a ``write`` binding does not. A write hides the later reads in its
+    own scope and the scopes nested in it (if the branch or loop body runs, the write ran
+    before them: a loop body's temporaries are not state), but not reads after its
+    conditional node or in another branch, and a write that may not run where it sits (a zero
+    or indirect count) hides nothing. A failure mark on a source marks what a replay writes
+    (docs/contract.md section 4). (Before ADV6 only writes outside every node hid a read: a
+    loop graph's temporaries counted as state, so a graph with a loop that failed once failed
+    on every later replay, its state rewritten or not.)"""
+    out, written = set(), {}
+
+    def hidden(h, scope) -> bool:
+        return any(scope[:len(w)] == w for w in written.get(h, ()))
     for op in ops:
         if isinstance(op, LaunchRec):
+            sc = op.scope
             binds = list(zip(op.kernel.bindings, op.hids))
-            out.update(h for b, h in binds if b.access != "write" and h not in written)
-            if not isinstance(op.count, tuple) and op.count not in written:
-                out.add(op.count)
-            if surely_runs(op):
-                written.update(h for b, h in binds if b.access != "read")
-        elif hasattr(op, "cond") and op.cond not in written:
+            out.update(h for b, h in binds if b.access != "write" and not hidden(h, sc))
+            c = op.count
+            if not isinstance(c, tuple):
+                if not hidden(c, sc):
+                    out.add(c)
+            elif c[0] and c[1] and c[2]:
+                for b, h in binds:
+                    if b.access != "read":
+                        written.setdefault(h, []).append(sc)
+        elif hasattr(op, "cond") and not hidden(op.cond, op.scope):
             out.add(op.cond)
     return frozenset(out)
 

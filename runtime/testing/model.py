@@ -426,20 +426,23 @@ class Model:
         """``(items, write set, sources)`` of a recording: sources are read before the graph
         writes them (``runtime.server.capture.sources``); a condition reads; a write inside a
         conditional node may not run, so it does not hide a later read."""
-        writes, sources, written = set(), set(), set()
+        writes, sources = set(), set()
 
-        def walk(items, top):
+        def walk(items, written):
+            # ``written``: buffers surely written before here in this scope or an enclosing
+            # one (a write inside a branch or loop body hides the reads after it in that body,
+            # not those after the node: runtime.server.capture.sources)
             for it in items:
                 if isinstance(it, P.CaptureIf):
                     if it.cond not in written:
                         sources.add(it.cond)
-                    walk(it.then, False)
-                    walk(it.other, False)
+                    walk(it.then, set(written))
+                    walk(it.other, set(written))
                 elif isinstance(it, P.CaptureWhile):
-                    walk(it.init, top)
+                    walk(it.init, written)
                     if it.counter not in written:
                         sources.add(it.counter)
-                    walk(it.body, False)
+                    walk(it.body, set(written))
                 else:
                     zero = isinstance(it, _Zero)
                     spec = self.p.kernels[(it.launch if zero else it).kernel]
@@ -448,9 +451,9 @@ class Model:
                                    if bind.access != "write" and b not in written)
                     out = {b for b, bind in binds if bind.access != "read"}
                     writes.update(out)
-                    if top and not zero:          # a count of 0 may write nothing
+                    if not zero:                  # a count of 0 may write nothing
                         written.update(out)
-        walk(items, True)
+        walk(items, set())
         return items, writes, sources
 
     def _replay(self, op, value, error):

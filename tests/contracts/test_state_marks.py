@@ -325,3 +325,48 @@ def test_a_graph_updated_to_write_part_of_a_buffer_keeps_its_mark(client):
     g.update(params={0: {"n": 8}})
     g.replay()
     np.testing.assert_array_equal(c.read(y), np.full(8, 3, np.float32))
+
+
+def test_a_loop_graph_recovers_once_its_state_is_written(client, monkeypatch):
+    """The accumulator above with its step inside ``capture_while``: ``tmp`` is written and
+    then read inside the loop body, so it is a temporary, not state. Before (ADV6) a write
+    inside a node hid no later read, so ``tmp`` counted as a source: after one failed replay
+    every replay failed, state rewritten or not (``runtime.models.Decoder``'s loop graphs and
+    a ``StaticGraph(loop=...)`` could never recover: their temporaries cannot be written from
+    the host). Now a host write of the state (``y``, the loop counter) recovers it."""
+    from graph_kernels import add_i32, i32
+    c = client
+    flag = _Flag(c, monkeypatch)
+    y = c.create(np.zeros(N, np.float32))
+    tmp = c.empty(N, np.float32)
+    go = c.create(i32(1))
+
+    def body():
+        c.launch(add_i32, 1, [go], {"delta": -1})           # one iteration per replay
+        c.launch(CHECKED, 1, [flag.buf, tmp])                # tmp = 7, or the failure
+        c.launch(K.accumulate, K.grid(N), [tmp, y], {"n": N})
+    c.graph_prepare()
+    c.start_capture()
+    try:
+        c.capture_while(go, body, max_iterations=2)
+    except runtime.UnsupportedError as e:
+        c.abort_capture()
+        pytest.skip(str(e))
+    g = c.stop_capture()
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(N, 7, np.float32))
+    flag.set(True)
+    c.write(go, i32(1))
+    g.replay()
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+    flag.set(False)
+    c.write(go, i32(1))
+    g.replay()                                         # y (read_write state) is marked
+    with pytest.raises(ReplayFailed):
+        c.read(y)
+    c.write(y, np.zeros(N, np.float32))                # the state, from the host
+    c.write(go, i32(1))
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(N, 7, np.float32))
+    g.release()

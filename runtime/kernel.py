@@ -103,11 +103,13 @@ class Kernel:
             its submit, which marks what it writes (docs/contract.md section 4: a read raises).
             On cuda ``err_flag`` is a ``__device__`` global nobody reads yet: not checked there.
             ``()`` (the default): none.
-        ranges: ``{param name: (lo, hi)}``: the values an integer param may take (inclusive),
-            where the device sources hold a fixed size (a workgroup array of ``MAX_CACHE``
-            rows, a head dim compiled in): ``pack_params`` (every launch, capture and
-            ``Graph.update``) raises ``ValueError`` outside them on every backend, instead of
-            a GPU reading past the array or computing with the compiled size. ``None``: none.
+        ranges: ``{param name: (lo, hi)}``: the values an integer param may take (inclusive;
+            ``hi`` ``None``: no upper bound), where the device sources hold a fixed size (a
+            workgroup array of ``MAX_CACHE`` rows, a head dim compiled in) or need a value of
+            at least 1 (a divisor, a row count ``T`` clamped to ``T - 1``): ``pack_params``
+            (every launch, capture and ``Graph.update``) raises ``ValueError`` outside them on
+            every backend, instead of a GPU reading past the array, computing with the compiled
+            size or wrapping ``0u - 1u`` where the cpu body raises. ``None``: none.
 
     Raises:
         TypeError / ValueError: a malformed description (unknown dtype or access, no source,
@@ -178,12 +180,16 @@ class Kernel:
                 raise ValueError(f"kernel {self.name}: ranges names {pname!r}, not one of its "
                                  f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
             lo, hi = bounds
-            out.append((self.param_names.index(pname), int(lo), int(hi)))
+            out.append((self.param_names.index(pname), int(lo),
+                        float("inf") if hi is None else int(hi)))
         return tuple(out)
 
     def _range_error(self, out: tuple) -> None:
         for i, lo, hi in self._ranges:
             if not lo <= out[i] <= hi:
+                if hi == float("inf"):
+                    raise ValueError(f"kernel {self.name}: param {self.param_names[i]}={out[i]} "
+                                     f"must be at least {lo}")
                 raise ValueError(f"kernel {self.name}: param {self.param_names[i]}={out[i]} is "
                                  f"outside [{lo}, {hi}], the sizes its device sources hold")
 

@@ -53,7 +53,8 @@ def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
 #: ``i32`` buffers read on the device (``token`` must index inside ``wte``: outside it the launch
 #: fails with ``LaunchError``: ``IndexError`` on cpu, a device-side check on wgpu
 #: (``Kernel.checks``, found after the submit; its output reads raise); cuda does not check;
-#: ``pos`` is clamped to ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
+#: ``pos`` is clamped to ``[0, T)``, ``T`` = rows of ``wpe``, at least 1: 0 is a ``ValueError`` at
+#: the call). Launch over ``grid(H)``.
 embed_at = program(
     "embed_at", [("token", "i32", R), ("pos", "i32", R), ("wte", "f32", R), ("wpe", "f32", R),
                  ("out", "f32", W)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
@@ -68,7 +69,7 @@ embed_at = program(
         }} else {{
             out[c] = wte[t * p.H + c] + wpe[q * p.H + c];
         }}
-    }}""", cpu=_embed_at_cpu, elements={"out": "H"},
+    }}""", cpu=_embed_at_cpu, elements={"out": "H"}, ranges={"T": (1, None)},
     checks=("token outside the rows of wte", "position outside the rows of wpe"))
 
 
@@ -82,8 +83,8 @@ def _kv_append_cpu(qkv, pos, kc, vc, *, H, T, off, count):
 #: Append this step's keys and values to the cache: ``kc[off + pos*H + c] = qkv[H + c]`` and
 #: ``vc[off + pos*H + c] = qkv[2H + c]`` for ``c < H``, where ``qkv`` is the packed ``[3H]``
 #: projection (q | k | v), ``pos`` a one-element ``i32`` buffer read on the device (clamped to
-#: ``[0, T)``) and ``off`` the element offset of this layer's ``[T, H]`` cache block.
-#: Launch over ``grid(H)``.
+#: ``[0, T)``; ``T >= 1``: 0 is a ``ValueError`` at the call) and ``off`` the element offset of
+#: this layer's ``[T, H]`` cache block. Launch over ``grid(H)``.
 kv_append = program(
     "kv_append", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", RW), ("vc", "f32", RW)],
     [("H", "u32"), ("T", "u32"), ("off", "u32")], (WORKGROUP, 1, 1), f"""
@@ -97,7 +98,7 @@ kv_append = program(
             kc[at] = qkv[p.H + c];
             vc[at] = qkv[2u * p.H + c];
         }}
-    }}""", cpu=_kv_append_cpu,
+    }}""", cpu=_kv_append_cpu, ranges={"T": (1, None)},
     checks=("the position's row (off + pos * H) past kc or vc, or qkv shorter than 3H",))
 
 
@@ -177,8 +178,8 @@ def _argmax_cpu(x, out, *, n, count):
 
 
 #: ``out[0] = argmax_i x[i]`` over ``i < n`` (``i32``), with ``np.argmax``'s rules on every
-#: backend: the first NaN wins, else the first maximum (ties go to the lowest index). One
-#: workgroup: launch over ``(1, 1, 1)``.
+#: backend: the first NaN wins, else the first maximum (ties go to the lowest index). ``n >= 1``
+#: (``Kernel.ranges``: 0 is a ``ValueError`` at the call). One workgroup: launch over ``(1, 1, 1)``.
 argmax = program(
     "argmax", [("x", "f32", R), ("out", "i32", W)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
     f"""
@@ -210,7 +211,7 @@ argmax = program(
 fn above(a: f32, b: f32) -> bool {
     return (is_nan(a) && !is_nan(b)) || (!is_nan(a) && !is_nan(b) && a > b);
 }
-""", cpu=_argmax_cpu, elements={"x": "n"})
+""", cpu=_argmax_cpu, elements={"x": "n"}, ranges={"n": (1, None)})
 
 
 # ---------------------------------------------------------------------------------------------

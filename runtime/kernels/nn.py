@@ -181,7 +181,8 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
 
 
 #: ``out[r, c] = word[ids[r], c] + pos[r % S, c] + ttab[types[r], c]`` for ``r < n / H`` rows
-#: (``S`` tokens per sequence; positions restart at 0 in each). ``ids``/``types`` are ``i32``
+#: (``S`` tokens per sequence; positions restart at 0 in each; ``H``, ``S >= 1``: 0 is a
+#: ``ValueError`` at the call, ``Kernel.ranges``). ``ids``/``types`` are ``i32``
 #: and must index inside their tables (rows: a table's elements over ``H``), hold ``n / H`` rows
 #: each, and ``S`` must not exceed the rows of ``pos``: outside them the launch fails with ``LaunchError`` (``IndexError``
 #: on cpu; a device-side check on wgpu, ``Kernel.checks``, found after the submit; its output
@@ -211,7 +212,7 @@ embedding = program(
     }}""", cpu=_embedding_cpu, checks=("ids outside the rows of word", "types outside the rows of "
                                        "ttab", "positions (S) outside the rows of pos",
                                        "ids/types hold fewer than n / H rows"),
-    elements={"out": "n"})
+    elements={"out": "n"}, ranges={"H": (1, None), "S": (1, None)})
 
 # ---------------------------------------------------------------------------------------------
 # Matmul: out[M, N] = A[M, K] @ W[K, N] (+ b[N]) (then GELU)
@@ -513,7 +514,8 @@ def _mean_pool_cpu(x, mask, out, *, S, H, n, count):
 
 
 #: ``out[b, c] = sum_s x[b, s, c] mask[b, s] / max(sum_s mask[b, s], 1e-9)`` for ``x [B, S, H]``,
-#: ``mask [B, S]`` (0/1 floats), ``n = B * H``; launch over ``grid(n)``.
+#: ``mask [B, S]`` (0/1 floats), ``n = B * H`` (``H >= 1``: 0 is a ``ValueError`` at the call);
+#: launch over ``grid(n)``.
 mean_pool = program(
     "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", W)],
     [("S", "u32"), ("H", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
@@ -532,7 +534,7 @@ mean_pool = program(
             cnt += m;
         }}
         out[i] = s / max(cnt, 1e-9f);
-    }}""", cpu=_mean_pool_cpu, elements={"out": "n"},
+    }}""", cpu=_mean_pool_cpu, elements={"out": "n"}, ranges={"H": (1, None)},
     checks=("x holds fewer than (n / H) * S rows of H, or mask fewer than (n / H) * S values",))
 
 # ---------------------------------------------------------------------------------------------

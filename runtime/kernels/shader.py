@@ -90,7 +90,7 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
         checks: the messages of the body's device-side checks (``Kernel.checks``; the module
             docstring says how the body fails one); declares ``err_flag``.
         ranges: ``{param: (lo, hi)}`` (``Kernel.ranges``): the values a param may take where
-            the sources hold a fixed size.
+            the sources hold a fixed size or need at least 1 (``hi`` ``None``: no upper bound).
     Returns:
         a ``Kernel`` with ``wgsl``, ``cuda`` and ``cpu`` sources.
     Raises:

@@ -234,6 +234,37 @@ def test_a_param_past_the_size_the_sources_hold_is_refused_on_every_backend(clie
                ranges={"x": (0, 1)})
 
 
+def test_a_zero_count_or_divisor_param_is_refused_on_every_backend(client):
+    """argmax over n = 0 values, embed_at/kv_append with T = 0 cache rows, embedding with H or
+    S = 0 and mean_pool with H = 0: the cpu body raised (an empty argmax, a broadcast into a
+    slice clamped to T - 1 = -1, a division by zero) while the WGSL computed ``0u - 1u`` or
+    ``x % 0u`` and returned values with no error (argmax -1, the row at pos, positions of row
+    0). Now ``ValueError`` at the call on every backend (``Kernel.ranges``, ``hi`` None), nothing
+    queued, and the server serves on (USER6: found by a new user's probe on cpu and wgpu)."""
+    from runtime.kernels import decode as D
+    c = client
+    f = lambda n, v=0.0: c.create(np.full(n, v, np.float32))             # noqa: E731
+    i = lambda n: c.create(np.zeros(n, np.int32))                        # noqa: E731
+    cases = [
+        (D.argmax, (1, 1, 1), [f(8, 1.0), i(1)], {"n": 0}, "n=0"),
+        (D.embed_at, K.grid(H), [i(1), i(1), f(2 * H), f(2 * H), f(H)], {"H": H, "T": 0}, "T=0"),
+        (D.kv_append, K.grid(H), [f(3 * H), i(1), f(2 * H), f(2 * H)],
+         {"H": H, "T": 0, "off": 0}, "T=0"),
+        (K.embedding, K.grid(2 * H), [i(2), i(2), f(2 * H), f(2 * H), f(2 * H), f(2 * H)],
+         {"H": H, "S": 0, "n": 2 * H}, "S=0"),
+        (K.embedding, K.grid(2 * H), [i(2), i(2), f(2 * H), f(2 * H), f(2 * H), f(2 * H)],
+         {"H": 0, "S": 2, "n": 2 * H}, "H=0"),
+        (K.nn.mean_pool, K.grid(H), [f(4 * H), f(4), f(H)], {"S": 4, "H": 0, "n": H}, "H=0"),
+    ]
+    for kern, count, hs, params, what in cases:
+        with pytest.raises(ValueError, match=f"kernel {kern.name}: param {what} must be at least 1"):
+            c.launch(kern, count, hs, params)
+    c.sync()                                             # nothing was queued
+    x, out = c.create(np.array([3, 9, 1], np.float32)), i(1)
+    c.launch(D.argmax, (1, 1, 1), [x, out], {"n": 3})
+    assert c.read(out)[0] == 1
+
+
 def _attention_ref(qkv, mask, B, S, heads, hd):
     x = qkv.reshape(B, S, 3, heads, hd)
     q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))      # [B, heads, S, hd]

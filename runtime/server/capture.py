@@ -87,8 +87,9 @@ def sources(ops) -> frozenset:
     on every later replay, its state rewritten or not.)"""
     out, written = set(), {}
 
-    def hidden(h, scope) -> bool:
-        return any(scope[:len(w)] == w for w in written.get(h, ()))
+    def hidden(h, scope) -> bool:       # (a set of distinct scopes per handle: few)
+        ws = written.get(h)
+        return ws is not None and (() in ws or any(scope[:len(w)] == w for w in ws))
     for op in ops:
         if isinstance(op, LaunchRec):
             sc = op.scope
@@ -101,7 +102,7 @@ def sources(ops) -> frozenset:
             elif c[0] and c[1] and c[2]:
                 for b, h in binds:
                     if b.access != "read":
-                        written.setdefault(h, []).append(sc)
+                        written.setdefault(h, set()).add(sc)
         elif hasattr(op, "cond") and not hidden(op.cond, op.scope):
             out.add(op.cond)
     return frozenset(out)

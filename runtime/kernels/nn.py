@@ -169,6 +169,8 @@ add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f
 
 def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
     rows = n // H
+    if n % H:                                       # (wgpu would write a partial row)
+        raise ValueError(f"embedding: n = {n} is not a multiple of H = {H}")
     if ids.size < rows or types.size < rows:        # (the loop would read past them)
         raise IndexError(f"embedding: ids/types hold {min(ids.size, types.size)} rows, "
                          f"n / H = {rows}")
@@ -184,15 +186,18 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
 #: (``S`` tokens per sequence; positions restart at 0 in each; ``H``, ``S >= 1``: 0 is a
 #: ``ValueError`` at the call, ``Kernel.ranges``). ``ids``/``types`` are ``i32``
 #: and must index inside their tables (rows: a table's elements over ``H``), hold ``n / H`` rows
-#: each, and ``S`` must not exceed the rows of ``pos``: outside them the launch fails with ``LaunchError`` (``IndexError``
-#: on cpu; a device-side check on wgpu, ``Kernel.checks``, found after the submit; its output
-#: reads raise). cuda does not check. Launch over ``grid(n)``.
+#: each, ``S`` must not exceed the rows of ``pos`` and ``n`` must be a multiple of ``H``: outside
+#: them the launch fails with ``LaunchError`` (``IndexError``/``ValueError`` on cpu; a device-side
+#: check on wgpu, ``Kernel.checks``, found after the submit; its output reads raise). cuda does
+#: not check. Launch over ``grid(n)``.
 embedding = program(
     "embedding", [("ids", "i32", R), ("types", "i32", R), ("word", "f32", R), ("pos", "f32", R),
                   ("ttab", "f32", R), ("out", "f32", W)],
     [("H", "u32"), ("S", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
-    if (i < p.n) {{
+    if (p.n % p.H != 0u) {{
+        if (i == 0u) {{ atomicMax(&err_flag[0], 5u); }}
+    }} else if (i < p.n) {{
         let r = i / p.H;
         let c = i % p.H;
         let w = u32(ids[r]);
@@ -211,7 +216,8 @@ embedding = program(
         }}
     }}""", cpu=_embedding_cpu, checks=("ids outside the rows of word", "types outside the rows of "
                                        "ttab", "positions (S) outside the rows of pos",
-                                       "ids/types hold fewer than n / H rows"),
+                                       "ids/types hold fewer than n / H rows",
+                                       "n is not a multiple of H"),
     elements={"out": "n"}, ranges={"H": (1, None), "S": (1, None)})
 
 # ---------------------------------------------------------------------------------------------
@@ -509,19 +515,24 @@ l2_normalize = program(
 
 def _mean_pool_cpu(x, mask, out, *, S, H, n, count):
     B = n // H
+    if n % H:                                       # (wgpu would write a partial row)
+        raise ValueError(f"mean_pool: n = {n} is not a multiple of H = {H}")
     _loops(B * S * H).mean_pool(x[:B * S * H].reshape(B, S, H), mask[:B * S].reshape(B, S),
                        out[:B * H].reshape(B, H))
 
 
 #: ``out[b, c] = sum_s x[b, s, c] mask[b, s] / max(sum_s mask[b, s], 1e-9)`` for ``x [B, S, H]``,
-#: ``mask [B, S]`` (0/1 floats), ``n = B * H`` (``H >= 1``: 0 is a ``ValueError`` at the call);
-#: launch over ``grid(n)``.
+#: ``mask [B, S]`` (0/1 floats), ``n = B * H`` (``H >= 1``: 0 is a ``ValueError`` at the call; an
+#: ``n`` that is not a multiple of ``H`` fails the launch: ``ValueError`` on cpu, a device-side
+#: check on wgpu); launch over ``grid(n)``.
 mean_pool = program(
     "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", W)],
     [("S", "u32"), ("H", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     let rows = (p.n / p.H) * p.S;           // B * S, as the cpu source's reshapes
-    if (rows * p.H > arrayLength(&x) || rows > arrayLength(&mask)) {{
+    if (p.n % p.H != 0u) {{
+        if (i == 0u) {{ atomicMax(&err_flag[0], 2u); }}
+    }} else if (rows * p.H > arrayLength(&x) || rows > arrayLength(&mask)) {{
         if (i == 0u) {{ atomicMax(&err_flag[0], 1u); }}
     }} else if (i < p.n) {{
         let b = i / p.H;
@@ -535,7 +546,8 @@ mean_pool = program(
         }}
         out[i] = s / max(cnt, 1e-9f);
     }}""", cpu=_mean_pool_cpu, elements={"out": "n"}, ranges={"H": (1, None)},
-    checks=("x holds fewer than (n / H) * S rows of H, or mask fewer than (n / H) * S values",))
+    checks=("x holds fewer than (n / H) * S rows of H, or mask fewer than (n / H) * S values",
+            "n is not a multiple of H"))
 
 # ---------------------------------------------------------------------------------------------
 # Attention

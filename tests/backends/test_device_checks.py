@@ -265,6 +265,30 @@ def test_a_zero_count_or_divisor_param_is_refused_on_every_backend(client):
     assert c.read(out)[0] == 1
 
 
+def test_a_row_kernel_over_n_not_a_multiple_of_h_fails_on_every_backend_that_checks(checked):
+    """embedding and mean_pool work in rows of H: with n = 12, H = 8 the cpu body wrote one
+    whole row (out[8:12] untouched) and the WGSL a row and a half (out[8:12] computed): different
+    values, no error on either. Now the launch fails on both (cpu ValueError, wgpu a device-side
+    check) and its output reads raise; n a multiple of H matches numpy (USER6)."""
+    c = checked
+    f = lambda a: c.create(np.asarray(a, np.float32))                    # noqa: E731
+    ids, types = c.create(np.zeros(2, np.int32)), c.create(np.zeros(2, np.int32))
+    word, pos, ttab = f(WORD), f(POS), f(TTAB)
+    x, mask = f(np.arange(4 * H, dtype=np.float32)), f(np.ones(4))
+    for kern, hs, params in (
+            (K.embedding, [ids, types, word, pos, ttab], {"H": H, "S": S}),
+            (K.nn.mean_pool, [x, mask], {"S": 2, "H": H})):
+        out = c.create(np.full(2 * H, 7, np.float32))
+        c.launch(kern, K.grid(2 * H), [*hs, out], {**params, "n": H + H // 2})
+        with pytest.raises(ReplayFailed, match="multiple of H"):
+            c.read(out)
+        c.launch(kern, K.grid(2 * H), [*hs, out], {**params, "n": 2 * H})
+        got = c.read(out)
+        want = ((WORD[[0, 0]] + POS[[0, 1]] + TTAB[[0, 0]]).reshape(-1) if kern is K.embedding
+                else np.arange(4 * H, dtype=np.float32).reshape(2, 2, H).mean(axis=1).reshape(-1))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def _attention_ref(qkv, mask, B, S, heads, hd):
     x = qkv.reshape(B, S, 3, heads, hd)
     q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))      # [B, heads, S, hd]

@@ -229,8 +229,10 @@ class QueueThread:
         what = " or ".join(f"kernel {k.name}: " + (k.checks[code - 1] if code <= len(k.checks)
                                                    else f"device check {code}")
                            for k in kernels)
-        err = LaunchError(f"{what} (a device-side check on wgpu; the dispatch's output is not "
-                          "written)")
+        # (a kernel's check skips only what it guards: the rest of its output may be written,
+        # so the message says what holds, the mark, not "nothing was written")
+        err = LaunchError(f"{what} (a device-side check on wgpu; what the work writes is marked "
+                          "failed)")
         err = mark.fail(err) if mark is not None else err
         (be.failures if stream.released else stream.errors).append(err)
 

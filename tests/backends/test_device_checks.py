@@ -280,8 +280,11 @@ def test_a_row_kernel_over_n_not_a_multiple_of_h_fails_on_every_backend_that_che
             (K.nn.mean_pool, [x, mask], {"S": 2, "H": H})):
         out = c.create(np.full(2 * H, 7, np.float32))
         c.launch(kern, K.grid(2 * H), [*hs, out], {**params, "n": H + H // 2})
-        with pytest.raises(ReplayFailed, match="multiple of H"):
+        with pytest.raises(ReplayFailed, match="multiple of H") as e:
             c.read(out)
+        # the wgpu check skips only what it guards: its message does not claim that nothing
+        # of the output was written (it said "the dispatch's output is not written")
+        assert "not written" not in str(e.value)
         c.launch(kern, K.grid(2 * H), [*hs, out], {**params, "n": 2 * H})
         got = c.read(out)
         want = ((WORD[[0, 0]] + POS[[0, 1]] + TTAB[[0, 0]]).reshape(-1) if kern is K.embedding

@@ -122,7 +122,7 @@ class Kernel:
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
                  "element_checks", "product_checks", "checks", "ranges", "_ranges",
-                 "write_checks", "__weakref__")
+                 "write_checks", "grid_elements", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
@@ -165,6 +165,12 @@ class Kernel:
         self.product_checks = tuple(c for c in checks_ if type(c[1]) is tuple)
         #: the ``element_checks``/``product_checks`` of ``write`` bindings (:meth:`partial_write`)
         self.write_checks = tuple(c for c in checks_ if self.accesses[c[0]] == "write")
+        #: ``grid_elements(count) -> int``: the most elements a direct workgroup count
+        #: ``(x, y, z)`` lets the kernel write (``elementwise``: ``x * y * WORKGROUP``), or None
+        #: (not declared: the declared ``elements`` count is taken as written). A launch whose
+        #: grid covers fewer elements than its buffer holds writes it only in part
+        #: (:meth:`partial_write`).
+        self.grid_elements = None
         if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
                             f"got {checks!r}")
@@ -219,16 +225,19 @@ class Kernel:
             out.append((bi, pi, DTYPES[self.bindings[bi].dtype].itemsize))
         return tuple(out)
 
-    def partial_write(self, bi: int, params: tuple, nbytes: int) -> bool:
+    def partial_write(self, bi: int, params: tuple, nbytes: int, count=None) -> bool:
         """Whether a launch with packed ``params`` writes the buffer of ``write`` binding ``bi``
         (``nbytes`` bytes) only in part: the element count it declares for that binding
-        (``elements=``, a product) times the itemsize is less than ``nbytes``. Such a
+        (``elements=``, a product), or fewer when its direct workgroup ``count`` covers fewer
+        (:attr:`grid_elements`), times the itemsize is less than ``nbytes``. Such a
         ``write`` keeps the buffer's failure mark (docs/contract.md section 4: the rest still
         holds what a failed writer left). False when the binding declares no count (a
         ``write`` binding is then taken to rewrite its whole buffer)."""
         for b, pi, size in self.write_checks:
             if b == bi:
                 n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
+                if self.grid_elements is not None and type(count) is tuple:
+                    n = min(n, self.grid_elements(count))
                 if n * size < nbytes:
                     return True
         return False

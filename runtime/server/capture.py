@@ -126,7 +126,7 @@ def maybe_written(ops, nbytes=None) -> frozenset:
                 if b.access == "read":
                     continue
                 whole = runs and not (nbytes and k.write_checks and b.access == "write"
-                                      and k.partial_write(bi, op.params, nbytes.get(h, 0)))
+                                      and k.partial_write(bi, op.params, nbytes.get(h, 0), op.count))
                 (top if whole else cond).add(h)
     return frozenset(cond - top)
 

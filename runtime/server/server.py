@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 
 from ..backends.base import Completion
 from ..streams import watch_thread_ends
@@ -36,13 +35,13 @@ from .queue import LAZY_MAX, DeviceQueue
 _graph_ids = itertools.count(1)
 
 
-def _partly(kernel, params, states, st) -> bool:
+def _partly(kernel, params, states, st, count=None) -> bool:
     """Whether a launch of ``kernel`` writes handle state ``st`` (bound ``write``) only in part
-    (``Kernel.partial_write``): it then keeps ``st``'s failure mark, as a ``read_write``
-    binding does (the part it does not cover still holds what a failed writer left)."""
-    for bi, pi, size in kernel.write_checks:
-        if states[bi] is st and (params[pi] if type(pi) is int else math.prod(
-                params[i] for i in pi)) * size < st.nbytes:
+    (``Kernel.partial_write``: its declared count, or what its workgroup ``count`` covers, is
+    less than the buffer): it then keeps ``st``'s failure mark, as a ``read_write`` binding
+    does (the part it does not cover still holds what a failed writer left)."""
+    for bi, _, _ in kernel.write_checks:
+        if states[bi] is st and kernel.partial_write(bi, params, st.nbytes, count):
             return True
     return False
 
@@ -654,7 +653,7 @@ class ComputeServer:
                     if st.reads:
                         self._wait_for(s, st.reads)
                 if st.mark is not CLEAN and (acc != "write" or cst is not None or (
-                        kernel.write_checks and _partly(kernel, params, states, st))) and (
+                        kernel.write_checks and _partly(kernel, params, states, st, count))) and (
                         not Marks.clean(st)):   # (an indirect count may be 0: writes nothing;
                     # a write covering part of the buffer leaves the rest as it was: ADV6)
                     if reads is None:

@@ -327,6 +327,36 @@ def test_a_graph_updated_to_write_part_of_a_buffer_keeps_its_mark(client):
     np.testing.assert_array_equal(c.read(y), np.full(8, 3, np.float32))
 
 
+def test_a_grid_covering_part_of_a_marked_buffer_keeps_its_mark(client):
+    """The same through the workgroup count: ``fill`` declares ``n`` = all of ``y`` (1024
+    floats) but one workgroup of 64 writes 64 of them (every backend honours the count), so the
+    rest still holds what the failed writer left: a read keeps raising, eagerly, in a graph and
+    after ``Graph.update(count=...)`` to one workgroup (USER6: the mark was cleared and 960 stale
+    values read back with no error). A grid covering ``n`` clears it."""
+    c = client.with_stream(runtime.StreamId.new())
+    n = 1024
+    short = c.create(np.zeros(4, np.float32))
+    y = c.create(np.full(n, 100, np.float32))
+    _fail_a_write_of(c, y, short)
+    c.launch(K.fill, 1, [y], {"value": 1.0, "n": n})                # 64 of 1024
+    _raises_elements(c, y)
+    c.launch(K.fill, K.grid(n), [y], {"value": 2.0, "n": n})        # all of it
+    np.testing.assert_array_equal(c.read(y), np.full(n, 2, np.float32))
+
+    c.graph_prepare()
+    c.launch(K.fill, K.grid(n), [y], {"value": 3.0, "n": n})
+    c.start_capture()
+    c.launch(K.fill, K.grid(n), [y], {"value": 3.0, "n": n})
+    g = c.stop_capture()
+    g.update(count={0: (1, 1, 1)})                                  # now 64 of 1024
+    _fail_a_write_of(c, y, short)
+    g.replay()
+    _raises_elements(c, y)
+    g.update(count={0: K.grid(n)})
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(n, 3, np.float32))
+
+
 def test_a_loop_graph_recovers_once_its_state_is_written(client, monkeypatch):
     """The accumulator above with its step inside ``capture_while``: ``tmp`` is written and
     then read inside the loop body, so it is a temporary, not state. Before (ADV6) a write

@@ -385,6 +385,10 @@ class Batcher:
 
     def _check_open(self) -> None:
         if self._closed or (self._thread is not None and not self._thread.is_alive()):
+            if not self._closed and getattr(self, "_pid", None) not in (None, os.getpid()):
+                raise BatcherClosed(f"this batcher was started in process {self._pid}, which "
+                                    "forked this one: its worker stays in the parent; make a "
+                                    "new batcher in this process (README 'Fork and spawn')")
             raise BatcherClosed("the batcher is closed" if self._closed else
                                 "the batcher's worker stopped")
 
@@ -483,6 +487,7 @@ class Batcher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="serving-batcher",
                                             daemon=True)
+            self._pid = os.getpid()             # (a forked child has no worker: _check_open)
             self._thread.start()
 
     @property

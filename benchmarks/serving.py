@@ -683,10 +683,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq-buckets", default=",".join(map(str, SEQ_BUCKETS)),
                    help="the batcher's sequence buckets (tokens; the last >= 256); every one up "
                    f"to {WARMUP_SEQ} is captured at start-up with every batch bucket")
-    p.add_argument("--streams", type=int, default=1,
+    p.add_argument("--streams", type=int, default=0,
                    help="graph and eager paths: a model per stream and a batcher per model, "
                    "each request to the least loaded (runtime.serving.BatcherGroup; serve "
-                   "--streams); on cpu two batches then run at once, one thread each")
+                   "--streams); on cpu two batches then run at once, one thread each; 0 "
+                   "(default): serve's default (runtime.serving.replica.default_streams: 2 "
+                   "on cpu with 2 or more cores)")
     p.add_argument("--route", default="auto", choices=("auto", "least", "spill", "cpu"),
                    help="with --streams > 1, the BatcherGroup's routing: least (every request "
                    "to the least loaded), spill (the first batcher until a full batch waits "
@@ -740,8 +742,8 @@ def main(argv=None) -> int:
         threads = st_thread_counts(args.st_threads)
     except ValueError as e:
         p.error(str(e))
-    if args.streams < 1:
-        p.error(f"--streams {args.streams}: at least 1")
+    if args.streams < 0:
+        p.error(f"--streams {args.streams}: at least 1 (0: serve's default)")
     if len(threads) > 1 and not args.isolate:
         p.error("--st-threads with several counts needs --isolate (torch's threads are "
                 "per process)")
@@ -791,6 +793,12 @@ def _main(args) -> int:
         if {"graph", "eager"} & set(paths):
             model = [load_model(None if args.backend == "auto" else args.backend,
                                 max_graphs=len(WARMUP))]
+            if not args.streams:                   # serve's default (a checkout before it: 1)
+                try:
+                    from runtime.serving.replica import default_streams
+                    args.streams = default_streams(model[0].client.backend, model[0])
+                except ImportError:
+                    args.streams = 1
             for _ in range(args.streams - 1):      # the same weights (a checkout before
                 model.append(model[0].replica() if hasattr(model[0], "replica")    # replica():
                              else load_model(model[0].client.backend,              # a copy)

@@ -212,6 +212,7 @@ class BlasOwner:
                 self._thread.start()
             if threading.current_thread() is self._thread:
                 return fn()
+            owner = self._thread
             self._work.append((fn, box, done))
             self._cv.notify()
         if not done.wait(self.timeout_s):
@@ -219,7 +220,9 @@ class BlasOwner:
                 if (fn, box, done) in self._work:       # never started: run it here
                     self._work.remove((fn, box, done))
                     return fn()
-            done.wait()                                  # started: it finishes
+            while not done.wait(0.05):                   # started: it finishes, unless the
+                if not owner.is_alive() and not done.is_set():  # owner died with it taken
+                    return fn()                          # (an interrupt): run it here (ADV6)
         ok, value = box[0]
         if not ok:
             raise value
@@ -677,29 +680,32 @@ class _Job:
         self.cv = cv
 
     def work(self) -> None:
-        """Run pieces until none is left to hand out."""
+        """Run pieces until none is left to hand out. An exception (a piece's, or an
+        asynchronous one landing anywhere in here: KeyboardInterrupt, a signal handler's) is
+        handed to the caller of ``run()`` and still counts the piece this thread held, so the
+        caller's wait for ``left`` always ends (ADV6: one landing between taking a piece and
+        running it left ``left`` above 0 for ever, the caller and its stream hung)."""
         cv, n = self.cv, len(self.pieces)
-        while True:
-            with cv:
-                i = self.next
-                if i >= n:
-                    return
-                self.next = i + 1
-            try:
-                self.fn(self.pieces[i])
-            except BaseException as e:  # noqa: BLE001 - handed to the caller of run()
+        held = False                        # a piece taken and not yet counted
+        try:
+            while True:
                 with cv:
-                    if self.error is None:
-                        self.error = e
-                    self.left -= n - self.next          # the pieces never handed out
-                    self.next = n
-                    self.left -= 1
-                    cv.notify_all()
-                return
+                    i = self.next
+                    if i >= n:
+                        return
+                    self.next, held = i + 1, True   # (no call between: no interrupt lands)
+                self.fn(self.pieces[i])
+                with cv:
+                    self.left, held = self.left - 1, False
+                    if not self.left:
+                        cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of run()
             with cv:
-                self.left -= 1
-                if not self.left:
-                    cv.notify_all()
+                if self.error is None:
+                    self.error = e
+                self.left -= n - self.next + held       # never handed out, and this one
+                self.next = n
+                cv.notify_all()
 
 
 class FanOutPool:

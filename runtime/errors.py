@@ -236,7 +236,7 @@ class ErrorQueue(list):
     worker, a queue thread, the server's owner), taken on another; bounded like the server's
     own queues (:func:`fold_errors`: past ``limit`` the newest are folded into one
     ``FoldedErrors``, counted, never dropped), so a stream that never blocks cannot grow it.
-    The one bounding rule every backend uses (design.md section 1: every list is bounded by
+    The one bounding rule every backend uses (docs/contract.md section 1: every list is bounded by
     live work).
 
     A ``list`` whose adding and taking methods hold a lock: its emptiness test, which every

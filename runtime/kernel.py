@@ -26,6 +26,7 @@ Conventions every backend follows:
 
 from __future__ import annotations
 
+import math
 import operator
 import struct
 from typing import Callable, NamedTuple
@@ -84,7 +85,9 @@ class Kernel:
             buffer holds is refused instead of clamped or run out of bounds: a param name (every
             binding holds at least that many elements of its dtype) or a mapping
             ``{binding name: param name}`` (only those bindings, e.g. ``add_bias``, whose bias
-            holds ``N``, not ``n``). ``None`` (the default): nothing is declared, nothing
+            holds ``N``, not ``n``), where a tuple of param names is their product (a matmul's
+            ``{"a": ("M", "K"), "w": ("K", "N"), "out": ("M", "N")}``; kept in
+            ``product_checks``). ``None`` (the default): nothing is declared, nothing
             checked. Declare it only where it is exactly true: the server refuses a launch
             (``LaunchError``), a capture window (``stop_capture`` raises) and a
             ``Graph.update`` (``ValueError``) whose param exceeds a handle's
@@ -97,9 +100,16 @@ class Kernel:
             ``err_flag`` is the storage binding after the others (after the params' uniform,
             ``array<atomic<u32>>``), bound by the backend; the launch (or the replay holding it)
             then fails with ``LaunchError`` naming the kernel and ``checks[k - 1]``, found after
-            its submit, which marks what it writes (design.md section 4: a read raises). On cuda
-            ``err_flag`` is a ``__device__`` global nobody reads yet: not checked there.
+            its submit, which marks what it writes (docs/contract.md section 4: a read raises).
+            On cuda ``err_flag`` is a ``__device__`` global nobody reads yet: not checked there.
             ``()`` (the default): none.
+        ranges: ``{param name: (lo, hi)}``: the values an integer param may take (inclusive;
+            ``hi`` ``None``: no upper bound), where the device sources hold a fixed size (a
+            workgroup array of ``MAX_CACHE`` rows, a head dim compiled in) or need a value of
+            at least 1 (a divisor, a row count ``T`` clamped to ``T - 1``): ``pack_params``
+            (every launch, capture and ``Graph.update``) raises ``ValueError`` outside them on
+            every backend, instead of a GPU reading past the array, computing with the compiled
+            size or wrapping ``0u - 1u`` where the cpu body raises. ``None``: none.
 
     Raises:
         TypeError / ValueError: a malformed description (unknown dtype or access, no source,
@@ -111,11 +121,12 @@ class Kernel:
 
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
-                 "element_checks", "checks", "__weakref__")
+                 "element_checks", "product_checks", "checks", "ranges", "_ranges",
+                 "write_checks", "grid_elements", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
-                 elements=None, checks=()):
+                 elements=None, checks=(), ranges=None):
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"kernel name must be an identifier, got {name!r}")
         self.name = name
@@ -147,11 +158,46 @@ class Kernel:
         self._ints = tuple(i for i, f in enumerate(self._f32) if not f)
         self.elements = elements
         #: ``((binding index, param index, itemsize), ...)``: what a launch checks (empty: none)
-        self.element_checks = self._element_checks(elements)
+        checks_ = self._element_checks(elements)
+        self.element_checks = tuple(c for c in checks_ if type(c[1]) is int)
+        #: ``((binding index, (param index, ...), itemsize), ...)``: the product declarations
+        #: (a separate tuple: the launch path tests it once, empty for most kernels)
+        self.product_checks = tuple(c for c in checks_ if type(c[1]) is tuple)
+        #: the ``element_checks``/``product_checks`` of ``write`` bindings (:meth:`partial_write`)
+        self.write_checks = tuple(c for c in checks_ if self.accesses[c[0]] == "write")
+        #: ``grid_elements(count) -> int``: the most elements a direct workgroup count
+        #: ``(x, y, z)`` lets the kernel write (``elementwise``: ``x * y * WORKGROUP``), or None
+        #: (not declared: the declared ``elements`` count is taken as written). A launch whose
+        #: grid covers fewer elements than its buffer holds writes it only in part
+        #: (:meth:`partial_write`).
+        self.grid_elements = None
         if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
                             f"got {checks!r}")
         self.checks = tuple(checks)
+        self.ranges = dict(ranges or {})
+        #: ``((param index, lo, hi), ...)`` of ``ranges`` (empty: pack_params' one extra test)
+        self._ranges = self._range_checks(self.ranges)
+
+    def _range_checks(self, ranges) -> tuple:
+        out = []
+        for pname, bounds in ranges.items():
+            if pname not in self.param_names or self.params[self.param_names.index(pname)].dtype == "f32":
+                raise ValueError(f"kernel {self.name}: ranges names {pname!r}, not one of its "
+                                 f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
+            lo, hi = bounds
+            out.append((self.param_names.index(pname), int(lo),
+                        float("inf") if hi is None else int(hi)))
+        return tuple(out)
+
+    def _range_error(self, out: tuple) -> None:
+        for i, lo, hi in self._ranges:
+            if not lo <= out[i] <= hi:
+                if hi == float("inf"):
+                    raise ValueError(f"kernel {self.name}: param {self.param_names[i]}={out[i]} "
+                                     f"must be at least {lo}")
+                raise ValueError(f"kernel {self.name}: param {self.param_names[i]}={out[i]} is "
+                                 f"outside [{lo}, {hi}], the sizes its device sources hold")
 
     def _element_checks(self, elements) -> tuple:
         if elements is None:
@@ -165,15 +211,36 @@ class Kernel:
             raise TypeError(f"kernel {self.name}: elements must be a param name or a dict "
                             f"{{binding: param}}, got {type(elements).__name__}")
         out = []
-        for b, pname in pairs:
+        for b, pnames in pairs:
             if b not in bnames:
                 raise ValueError(f"kernel {self.name}: elements names binding {b!r}; it has {bnames}")
-            if pname not in self.param_names or self.params[self.param_names.index(pname)].dtype == "f32":
-                raise ValueError(f"kernel {self.name}: elements names {pname!r}, not one of its "
-                                 f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
+            product = isinstance(pnames, tuple)
+            for pname in (pnames if product else (pnames,)):
+                if pname not in self.param_names or self.params[self.param_names.index(pname)].dtype == "f32":
+                    raise ValueError(f"kernel {self.name}: elements names {pname!r}, not one of its "
+                                     f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
             bi = bnames.index(b)
-            out.append((bi, self.param_names.index(pname), DTYPES[self.bindings[bi].dtype].itemsize))
+            pi = (tuple(self.param_names.index(n) for n in pnames) if product
+                  else self.param_names.index(pnames))
+            out.append((bi, pi, DTYPES[self.bindings[bi].dtype].itemsize))
         return tuple(out)
+
+    def partial_write(self, bi: int, params: tuple, nbytes: int, count=None) -> bool:
+        """Whether a launch with packed ``params`` writes the buffer of ``write`` binding ``bi``
+        (``nbytes`` bytes) only in part: the element count it declares for that binding
+        (``elements=``, a product), or fewer when its direct workgroup ``count`` covers fewer
+        (:attr:`grid_elements`), times the itemsize is less than ``nbytes``. Such a
+        ``write`` keeps the buffer's failure mark (docs/contract.md section 4: the rest still
+        holds what a failed writer left). False when the binding declares no count (a
+        ``write`` binding is then taken to rewrite its whole buffer)."""
+        for b, pi, size in self.write_checks:
+            if b == bi:
+                n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
+                if self.grid_elements is not None and type(count) is tuple:
+                    n = min(n, self.grid_elements(count))
+                if n * size < nbytes:
+                    return True
+        return False
 
     def elements_error(self, params: tuple, nbytes, hids=None) -> str | None:
         """Why a launch with packed ``params`` over buffers of ``nbytes`` (bytes, one per
@@ -183,14 +250,23 @@ class Kernel:
         handle (``hids[i]``, when given) and its element count (``nbytes // itemsize`` of the
         binding's dtype). Costs nothing for a kernel that declares no ``elements``.
         """
-        for bi, pi, size in self.element_checks:
-            n, have = params[pi], nbytes[bi] // size
+        for bi, pi, size in self.element_checks + self.product_checks:
+            if type(pi) is int:
+                n, what = params[pi], self.param_names[pi]
+            else:
+                n, what = 1, "*".join(self.param_names[i] for i in pi)
+                for i in pi:
+                    n *= params[i]
+            have = nbytes[bi] // size
             if n > have:
                 b = self.bindings[bi]
                 handle = f"handle {hids[bi]}" if hids is not None else "its buffer"
-                return (f"kernel {self.name}: param {self.param_names[pi]}={n} exceeds the "
+                shown = f"param {what}={n}" if type(pi) is int else (
+                    f"params {what} = {n} (" + ", ".join(f"{self.param_names[i]}={params[i]}"
+                                                          for i in pi) + ")")
+                return (f"kernel {self.name}: {shown} exceeds the "
                         f"{have} elements ({b.dtype}) of binding {b.name} ({handle}, "
-                        f"{nbytes[bi]} bytes); pass {self.param_names[pi]} <= {have} or bind a "
+                        f"{nbytes[bi]} bytes); pass {what} <= {have} or bind a "
                         "larger buffer")
         return None
 
@@ -205,7 +281,8 @@ class Kernel:
         Returns:
             a tuple of Python ``float``/``int`` in param order.
         Raises:
-            TypeError / ValueError: missing, unknown or non-numeric params.
+            TypeError / ValueError: missing, unknown or non-numeric params; ``ValueError``: a
+                param outside its declared ``ranges``.
         """
         if values is None:
             values = ()
@@ -221,6 +298,8 @@ class Kernel:
                     if not 0 <= out[i] < 2147483648:
                         break
                 else:
+                    if self._ranges:
+                        self._range_error(out)
                     return out
         if isinstance(values, dict):
             unknown = set(values) - set(self.param_names)
@@ -252,7 +331,10 @@ class Kernel:
                 if not lo <= iv <= hi:
                     raise ValueError(f"kernel {self.name}: param {p.name}={iv} is out of range for {p.dtype}")
                 out.append(iv)
-        return tuple(out)
+        out = tuple(out)
+        if self._ranges:
+            self._range_error(out)
+        return out
 
     def uniform_bytes(self, values: tuple) -> bytes:
         """Params packed as a WGSL uniform struct: 4 bytes each, padded to 16 bytes."""

@@ -61,19 +61,22 @@ def captured_add_one(c):
     return x, y, c.stop_capture()
 
 
-def captured_once(c, kernel, bufs, params: dict, n: int):
-    """One launch of ``kernel`` over ``bufs`` (``params`` plus ``n``) on ``c``'s stream, run,
-    run again after ``graph_prepare`` (the warm-up), then captured: the ``Graph``."""
-    def launch():
-        c.launch(kernel, K.grid(n), bufs, {**params, "n": n})
-    launch()
+def captured(c, run):
+    """``run()`` (launches on ``c``'s stream) run, run again after ``graph_prepare`` (the
+    warm-up), then captured: the ``Graph``."""
+    run()
     c.sync()
     c.graph_prepare()
-    launch()
+    run()
     c.sync()
     c.start_capture()
-    launch()
+    run()
     return c.stop_capture()
+
+
+def captured_once(c, kernel, bufs, params: dict, n: int):
+    """One launch of ``kernel`` over ``bufs`` (``params`` plus ``n``), :func:`captured`."""
+    return captured(c, lambda: c.launch(kernel, K.grid(n), bufs, {**params, "n": n}))
 
 
 #: modules of ``runtime.kernels`` whose kernels are cpu-only by design (their docstring says

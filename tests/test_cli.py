@@ -23,12 +23,15 @@ def _one_line(err: str, command: str) -> str:
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["bench", "--backend", "nope"], "ValueError: unknown backend 'nope'"),
-    (["bench", "--sections", "nope"], "ValueError: unknown section(s) ['nope']"),
-    (["embed", "--backend", "nope", "a text"], "ValueError: unknown backend 'nope'"),
-    (["capture-demo", "--backend", "nope"], "ValueError: unknown backend 'nope'"),
+    (["bench", "--backend", "nope"], "ValueError: --backend: unknown backend 'nope'"),
+    (["bench", "--sections", "nope"], "ValueError: --sections/--skip: unknown section(s) ['nope']"),
+    (["bench", "--skip", "nope"], "ValueError: --sections/--skip: unknown section(s) ['nope']"),
+    (["embed", "--backend", "nope", "a text"], "ValueError: --backend: unknown backend 'nope'"),
+    (["capture-demo", "--backend", "nope"], "ValueError: --backend: unknown backend 'nope'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expect, capsys):
+    """The one line names the flag whose value was refused (README "Commands"; USER6: bench,
+    embed and capture-demo named only the value)."""
     assert cli.main(argv) == 2
     assert expect in _one_line(capsys.readouterr().err, argv[0])
 

@@ -148,7 +148,7 @@ class Backend:
     def __init__(self, device: int = 0, **options: Any):
         self.device = device
         #: set by the server: called (from any thread) when ``load()`` shrank, so producers
-        #: waiting for room in the device queue re-check (design.md section 1).
+        #: waiting for room in the device queue re-check (docs/contract.md section 1).
         self.on_room = _nothing
         #: errors no stream owns, found after enqueue (see ``take_failures``); any thread.
         self.failures = ErrorQueue()
@@ -167,8 +167,8 @@ class Backend:
 
     def load(self) -> tuple:
         """The backlog ``(items, bytes)``: work enqueued on streams and not yet run (or
-        submitted), and the host bytes it holds. The device queue bounds it (design.md
-        section 1). Default ``(0, 0)``: the device API bounds its own queue (cuda)."""
+        submitted), and the host bytes it holds. The device queue bounds it
+        (docs/contract.md section 1). Default ``(0, 0)``: the device API bounds its own queue (cuda)."""
         return (0, 0)
 
     def take_failures(self) -> list:

@@ -326,7 +326,7 @@ class CpuBackend(Backend):
         self.closed = False
 
     def load(self) -> tuple:
-        """``(items, bytes)`` enqueued on the streams and not yet run (design.md section 1).
+        """``(items, bytes)`` enqueued on the streams and not yet run (docs/contract.md section 1).
         ``(0, 0)`` under the interleaving scheduler, which runs nothing until someone waits."""
         if not self._threaded:
             return (0, 0)
@@ -448,7 +448,7 @@ class CpuBackend(Backend):
                 with cv:
                     stream.busy = False
                     if q and self.scheduler.waiting:
-                        cv.notify()
+                        self.scheduler._requeue(stream)     # (wakes one idle worker)
 
     def held_by_caller(self, stream) -> bool:
         """Whether the calling thread is running ``stream``'s work now (it set ``busy``: a

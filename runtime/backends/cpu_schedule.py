@@ -107,7 +107,7 @@ class ThreadScheduler(Scheduler):
     another stream's event), and by :meth:`kick`. Nobody has to wait for deferred work to
     run: worker 0 polls every :data:`DEFER_S` while deferred pushes keep coming (one wake-up
     when they start again after a pause), so a fire-and-forget launch runs within tens
-    of milliseconds on its own (a stream is asynchronous to the caller, design.md section
+    of milliseconds on its own (a stream is asynchronous to the caller, docs/contract.md section
     3), and the poll, which takes the GIL from the caller, stays rare.
 
     Args:
@@ -119,7 +119,11 @@ class ThreadScheduler(Scheduler):
 
     def attach(self, backend):
         super().attach(backend)
-        self.cv = threading.Condition()
+        lock = threading.Lock()
+        self.cv = threading.Condition(lock)
+        # the polling worker's untimed sleep: a deferred push after a pause wakes it alone
+        # (cv would wake every idle worker, and each would race to take the caller's work)
+        self.poll_cv = threading.Condition(lock)
         self.ready = collections.deque()      # streams that may be runnable (sched == READY)
         self.deferred = collections.deque()   # streams given deferred work (pending == True)
         self.waiting = 0
@@ -136,7 +140,15 @@ class ThreadScheduler(Scheduler):
     def notify(self):
         if self.waiting:
             with self.cv:
-                self.cv.notify()
+                self._wake_one()
+
+    def _wake_one(self) -> None:
+        """Wake one idle worker for runnable work (under cv): a worker waiting on cv, else the
+        polling worker from its untimed sleep."""
+        if self.waiting > self.poller_asleep:
+            self.cv.notify()
+        elif self.poller_asleep:
+            self.poll_cv.notify()
 
     def push(self, s, item, defer=False):
         if defer:
@@ -149,7 +161,7 @@ class ThreadScheduler(Scheduler):
                 self.pushes += 1
                 if self.poller_asleep:      # (read after the count: see _loop)
                     with self.cv:
-                        self.cv.notify_all()
+                        self.poll_cv.notify()
                 return True
         with self.cv:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
@@ -157,7 +169,7 @@ class ThreadScheduler(Scheduler):
                 s.sched = READY
                 self.ready.append(s)
                 if self.waiting:
-                    self.cv.notify()
+                    self._wake_one()
 
     def _requeue(self, s) -> None:
         """``s`` stopped running, got work or its event completed: ready again if it has work
@@ -166,16 +178,20 @@ class ThreadScheduler(Scheduler):
             s.sched = READY
             self.ready.append(s)
             if self.waiting:
-                self.cv.notify()
+                self._wake_one()
 
     def kick(self):
         if self.waiting:
             with self.cv:
-                self.cv.notify_all()
+                self._wake_all()
 
     def notify_all(self):
         with self.cv:
-            self.cv.notify_all()
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        self.cv.notify_all()
+        self.poll_cv.notify_all()
 
     def event_done(self, event):
         with self.cv:
@@ -212,6 +228,18 @@ class ThreadScheduler(Scheduler):
         return None
 
     def _loop(self, poller=False):
+        try:
+            self._work(poller)
+        except BaseException as e:
+            # an exception ending a worker (an asynchronous one: KeyboardInterrupt,
+            # PyThreadState_SetAsyncExc) may have landed with an item taken and not run (or
+            # run unmarked): the backend is broken and the server stops at once, before a fast
+            # path or another worker answers from a buffer that item should have written
+            # (before: the stream's later reads returned the stale values; ADV6)
+            self.backend.set_broken(e)
+            raise
+
+    def _work(self, poller):
         cv = self.cv
         with cv:
             while not self.closed:
@@ -227,8 +255,13 @@ class ThreadScheduler(Scheduler):
                             self.poller_asleep = False
                             cv.wait(DEFER_S)
                         else:
-                            cv.wait()
+                            self.poll_cv.wait()
                             self.poller_asleep = False
+                            if self.pushes != self._seen and not self.ready:
+                                # woken by a deferred push: its caller runs it when it waits
+                                # for it (help); look after DEFER_S, not at once
+                                self._seen = self.pushes
+                                cv.wait(DEFER_S)
                     else:
                         cv.wait()
                     self.waiting -= 1
@@ -236,6 +269,9 @@ class ThreadScheduler(Scheduler):
                 cv.release()
                 try:
                     self.backend.execute(*item)
+                except BaseException as e:  # see _loop: broken before the stream is requeued
+                    self.backend.set_broken(e)
+                    raise
                 finally:
                     cv.acquire()
                     item[0].busy = False
@@ -259,8 +295,8 @@ class ThreadScheduler(Scheduler):
         try:                                # (from before busy is set: an interrupt anywhere
             with cv:                        # after it still clears it, else the stream hangs)
                 if stream.busy or not stream.q or self.closed:
-                    if not comp.done and self.waiting:
-                        cv.notify_all()
+                    if not comp.done and self.waiting and (self.deferred or self.ready):
+                        self._wake_all()        # (deferred work it waits for: see _pick)
                     return
                 stream.runner = threading.get_ident()
                 stream.busy = claimed = True
@@ -282,8 +318,8 @@ class ThreadScheduler(Scheduler):
                 with cv:
                     stream.busy = False
                     self._requeue(stream)
-                    if not comp.done and self.waiting:
-                        cv.notify_all()         # (deferred work it waits for: see _pick)
+                    if not comp.done and self.waiting and (self.deferred or self.ready):
+                        self._wake_all()        # (deferred work it waits for: see _pick)
 
     def is_alive(self) -> bool:
         return all(t.is_alive() for t in self.threads)
@@ -291,7 +327,7 @@ class ThreadScheduler(Scheduler):
     def close(self):
         with self.cv:
             self.closed = True
-            self.cv.notify_all()
+            self._wake_all()
         for t in self.threads:
             t.join(timeout=5.0)
 

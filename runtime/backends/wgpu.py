@@ -24,8 +24,8 @@ Device verbs only (see ``runtime.backends.base``); the server owns every policy.
   issued them. Measured on lavapipe: ``queue.submit`` blocks until the previous submission has
   finished (1.2-1.6 s behind three 384x384 matmuls), and ``destroy``, ``map_async`` and
   ``create_buffer_with_data`` block as long while another thread is inside a submit; so none of
-  them may run in a server handler (design.md section 2: no handler waits for the device). The
-  owner only encodes and hands finished command buffers over.
+  them may run in a server handler (docs/contract.md section 2: no handler waits for the device).
+  The owner only encodes and hands finished command buffers over.
 - Reads and ``synchronize`` return a :class:`MapCompletion`: the queue thread maps a staging
   buffer asynchronously after the copy; the *caller's* thread waits for the map and copies the
   bytes out (``Completion.wait``), never the server.
@@ -47,14 +47,12 @@ buffer after a copy instead.
 
 from __future__ import annotations
 
-import collections
 import os
-import threading
 
 import numpy as np
 
-from ..errors import (ErrorQueue, InvalidHandle, LaunchError, LoopLimitExceeded, OutOfMemory,
-                      ServerClosed, UnsupportedError, error_list, unhealthy)
+from ..errors import (ErrorQueue, InvalidHandle, LaunchError, OutOfMemory, UnsupportedError,
+                      error_list, unhealthy)
 from .base import Backend, Completion, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
@@ -65,6 +63,11 @@ try:
     import wgpu
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise UnsupportedError(f"the wgpu backend needs wgpu-py: pip install wgpu ({exc})") from exc
+
+from .wgpu_graph import (COUNT_CHECK_WGSL, GATE_WGSL, MAX_UNROLLED, WgpuCond,  # noqa: E402
+                         WgpuGraph, _checked, _oversize)
+from .wgpu_queue import (_CHECK, _DESTROY, _DEVCHECK, _MAP, _SUBMIT, _WRITE,  # noqa: E402
+                         MapCompletion, QueueThread, _Batch)
 
 INSTALL_HINT = "apt-get install -y mesa-vulkan-drivers (lavapipe, a Vulkan CPU adapter)"
 _STORAGE = (wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
@@ -77,9 +80,6 @@ _LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size",
            "max-compute-workgroup-size-y", "max-compute-workgroup-size-z",
            "max-compute-workgroups-per-dimension", "max-bind-groups")
 _CACHE_MAX = 4096   # uniform buffers and bind groups kept before a cache is cleared
-_STAGING_KEEP = 4   # idle staging buffers kept per size class
-_SUBMIT, _WRITE, _MAP, _UNMAP, _DESTROY, _CHECK, _DEVCHECK = range(7)
-_CLOSED_MSG = "the wgpu server was shut down before this work completed"
 
 
 def _align4(n: int) -> int:
@@ -190,380 +190,6 @@ class WgpuStream:
         self.log: list = []
         self.errors = ErrorQueue()
         self.released = False      # reclaimed: later errors go to the backend's ``failures``
-
-
-class _Batch:
-    """A stream's submitted command buffer and the marks of the work it holds (a refused
-    submit fails them and is reported on the stream)."""
-
-    __slots__ = ("cb", "stream", "marks")
-
-    def __init__(self, cb, stream, marks):
-        self.cb, self.stream, self.marks = cb, stream, marks
-
-
-def _report(comp: "MapCompletion") -> None:
-    """Queue thread, at a stream's read or fence: fail it with the stream's reported errors
-    (every earlier submit of the stream ran or was refused by now)."""
-    s = comp.stream
-    if s is not None and s.errors:
-        comp.error = unhealthy(error_list(comp.error) + s.errors.take())
-
-
-class MapCompletion(Completion):
-    """A read (or a fence) whose staging buffer the queue thread maps asynchronously.
-
-    ``wait`` runs on the caller's thread: it waits until the queue thread has issued the map,
-    then for the map itself (``GPUPromise``, resolved by wgpu-py's poll thread), copies the
-    first ``nbytes`` out (``read_mapped``) and hands the buffer back to the queue thread for
-    ``unmap``. Value: a ``uint8`` array of ``nbytes``, or None for a fence. Fails with
-    ``LaunchError`` when the map fails and ``ServerClosed`` when the server shuts down first.
-    """
-
-    __slots__ = ("qt", "staging", "size", "nbytes", "issued", "promise", "_lock", "stream")
-
-    def __init__(self, qt, staging, size: int, nbytes, stream=None):
-        super().__init__()
-        self.qt, self.staging, self.size, self.nbytes = qt, staging, size, nbytes
-        self.stream = stream                # its errors are reported by this completion
-        self.issued = threading.Event()     # set once map_async was called (or it failed)
-        self.promise = None
-        self._lock = threading.Lock()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block up to ``timeout`` seconds (None: until done); True once done."""
-        if self.done:
-            return True
-        if not self.issued.wait(timeout):
-            return False
-        promise = self.promise
-        if not self.done and promise is not None:
-            if not promise._thread_event.wait(timeout):   # set by wgpu-py's poll thread
-                return False
-            self._collect()
-        return True
-
-    def _collect(self) -> None:
-        with self._lock:
-            if self.done:
-                return
-            staging = self.staging
-            try:
-                self.promise.sync_wait()      # resolved already; raises if the map failed
-                value = None
-                if self.nbytes is not None:
-                    value = np.frombuffer(staging.read_mapped(0, self.size), np.uint8)[:self.nbytes]
-            except Exception as exc:  # noqa: BLE001 - a failed map (device lost, closed)
-                self.qt.push((_UNMAP, staging, 0))
-                err = (ServerClosed(_CLOSED_MSG) if self.qt.closed
-                       else LaunchError(f"wgpu: reading back {self.size} bytes failed: {exc}"))
-                self.fail(unhealthy(error_list(self.error) + [err]) if self.error else err)
-                return
-            self.qt.push((_UNMAP, staging, 0))
-            self.set(value)
-
-
-class QueueThread:
-    """The thread that owns the ``GPUQueue``: runs queue operations in issue order.
-
-    Operations: submit a command buffer, ``write_buffer``, ``map_async`` of a staging buffer
-    (a :class:`MapCompletion`), ``unmap`` (the staging buffer goes back to the free list) and
-    ``destroy``. Before a submit, when ``max_inflight`` submits are unfinished, it waits for a
-    fence (submission load). Never a hang: ``close`` fails what is queued with ``ServerClosed``
-    and joins the thread for at most 1 s (it may be inside a submit that waits for the device).
-    """
-
-    def __init__(self, backend: "WgpuBackend", max_inflight: int):
-        self.backend = backend
-        self.queue = backend.queue
-        self.max_inflight = max_inflight
-        self.ops: collections.deque = collections.deque()
-        self.cv = threading.Condition(threading.Lock())
-        self.closed = False
-        self.items = 0           # dispatches (or 1 per other op) queued here, for load()
-        self.bytes = 0           # host bytes of queued writes
-        self.inflight = 0        # submits since the last fence completed
-        self.submits = 0         # command buffers handed over (counted at push, by the owner)
-        self.free_staging: dict = {}     # size -> idle MAP_READ buffers
-        self._thread = threading.Thread(target=self._loop, name="runtime-wgpu-queue", daemon=True)
-        self._thread.start()
-
-    def push(self, op) -> None:
-        """Queue ``(kind, obj, arg)``; ``arg`` is the dispatch count of a submit, the data of a
-        write. Raises ``ServerClosed`` once closed (the op's completion is failed)."""
-        with self.cv:
-            if self.closed:
-                if op[0] == _MAP:
-                    _fail_closed(op[1])
-                    return
-                if op[0] == _UNMAP:
-                    return
-                raise ServerClosed(_CLOSED_MSG)
-            self.items += _weight(op)
-            if op[0] == _SUBMIT:
-                self.submits += 1
-            elif op[0] == _WRITE:
-                self.bytes += op[2].nbytes
-            self.ops.append(op)
-            self.cv.notify()
-
-    def _loop(self) -> None:
-        cv, ops = self.cv, self.ops
-        while True:
-            with cv:
-                while not ops and not self.closed:
-                    cv.wait()
-                if self.closed:
-                    return
-                op = ops.popleft()
-            try:
-                self._run(op)
-            except Exception as exc:  # noqa: BLE001 - reported, the thread goes on
-                self.backend._queue_error(op, exc)
-            finally:
-                with cv:
-                    self.items -= _weight(op)
-                    if op[0] == _WRITE:
-                        self.bytes -= op[2].nbytes
-                self.backend.on_room()
-
-    def _run(self, op) -> None:
-        kind, obj, arg = op
-        if kind == _SUBMIT:
-            if self.inflight >= self.max_inflight:
-                self._fence()
-            self.queue.submit([obj.cb if type(obj) is _Batch else obj])
-            self.inflight += 1
-        elif kind == _WRITE:
-            self.queue.write_buffer(obj, 0, arg)
-        elif kind == _MAP:
-            _report(obj)
-            try:
-                obj.promise = obj.staging.map_async(wgpu.MapMode.READ, 0, obj.size)
-            finally:
-                obj.issued.set()
-            self.inflight = 0            # the map resolves after every earlier submission
-        elif kind == _UNMAP:
-            state = obj.map_state
-            if state == "mapped":
-                obj.unmap()
-            keep = self.free_staging.setdefault(obj.size, [])
-            if state != "pending" and len(keep) < _STAGING_KEEP and not self.closed:
-                keep.append(obj)
-            else:
-                obj.destroy()
-        elif kind == _DESTROY:
-            obj.destroy()
-        elif kind == _CHECK:
-            self._check_loops(*obj)
-        elif kind == _DEVCHECK:
-            self._check_device(*obj)
-
-    def _check_loops(self, graph, mark, stream) -> None:
-        """After a replay of ``graph`` (submitted just before): map its loop status (one u32
-        per ``capture_while`` node, copied by the replay) and fail ``mark`` with
-        ``LoopLimitExceeded`` when a loop's condition still held after ``max_iterations``
-        (reported on ``stream``'s next completion). Waits on this thread for that replay."""
-        status = graph.status
-        promise = status.map_async(wgpu.MapMode.READ, 0, status.size)
-        while not promise._thread_event.wait(0.05):
-            if self.closed:
-                return
-        promise.sync_wait()
-        over = np.frombuffer(status.read_mapped(0, status.size), np.uint32).copy()
-        status.unmap()
-        self.inflight = 0
-        for (_, node), v in zip(graph.checks, over):
-            if v:
-                err = LoopLimitExceeded.in_replay(node.index, node.max_iterations,
-                                                  " on wgpu; the unrolled loop")
-                stream.errors.append(mark.fail(err) if mark is not None else err)
-                return
-
-    def _check_device(self, kernels, mark, stream) -> None:
-        """After a submit holding dispatches of kernels with device-side checks (``kernels``,
-        ``Kernel.checks``; the submit just before, of one launch or one replay): copy the
-        backend's ``err_flag`` out, wait on this thread for it, and when a check failed zero the
-        flag (before any later submit: this thread submits in order) and fail ``mark`` with a
-        ``LaunchError`` naming the kernel and the check, reported on ``stream``'s next
-        completion (design.md section 4: what the work writes reads as failed)."""
-        be = self.backend
-        enc = be.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(be._err, 0, be._err_read, 0, 4)
-        self.queue.submit([enc.finish()])
-        promise = be._err_read.map_async(wgpu.MapMode.READ, 0, 4)
-        while not promise._thread_event.wait(0.05):
-            if self.closed:
-                return
-        promise.sync_wait()
-        code = int(np.frombuffer(be._err_read.read_mapped(0, 4), np.uint32)[0])
-        be._err_read.unmap()
-        self.inflight = 0
-        if not code:
-            return
-        self.queue.write_buffer(be._err, 0, np.zeros(1, np.uint32))
-        what = " or ".join(f"kernel {k.name}: " + (k.checks[code - 1] if code <= len(k.checks)
-                                                   else f"device check {code}")
-                           for k in kernels)
-        err = LaunchError(f"{what} (a device-side check on wgpu; the dispatch's output is not "
-                          "written)")
-        err = mark.fail(err) if mark is not None else err
-        (be.failures if stream.released else stream.errors).append(err)
-
-    def _fence(self) -> None:
-        """Wait (on this thread) until every submission so far has finished."""
-        be = self.backend
-        enc = be.dev.create_command_encoder()
-        enc.copy_buffer_to_buffer(be._fence_src, 0, be._fence_dst, 0, 4)
-        self.queue.submit([enc.finish()])
-        promise = be._fence_dst.map_async(wgpu.MapMode.READ, 0, 4)
-        while not promise._thread_event.wait(0.05):
-            if self.closed:
-                return
-        promise.sync_wait()
-        be._fence_dst.unmap()
-        self.inflight = 0
-
-    def close(self) -> None:
-        """Fail what is queued with ``ServerClosed`` and stop the thread (joined <= 1 s)."""
-        with self.cv:
-            self.closed = True
-            ops, self.ops = list(self.ops), collections.deque()
-            self.items = self.bytes = 0
-            self.cv.notify_all()
-        for kind, obj, _ in ops:
-            if kind == _MAP:
-                _fail_closed(obj)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=1.0)
-
-
-def _checked(tasks) -> tuple:
-    """The kernels with device-side checks (``Kernel.checks``) that ``tasks`` dispatch."""
-    return tuple({t[4]: None for t in tasks if t[4].checks})
-
-
-def _weight(op) -> int:
-    return op[2] if op[0] == _SUBMIT else 1
-
-
-def _fail_closed(comp: MapCompletion) -> None:
-    if not comp.done:
-        comp.fail(ServerClosed(_CLOSED_MSG))
-    comp.issued.set()
-
-
-class WgpuGraph:
-    """A software graph: resolved dispatches ``(pipeline, bind_group, count, indirect_buf,
-    kernel, written buffers)``; for an indirect dispatch ``count`` is the byte offset of its
-    three u32 in ``indirect_buf`` (0 for a launch's own count buffer).
-
-    ``tree`` is what was recorded: dispatches and :class:`WgpuCond` nodes; ``tasks`` is its
-    flattening (the two are the same list when there are no nodes). ``stack``/``nodes`` are the
-    open lists and nodes while recording.
-
-    Holding the bind groups keeps their buffers and uniform buffers alive on the device side;
-    the server retains the runtime handles (CubeCL ``cubecl-wgpu/src/compute/graph.rs``).
-    """
-
-    __slots__ = ("stream", "tasks", "tree", "stack", "nodes", "count", "checks", "status",
-                 "checked")
-
-    def __init__(self, stream):
-        self.stream, self.tasks = stream, []
-        self.tree = self.tasks
-        self.stack = [self.tasks]
-        self.nodes: list = []
-        self.count = 0
-        self.checks: list = []     # (flags buffer, node) of every capture_while node
-        self.checked = ()          # kernels with device-side checks it dispatches (Kernel.checks)
-        self.status = None         # MAP_READ buffer: one u32 per check, copied by each replay
-
-    def __len__(self):
-        return len(self.tasks)
-
-
-def _oversize(tree):
-    """The first loop node in ``tree`` (nested included) too big to unroll, or None."""
-    for t in tree:
-        if not isinstance(t, tuple):
-            if t.oversize:
-                return t
-            inner = _oversize(t.then) or _oversize(t.other)
-            if inner is not None:
-                return inner
-    return None
-
-
-class WgpuCond:
-    """A ``capture_if``/``capture_while`` node of a :class:`WgpuGraph`, with no host round trip.
-
-    A gate dispatch (:data:`GATE`, one invocation) reads the condition and the enclosing
-    node's flag and writes this node's flags (``[then, else]`` for an if; ``[body]`` for a
-    while, and-ed with its previous value each iteration) and, for every dispatch directly in
-    its branches, the three u32 indirect counts: the recorded count if its branch is on, else
-    0. A while loop is unrolled: ``max_iterations`` times (gate, body). Nested nodes read this
-    node's flag as their parent flag.
-
-    Attributes: ``kind``, ``cond`` (``(buf, nbytes)``), ``max_iterations``, ``index``,
-    ``then``/``other`` (recorded dispatches and nested nodes), ``parent`` (``(flags buffer,
-    flag index)`` of the enclosing branch), ``flags`` (8-byte buffer), ``flat`` (the
-    flattened dispatches).
-    """
-
-    __slots__ = ("kind", "cond", "max_iterations", "index", "then", "other", "parent", "flags",
-                 "flat", "oversize", "bufs")
-
-    def __init__(self, kind, cond, max_iterations, index, parent, flags):
-        self.kind, self.cond, self.max_iterations, self.index = kind, cond, max_iterations, index
-        self.then, self.other = [], []
-        self.parent, self.flags = parent, flags
-        self.flat: list = []
-        self.oversize = 0           # a loop past MAX_UNROLLED: its unrolled size (not built)
-        self.bufs = ()              # its gate's count table and indirect args (``_finish``)
-
-
-#: the most dispatches one unrolled ``capture_while`` may expand to (``max_iterations`` x (the
-#: body's dispatches + a gate)); past it ``stop_capture`` raises ``LaunchError`` instead of
-#: building it. A list entry costs ~3 KB (bind group, indirect slot): 2**19 is ~1.5 GB and
-#: seconds of encoding per replay, and covers a 32-layer decode step looped over 1,024 tokens;
-#: ``max_iterations=2**40`` built for ever on the owner thread, stalling every client.
-MAX_UNROLLED = 1 << 19
-
-
-#: The gate of a conditional node (see :class:`WgpuCond`): mode 0 = if, 1 = first while
-#: iteration, 2 = a later one, 3 = after the last unrolled iteration (``flags[2]``: the loop
-#: would go on: ``LoopLimitExceeded``); ``pidx``: the parent's flag; ``n``: dispatches it gates.
-GATE_WGSL = """
-@group(0) @binding(0) var<storage, read> cond: array<u32>;
-@group(0) @binding(1) var<storage, read> parent: array<u32>;
-@group(0) @binding(2) var<storage, read_write> flags: array<u32>;
-@group(0) @binding(3) var<storage, read> counts: array<u32>;
-@group(0) @binding(4) var<storage, read_write> args: array<u32>;
-struct Params { mode: u32, pidx: u32, n: u32 }
-@group(0) @binding(5) var<uniform> p: Params;
-@compute @workgroup_size(1)
-fn main() {
-    let on = parent[p.pidx] != 0u;
-    let c = cond[0] != 0u;
-    if (p.mode == 0u) {
-        flags[0] = select(0u, 1u, on && c);
-        flags[1] = select(0u, 1u, on && !c);
-    } else if (p.mode == 1u) {
-        flags[0] = select(0u, 1u, on && c);
-    } else if (p.mode == 2u) {
-        flags[0] = select(0u, 1u, on && c && flags[0] != 0u);
-    } else {
-        flags[2] = select(0u, 1u, on && c && flags[0] != 0u);
-    }
-    for (var i = 0u; i < p.n; i = i + 1u) {
-        let f = flags[counts[4u * i + 3u]] != 0u;
-        for (var k = 0u; k < 3u; k = k + 1u) {
-            args[3u * i + k] = select(0u, counts[4u * i + k], f);
-        }
-    }
-}
-"""
 
 
 class WgpuBackend(Backend):
@@ -991,6 +617,13 @@ class WgpuBackend(Backend):
             return
         group = self._bind_group(program, args, params)
         cpass = self._pass(stream)
+        gate = None
+        if resolved[1] is not None:     # an indirect count: checked against the limit first
+            gate = self._count_gate(resolved[1], 0)
+            cpass.set_pipeline(gate[0])
+            cpass.set_bind_group(0, gate[1])
+            cpass.dispatch_workgroups(1, 1, 1)
+            stream.pipeline = gate[0]
         if stream.pipeline is not program.pipeline:
             cpass.set_pipeline(program.pipeline)
             stream.pipeline = program.pipeline
@@ -1000,12 +633,15 @@ class WgpuBackend(Backend):
             cpass.dispatch_workgroups(*xyz)
         else:
             cpass.dispatch_workgroups_indirect(indirect, 0)
-        stream.log.append((None, ((program.pipeline, group, xyz, indirect, program.kernel,
-                                   written_buffers(program.kernel, args)),), mark))
-        stream.tasks += 1
-        if program.checked:         # its own check: submitted now, read back after it
+        task = (program.pipeline, group, xyz, indirect, program.kernel,
+                written_buffers(program.kernel, args))
+        stream.log.append((None, (task,) if gate is None else (gate, task), mark))
+        stream.tasks += 1 if gate is None else 2
+        if program.checked or gate is not None:     # submitted now, its checks read back
             self._submit(stream)
-            self.qt.push((_DEVCHECK, ((program.kernel,), mark, stream), 0))
+            kernels = ((program.kernel,) if program.checked else ()) + (
+                (gate[4],) if gate is not None else ())
+            self.qt.push((_DEVCHECK, (kernels, mark, stream), 0))
         elif stream.tasks >= self.max_tasks:
             self._submit(stream)
 
@@ -1053,10 +689,28 @@ class WgpuBackend(Backend):
                 f"than {MAX_UNROLLED:,} (runtime.backends.wgpu.MAX_UNROLLED): wgpu records one "
                 "gated copy of the body per iteration; lower max_iterations, or loop on the host")
         if recording.count:
-            recording.tasks = self._flatten(recording.tree)
             self._set_checks(recording)
+        recording.tasks = self._flatten(recording.tree)
         recording.checked = _checked(recording.tasks)
         return recording
+
+    def _count_gate(self, buf, offset: int) -> tuple:
+        """A dispatch that fails a device-side check when one of the three u32 workgroup counts
+        at byte ``offset`` of ``buf`` is past the device's per-dimension limit (WebGPU skips such
+        an indirect dispatch without a word: now its launch or replay fails, ``LaunchError``)."""
+        prog = getattr(self, "_gate_counts", None)
+        if prog is None:
+            from ..kernel import Binding, Kernel, Param
+            limit = self.max_workgroups[0]
+            kernel = Kernel("indirect_count_check", [Binding("counts", "u32", "read")],
+                            [Param("at", "u32"), Param("limit", "u32")], (1, 1, 1),
+                            wgsl=COUNT_CHECK_WGSL, checks=(
+                                f"an indirect workgroup count past the device's per-dimension "
+                                f"limit ({limit}): WebGPU ran nothing for that dispatch",))
+            prog = self._gate_counts = self.compile(kernel)
+        group = self._bind_group(prog, ((buf, offset + 12),),
+                                 (offset // 4, self.max_workgroups[0]))
+        return (prog.pipeline, group, (1, 1, 1), None, prog.kernel, ())
 
     # -- conditional nodes (WgpuCond) ------------------------------------------------------
     def _gate_program(self):
@@ -1163,11 +817,21 @@ class WgpuBackend(Backend):
             graph.status = self._new_buffer(4 * len(checks), wgpu.BufferUsage.MAP_READ
                                             | wgpu.BufferUsage.COPY_DST)
 
-    @staticmethod
-    def _flatten(tree) -> list:
+    def _flatten(self, tree) -> list:
+        """The dispatches a replay encodes: ``tree``'s, each node's ``flat`` in its place and a
+        count check (:meth:`_count_gate`) before each indirect dispatch of the top level (a
+        node's own indirect counts are written by its gate, from recorded counts). ``tree``
+        itself when it holds neither."""
+        if not any(not isinstance(t, tuple) or t[3] is not None for t in tree):
+            return tree
         out = []
         for t in tree:
-            out.extend([t] if isinstance(t, tuple) else t.flat)
+            if not isinstance(t, tuple):
+                out.extend(t.flat)
+            elif t[3] is not None:
+                out += [self._count_gate(t[3], t[2] or 0), t]
+            else:
+                out.append(t)
         return out
 
     def update_graph(self, stream, graph: WgpuGraph, changes: dict, conds: dict):
@@ -1212,7 +876,7 @@ class WgpuBackend(Backend):
             for key in self._groups_of.pop(buf, ()):
                 self._forget_group(key, buf)
         graph.tree = tree
-        graph.tasks = self._flatten(tree) if graph.count else tree
+        graph.tasks = self._flatten(tree)
         if graph.count:
             self._set_checks(graph)
         graph.checked = _checked(graph.tasks)

@@ -36,7 +36,10 @@ def main(argv=None) -> int:
         p.error(f"--length must be even and >= 2, got {args.length}")
     if args.elems < 1 or args.rounds < 1:
         p.error("--elems and --rounds must be >= 1")
-    c = runtime.client(args.backend)
+    try:
+        c = runtime.client(args.backend)
+    except ValueError as e:                  # the one line names the flag (README "Commands")
+        raise ValueError(f"--backend: {e}") from None
     n, L = args.elems, args.length
     print(f"backend {c.backend}: {c.device_name}")
     a = c.create(np.zeros(n, np.float32))

@@ -287,8 +287,11 @@ def main(argv=None) -> int:
     total = args.budget_s if args.budget_s is not None else (
         None if args.quick else DEFAULT_BUDGET_S)
     total = total or None                                # 0: no budget
-    sections = select(args.sections, ",".join(filter(None, [args.skip,
-                                                            "minilm" if args.no_minilm else ""])))
+    try:                                                 # the one line names the flag
+        sections = select(args.sections, ",".join(filter(None, [
+            args.skip, "minilm" if args.no_minilm else ""])))
+    except ValueError as e:
+        raise ValueError(f"--sections/--skip: {e}") from None
     out_dir = Path(args.out) if args.out else default_out()
     readme_dir = report.checkout_benchmarks() if args.readme else None
     try:
@@ -297,7 +300,10 @@ def main(argv=None) -> int:
         tqdm = _NoBar
     import runtime
 
-    backends, skipped = _backends(args.backend)
+    try:
+        backends, skipped = _backends(args.backend)
+    except ValueError as e:
+        raise ValueError(f"--backend: {e}") from None
     if not backends:
         print(f"python -m runtime bench: no backend to run: {skipped}", file=sys.stderr)
         return 2

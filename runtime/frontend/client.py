@@ -150,7 +150,7 @@ class ComputeClient:
         Raises: ``TypeError`` (not an array/bytes); ``ServerClosed``. Allocation failures
             (``OutOfMemory``, after the idle pool was given back and the allocation retried once)
             are queued on the stream and raised by its next blocking call.
-        Backpressure: waits for room while the device queue is full (design.md section 1).
+        Backpressure: waits for room while the device queue is full (docs/contract.md section 1).
         Streams: the copy is ordered on this client's stream.
         Capture: inside a window on this stream the copy is a host write: ``stop_capture``
             refuses the window.
@@ -196,7 +196,7 @@ class ComputeClient:
             data: a numpy array with ``handle.size`` elements (cast to ``handle.dtype`` with
                 ``same_kind`` casting), or bytes-like of exactly ``handle.nbytes`` bytes.
         Returns: at once (fire-and-forget); the copy is taken now. Waits for room while the
-            device queue is full (its bytes of pending host data count; design.md section 1).
+            device queue is full (its bytes of pending host data count; docs/contract.md section 1).
         Raises: ``InvalidHandle`` (released, foreign, or a size mismatch); ``TypeError``;
             ``ServerClosed`` (also while waiting for room).
         Streams: ordered on this client's stream after earlier work on it, and after earlier
@@ -430,7 +430,12 @@ class ComputeClient:
         elif isinstance(event, tuple) and len(event) == 2:
             warnings.warn("wait_event((stream, position)) is deprecated: pass the Event "
                           "record_event() returns", DeprecationWarning, stacklevel=2)
-            token = event
+            if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                       for v in event) or event[1] < 0:      # (was taken silently: ADV6)
+                raise TypeError(f"wait_event((stream, position)) takes a stream id and a "
+                                f"position >= 0 (ints), got {event!r}; pass the Event "
+                                "record_event() returns")
+            token = (int(event[0]), int(event[1]))
         else:
             raise TypeError(f"wait_event takes the Event record_event() returns, got {event!r}")
         srv.call(srv.h_wait_event, self._sid, token)

@@ -82,7 +82,7 @@ class Graph:
         calls: a run of fused pointwise launches counts as one call plus its work) runs at once
         on that thread when its stream is idle, the rest is enqueued then; failures are
         reported as failures found at execution. Waits for room afterwards while the device
-        queue is full (design.md section 1).
+        queue is full (docs/contract.md section 1).
 
         Returns: None.
         Raises:

@@ -53,7 +53,8 @@ def _embed_at_cpu(token, pos, wte, wpe, out, *, H, T, count):
 #: ``i32`` buffers read on the device (``token`` must index inside ``wte``: outside it the launch
 #: fails with ``LaunchError``: ``IndexError`` on cpu, a device-side check on wgpu
 #: (``Kernel.checks``, found after the submit; its output reads raise); cuda does not check;
-#: ``pos`` is clamped to ``[0, T)``, ``T`` = rows of ``wpe``). Launch over ``grid(H)``.
+#: ``pos`` is clamped to ``[0, T)``, ``T`` = rows of ``wpe``, at least 1: 0 is a ``ValueError`` at
+#: the call). Launch over ``grid(H)``.
 embed_at = program(
     "embed_at", [("token", "i32", R), ("pos", "i32", R), ("wte", "f32", R), ("wpe", "f32", R),
                  ("out", "f32", W)], [("H", "u32"), ("T", "u32")], (WORKGROUP, 1, 1), f"""
@@ -63,10 +64,13 @@ embed_at = program(
         let q = min(u32(max(pos[0], 0)), p.T - 1u);
         if (t >= arrayLength(&wte) / p.H) {{
             atomicMax(&err_flag[0], 1u);
+        }} else if (q * p.H + c >= arrayLength(&wpe)) {{
+            atomicMax(&err_flag[0], 2u);
         }} else {{
             out[c] = wte[t * p.H + c] + wpe[q * p.H + c];
         }}
-    }}""", cpu=_embed_at_cpu, checks=("token outside the rows of wte",))
+    }}""", cpu=_embed_at_cpu, elements={"out": "H"}, ranges={"T": (1, None)},
+    checks=("token outside the rows of wte", "position outside the rows of wpe"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,17 +83,23 @@ def _kv_append_cpu(qkv, pos, kc, vc, *, H, T, off, count):
 #: Append this step's keys and values to the cache: ``kc[off + pos*H + c] = qkv[H + c]`` and
 #: ``vc[off + pos*H + c] = qkv[2H + c]`` for ``c < H``, where ``qkv`` is the packed ``[3H]``
 #: projection (q | k | v), ``pos`` a one-element ``i32`` buffer read on the device (clamped to
-#: ``[0, T)``) and ``off`` the element offset of this layer's ``[T, H]`` cache block.
-#: Launch over ``grid(H)``.
+#: ``[0, T)``; ``T >= 1``: 0 is a ``ValueError`` at the call) and ``off`` the element offset of
+#: this layer's ``[T, H]`` cache block. Launch over ``grid(H)``.
 kv_append = program(
     "kv_append", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", RW), ("vc", "f32", RW)],
     [("H", "u32"), ("T", "u32"), ("off", "u32")], (WORKGROUP, 1, 1), f"""
     let c = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
     if (c < p.H) {{
         let q = min(u32(max(pos[0], 0)), p.T - 1u);
-        kc[p.off + q * p.H + c] = qkv[p.H + c];
-        vc[p.off + q * p.H + c] = qkv[2u * p.H + c];
-    }}""", cpu=_kv_append_cpu)
+        let at = p.off + q * p.H + c;
+        if (at >= arrayLength(&kc) || at >= arrayLength(&vc) || 2u * p.H + c >= arrayLength(&qkv)) {{
+            atomicMax(&err_flag[0], 1u);
+        }} else {{
+            kc[at] = qkv[p.H + c];
+            vc[at] = qkv[2u * p.H + c];
+        }}
+    }}""", cpu=_kv_append_cpu, ranges={"T": (1, None)},
+    checks=("the position's row (off + pos * H) past kc or vc, or qkv shorter than 3H",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +119,8 @@ def _causal_attend_cpu(qkv, pos, kc, vc, out, *, heads, hd, T, off, scale, count
 #: ``out[h*hd + d] = sum_j softmax_j(scale * q_h . kc[j, h]) vc[j, h, d]`` over cache rows
 #: ``j <= pos[0]`` (the mask comes from the device position; later rows are never read). ``q`` is
 #: the first ``H = heads*hd`` values of the packed ``qkv``; ``off`` is the layer's element offset
-#: in ``kc``/``vc`` (``[T, H]`` blocks). ``T <= MAX_CACHE``, ``hd <= MAX_HEAD_DIM``.
+#: in ``kc``/``vc`` (``[T, H]`` blocks). ``1 <= T <= MAX_CACHE``, ``1 <= hd <= MAX_HEAD_DIM``
+#: (``Kernel.ranges``: a launch outside them raises ``ValueError`` on every backend).
 #: Launch over ``(heads, 1, 1)``.
 causal_attend = program(
     "causal_attend", [("qkv", "f32", R), ("pos", "i32", R), ("kc", "f32", R), ("vc", "f32", R),
@@ -118,6 +129,11 @@ causal_attend = program(
     (DECODE_WORKGROUP, 1, 1), f"""
     let h = wg.x;
     let H = p.heads * p.hd;
+    if (p.off + p.T * H > arrayLength(&kc) || p.off + p.T * H > arrayLength(&vc)
+            || H > arrayLength(&qkv) || H > arrayLength(&out)) {{
+        if (lidx == 0u) {{ atomicMax(&err_flag[0], 1u); }}
+        return;
+    }}
     let last = min(u32(max(pos[0], 0)), p.T - 1u);
     for (var d = lidx; d < p.hd; d += {DECODE_WORKGROUP}u) {{
         qs[d] = qkv[h * p.hd + d] * p.scale;
@@ -151,7 +167,9 @@ causal_attend = program(
         for (var j = 0u; j <= last; j++) {{ acc += sc[j] * vc[p.off + j * H + h * p.hd + d]; }}
         out[h * p.hd + d] = acc * inv;
     }}""", shared=[("qs", "f32", MAX_HEAD_DIM), ("sc", "f32", MAX_CACHE),
-                  ("red", "f32", DECODE_WORKGROUP)], cpu=_causal_attend_cpu)
+                  ("red", "f32", DECODE_WORKGROUP)], cpu=_causal_attend_cpu,
+    ranges={"T": (1, MAX_CACHE), "hd": (1, MAX_HEAD_DIM)},
+    checks=("kc or vc shorter than off + T * H, or qkv / out shorter than H = heads * hd",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,8 +178,8 @@ def _argmax_cpu(x, out, *, n, count):
 
 
 #: ``out[0] = argmax_i x[i]`` over ``i < n`` (``i32``), with ``np.argmax``'s rules on every
-#: backend: the first NaN wins, else the first maximum (ties go to the lowest index). One
-#: workgroup: launch over ``(1, 1, 1)``.
+#: backend: the first NaN wins, else the first maximum (ties go to the lowest index). ``n >= 1``
+#: (``Kernel.ranges``: 0 is a ``ValueError`` at the call). One workgroup: launch over ``(1, 1, 1)``.
 argmax = program(
     "argmax", [("x", "f32", R), ("out", "i32", W)], [("n", "u32")], (DECODE_WORKGROUP, 1, 1),
     f"""
@@ -193,7 +211,7 @@ argmax = program(
 fn above(a: f32, b: f32) -> bool {
     return (is_nan(a) && !is_nan(b)) || (!is_nan(a) && !is_nan(b) && a > b);
 }
-""", cpu=_argmax_cpu)
+""", cpu=_argmax_cpu, elements={"x": "n"}, ranges={"n": (1, None)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +235,7 @@ feed_back = program(
     token[0] = t;
     let q = pos[0] + 1;
     if (q >= 0 && u32(q) < p.T) { hist[u32(q)] = t; }
-    pos[0] = q;""", cpu=_feed_back_cpu)
+    pos[0] = q;""", cpu=_feed_back_cpu, elements={"hist": "T"})
 
 
 def _decode_continue_cpu(nxt, pos, stop, go, *, count):

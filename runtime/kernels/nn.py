@@ -157,10 +157,11 @@ def _add_bias_cpu(x, b, out, *, N, n, count):
 
 
 #: ``out[i] = x[i] + b[i % N]`` (a bias broadcast over the rows of an ``[*, N]`` tensor);
-#: launch over ``grid(n)``.
+#: launch over ``grid(n)``. ``b`` holds ``N`` (a launch shorter than a row still binds the whole
+#: bias: a shorter one was read past its end on cpu and clamped on wgpu).
 add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f32", W)],
                        "x[i] + b[i % {N}]", [("N", "u32")], _add_bias_cpu,
-                       elements={"x": "n", "out": "n"})
+                       elements={"x": "n", "out": "n", "b": "N"})
 
 # ---------------------------------------------------------------------------------------------
 # Embedding gather
@@ -168,6 +169,11 @@ add_bias = elementwise("add_bias", [("x", "f32", R), ("b", "f32", R), ("out", "f
 
 def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
     rows = n // H
+    if n % H:                                       # (wgpu would write a partial row)
+        raise ValueError(f"embedding: n = {n} is not a multiple of H = {H}")
+    if ids.size < rows or types.size < rows:        # (the loop would read past them)
+        raise IndexError(f"embedding: ids/types hold {min(ids.size, types.size)} rows, "
+                         f"n / H = {rows}")
     tables = [t[:t.size - t.size % H].reshape(-1, H) for t in (word, pos, ttab)]
     for name, idx, tab in (("ids", ids[:rows], tables[0]), ("types", types[:rows], tables[2]),
                            ("positions", np.array([min(rows, S) - 1]), tables[1])):
@@ -177,23 +183,29 @@ def _embedding_cpu(ids, types, word, pos, ttab, out, *, H, S, n, count):
 
 
 #: ``out[r, c] = word[ids[r], c] + pos[r % S, c] + ttab[types[r], c]`` for ``r < n / H`` rows
-#: (``S`` tokens per sequence; positions restart at 0 in each). ``ids``/``types`` are ``i32``
-#: and must index inside their tables (rows: a table's elements over ``H``), and ``S`` must not
-#: exceed the rows of ``pos``: outside them the launch fails with ``LaunchError`` (``IndexError``
-#: on cpu; a device-side check on wgpu, ``Kernel.checks``, found after the submit; its output
-#: reads raise). cuda does not check. Launch over ``grid(n)``.
+#: (``S`` tokens per sequence; positions restart at 0 in each; ``H``, ``S >= 1``: 0 is a
+#: ``ValueError`` at the call, ``Kernel.ranges``). ``ids``/``types`` are ``i32``
+#: and must index inside their tables (rows: a table's elements over ``H``), hold ``n / H`` rows
+#: each, ``S`` must not exceed the rows of ``pos`` and ``n`` must be a multiple of ``H``: outside
+#: them the launch fails with ``LaunchError`` (``IndexError``/``ValueError`` on cpu; a device-side
+#: check on wgpu, ``Kernel.checks``, found after the submit; its output reads raise). cuda does
+#: not check. Launch over ``grid(n)``.
 embedding = program(
     "embedding", [("ids", "i32", R), ("types", "i32", R), ("word", "f32", R), ("pos", "f32", R),
                   ("ttab", "f32", R), ("out", "f32", W)],
     [("H", "u32"), ("S", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
-    if (i < p.n) {{
+    if (p.n % p.H != 0u) {{
+        if (i == 0u) {{ atomicMax(&err_flag[0], 5u); }}
+    }} else if (i < p.n) {{
         let r = i / p.H;
         let c = i % p.H;
         let w = u32(ids[r]);
         let t = u32(types[r]);
         let q = r % p.S;
-        if (w >= arrayLength(&word) / p.H) {{
+        if (r >= arrayLength(&ids) || r >= arrayLength(&types)) {{
+            atomicMax(&err_flag[0], 4u);
+        }} else if (w >= arrayLength(&word) / p.H) {{
             atomicMax(&err_flag[0], 1u);
         }} else if (t >= arrayLength(&ttab) / p.H) {{
             atomicMax(&err_flag[0], 2u);
@@ -203,7 +215,10 @@ embedding = program(
             out[i] = word[w * p.H + c] + pos[q * p.H + c] + ttab[t * p.H + c];
         }}
     }}""", cpu=_embedding_cpu, checks=("ids outside the rows of word", "types outside the rows of "
-                                       "ttab", "positions (S) outside the rows of pos"))
+                                       "ttab", "positions (S) outside the rows of pos",
+                                       "ids/types hold fewer than n / H rows",
+                                       "n is not a multiple of H"),
+    elements={"out": "n"}, ranges={"H": (1, None), "S": (1, None)})
 
 # ---------------------------------------------------------------------------------------------
 # Matmul: out[M, N] = A[M, K] @ W[K, N] (+ b[N]) (then GELU)
@@ -328,7 +343,9 @@ def _matmul(name: str, bias: bool, act: str | None, rows: int = 8):
     binds = [("a", "f32", R), ("w", "f32", R)] + ([("bias", "f32", R)] if bias else [])
     return program(name, binds + [("out", "f32", W)], [("M", "u32"), ("N", "u32"), ("K", "u32")],
                    (th, th, 1), body, shared=[("As", "f32", bk * tm), ("Ws", "f32", bk * tn)],
-                   helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act))
+                   helpers=_GELU_HELPERS if act else "", cpu=_matmul_cpu(bias, act),
+                   elements={"a": ("M", "K"), "w": ("K", "N"), "out": ("M", "N"),
+                             **({"bias": "N"} if bias else {})})
 
 
 _EPILOGUES = {"matmul": (False, None), "matmul_bias": (True, None),
@@ -446,7 +463,9 @@ def _layer_norm(name: str, residual: bool):
     binds += [("gamma", "f32", R), ("beta", "f32", R), ("out", "f32", W)]
     return program(name, binds, [("rows", "u32"), ("n", "u32"), ("eps", "f32")],
                    (ROW_WORKGROUP, 1, 1), body, shared=[("red", "f32", ROW_WORKGROUP)],
-                   cpu=_layer_norm_cpu(residual))
+                   cpu=_layer_norm_cpu(residual),
+                   elements={"x": ("rows", "n"), "out": ("rows", "n"), "gamma": "n", "beta": "n",
+                             **({"res": ("rows", "n")} if residual else {})})
 
 
 #: ``out[r] = (x[r] - mean) / sqrt(var + eps) * gamma + beta`` per row of ``[rows, n]`` (biased
@@ -487,7 +506,8 @@ l2_normalize = program(
     if (valid) {{
         for (var c = lidx; c < p.n; c += {ROW_WORKGROUP}u) {{ out[base + c] = x[base + c] / sc * inv; }}
     }}""",
-    shared=[("red", "f32", ROW_WORKGROUP)], helpers=NAN_HELPERS, cpu=_l2_cpu)
+    shared=[("red", "f32", ROW_WORKGROUP)], helpers=NAN_HELPERS, cpu=_l2_cpu,
+    elements={"x": ("rows", "n"), "out": ("rows", "n")})
 
 # ---------------------------------------------------------------------------------------------
 # Masked mean pooling
@@ -495,17 +515,26 @@ l2_normalize = program(
 
 def _mean_pool_cpu(x, mask, out, *, S, H, n, count):
     B = n // H
+    if n % H:                                       # (wgpu would write a partial row)
+        raise ValueError(f"mean_pool: n = {n} is not a multiple of H = {H}")
     _loops(B * S * H).mean_pool(x[:B * S * H].reshape(B, S, H), mask[:B * S].reshape(B, S),
                        out[:B * H].reshape(B, H))
 
 
 #: ``out[b, c] = sum_s x[b, s, c] mask[b, s] / max(sum_s mask[b, s], 1e-9)`` for ``x [B, S, H]``,
-#: ``mask [B, S]`` (0/1 floats), ``n = B * H``; launch over ``grid(n)``.
+#: ``mask [B, S]`` (0/1 floats), ``n = B * H`` (``H >= 1``: 0 is a ``ValueError`` at the call; an
+#: ``n`` that is not a multiple of ``H`` fails the launch: ``ValueError`` on cpu, a device-side
+#: check on wgpu); launch over ``grid(n)``.
 mean_pool = program(
     "mean_pool", [("x", "f32", R), ("mask", "f32", R), ("out", "f32", W)],
     [("S", "u32"), ("H", "u32"), ("n", "u32")], (WORKGROUP, 1, 1), f"""
     let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lidx;
-    if (i < p.n) {{
+    let rows = (p.n / p.H) * p.S;           // B * S, as the cpu source's reshapes
+    if (p.n % p.H != 0u) {{
+        if (i == 0u) {{ atomicMax(&err_flag[0], 2u); }}
+    }} else if (rows * p.H > arrayLength(&x) || rows > arrayLength(&mask)) {{
+        if (i == 0u) {{ atomicMax(&err_flag[0], 1u); }}
+    }} else if (i < p.n) {{
         let b = i / p.H;
         let c = i % p.H;
         var s = 0.0f;
@@ -516,7 +545,9 @@ mean_pool = program(
             cnt += m;
         }}
         out[i] = s / max(cnt, 1e-9f);
-    }}""", cpu=_mean_pool_cpu)
+    }}""", cpu=_mean_pool_cpu, elements={"out": "n"}, ranges={"H": (1, None)},
+    checks=("x holds fewer than (n / H) * S rows of H, or mask fewer than (n / H) * S values",
+            "n is not a multiple of H"))
 
 # ---------------------------------------------------------------------------------------------
 # Attention
@@ -623,6 +654,15 @@ def _attention(hd: int):
     upd = "\n".join(f"            o{d} = o{d} * corr + pj * Vs[kb + {d}u];" for d in dd)
     store = "\n".join(f"        out[obase + {d}u] = o{d} * inv;" for d in dd)
     body = f"""
+    let rows = (nwg.y / p.heads) * p.S;      // the buffers' rows (B * S), as the cpu source's
+    let span = p.heads * {hd}u;
+    if (p.q_off + span > p.ld_in || p.k_off + span > p.ld_in || p.v_off + span > p.ld_in
+            || span > p.ld_out || rows * p.ld_in > arrayLength(&q)
+            || rows * p.ld_in > arrayLength(&k) || rows * p.ld_in > arrayLength(&v)
+            || rows * p.ld_out > arrayLength(&out) || rows > arrayLength(&mask)) {{
+        if (lidx == 0u) {{ atomicMax(&err_flag[0], 1u); }}
+        return;
+    }}
     let b = wg.y / p.heads;
     let h = wg.y % p.heads;
     let i = wg.x * {ATTN_WORKGROUP}u + lidx;
@@ -679,7 +719,9 @@ def _attention(hd: int):
          ("k_off", "u32"), ("v_off", "u32"), ("ld_out", "u32"), ("scale", "f32")],
         (ATTN_WORKGROUP, 1, 1), body,
         shared=[("Ks", "f32", tk * hd), ("Vs", "f32", tk * hd), ("Ms", "f32", tk)],
-        cpu=_attention_cpu)
+        cpu=_attention_cpu, ranges={"hd": (hd, hd)},     # (the sources compile hd in)
+        checks=("heads past a row (offset + heads * hd > ld) or rows past a buffer (B * S "
+                "rows of ld_in / ld_out, B * S mask values)",))
 
 
 _ATTN: dict = {}

@@ -115,7 +115,8 @@ def _panels_kernel(name: str, act: str | None) -> Kernel:
     binds = [("a", "f32", "read"), ("w", "f32", "read"), ("wp", "f32", "read"),
              ("bias", "f32", "read"), ("out", "f32", "write")]
     return Kernel(name, binds, [("M", "u32"), ("N", "u32"), ("K", "u32"), ("P", "u32")],
-                  (1, 1, 1), cpu=_panels_cpu(act))
+                  (1, 1, 1), cpu=_panels_cpu(act),
+                  elements={"a": ("M", "K"), "w": ("K", "N"), "bias": "N", "out": ("M", "N")})
 
 
 #: ``out[M, N] = a[M, K] @ w[K, N] + bias[N]`` with ``wp = panel_weight(w, P)`` bound too

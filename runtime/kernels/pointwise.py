@@ -73,8 +73,16 @@ def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,
     store = f"{target}[i] = {rhs};" if expr else f"if (p.n == 0u) {{ {target}[i] = {target}[i]; }}"
     body = (f"    let i = (wg.y * nwg.x + wg.x) * {WORKGROUP}u + lid.x;\n"
             f"    if (i < p.n) {{ {store} }}")
-    return program(name, bindings, list(params) + [("n", "u32")], (WORKGROUP,), body,
-                   cpu=None if cpu is None else _bounded(cpu, bind, fuse), elements=elements)
+    k = program(name, bindings, list(params) + [("n", "u32")], (WORKGROUP,), body,
+                cpu=None if cpu is None else _bounded(cpu, bind, fuse), elements=elements)
+    k.grid_elements = _grid_elements     # (a short grid writes part of the buffer: its mark)
+    return k
+
+
+def _grid_elements(count) -> int:
+    """The elements an elementwise launch over ``count`` workgroups covers: the sources'
+    ``i = (wg.y * nwg.x + wg.x) * WORKGROUP + lid.x`` (``Kernel.grid_elements``)."""
+    return count[0] * count[1] * WORKGROUP
 
 
 def _bounded(fn, bind=None, fuse=None):

@@ -73,7 +73,7 @@ def to_cuda(text: str) -> str:
 
 
 def program(name: str, bindings, params, workgroup_size, body: str, *, shared=(), helpers="",
-            cpu=None, elements=None, checks=()) -> Kernel:
+            cpu=None, elements=None, checks=(), ranges=None) -> Kernel:
     """Build a :class:`~runtime.Kernel` whose WGSL and CUDA sources share one body.
 
     Args:
@@ -89,6 +89,8 @@ def program(name: str, bindings, params, workgroup_size, body: str, *, shared=()
             (or each binding of a ``{binding: param}`` dict) must hold; checked by the server.
         checks: the messages of the body's device-side checks (``Kernel.checks``; the module
             docstring says how the body fails one); declares ``err_flag``.
+        ranges: ``{param: (lo, hi)}`` (``Kernel.ranges``): the values a param may take where
+            the sources hold a fixed size or need at least 1 (``hi`` ``None``: no upper bound).
     Returns:
         a ``Kernel`` with ``wgsl``, ``cuda`` and ``cpu`` sources.
     Raises:
@@ -141,7 +143,7 @@ extern "C" __global__ void {name}({', '.join(args)}) {{
 }}
 """
     return Kernel(name, bindings, params, (wgx, wgy, wgz), wgsl=wgsl, cuda=cuda, cpu=cpu,
-                  elements=elements, checks=checks)
+                  elements=elements, checks=checks, ranges=ranges)
 
 
 #: WGSL helpers for kernels that must carry NaN through: WGSL leaves ``min``/``max`` with a NaN

@@ -33,7 +33,11 @@ def embed_main(argv=None) -> int:
 
     t0 = time.perf_counter()
     try:
-        model = MiniLM.load(client(args.backend), args.model_dir)
+        c = client(args.backend)
+    except ValueError as e:                  # the one line names the flag (README "Commands")
+        raise ValueError(f"--backend: {e}" if args.backend is not None else str(e)) from None
+    try:
+        model = MiniLM.load(c, args.model_dir)
     except (FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -314,9 +314,10 @@ class Decoder:
         the whole generation."""
         g, st = self.loop_graph(n)
         c = self.client
-        cfg = self.config
-        c.write(st["pos"].handle, np.zeros(1, np.int32))
-        c.write(st["hist"].handle, np.zeros(cfg.max_len, np.int32))
+        for t in st.values():       # all of the loop's state, the KV cache and next included,
+            h = t.handle            # as sequence_graph's reset(): a failure's marks clear here
+            c.write(h, np.zeros(h.size, h.dtype))   # (before, one failed generation left every
+                                                    # later one raising: ADV6)
         go = np.ones(1, np.int32)
         for i in range(p.size - 1):                     # prefill: one step each
             c.write(st["token"].handle, p[i:i + 1])

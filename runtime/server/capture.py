@@ -77,35 +77,57 @@ def sources(ops) -> frozenset:
     """Handle ids whose contents a graph of ``ops`` (``ops.LaunchRec``/``CondRec``, in recorded
     order) may read before it writes them: its inputs and its state (a buffer it reads and
     writes, a KV cache, an accumulator). A ``read`` or ``read_write`` binding, an indirect count
-    or a condition reads; a ``write`` binding does not. A write that may not run (inside a
-    conditional node, a zero or indirect count: :func:`surely_runs`) does not hide a later
-    read. A failure mark on a source marks what a replay writes (docs/contract.md section 4)."""
-    out, written = set(), set()
+    or a condition reads; a ``write`` binding does not. A write hides the later reads in its
+    own scope and the scopes nested in it (if the branch or loop body runs, the write ran
+    before them: a loop body's temporaries are not state), but not reads after its
+    conditional node or in another branch, and a write that may not run where it sits (a zero
+    or indirect count) hides nothing. A failure mark on a source marks what a replay writes
+    (docs/contract.md section 4). (Before ADV6 only writes outside every node hid a read: a
+    loop graph's temporaries counted as state, so a graph with a loop that failed once failed
+    on every later replay, its state rewritten or not.)"""
+    out, written = set(), {}
+
+    def hidden(h, scope) -> bool:       # (a set of distinct scopes per handle: few)
+        ws = written.get(h)
+        return ws is not None and (() in ws or any(scope[:len(w)] == w for w in ws))
     for op in ops:
         if isinstance(op, LaunchRec):
+            sc = op.scope
             binds = list(zip(op.kernel.bindings, op.hids))
-            out.update(h for b, h in binds if b.access != "write" and h not in written)
-            if not isinstance(op.count, tuple) and op.count not in written:
-                out.add(op.count)
-            if surely_runs(op):
-                written.update(h for b, h in binds if b.access != "read")
-        elif hasattr(op, "cond") and op.cond not in written:
+            out.update(h for b, h in binds if b.access != "write" and not hidden(h, sc))
+            c = op.count
+            if not isinstance(c, tuple):
+                if not hidden(c, sc):
+                    out.add(c)
+            elif c[0] and c[1] and c[2]:
+                for b, h in binds:
+                    if b.access != "read":
+                        written.setdefault(h, set()).add(sc)
+        elif hasattr(op, "cond") and not hidden(op.cond, op.scope):
             out.add(op.cond)
     return frozenset(out)
 
 
-def maybe_written(ops) -> frozenset:
+def maybe_written(ops, nbytes=None) -> frozenset:
     """Handle ids a graph of ``ops`` writes only through launches that may not run
     (:func:`surely_runs`: inside conditional nodes, a zero or indirect workgroup count): a
     replay may leave them unwritten (the branch not taken, a loop run zero times, a count of
     0), and the server cannot see which ran (it is decided on the device). A failure mark on
     such a buffer therefore outlives a replay that succeeds: only a write that surely runs, a
-    launch or a host write clears it (docs/contract.md section 4b)."""
+    launch or a host write clears it (docs/contract.md section 4b). The same holds for a
+    buffer (of ``nbytes[handle id]`` bytes) the graph writes only in part: a ``write`` whose
+    declared element count covers less than the buffer (``Kernel.partial_write``) leaves the
+    rest as it was (ADV6)."""
     cond, top = set(), set()
     for op in ops:
         if isinstance(op, LaunchRec):
-            out = {h for b, h in zip(op.kernel.bindings, op.hids) if b.access != "read"}
-            (top if surely_runs(op) else cond).update(out)
+            k, runs = op.kernel, surely_runs(op)
+            for bi, (b, h) in enumerate(zip(k.bindings, op.hids)):
+                if b.access == "read":
+                    continue
+                whole = runs and not (nbytes and k.write_checks and b.access == "write"
+                                      and k.partial_write(bi, op.params, nbytes.get(h, 0), op.count))
+                (top if whole else cond).add(h)
     return frozenset(cond - top)
 
 
@@ -193,7 +215,7 @@ class GraphState:
         self.wstates = [st for st in self.handles if st.id in self.writes]
         self.istates = [st for st in self.handles if st.id in self.inputs]
         self.sstates = [st for st in self.handles if st.id in self.sources]
-        maybe = maybe_written(window.ops)
+        maybe = maybe_written(window.ops, {st.id: st.nbytes for st in self.handles})
         self.mstates = [st for st in self.wstates if st.id in maybe]
         self.set_defer()
         allocated = {st.id for st in window.allocs}

@@ -272,7 +272,7 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
             new_params[i] = k.pack_params(merged)
         except (TypeError, ValueError) as e:    # (the type of launch()'s own error)
             raise type(e)(f"update of graph {g.id}: launch {i}: {e}") from None
-        if k.element_checks:        # n past a bound buffer: refused, as a launch is (h_launch)
+        if k.element_checks or k.product_checks:    # past a bound buffer: refused (h_launch)
             sizes = _nbytes(g, server)
             msg = k.elements_error(new_params[i], [sizes[h] for h in recs[i].hids], recs[i].hids)
             if msg is not None:
@@ -398,7 +398,7 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     g.istates = [st for st in g.handles if st.id in g.inputs]
     g.sources = sources(new_ops)
     g.sstates = [st for st in g.handles if st.id in g.sources]
-    maybe = maybe_written(new_ops)
+    maybe = maybe_written(new_ops, {st.id: st.nbytes for st in g.handles})
     g.mstates = [st for st in g.wstates if st.id in maybe]
     new_ids = {st.id for st in g.handles}
     for hid, st in old_states.items():          # handles it no longer uses

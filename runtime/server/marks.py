@@ -226,7 +226,7 @@ def _nothing() -> None:
 
 
 class Marks:
-    """The failure-mark and fence policy of one server (design.md section 4), in one place.
+    """The failure-mark and fence policy of one server (docs/contract.md section 4), in one place.
 
     Holds what the server knows about failures and completed work: the errors queued on
     streams (``StreamState.errors``) and unattributed ones (``async_errors``), the fences that
@@ -391,8 +391,8 @@ class Marks:
         ``s`` before it (its errors found at execution come with it) and the queued errors
         ``errs``, plus any the fence's own submit found. The caller waits on the completion,
         then raises them all together, once: errors of the work before a blocking call are
-        raised by that call, never left for a later one (design.md section 1), and a call that
-        raised has still waited for its stream, like one that returned (so the host may count
+        raised by that call, never left for a later one (docs/contract.md section 1), and a
+        call that raised has still waited for its stream, like one that returned (so the host may count
         it as a sync: ``checker.on_sync``)."""
         comp = self.backend.synchronize(s.raw)
         self.fence(s, comp)

@@ -10,7 +10,7 @@ Invariant that keeps a message from being stranded: whoever holds the owner lock
 the queue is empty, releases, and looks again; a message appended while the lock was held is
 therefore either drained by the holder or seen by it after its release.
 
-Bounds (design.md section 1): the queue holds at most ``max_messages`` messages and
+Bounds (docs/contract.md section 1): the queue holds at most ``max_messages`` messages and
 ``max_bytes`` of pending host data (writes), and the backend's own backlog (``load``: items
 enqueued on its streams but not yet run, and their bytes) at most ``max_load`` items. A
 fire-and-forget ``submit`` that finds the queue full waits on its own thread until there is
@@ -38,8 +38,8 @@ asked for, never out of order and never unseen. Work no call ran meanwhile is ru
 thread within ``LAZY_S``: after any wake-up it looks every ``LAZY_S`` until ``LAZY_LOOKS`` looks
 in a row found nothing, then waits without a timeout, and the next deferral wakes it
 (``lazy_asleep``); so a deferred launch or replay runs on its own within tens of milliseconds,
-as a fire-and-forget enqueue does (design.md section 3), a steady stream of deferrals costs one
-wake-up per ~0.1 s at most, and the look, which takes the GIL, stays rare.
+as a fire-and-forget enqueue does (docs/contract.md section 3), a steady stream of deferrals costs
+one wake-up per ~0.1 s at most, and the look, which takes the GIL, stays rare.
 """
 
 from __future__ import annotations
@@ -191,13 +191,25 @@ class DeviceQueue:
                     if self.closed or self.closing or not self._thread.is_alive():
                         raise self.closed_error()
                     if not self._healthy():
-                        self.death = self.death or RuntimeError("a backend worker thread died")
-                        raise self.closed_error()
+                        break               # (stopped below, outside the room's lock)
                     self._room.wait(POLL_S)
                     if self.full() and self._owner.locked() and self._reentrant():
                         raise self._reentry()     # only this thread's owner lock makes room
             finally:
                 self.room_waiters -= 1
+        if self.full():                     # a worker the backlog depends on died
+            self._worker_died()
+
+    def _worker_died(self) -> None:
+        """A waiting caller found the backend dead (a worker thread died): stop the server
+        (``_die``: every later call raises ``ServerClosed``, the next ``runtime.client`` gets
+        a fresh server) and raise ``ServerClosed``. Before, the server only raised to the
+        callers that noticed and stayed in the server table: a new client was handed the dead
+        server for ever (wgpu, its queue thread), or calls on streams of the cpu workers still
+        alive kept answering (ADV6)."""
+        if not (self.closed or self.closing):
+            self._die(RuntimeError("a backend worker thread died"))
+        raise self.closed_error()
 
     def notify_room(self) -> None:
         """Wake producers waiting for room (the owner after a message, the backend when its
@@ -455,7 +467,7 @@ class DeviceQueue:
             if waitable.wait(0):
                 return
             if not (self.closed or self.closing) and not self._healthy():
-                self.death = self.death or RuntimeError("a backend worker thread died")
+                self._worker_died()
             raise self.closed_error()
 
     # -- the owner ------------------------------------------------------------------------

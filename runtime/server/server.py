@@ -35,6 +35,17 @@ from .queue import LAZY_MAX, DeviceQueue
 _graph_ids = itertools.count(1)
 
 
+def _partly(kernel, params, states, st, count=None) -> bool:
+    """Whether a launch of ``kernel`` writes handle state ``st`` (bound ``write``) only in part
+    (``Kernel.partial_write``: its declared count, or what its workgroup ``count`` covers, is
+    less than the buffer): it then keeps ``st``'s failure mark, as a ``read_write`` binding
+    does (the part it does not cover still holds what a failed writer left)."""
+    for bi, _, _ in kernel.write_checks:
+        if states[bi] is st and kernel.partial_write(bi, params, st.nbytes, count):
+            return True
+    return False
+
+
 class StreamState:
     """Server-side state of one logical stream."""
 
@@ -626,6 +637,10 @@ class ComputeServer:
                 if params[pi] * size > states[bi].nbytes:  # n past a buffer: refused, never
                     raise LaunchError(kernel.elements_error(   # clamped or out of bounds
                         params, [st.nbytes for st in states], hids))
+            if kernel.product_checks:                       # (M*K past a matmul's a, ...)
+                msg = kernel.elements_error(params, [st.nbytes for st in states], hids)
+                if msg is not None:
+                    raise LaunchError(msg)
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return
@@ -637,8 +652,10 @@ class ComputeServer:
                 if acc != "read":
                     if st.reads:
                         self._wait_for(s, st.reads)
-                if (acc != "write" or cst is not None) and st.mark is not CLEAN and (
-                        not Marks.clean(st)):   # (an indirect count may be 0: writes nothing)
+                if st.mark is not CLEAN and (acc != "write" or cst is not None or (
+                        kernel.write_checks and _partly(kernel, params, states, st, count))) and (
+                        not Marks.clean(st)):   # (an indirect count may be 0: writes nothing;
+                    # a write covering part of the buffer leaves the rest as it was: ADV6)
                     if reads is None:
                         reads = []
                     reads.append((st.id, st.mark))

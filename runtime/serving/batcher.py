@@ -39,9 +39,11 @@ mask) -> [b, hidden]``, ``forward(ids, mask, graph=False) -> [b, hidden]``, ``hi
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -74,7 +76,9 @@ class BatchFailed(RuntimeError):
 
 
 class BatcherClosed(RuntimeError):
-    """The batcher was closed (or its worker stopped) before the request ran."""
+    """The batcher was closed (or its worker stopped) before the request ran; also what a
+    forked child's wait on a request its parent had pending raises (no worker there answers
+    it)."""
 
 
 class QueueFull(RuntimeError):
@@ -176,6 +180,26 @@ class _Request:
                     how(self.future)
                 except InvalidStateError:        # cancelled by the caller meanwhile
                     pass
+
+
+#: requests not answered yet (weak: an answered one leaves); a forked child fails them
+_UNSETTLED: "weakref.WeakSet[_Request]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # only the forking thread comes along: no batcher worker will ever answer a request the
+    # parent had pending, so a wait on its future here would never end
+    for req in list(_UNSETTLED):
+        req.lock = threading.Lock()         # (a parent thread may have held these)
+        req.future._condition = threading.Condition()
+        req.fail(BatcherClosed("this process was forked while the request was pending: only "
+                               "the parent's batcher worker could answer it; submit it again "
+                               "to a batcher made in this process"))
+    _UNSETTLED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass
@@ -361,6 +385,10 @@ class Batcher:
 
     def _check_open(self) -> None:
         if self._closed or (self._thread is not None and not self._thread.is_alive()):
+            if not self._closed and getattr(self, "_pid", None) not in (None, os.getpid()):
+                raise BatcherClosed(f"this batcher was started in process {self._pid}, which "
+                                    "forked this one: its worker stays in the parent; make a "
+                                    "new batcher in this process (README 'Fork and spawn')")
             raise BatcherClosed("the batcher is closed" if self._closed else
                                 "the batcher's worker stopped")
 
@@ -385,6 +413,7 @@ class Batcher:
                                 "retry later", self.drain_estimate())
             self._queued += n
             self._queued_requests += 1
+        _UNSETTLED.add(req)
         now = time.perf_counter()
         req.enqueue_ns = time.time_ns()
         for i in range(n):
@@ -458,6 +487,7 @@ class Batcher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="serving-batcher",
                                             daemon=True)
+            self._pid = os.getpid()             # (a forked child has no worker: _check_open)
             self._thread.start()
 
     @property

@@ -71,12 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "256 = 8192)")
     p.add_argument("--max-wait-ms", type=flags.non_negative(float), default=2.0,
                    help="how long an idle batcher waits for more texts (ms, default 2)")
-    p.add_argument("--streams", type=positive_int, default=1,
+    p.add_argument("--streams", type=positive_int, default=None,
                    help="copies of the model, each on its own stream with its own batcher; "
                    "each request goes to the least loaded (on cpu: while other processes take "
-                   "cores, concurrent batches one thread each; on a free host the first until a "
-                   "full batch waits there; one more set of graphs per stream, the weights "
-                   "shared; default 1)")
+                   "cores, concurrent batches one thread each; on a free host the first only; "
+                   "one more set of graphs per stream, the weights shared; default: 2 on cpu "
+                   "with 2 or more cores, else 1)")
     p.add_argument("--max-queue", type=positive_int, default=4096,
                    help="most texts waiting (per stream with --streams: each batcher has its "
                    "own queue); beyond it 503 with Retry-After (default 4096)")
@@ -297,6 +297,7 @@ def _serve(settings) -> int:
     except (FileNotFoundError, ImportError) as e:
         print(f"cannot load the model: {e}", file=sys.stderr)
         return 2
+    streams = len(getattr(replica.batcher, "batchers", (replica.batcher,)))
     warning = exposure_warning(settings.host, settings.api_key)
     if warning:
         print(warning, file=sys.stderr)
@@ -305,7 +306,7 @@ def _serve(settings) -> int:
               header_timeout=settings.header_timeout, log_level=settings.log_level,
               banner=f"serving all-MiniLM-L6-v2 on {settings.backend or 'the best backend'} "
                      f"({replica.batcher.path} path"
-                     f"{f', {settings.streams} streams' if settings.streams > 1 else ''}"
+                     f"{f', {streams} streams' if streams > 1 else ''}"
                      f", token ids: {settings.token_ids})")
     finally:
         replica.tracing.shutdown()

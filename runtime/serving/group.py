@@ -1,5 +1,5 @@
 """Several batchers behind one submit: a model per stream, each request to the least loaded
-(on the cpu backend: while the host is busy; ``route="cpu"``, see below).
+(on the cpu backend: while the host is busy, else the first; ``route="cpu"``, see below).
 
 A :class:`BatcherGroup` holds ``N`` :class:`runtime.serving.Batcher` s, each with its own model
 (on cpu: its own stream of the process's one device server, its own captured graphs) and its own
@@ -21,10 +21,11 @@ graphs) per stream.
 
 On a free host the trade goes the other way: one batch at a time gets every core (one call on
 OpenBLAS's own threads), batches fuller and reads the weights once per batch, so two half
-batches cost more CPU per text. So ``serve`` routes a cpu group by the thread rule's view of
-the host (``route="cpu"``, :func:`cpu_host_free`): the first batcher while the process has its
-cores to itself (spilling over only once a full batch waits there: ``route="spill"``), the
-least loaded while busy processes take cores.
+batches cost more CPU per text. So ``serve`` (two streams by default on cpu:
+:func:`runtime.serving.replica.default_streams`) routes a cpu group by the thread rule's view
+of the host (``route="cpu"``, :func:`cpu_host_free`): only the first batcher while the process
+has its cores to itself (what one stream does), the least loaded while busy processes take
+cores. ``route="spill"`` (the first until a full batch waits there) remains an option.
 
 Within each batcher, batching stays as :class:`Batcher` documents (fair ring, sub-batches of big
 requests, cancellation); a request never spans two batchers, so its rows come back in order
@@ -59,8 +60,9 @@ class BatcherGroup:
         batchers: started :class:`runtime.serving.Batcher` s, each over its own model (same
             weights, buckets and limits; the first one's settings are reported).
         route: ``"least"`` (every request to the least loaded), ``"spill"`` (the first
-            batcher until it holds a full batch waiting) or ``"cpu"`` (spill while the process
-            has its cores to itself, least loaded while busy processes take cores); :meth:`pick`.
+            batcher until it holds a full batch waiting) or ``"cpu"`` (the first while the
+            process has its cores to itself, least loaded while busy processes take cores);
+            :meth:`pick`.
         free_host: ``() -> bool`` for ``"cpu"``: whether the process has its cores to itself
             now (default :func:`cpu_host_free`; tests pass a fake).
     Attributes: ``batchers``, ``route``; ``model``, ``hidden``, ``path``, ``max_seq_length``
@@ -92,14 +94,16 @@ class BatcherGroup:
         then the least loaded. One batch at a time reads the weights once per batch and
         batches fuller: on the cpu backend two half batches cost more CPU per text.
 
-        ``route="cpu"`` (``serve --streams N`` on the cpu backend): ``"spill"`` while the
-        process has its cores to itself (``free_host()``: one batch at a time then gets every
-        core), ``"least"`` while busy processes take cores: two independent batches on one
-        thread each are two threads always ready to run, where one batch dealt out to two
-        threads waits at the end of every kernel for whichever the OS is not running
-        (README, "The cpu backend": with two busy loops on 2 cores 8 / 64 clients served 85.5 /
-        145.9 requests/s on two streams against 63.2 / 108.6 on one; without them 170 / 269
-        against 150 / 273).
+        ``route="cpu"`` (``serve`` on the cpu backend, two streams by default): the first
+        running batcher while the process has its cores to itself (``free_host()``: one batch
+        at a time gets every core, and serving is what one stream serves: no spill-over, whose
+        two half batches side by side cost the quiet 64-client row 15%, 192 against 226
+        requests/s, issue 30), the least loaded while busy processes take cores: two
+        independent batches on one thread each are two threads always ready to run, where one
+        batch dealt out to two threads waits at the end of every kernel for whichever the OS
+        is not running (with two busy loops on 2 cores: 1.42 / 1.74 / 1.89x
+        sentence-transformers at 1 / 8 / 64 clients on two streams against 1.13 / 1.07 / 0.95
+        on one; README, "The cpu backend").
 
         Raises: :class:`BatcherClosed` (every worker has stopped).
         """
@@ -112,8 +116,9 @@ class BatcherGroup:
                     best = b
         if best is None:
             raise BatcherClosed("every batcher's worker has stopped")
-        if (self.route != "least" and first.queued < first.max_batch
-                and (self.route == "spill" or self._free_host())):
+        if self.route == "cpu":
+            return first if self._free_host() else best
+        if self.route == "spill" and first.queued < first.max_batch:
             return first
         return best
 

@@ -33,7 +33,7 @@ class Settings:
     tokens per batch), ``max_wait_ms``, ``max_queue`` (texts waiting), ``max_input_chars``
     (characters per text), ``cpu_threads`` (cores the cpu thread rule shares out), ``streams``
     (copies of the model, each on its own stream with its own batcher:
-    :class:`runtime.serving.BatcherGroup`).
+    :class:`runtime.serving.BatcherGroup`; ``None``: :func:`default_streams`).
 
     App (:func:`runtime.serving.create_app`): ``max_inputs`` (per request), ``max_body_bytes``,
     ``body_timeout`` (s), ``api_key``, ``token_ids`` (``"refuse"``, ``"wordpiece"``,
@@ -57,7 +57,7 @@ class Settings:
     max_queue: int = 4096
     max_input_chars: int | None = MAX_INPUT_CHARS
     cpu_threads: int | None = None
-    streams: int = 1
+    streams: int | None = None
     max_inputs: int = MAX_INPUTS
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout: float = BODY_TIMEOUT
@@ -92,12 +92,30 @@ _BATCHER = ("backend", "model_dir", "max_graphs", "graph", "warmup", "batch_buck
 _APP = ("max_inputs", "max_body_bytes", "body_timeout", "api_key", "token_ids")
 
 
+def default_streams(backend: str | None, model=None) -> int:
+    """``serve``'s streams when ``--streams`` is not given: 2 on the cpu backend when the thread
+    rule shares out at least 2 cores (:data:`runtime.cpu_threads.RULE`) and the model can be
+    copied sharing its weights (``model.replica``; ``None``: MiniLM, loaded), else 1.
+
+    Why: the group routes by the host (:class:`runtime.serving.BatcherGroup`, ``route="cpu"``):
+    the first batcher alone while the process has its cores to itself (what one stream
+    serves), two batches side by side on one thread each while busy processes take cores
+    (issue 30: with two busy loops on 2 cores, 1.42 / 1.74 / 1.89x sentence-transformers at 1 /
+    8 / 64 clients against 1.13 / 1.07 / 0.95 on one stream). The cost: a second set of bucket
+    graphs (the weights are shared).
+    """
+    from ..cpu_threads import RULE
+    if backend not in (None, "cpu") or RULE.cores < 2:
+        return 1
+    return 2 if model is None or hasattr(model, "replica") else 1
+
+
 def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
                   max_graphs: int = 8, graph: bool = True, max_batch: int = 32,
                   max_batch_tokens: int | None = None, max_wait_ms: float = 2.0,
                   max_queue: int = 4096, max_input_chars: int | None = None,
                   batch_buckets=None, seq_buckets=None, warmup=None,
-                  cpu_threads: int | None = None, streams: int = 1, metrics=None,
+                  cpu_threads: int | None = None, streams: int | None = 1, metrics=None,
                   progress: bool = False, **batcher_options):
     """Load all-MiniLM-L6-v2 on this process's device (or take ``model``) and start a batcher.
 
@@ -119,7 +137,8 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
             first batcher until a full batch waits there).
             A given ``model`` is the first copy; the others are its replicas
             (``MiniLM.replica``: the same weight buffers, buckets and graphs of their own), or
-            loaded from ``model_dir`` for a model without ``replica()``.
+            loaded from ``model_dir`` for a model without ``replica()``. ``None``:
+            :func:`default_streams` (``serve``'s default).
         progress: show the warm-up's progress bar.
         batcher_options: more :class:`Batcher` keywords (``max_padding``, ``exact_shapes``).
     Returns: a started :class:`Batcher`, or a :class:`runtime.serving.BatcherGroup` of
@@ -130,12 +149,15 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
     from ..cpu_threads import RULE
     from . import load_model
 
-    if int(streams) < 1:
+    if streams is not None and int(streams) < 1:
         raise ValueError(f"streams must be >= 1, got {streams}")
     if backend in (None, "cpu") and cpu_threads and model is None:
         RULE.set_cores(cpu_threads)
     if model is None:
         model = load_model(backend, path=model_dir, max_graphs=max_graphs)
+    if streams is None:
+        streams = default_streams(getattr(getattr(model, "client", None), "backend", backend),
+                                  model)
     # the other copies share the first one's weights (MiniLM.replica: no second upload, one
     # copy in the caches); a model without replica() is loaded again
     copy = getattr(model, "replica", None)

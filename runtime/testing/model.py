@@ -1,5 +1,5 @@
 """The sequential model: a program run in issue order on numpy arrays with the kernels' cpu
-bodies, and the contract's rules for what must raise (design.md sections 2, 4 and 5).
+bodies, and the contract's rules for what must raise (docs/contract.md sections 2, 4 and 5).
 
 ``Model.step(op, value, error)`` takes what the runtime answered for one op and returns a
 mismatch (a sentence) or None. Where the model cannot know the answer it accepts either and
@@ -294,8 +294,8 @@ class Model:
             return str(e)
 
     def _refused(self, op, error):
-        """Calls refused at once on a capturing stream (design.md section 4); each invalidates
-        the window: its ``stop_capture`` raises ``CaptureRefused`` and makes no graph."""
+        """Calls refused at once on a capturing stream (docs/contract.md section 4); each
+        invalidates the window: its ``stop_capture`` raises ``CaptureRefused`` and makes no graph."""
         what = P.Program.line(self.p, op)
         self.windows[self.stream(op)].refused.append(f"{what} (refused at once)")
         return self._expect_raise(error, CaptureRefused, what)
@@ -426,20 +426,23 @@ class Model:
         """``(items, write set, sources)`` of a recording: sources are read before the graph
         writes them (``runtime.server.capture.sources``); a condition reads; a write inside a
         conditional node may not run, so it does not hide a later read."""
-        writes, sources, written = set(), set(), set()
+        writes, sources = set(), set()
 
-        def walk(items, top):
+        def walk(items, written):
+            # ``written``: buffers surely written before here in this scope or an enclosing
+            # one (a write inside a branch or loop body hides the reads after it in that body,
+            # not those after the node: runtime.server.capture.sources)
             for it in items:
                 if isinstance(it, P.CaptureIf):
                     if it.cond not in written:
                         sources.add(it.cond)
-                    walk(it.then, False)
-                    walk(it.other, False)
+                    walk(it.then, set(written))
+                    walk(it.other, set(written))
                 elif isinstance(it, P.CaptureWhile):
-                    walk(it.init, top)
+                    walk(it.init, written)
                     if it.counter not in written:
                         sources.add(it.counter)
-                    walk(it.body, False)
+                    walk(it.body, set(written))
                 else:
                     zero = isinstance(it, _Zero)
                     spec = self.p.kernels[(it.launch if zero else it).kernel]
@@ -448,9 +451,9 @@ class Model:
                                    if bind.access != "write" and b not in written)
                     out = {b for b, bind in binds if bind.access != "read"}
                     writes.update(out)
-                    if top and not zero:          # a count of 0 may write nothing
+                    if not zero:                  # a count of 0 may write nothing
                         written.update(out)
-        walk(items, True)
+        walk(items, set())
         return items, writes, sources
 
     def _replay(self, op, value, error):

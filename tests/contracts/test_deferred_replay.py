@@ -299,7 +299,7 @@ def _wait_until(pred, seconds: float = 10.0) -> bool:
 
 @pytest.mark.parametrize("what", ["tiny replay", "launch", "replay of 1,000 launches"])
 def test_deferred_work_no_call_runs_is_run_by_the_device_thread(c, what):
-    # design.md section 3: a stream runs asynchronously to the caller; deferred work that no
+    # docs/contract.md section 3: a stream runs asynchronously to the caller; deferred work that no
     # later call runs still runs on its own (the device thread looks every LAZY_S)
     x = c.create(np.zeros(N, np.float32))
     y = c.create(np.zeros(N, np.float32))

@@ -97,7 +97,7 @@ def test_graph_update_params_past_the_buffer_is_a_value_error_and_changes_nothin
     np.testing.assert_array_equal(client.read(y), np.array([3, 4, 3, 4], np.float32))
 
 
-def test_add_bias_checks_x_and_out_but_not_the_bias(client):
+def test_add_bias_checks_x_and_out_against_n_and_the_bias_against_n_of_a_row(client):
     x = client.create(np.arange(6, dtype=np.float32))
     b = client.create(np.array([10, 20, 30], np.float32))          # N = 3: fewer than n
     out = client.create(np.zeros(6, np.float32))
@@ -107,6 +107,12 @@ def test_add_bias_checks_x_and_out_but_not_the_bias(client):
     client.launch(K.add_bias, K.grid(7), [x, b, out], {"N": 3, "n": 7})
     with pytest.raises(LaunchError, match=r"add_bias: param n=7 exceeds the 6 elements"):
         client.sync()
+    short = client.create(np.array([10, 20], np.float32))          # N = 3: one short
+    client.launch(K.add_bias, K.grid(6), [x, short, out], {"N": 3, "n": 6})
+    with pytest.raises(LaunchError, match=r"param N=3 exceeds the 2 elements \(f32\) of binding b"):
+        client.sync()                   # (cpu read b[2] past its end, wgpu clamped: no error)
+    with pytest.raises(ReplayFailed):
+        client.read(out)
 
 
 def test_elements_must_name_an_integer_param_and_a_binding():
@@ -118,3 +124,56 @@ def test_elements_must_name_an_integer_param_and_a_binding():
                        elements={"z": "n"})
     k = runtime.Kernel("k", [("y", "f32", "write")], [("n", "u32")], cpu=print, elements="n")
     assert k.elements_error((4,), [16]) is None and "n=5" in k.elements_error((5,), [16])
+
+
+#: kernels whose buffers hold a product of params: (kernel, params, [(binding, elements)] of a
+#: launch that fits, the binding to shrink by one row, the message's product)
+PRODUCTS = {
+    "matmul a": (K.matmul, {"M": 3, "N": 2, "K": 4}, [12, 8, 6], 0, "M*K = 12"),
+    "matmul w": (K.matmul, {"M": 3, "N": 2, "K": 4}, [12, 8, 6], 1, "K*N = 8"),
+    "matmul out": (K.matmul, {"M": 3, "N": 2, "K": 4}, [12, 8, 6], 2, "M*N = 6"),
+    "matmul_bias bias": (K.matmul_bias, {"M": 3, "N": 2, "K": 4}, [12, 8, 2, 6], 2, "N=2"),
+    "layer_norm x": (K.layer_norm, {"rows": 3, "n": 4, "eps": 1e-5}, [12, 4, 4, 12], 0,
+                     "rows*n = 12"),
+    "add_layer_norm res": (K.add_layer_norm, {"rows": 3, "n": 4, "eps": 1e-5}, [12, 12, 4, 4, 12],
+                           1, "rows*n = 12"),
+    "l2_normalize out": (K.l2_normalize, {"rows": 3, "n": 4}, [12, 12], 1, "rows*n = 12"),
+}
+
+
+@pytest.mark.parametrize("case", list(PRODUCTS))
+def test_a_buffer_shorter_than_a_product_of_params_is_refused(client, case):
+    """A matmul's ``a`` holds ``M*K`` elements, a layer norm's rows ``rows*n``: one element
+    short, the GPU read clamped (wgpu) or out of bounds (cuda) values while cpu raised; now the
+    server refuses the launch on every backend (``LaunchError`` naming the product) and marks
+    its output; the same launch with the full buffer matches numpy."""
+    kernel, params, sizes, short, what = PRODUCTS[case]
+    rng = np.random.default_rng(3)
+    vals = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    bufs = [client.create(v[:-1] if i == short else v) for i, v in enumerate(vals)]
+    count = (4, 4, 1)
+    client.launch(kernel, count, bufs, params)
+    with pytest.raises(LaunchError, match=what.replace("*", r"\*")):
+        client.sync()
+    with pytest.raises(ReplayFailed):
+        client.read(bufs[-1])
+    full = [client.create(v) for v in vals]
+    if kernel is K.matmul:
+        count = K.nn.matmul_count(params["M"], params["N"])
+        client.launch(kernel, count, full, params)
+        a, w = vals[0].reshape(3, 4), vals[1].reshape(4, 2)
+        np.testing.assert_allclose(client.read(full[-1]), (a @ w).reshape(-1), rtol=1e-5)
+
+
+def test_graph_update_of_a_matmul_past_its_buffers_is_a_value_error(client):
+    rng = np.random.default_rng(5)
+    a, w = rng.standard_normal(12).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    ha, hw, ho = client.create(a), client.create(w), client.create(np.zeros(6, np.float32))
+    count = K.nn.matmul_count(3, 2)
+    g = capture(client, lambda: client.launch(K.matmul, count, [ha, hw, ho],
+                                              {"M": 3, "N": 2, "K": 4}))
+    with pytest.raises(ValueError, match=r"M\*K = 16"):
+        g.update(params={0: {"M": 4}})
+    g.replay()                                  # unchanged: the old params
+    np.testing.assert_allclose(client.read(ho), (a.reshape(3, 4) @ w.reshape(4, 2)).reshape(-1),
+                               rtol=1e-5)

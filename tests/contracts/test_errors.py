@@ -271,10 +271,13 @@ def test_a_dead_backend_worker_wakes_the_waiting_reader():
     assert not any(t.is_alive() for t in threads)
     a = c.with_stream(runtime.StreamId.new())
     b = c.with_stream(runtime.StreamId.new())
-    h = a.create(np.zeros(4, np.float32))        # queued on a; no worker will run it
-    b.launch(K.fill, 1, [h], {"value": 1.0, "n": 4})   # b waits on a's event
-    with pytest.raises(ServerClosed, match="worker"):
+    with pytest.raises(ServerClosed, match="worker"):  # (since ADV6's 8593783 a dying worker
+        h = a.create(np.zeros(4, np.float32))          # stops the server at once: the create
+        b.launch(K.fill, 1, [h], {"value": 1.0, "n": 4})   # raises; before, the read did)
         b.read(h)
+    fresh = runtime.client("cpu", scheduler="thread", seed=96)     # a new server, not the dead one
+    assert fresh._server is not c._server
+    fresh.shutdown()
     c.shutdown()
 
 

@@ -1,5 +1,5 @@
 """A launch that fails after it was enqueued is reported on its own stream, never moves, never
-takes other work with it (issue 13 case 3; design.md section 4).
+takes other work with it (issue 13 case 3; docs/contract.md section 4).
 
 The failing kernel writes element 63 of its binding: WGSL declares ``array<f32, 64>``, so wgpu
 refuses a 16-byte binding when the batch is finished; the numpy body raises ``IndexError`` on

@@ -260,3 +260,143 @@ def test_a_static_graph_with_state_keeps_failing_until_the_state_is_written(
     np.testing.assert_array_equal(sg(f=[0.0])["out"], START + 1)
     np.testing.assert_array_equal(sg.read("s"), START + 1)
     sg.release()
+
+
+def _fail_a_write_of(c, y, short):
+    """A launch that would write all of ``y`` fails (its ``x`` is too short: the elements
+    check refuses it at enqueue, on every backend): ``y`` is marked."""
+    n = y.nbytes // 4
+    c.launch(K.add_scalar, K.grid(n), [short, y], {"alpha": 1.0, "n": n})
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+
+
+def _raises_elements(c, h):
+    for _ in range(2):                                 # every read, not only the first
+        with pytest.raises(ReplayFailed, match="add_scalar"):
+            c.read(h)
+
+
+def test_a_write_covering_part_of_a_marked_buffer_keeps_its_mark(client):
+    """A ``write`` binding clears a mark only for what it covers: a launch (or a graph) that
+    rewrites the first half of a buffer whose last writer failed leaves the second half as the
+    failure left it, so a read still raises (before: the stale half read back with no error;
+    ADV6). A write of the whole buffer (a launch or the host) clears it."""
+    c = client.with_stream(runtime.StreamId.new())
+    short = c.create(np.zeros(4, np.float32))
+    y = c.create(np.full(8, 100, np.float32))
+    _fail_a_write_of(c, y, short)
+    c.launch(K.fill, K.grid(4), [y], {"value": 1.0, "n": 4})        # half of y
+    _raises_elements(c, y)
+    c.launch(K.fill, K.grid(8), [y], {"value": 2.0, "n": 8})        # all of y
+    np.testing.assert_array_equal(c.read(y), np.full(8, 2, np.float32))
+
+    g_y = c.create(np.full(8, 100, np.float32))                     # the same through a graph
+    c.graph_prepare()
+    c.launch(K.fill, K.grid(4), [g_y], {"value": 3.0, "n": 4})
+    c.start_capture()
+    c.launch(K.fill, K.grid(4), [g_y], {"value": 3.0, "n": 4})
+    g = c.stop_capture()
+    _fail_a_write_of(c, g_y, short)
+    for _ in range(2):                                              # replays keep failing
+        g.replay()
+        _raises_elements(c, g_y)
+    c.write(g_y, np.zeros(8, np.float32))                           # the host writes it all
+    g.replay()
+    np.testing.assert_array_equal(c.read(g_y), [3, 3, 3, 3, 0, 0, 0, 0])
+
+
+def test_a_graph_updated_to_write_part_of_a_buffer_keeps_its_mark(client):
+    """The same shape through ``Graph.update(params=...)``: a graph's fill of all of ``y``
+    updated to cover half keeps ``y``'s failure mark across replays; updated back, a replay
+    clears it (ADV6)."""
+    c = client.with_stream(runtime.StreamId.new())
+    short = c.create(np.zeros(4, np.float32))
+    y = c.create(np.full(8, 100, np.float32))
+    c.graph_prepare()
+    c.launch(K.fill, K.grid(8), [y], {"value": 3.0, "n": 8})
+    c.start_capture()
+    c.launch(K.fill, K.grid(8), [y], {"value": 3.0, "n": 8})
+    g = c.stop_capture()
+    g.update(params={0: {"n": 4}})
+    _fail_a_write_of(c, y, short)
+    g.replay()
+    _raises_elements(c, y)
+    g.update(params={0: {"n": 8}})
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(8, 3, np.float32))
+
+
+def test_a_grid_covering_part_of_a_marked_buffer_keeps_its_mark(client):
+    """The same through the workgroup count: ``fill`` declares ``n`` = all of ``y`` (1024
+    floats) but one workgroup of 64 writes 64 of them (every backend honours the count), so the
+    rest still holds what the failed writer left: a read keeps raising, eagerly, in a graph and
+    after ``Graph.update(count=...)`` to one workgroup (USER6: the mark was cleared and 960 stale
+    values read back with no error). A grid covering ``n`` clears it."""
+    c = client.with_stream(runtime.StreamId.new())
+    n = 1024
+    short = c.create(np.zeros(4, np.float32))
+    y = c.create(np.full(n, 100, np.float32))
+    _fail_a_write_of(c, y, short)
+    c.launch(K.fill, 1, [y], {"value": 1.0, "n": n})                # 64 of 1024
+    _raises_elements(c, y)
+    c.launch(K.fill, K.grid(n), [y], {"value": 2.0, "n": n})        # all of it
+    np.testing.assert_array_equal(c.read(y), np.full(n, 2, np.float32))
+
+    c.graph_prepare()
+    c.launch(K.fill, K.grid(n), [y], {"value": 3.0, "n": n})
+    c.start_capture()
+    c.launch(K.fill, K.grid(n), [y], {"value": 3.0, "n": n})
+    g = c.stop_capture()
+    g.update(count={0: (1, 1, 1)})                                  # now 64 of 1024
+    _fail_a_write_of(c, y, short)
+    g.replay()
+    _raises_elements(c, y)
+    g.update(count={0: K.grid(n)})
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(n, 3, np.float32))
+
+
+def test_a_loop_graph_recovers_once_its_state_is_written(client, monkeypatch):
+    """The accumulator above with its step inside ``capture_while``: ``tmp`` is written and
+    then read inside the loop body, so it is a temporary, not state. Before (ADV6) a write
+    inside a node hid no later read, so ``tmp`` counted as a source: after one failed replay
+    every replay failed, state rewritten or not (``runtime.models.Decoder``'s loop graphs and
+    a ``StaticGraph(loop=...)`` could never recover: their temporaries cannot be written from
+    the host). Now a host write of the state (``y``, the loop counter) recovers it."""
+    from graph_kernels import add_i32, i32
+    c = client
+    flag = _Flag(c, monkeypatch)
+    y = c.create(np.zeros(N, np.float32))
+    tmp = c.empty(N, np.float32)
+    go = c.create(i32(1))
+
+    def body():
+        c.launch(add_i32, 1, [go], {"delta": -1})           # one iteration per replay
+        c.launch(CHECKED, 1, [flag.buf, tmp])                # tmp = 7, or the failure
+        c.launch(K.accumulate, K.grid(N), [tmp, y], {"n": N})
+    c.graph_prepare()
+    c.start_capture()
+    try:
+        c.capture_while(go, body, max_iterations=2)
+    except runtime.UnsupportedError as e:
+        c.abort_capture()
+        pytest.skip(str(e))
+    g = c.stop_capture()
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(N, 7, np.float32))
+    flag.set(True)
+    c.write(go, i32(1))
+    g.replay()
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+    flag.set(False)
+    c.write(go, i32(1))
+    g.replay()                                         # y (read_write state) is marked
+    with pytest.raises(ReplayFailed):
+        c.read(y)
+    c.write(y, np.zeros(N, np.float32))                # the state, from the host
+    c.write(go, i32(1))
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(N, 7, np.float32))
+    g.release()

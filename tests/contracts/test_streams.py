@@ -131,6 +131,19 @@ def test_wait_event_takes_the_old_tuple_with_a_deprecation_warning(client):
     np.testing.assert_array_equal(b.read(y), np.full(64, 6, np.float32))
 
 
+@pytest.mark.parametrize("token", [("a", 1), (1.5, 2), (None, 0), (True, 0), (1, -5),
+                                   (1, 2.0), (1, "2")])
+def test_wait_event_refuses_an_old_tuple_that_is_not_a_stream_and_a_position(client, token):
+    """The deprecated ``(stream, position)`` tuple took anything silently (a str, a float,
+    a negative position: no wait and no error); a typed error now, nothing queued, and the
+    client keeps working (ADV6)."""
+    a = client.with_stream(StreamId.new())
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="stream id"):
+        a.wait_event(token)
+    x = a.create(np.full(4, 2, np.float32))
+    np.testing.assert_array_equal(a.read(x), np.full(4, 2, np.float32))
+
+
 def test_wait_event_refuses_what_is_not_an_event_of_its_server():
     a = runtime.client("cpu")
     other = runtime.client("cpu", max_idle_bytes=1 << 20)      # another server

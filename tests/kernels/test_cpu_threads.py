@@ -431,3 +431,69 @@ def test_the_rule_makes_whole_calls_alone_on_a_free_host_and_sizes_blas_for_them
     rule.fix_blas()                                    # BLAS left alone: no whole calls
     assert rule.whole_call() == 0
     rule.exit()
+
+
+def _interrupted_runs(code, offsets, exc, run, when=None):
+    """For each offset: ``run()`` on a thread with ``exc`` injected at that instruction of
+    ``code`` (threads started meanwhile are traced: the pool's, the owner's); returns
+    ``[(offset, hit, outcome)]``, outcome ``"hang"`` when it did not end within 5 s."""
+    from helpers import interrupting_tracer
+    outcomes = []
+    for off in offsets:
+        hit, box = [], []
+        threading.settrace(interrupting_tracer(code, off, exc, hit, when=when))
+        try:
+            def target():
+                try:
+                    box.append(run())
+                except BaseException as e:  # noqa: BLE001 - recorded
+                    box.append(type(e).__name__)
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            t.join(5.0)
+        finally:
+            threading.settrace(None)
+        outcomes.append((off, bool(hit), "hang" if t.is_alive() else box[0]))
+    return outcomes
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, TimeoutError])
+def test_an_interrupted_fan_out_thread_never_leaves_its_caller_waiting(exc):
+    """Kind 4 (every wait has a way out): an asynchronous exception landing in a pool thread
+    between taking a piece and counting it (noticed by ADV5, fixed by ADV6) left the job's
+    count above 0 for ever: the caller (a stream worker running attention) and its stream
+    hung. Every point after a call in ``_Job.work`` and ``FanOutPool._loop``, on a pool
+    thread: ``run`` returns or raises the exception, never hangs."""
+    from helpers import after_calls
+    on_pool = lambda: threading.current_thread().name.startswith("runtime-cpu-kernel")  # noqa: E731
+    bad = []
+    for fn in (ct._Job.work, ct.FanOutPool._loop):
+        pool = None
+
+        def run():
+            nonlocal pool
+            pool = ct.FanOutPool()
+            pool.run(lambda p: time.sleep(0.002), range(12), 3)
+            return "ok"
+        for off, hit, outcome in _interrupted_runs(fn.__code__, after_calls(fn), exc, run,
+                                                  when=on_pool):
+            assert outcome in ("ok", exc.__name__, "hang"), (fn.__name__, off, outcome)
+            if outcome == "hang":
+                bad.append((fn.__name__, off))
+    assert not bad, f"fan-out callers hung after an interrupt at {bad}"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_blas_owner_interrupted_with_a_call_taken_never_leaves_the_caller_waiting():
+    """The owner thread interrupted after it took a call and before it answered: the caller
+    waited in ``done.wait()`` for ever; now it runs the call itself once the owner is gone."""
+    from helpers import after_calls
+    fn = ct.BlasOwner._loop
+
+    def run():
+        owner = ct.BlasOwner(timeout_s=0.2)
+        return [owner.call(lambda: 7) for _ in range(3)]
+    outcomes = _interrupted_runs(fn.__code__, after_calls(fn), KeyboardInterrupt, run)
+    assert any(hit for _, hit, _ in outcomes)
+    assert all(o in ([7, 7, 7], "KeyboardInterrupt") for _, _, o in outcomes), outcomes

@@ -136,3 +136,21 @@ def test_only_gelu_or_none():
     assert panels.matmul_panels_for("gelu") is panels.matmul_bias_gelu_panels
     with pytest.raises(ValueError):
         panels.matmul_panels_for("relu")
+
+
+def test_a_bias_shorter_than_n_is_refused_not_read_past_its_end():
+    """The panel kernels' epilogue (numba) read ``bias[j]`` for every column: a bias shorter
+    than ``N`` was read past its end (whatever memory held). They declare their element
+    counts now (``a``: M*K, ``w``: K*N, ``bias``: N, ``out``: M*N): the server refuses it."""
+    from runtime.errors import LaunchError, ReplayFailed
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    M, N, K, P = 2, 8, 4, 4
+    w = np.ones((K, N), np.float32)
+    bufs = [c.create(np.ones(M * K, np.float32)), c.create(w.reshape(-1)),
+            c.create(panels.panel_weight(w, P).reshape(-1)), c.create(np.ones(N - 1, np.float32)),
+            c.create(np.zeros(M * N, np.float32))]
+    c.launch(panels.matmul_bias_panels, (1, 1, 1), bufs, {"M": M, "N": N, "K": K, "P": P})
+    with pytest.raises(LaunchError, match="param N=8 exceeds the 7 elements"):
+        c.sync()
+    with pytest.raises(ReplayFailed):
+        c.read(bufs[-1])

@@ -327,3 +327,52 @@ def test_a_worker_that_dies_outside_a_batch_fails_every_waiting_request():
     with pytest.raises(BatcherClosed):
         b.submit(["c"])
     b.close()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_waiting_on_a_parents_pending_request_gets_batcher_closed():
+    """Kind 3 of the guide (fork with pending work): a request the parent had pending (queued,
+    or in the batch running) can only be answered by the parent's worker thread, which does not
+    come along into a child; a wait on its future there never ended. The child's wait now
+    raises BatcherClosed at once, a new submit to the parent's batcher is refused, a batcher
+    made in the child serves, and the parent's own requests are answered (ADV6)."""
+    import os
+    import signal
+    import time
+    model = FakeModel(delay=0.3)
+    b = Batcher(model, graph=False)
+    try:
+        running = b.submit(["in the batch"])
+        time.sleep(0.05)                       # (the worker has taken it into a batch)
+        queued = b.submit(["queued behind it"])
+        pid = os.fork()
+        if pid == 0:                           # the child: exit 0 only if every check holds
+            code = 1
+            try:
+                signal.alarm(20)
+                for fut in (running, queued):
+                    try:
+                        fut.result(5)
+                    except BatcherClosed:
+                        pass
+                    else:
+                        os._exit(2)
+                try:
+                    b.submit(["x"])
+                except BatcherClosed as e:     # saying why, not "the worker stopped" (USER6)
+                    if "forked" not in str(e) or "new batcher" not in str(e):
+                        os._exit(5)
+                else:
+                    os._exit(3)
+                with Batcher(model, graph=False) as mine:
+                    got = mine.embed(["a"], timeout=10)
+                code = 0 if np.allclose(got[0], expected(model, "a")) else 4
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        np.testing.assert_allclose(running.result(10).embeddings[0], expected(model, "in the batch"))
+        np.testing.assert_allclose(queued.result(10).embeddings[0],
+                                   expected(model, "queued behind it"))
+    finally:
+        b.close()

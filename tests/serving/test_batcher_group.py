@@ -202,9 +202,11 @@ def test_spill_routing_keeps_one_batcher_until_a_full_batch_waits_there():
         g.close()
 
 
-def test_cpu_routing_spills_over_on_a_free_host_and_spreads_on_a_busy_one(monkeypatch):
-    # route="cpu": spill-over while the host is free, the least loaded while it is busy (a
-    # fake switch; nothing is timed); the default switch reads the thread rule's whole calls
+def test_cpu_routing_keeps_the_first_on_a_free_host_and_spreads_on_a_busy_one(monkeypatch):
+    # route="cpu" (serve's default on cpu): only the first batcher while the host is free, even
+    # with full batches waiting there (what one stream serves: no spill-over), the least loaded
+    # while it is busy (a fake switch; nothing is timed); the default switch reads the thread
+    # rule's whole calls
     gate = threading.Event()
     first, second = FakeModel(gate=gate), FakeModel()
     free = [True]
@@ -213,15 +215,15 @@ def test_cpu_routing_spills_over_on_a_free_host_and_spreads_on_a_busy_one(monkey
     try:
         a = g.submit(["a"])
         assert first.entered.wait(WAIT)
-        b = g.submit(["b"])                         # free host: the first, though busy
-        assert g.batchers[0].queued == 1 and g.batchers[1].load == 0
+        b = [g.submit([f"b{i}"]) for i in range(6)]     # free host: the first, though busy
+        assert g.batchers[0].queued == 6 and g.batchers[1].load == 0     # (> max_batch)
         free[0] = False                             # busy host: the least loaded
         c = g.submit(["c d"])
         np.testing.assert_array_equal(c.result(WAIT).embeddings[0], expected(second, "c d"))
         gate.set()
-        for fut, t in ((a, "a"), (b, "b")):
+        for fut, t in [(a, "a")] + [(f, f"b{i}") for i, f in enumerate(b)]:
             np.testing.assert_array_equal(fut.result(WAIT).embeddings[0], expected(first, t))
-        assert sum(r[3] for r in first.calls) == 2 and sum(r[3] for r in second.calls) == 1
+        assert sum(r[3] for r in first.calls) == 7 and sum(r[3] for r in second.calls) == 1
     finally:
         gate.set()
         g.close()
@@ -252,3 +254,39 @@ def test_serve_routes_by_the_host_on_cpu_and_to_the_least_loaded_elsewhere():
                                           expected(g.batchers[0].model, "x y"))
         finally:
             g.close()
+
+
+def test_serve_defaults_to_two_streams_on_cpu_with_two_cores_and_one_elsewhere(monkeypatch):
+    """Issue 30: serve's default (``--streams`` not given, ``Settings.streams = None``) is two
+    streams routed by the host on cpu with at least 2 cores and a model that copies its weights
+    (``replica``), else one (fake models and a fake rule's cores; nothing is timed)."""
+    from runtime import cpu_threads
+    from runtime.serving.cli import build_parser, settings_from_args
+    from runtime.serving.replica import Settings, default_streams, start_batcher
+
+    class Fake(FakeModel):
+        client = types.SimpleNamespace(backend="cpu")
+
+        def replica(self):
+            return Fake()
+    assert Settings().streams is None
+    assert settings_from_args(build_parser().parse_args([])).streams is None
+    assert settings_from_args(build_parser().parse_args(["--streams", "1"])).streams == 1
+    monkeypatch.setattr(cpu_threads.RULE, "cores", 2)
+    assert default_streams("cpu", Fake()) == 2 and default_streams(None, None) == 2
+    assert default_streams("cpu", FakeModel()) == 1          # no replica(): no copy
+    assert default_streams("wgpu", Fake()) == 1 and default_streams("cuda", None) == 1
+    g = start_batcher(model=Fake(), streams=None, batch_buckets=(1, 2), seq_buckets=(16,))
+    try:
+        assert isinstance(g, BatcherGroup) and g.route == "cpu" and len(g.batchers) == 2
+        np.testing.assert_array_equal(g.embed(["x y"], timeout=WAIT)[0],
+                                      expected(g.batchers[0].model, "x y"))
+    finally:
+        g.close()
+    monkeypatch.setattr(cpu_threads.RULE, "cores", 1)          # one core: one stream
+    assert default_streams("cpu", Fake()) == 1
+    one = start_batcher(model=Fake(), streams=None, batch_buckets=(1, 2), seq_buckets=(16,))
+    try:
+        assert isinstance(one, Batcher)
+    finally:
+        one.close()

@@ -43,6 +43,9 @@ TINY = 4
 #: items a ``ThreadScheduler`` leaves queued without waking a worker (``push(defer=True)``):
 #: past this backlog it wakes one.
 DEFER_MAX = 16
+#: seconds ``ThreadScheduler.close`` waits for its lock before it takes it back (held by a
+#: thread an asynchronous exception interrupted: nothing else holds it for long).
+CLOSE_LOCK_S = 2.0
 #: seconds deferred work waits at most for a caller before the polling worker runs it.
 DEFER_S = 0.02
 #: a stream's ``sched`` state in the thread scheduler: in no list, in ``ready``, on an event's
@@ -325,9 +328,17 @@ class ThreadScheduler(Scheduler):
         return all(t.is_alive() for t in self.threads)
 
     def close(self):
-        with self.cv:
+        # SOAK6: an asynchronous exception landing between a ``with cv`` acquire and its block
+        # leaves the lock held for ever (the server dies of it): take it back, or the workers
+        # and the closing thread would wait for it for ever (a plain Lock: any thread may)
+        if not self.cv.acquire(timeout=CLOSE_LOCK_S):
+            self.cv._lock.release()
+            self.cv.acquire()
+        try:
             self.closed = True
             self._wake_all()
+        finally:
+            self.cv.release()
         for t in self.threads:
             t.join(timeout=5.0)
 

@@ -804,3 +804,30 @@ def test_wgpu_graphs_with_conditional_nodes_leave_no_cached_bind_groups():
         assert after[0] <= base[0] + 8 and after[1] <= base[1] + 8, (base, after)
     finally:
         c.shutdown()
+
+
+def test_a_dead_server_whose_scheduler_lock_was_left_held_still_ends_its_threads():
+    """SOAK6 (traced soak): an asynchronous exception landing in a caller between the
+    scheduler's ``with cv`` acquire and its block left the cpu scheduler's lock held for ever;
+    the server died of it and its backend's close (and the four workers) waited for the lock
+    for ever: 5 threads per such death. ``ThreadScheduler.close`` takes the lock back after
+    ``CLOSE_LOCK_S``."""
+    from runtime.errors import ServerClosed
+    from runtime.server.queue import _Fatal
+
+    before = {t for t in threading.enumerate() if t.is_alive()}
+    c = runtime.client("cpu", max_idle_bytes=(1 << 22) + 37)       # a server of its own
+    srv = c._server
+    np.testing.assert_array_equal(c.read(c.create(ONES)), ONES)
+    t = threading.Thread(target=srv.backend.scheduler.cv.acquire)   # orphaned: never released
+    t.start()
+    t.join()
+
+    def die():
+        raise _Fatal("test: kill the server")
+    srv.post(die)
+    with pytest.raises(ServerClosed):
+        c.sync()
+    c.shutdown()
+    _until(lambda: not [t for t in threading.enumerate() if t.is_alive() and t not in before],
+           "the dead server's threads to end")

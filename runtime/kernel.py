@@ -185,9 +185,16 @@ class Kernel:
             if pname not in self.param_names or self.params[self.param_names.index(pname)].dtype == "f32":
                 raise ValueError(f"kernel {self.name}: ranges names {pname!r}, not one of its "
                                  f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
-            lo, hi = bounds
-            out.append((self.param_names.index(pname), int(lo),
-                        float("inf") if hi is None else int(hi)))
+            try:                                # (operator.index: ints, numpy ints; no floats)
+                lo, hi = bounds
+                lo, hi = operator.index(lo), None if hi is None else operator.index(hi)
+                ok = not isinstance(bounds[0], bool) and (hi is None or lo <= hi)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"kernel {self.name}: ranges[{pname!r}] must be (lo, hi) with "
+                                 f"integers lo <= hi (hi None: no upper bound), got {bounds!r}")
+            out.append((self.param_names.index(pname), lo, float("inf") if hi is None else hi))
         return tuple(out)
 
     def _range_error(self, out: tuple) -> None:

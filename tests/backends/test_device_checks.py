@@ -232,6 +232,10 @@ def test_a_param_past_the_size_the_sources_hold_is_refused_on_every_backend(clie
     with pytest.raises(ValueError, match="ranges names 'x'"):
         Kernel("r", [("y", "f32", "write")], [("n", "u32")], cpu=lambda y, count, n: None,
                ranges={"x": (0, 1)})
+    for bad in ((5, 1), (1.5, 3), (1,), ("a", 2), 3):   # (USER6: (5, 1) refused every value,
+        with pytest.raises(ValueError, match=r"ranges\['n'\] must be"):  # 1.5 became 1)
+            Kernel("r", [("y", "f32", "write")], [("n", "u32")], cpu=lambda y, count, n: None,
+                   ranges={"n": bad})
 
 
 def test_a_zero_count_or_divisor_param_is_refused_on_every_backend(client):

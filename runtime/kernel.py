@@ -122,7 +122,7 @@ class Kernel:
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
                  "element_checks", "product_checks", "checks", "ranges", "_ranges",
-                 "write_checks", "grid_elements", "__weakref__")
+                 "write_checks", "grid_elements", "count_error", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
@@ -171,6 +171,13 @@ class Kernel:
         #: grid covers fewer elements than its buffer holds writes it only in part
         #: (:meth:`partial_write`).
         self.grid_elements = None
+        #: ``count_error(count, params) -> str | None``: why a direct workgroup count ``(x, y,
+        #: z)`` covers less of the work its packed ``params`` name than the kernel needs, or
+        #: None (the library's row, matmul, attention and gather kernels: their cpu bodies do
+        #: the whole work whatever the count while the GPU sources do the part the count
+        #: covers; the server refuses such a launch, a capture and a ``Graph.update`` on every
+        #: backend). None (the default): not checked.
+        self.count_error = None
         if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
                             f"got {checks!r}")
@@ -185,9 +192,16 @@ class Kernel:
             if pname not in self.param_names or self.params[self.param_names.index(pname)].dtype == "f32":
                 raise ValueError(f"kernel {self.name}: ranges names {pname!r}, not one of its "
                                  f"integer params {[p.name for p in self.params if p.dtype != 'f32']}")
-            lo, hi = bounds
-            out.append((self.param_names.index(pname), int(lo),
-                        float("inf") if hi is None else int(hi)))
+            try:                                # (operator.index: ints, numpy ints; no floats)
+                lo, hi = bounds
+                lo, hi = operator.index(lo), None if hi is None else operator.index(hi)
+                ok = not isinstance(bounds[0], bool) and (hi is None or lo <= hi)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"kernel {self.name}: ranges[{pname!r}] must be (lo, hi) with "
+                                 f"integers lo <= hi (hi None: no upper bound), got {bounds!r}")
+            out.append((self.param_names.index(pname), lo, float("inf") if hi is None else hi))
         return tuple(out)
 
     def _range_error(self, out: tuple) -> None:

@@ -775,13 +775,21 @@ def validate(doc) -> list:
     ``X`` has ``dur >= 0``; per lane (``pid``, ``tid``), in time order, every ``B`` has a
     matching ``E`` (same name) and slices (``B``/``E`` and ``X``) nest without partial
     overlap; every flow id has exactly one start ``s`` and one end ``f``, not before it, and
-    any steps ``t`` in between.
+    any steps ``t`` in between. A document that is not a trace (no ``traceEvents`` list, an
+    event that is not an object) is one problem saying so, never an exception.
     """
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        return [f"not a trace: expected {{\"traceEvents\": [...]}} or a list of events, got "
+                f"{type(doc).__name__}" + (f" with keys {sorted(doc)[:5]}" if isinstance(doc, dict)
+                                           else "")]
     problems = []
     lanes: dict = {}
     flows: dict = {}
     for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            problems.append(f"event {i} is not an object: {e!r}")
+            continue
         ph = e.get("ph")
         if ph is None or "pid" not in e or "tid" not in e:
             problems.append(f"event {i} lacks ph/pid/tid: {e}")
@@ -841,7 +849,8 @@ def validate(doc) -> list:
 
 
 def main(argv=None) -> int:
-    """``python -m runtime trace check FILE...``: validate trace files; exit 1 on problems."""
+    """``python -m runtime trace check FILE...``: validate trace files; exit 1 on problems
+    (a file that is not JSON or not a trace is one, named; the others are still checked)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: python -m runtime trace check FILE...\nvalidate Chrome trace-event JSON "
@@ -852,9 +861,15 @@ def main(argv=None) -> int:
         return 2
     bad = 0
     for f in argv[1:]:
-        doc = json.loads(Path(f).read_text())
+        try:                                    # (each file named; the rest still checked)
+            doc = json.loads(Path(f).read_text())
+        except (OSError, ValueError) as e:
+            print(f"{f}: cannot be read as JSON: {type(e).__name__}: {e}")
+            bad += 1
+            continue
         problems = validate(doc)
-        n = len(doc["traceEvents"] if isinstance(doc, dict) else doc)
+        events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+        n = len(events) if isinstance(events, list) else 0
         print(f"{f}: {n} events, {len(problems)} problem(s)")
         for p in problems[:20]:
             print(f"  {p}")

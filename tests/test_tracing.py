@@ -234,6 +234,23 @@ def test_RUNTIME_TRACE_traces_a_whole_process(tmp_path):
     assert check.returncode == 0 and "0 problem(s)" in check.stdout
 
 
+def test_a_file_that_is_not_a_trace_is_a_named_problem_not_an_exception(tmp_path, capsys):
+    """``validate`` of a JSON document that is no trace (a number, an object without
+    ``traceEvents``, an event that is not an object) raised TypeError/KeyError, and ``trace
+    check`` of a non-JSON file stopped at it with a JSONDecodeError naming no file (USER6):
+    each is now a problem naming the file, the other files are checked, exit 1."""
+    assert "not a trace" in tracing.validate(5)[0]
+    assert "not a trace" in tracing.validate({"a": 1})[0]
+    assert "event 0 is not an object" in tracing.validate([3])[0]
+    files = {"empty.json": "", "num.json": "5", "ok.json": "[]"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert tracing.main(["check", *(str(tmp_path / n) for n in files)]) == 1
+    out = capsys.readouterr().out
+    assert "empty.json: cannot be read as JSON" in out
+    assert "num.json: 0 events, 1 problem(s)" in out and "ok.json: 0 events, 0 problem(s)" in out
+
+
 def test_trace_help_is_help_not_an_error(capsys):
     assert tracing.main(["--help"]) == 0 and "trace check FILE" in capsys.readouterr().out
     assert tracing.main([]) == 2 and "usage:" in capsys.readouterr().err

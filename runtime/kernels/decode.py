@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pointwise import WORKGROUP, grid
+from .pointwise import WORKGROUP, covers, grid, groups
 from .shader import NAN_HELPERS, program, tree_reduce
 
 R, RW, W = "read", "read_write", "write"
@@ -250,6 +250,13 @@ decode_continue = program(
     "decode_continue", [("nxt", "i32", R), ("pos", "i32", R), ("stop", "i32", R),
                         ("go", "i32", RW)], [], (1, 1, 1), """
     go[0] = select(0, 1, pos[0] < stop[1] && nxt[0] != stop[0]);""", cpu=_decode_continue_cpu)
+
+
+# The workgroup counts they need (Kernel.count_error, pointwise.covers): a short count is
+# refused on every backend (the cpu bodies do the whole row whatever the count).
+covers(embed_at, lambda c, p: c[0] * c[1] * c[2] >= groups(p["H"]), "grid(H)")
+covers(kv_append, lambda c, p: c[0] * c[1] * c[2] >= groups(p["H"]), "grid(H)")
+covers(causal_attend, lambda c, p: c[0] >= p["heads"], "(heads, 1, 1)")
 
 
 __all__ = ["embed_at", "kv_append", "causal_attend", "argmax", "feed_back",

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from .pointwise import WORKGROUP, elementwise, grid
+from .pointwise import WORKGROUP, covers, elementwise, grid, groups
 from .shader import NAN_HELPERS, program, tree_reduce
 from ..cpu_threads import FAN_OUT, RULE
 
@@ -741,7 +741,9 @@ def attention_for(hd: int):
     if not 1 <= hd <= ATTN_MAX_HEAD_DIM:
         raise ValueError(f"attention: head dim {hd} is outside 1..{ATTN_MAX_HEAD_DIM}")
     if hd not in _ATTN:
-        _ATTN[hd] = _attention(hd)
+        _ATTN[hd] = covers(_attention(hd), lambda c, p: p["heads"] > 0 and c[1] >= p["heads"]
+                           and c[0] >= groups(p["S"], ATTN_WORKGROUP) and c[1] % p["heads"] == 0,
+                           "attention_count(batch, S, heads)")
     return _ATTN[hd]
 
 
@@ -758,6 +760,22 @@ def attention_count(batch: int, seq: int, heads: int) -> tuple:
     if batch * heads > 65535:
         raise ValueError(f"attention: batch * heads = {batch * heads} exceeds 65,535 workgroups")
     return (max(1, -(-int(seq) // ATTN_WORKGROUP)), int(batch * heads), 1)
+
+
+# The workgroup counts the kernels need (Kernel.count_error, pointwise.covers): their cpu
+# bodies do the whole work whatever the count, the GPU sources the part it covers, so a short
+# count is refused on every backend instead of giving different values on each.
+def _total(param: str, per: int = WORKGROUP):
+    return lambda c, p: c[0] * c[1] * c[2] >= groups(p[param], per)
+
+
+for _k in (gelu, embedding, mean_pool):
+    covers(_k, _total("n"), "grid(n)")
+for _k in (layer_norm, add_layer_norm, l2_normalize):
+    covers(_k, _total("rows", 1), "rows_count(rows)")
+for (_name, _tm), _k in _MM.items():
+    covers(_k, lambda c, p, tm=_tm: c[0] >= groups(p["N"], MM_TILE) and c[1] >= groups(p["M"], tm),
+           f"matmul_count(M, N, {_tm}) (matmul_for)")
 
 
 __all__ = ["gelu", "add_bias", "embedding", "matmul", "matmul_bias", "matmul_bias_gelu",

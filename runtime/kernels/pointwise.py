@@ -34,6 +34,30 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
     return (-(-groups // y), y, 1)
 
 
+def covers(kernel, ok, hint: str):
+    """Declare the workgroup count ``kernel`` needs (``Kernel.count_error``): ``ok(count, p)``
+    (``count`` ``(x, y, z)``, ``p`` the params by name) tells whether the count covers the
+    work the params name; ``hint`` names the count helper to launch over. Returns ``kernel``.
+    For kernels whose cpu body does the whole work whatever the count while the GPU sources
+    do the part the count covers: a short count is refused on every backend instead."""
+    names = kernel.param_names
+
+    def count_error(count, params):
+        p = dict(zip(names, params))
+        if ok(count, p):
+            return None
+        shown = ", ".join(f"{k}={v}" for k, v in p.items() if type(v) is int)
+        return (f"kernel {kernel.name}: workgroup count {tuple(count)} covers less than its "
+                f"params ask for ({shown}): launch over {hint}")
+    kernel.count_error = count_error
+    return kernel
+
+
+def groups(n: int, per: int = WORKGROUP) -> int:
+    """Workgroups of ``per`` invocations that cover ``n`` (at least 1)."""
+    return max(1, -(-int(n) // per))
+
+
 def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,
                 fuse=None, elements="n") -> Kernel:
     """Build an elementwise kernel ``out = expr`` over ``i < n``: a thin wrapper over

@@ -288,6 +288,12 @@ def _apply(server, g: GraphState, rebind, params, count) -> list:
             raise ValueError(f"update of graph {g.id}: count {c} of launch {i} exceeds the "
                              f"{server.backend.name} limit of {lim} per dimension")
         new_counts[i] = c
+    for i in set(new_params) | set(new_counts):     # a grid short of the work (h_launch)
+        k, c = recs[i].kernel, new_counts.get(i, recs[i].count)
+        if k.count_error is not None and type(c) is tuple and c[0] and c[1] and c[2]:
+            msg = k.count_error(c, new_params.get(i, recs[i].params))
+            if msg is not None:
+                raise ValueError(f"update of graph {g.id}: launch {i}: {msg}")
     rb = rebind or {}
     out, li = [], 0
     for op in g.ops:

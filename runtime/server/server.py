@@ -641,6 +641,11 @@ class ComputeServer:
                 msg = kernel.elements_error(params, [st.nbytes for st in states], hids)
                 if msg is not None:
                     raise LaunchError(msg)
+            if kernel.count_error is not None and cst is None and count[0] and count[1] \
+                    and count[2]:                           # (a zero count is a no-op)
+                msg = kernel.count_error(count, params)     # a grid short of the work
+                if msg is not None:
+                    raise LaunchError(msg)
             if w is not None:
                 self.capture.record(s, kernel, prog, count, args, params, states, cst)
                 return

@@ -221,9 +221,12 @@ class Replica:
         self.metrics = ServingMetrics()
         self.batcher = start_batcher(model=model, metrics=self.metrics, progress=progress,
                                      **settings.batcher_options())
+        public = settings.public()
+        if public["streams"] is None:       # (serve's default, resolved: what runs)
+            public["streams"] = len(getattr(self.batcher, "batchers", (self.batcher,)))
         self.app = create_app(self.batcher, metrics=self.metrics,
                               openai_encoding=openai_encoding, tracer=self.tracing.tracer,
-                              settings=settings.public(), **settings.app_options())
+                              settings=public, **settings.app_options())
 
     def close(self, grace: float = 0.0) -> None:
         """Finish queued work for up to ``grace`` seconds, stop the batcher, flush spans."""

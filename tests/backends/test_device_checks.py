@@ -232,6 +232,10 @@ def test_a_param_past_the_size_the_sources_hold_is_refused_on_every_backend(clie
     with pytest.raises(ValueError, match="ranges names 'x'"):
         Kernel("r", [("y", "f32", "write")], [("n", "u32")], cpu=lambda y, count, n: None,
                ranges={"x": (0, 1)})
+    for bad in ((5, 1), (1.5, 3), (1,), ("a", 2), 3):   # (USER6: (5, 1) refused every value,
+        with pytest.raises(ValueError, match=r"ranges\['n'\] must be"):  # 1.5 became 1)
+            Kernel("r", [("y", "f32", "write")], [("n", "u32")], cpu=lambda y, count, n: None,
+                   ranges={"n": bad})
 
 
 def test_a_zero_count_or_divisor_param_is_refused_on_every_backend(client):
@@ -385,3 +389,48 @@ def test_a_buffer_shorter_than_the_kernel_reads_fails_on_every_backend(checked, 
         c.sync()
     with pytest.raises(ReplayFailed):
         c.read(bufs[out])
+
+
+@pytest.mark.parametrize("case", ["gelu", "layer_norm", "matmul", "attention", "embed_at"])
+def test_a_workgroup_count_short_of_the_work_is_refused_on_every_backend(client, case):
+    """The row, matmul, attention and gather kernels' cpu bodies do the whole work whatever
+    the count, their GPU sources the part the count covers: one 64-wide workgroup over 1,024
+    gelu elements gave 1,024 values on cpu and 64 on wgpu, no error. A short count is refused
+    now (``LaunchError`` naming the count helper; the output marked), on every backend, and in
+    ``Graph.update(count=...)`` (``ValueError``)."""
+    from runtime.kernels import decode as D
+    c = client
+    f = np.float32
+    if case == "gelu":
+        k, short, full, bufs, params = K.gelu, (1, 1, 1), K.grid(1024), [np.ones(1024, f),
+                                                                         np.zeros(1024, f)], {"n": 1024}
+    elif case == "layer_norm":
+        k, short, full = K.layer_norm, (2, 1, 1), K.nn.rows_count(4)
+        bufs, params = [np.ones(32, f), np.ones(8, f), np.zeros(8, f), np.zeros(32, f)], \
+            {"rows": 4, "n": 8, "eps": 1e-5}
+    elif case == "matmul":
+        k, full = K.matmul, K.nn.matmul_count(200, 4)
+        short = (full[0], full[1] - 1, 1)
+        bufs, params = [np.ones(800, f), np.ones(16, f), np.zeros(800, f)], {"M": 200, "N": 4, "K": 4}
+    elif case == "attention":
+        k, full = K.nn.attention_for(8), K.nn.attention_count(1, 80, 1)
+        short = (1, 1, 1)
+        bufs = [np.ones(80 * 24, f)] * 3 + [np.ones(80, f), np.zeros(80 * 8, f)]
+        params = {"S": 80, "heads": 1, "hd": 8, "ld_in": 24, "q_off": 0, "k_off": 8, "v_off": 16,
+                  "ld_out": 8, "scale": 0.5}
+    else:
+        k, short, full = D.embed_at, (1, 1, 1), K.grid(100)
+        bufs = [np.array([1], np.int32), np.array([0], np.int32), np.ones(300, f),
+                np.ones(200, f), np.zeros(100, f)]
+        params = {"H": 100, "T": 2}
+    hs = [c.create(b) for b in bufs]
+    c.launch(k, short, hs, params)
+    with pytest.raises(runtime.errors.LaunchError, match=r"covers less than its params ask for"):
+        c.sync()
+    with pytest.raises(ReplayFailed):
+        c.read(hs[-1])
+    g = captured(c, lambda: c.launch(k, full, hs, params))
+    g.replay()
+    c.read(hs[-1])                                  # the full count: clean
+    with pytest.raises(ValueError, match="covers less"):
+        g.update(count={0: short})

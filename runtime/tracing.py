@@ -47,6 +47,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,6 +57,8 @@ DEFAULT_CAPACITY = 200_000
 COUNTER_PERIOD_S = 0.001
 #: stream lanes a tracer remembers (``Tracer.stream_lane``); past it the oldest is forgotten.
 MAX_STREAM_LANES = 4096
+#: collected backends whose lane names a tracer keeps (for their events still in the ring).
+MAX_GONE_BACKENDS = 64
 
 _active = None                 # the Tracer while tracing is on
 _lock = threading.Lock()
@@ -104,6 +107,7 @@ class Tracer:
         self._unindexed: dict = {}                    # pid -> last number given a stream
         self._events: dict = {}                       # id(event) -> (pid, tid, ts), bounded
         self._sampled: dict = {}                      # pid -> last counter sample (s)
+        self._gone: collections.deque = collections.deque()   # pids of collected backends
         self.current = None                           # the handler running now (a _Message)
         self.pending: dict = {}                       # client lane -> (name, end) of its call
 
@@ -133,6 +137,10 @@ class Tracer:
             pid = self._backends[key] = next(self._pids)
             self.names[(pid, 0)] = "device thread (handlers)"
             self.names[(pid, None)] = f"{getattr(backend, 'name', '?')} backend"
+            try:                    # bounded by live backends, not servers made (SOAK6)
+                weakref.finalize(backend, _backend_gone, weakref.ref(self), key, pid)
+            except TypeError:       # not weakly referenceable: kept
+                pass
         if server_name and self.names.get((pid, None), "").endswith(" backend"):
             self.names[(pid, None)] = server_name
         return pid
@@ -159,6 +167,21 @@ class Tracer:
                 del self._streams[old]
                 self.names.pop((old[0], otid), None)
         return (pid, tid)
+
+    def forget_backend(self, key, pid) -> None:
+        """A backend was collected: forget its id (ids are reused: a new backend must not take
+        its lanes) and its counter time; its lane names stay for its events still in the ring,
+        those of the oldest past :data:`MAX_GONE_BACKENDS` collected ones go."""
+        if self._backends.get(key) == pid:
+            del self._backends[key]
+        self._sampled.pop(pid, None)
+        self._gone.append(pid)
+        if len(self._gone) > MAX_GONE_BACKENDS:
+            old = self._gone.popleft()
+            for k in [k for k in list(self.names) if k[0] == old]:
+                self.names.pop(k, None)
+            for k in [k for k in list(self._streams) if k[0] == old]:
+                self._streams.pop(k, None)
 
     # -- events ----------------------------------------------------------------------------
     def emit(self, ph, name, lane, ts, dur=None, args=None, fid=None, bind=None, cat="runtime"):
@@ -722,6 +745,12 @@ def _hook_backend_imports() -> None:
 def active() -> Tracer | None:
     """The tracer while tracing is on, else None."""
     return _active
+
+
+def _backend_gone(tracer_ref, key, pid) -> None:
+    tracer = tracer_ref()
+    if tracer is not None:
+        tracer.forget_backend(key, pid)
 
 
 @contextmanager

@@ -320,3 +320,28 @@ def test_a_trace_over_a_stream_per_request_keeps_its_lane_tables_bounded(monkeyp
     assert len(T._streams) <= 64 and len(T.names) <= 64 + 16, (len(T._streams), len(T.names))
     assert lane in {(p, t) for (p, t) in T.names}
     assert tracing.validate(T.events()) == []
+
+
+def test_a_tracer_keeps_no_entry_per_server_made_and_gone():
+    """SOAK6: the tracer kept ``id(backend) -> pid``, the counter times and two lane names
+    per server ever traced (a service or the kit making servers with per-tenant options:
+    +2 names per server for as long as tracing ran; and a new backend with a reused id took
+    a dead one's lanes). Collected backends are forgotten; the lane names of the last
+    ``MAX_GONE_BACKENDS`` stay for their events still in the ring."""
+    import gc
+
+    MAX_GONE_BACKENDS = getattr(tracing, "MAX_GONE_BACKENDS", 64)
+    n = MAX_GONE_BACKENDS + 40
+    with runtime.trace(None, capacity=5000) as tr:
+        base = len(tr._backends)
+        for i in range(n):
+            c = runtime.client("cpu", max_idle_bytes=(1 << 21) + 41 + i)   # a server each
+            x = c.create(np.ones(4, np.float32))
+            np.testing.assert_array_equal(c.read(x), np.ones(4, np.float32))
+            c.shutdown()
+            del c, x
+            gc.collect()
+        assert len(tr._backends) <= base + 2, len(tr._backends)
+        assert len(tr._sampled) <= base + 2
+        pids = {k[0] for k in tr.names}
+        assert len(pids) <= base + MAX_GONE_BACKENDS + 4, len(pids)

@@ -386,7 +386,9 @@ class InterleavingScheduler(Scheduler):
     """Defer all work; on a wait, run runnable stream heads in a seeded random order.
 
     Every pick is recorded: ``trace`` is the schedule as a compact string (see
-    :func:`encode_trace`), and ``TraceScheduler(trace)`` runs it again exactly.
+    :func:`encode_trace`), and ``TraceScheduler(trace)`` runs it again exactly. The record
+    grows with the work run (one int per stream item): a tool for property tests and short
+    programs, not for a long-running server (the default ``ThreadScheduler`` keeps none).
 
     Args:
         seed: the interleaving; the same program and seed give the same order.

@@ -198,15 +198,9 @@ class QueueThread:
         per ``capture_while`` node, copied by the replay) and fail ``mark`` with
         ``LoopLimitExceeded`` when a loop's condition still held after ``max_iterations``
         (reported on ``stream``'s next completion). Waits on this thread for that replay."""
-        status = graph.status
-        promise = status.map_async(wgpu.MapMode.READ, 0, status.size)
-        while not promise._thread_event.wait(0.05):
-            if self.closed:
-                return
-        promise.sync_wait()
-        over = np.frombuffer(status.read_mapped(0, status.size), np.uint32).copy()
-        status.unmap()
-        self.inflight = 0
+        over = self._read_u32(graph.status)
+        if over is None:
+            return
         for (_, node), v in zip(graph.checks, over):
             if v:
                 err = LoopLimitExceeded.in_replay(node.index, node.max_iterations,
@@ -247,15 +241,22 @@ class QueueThread:
         enc = self.backend.dev.create_command_encoder()
         enc.copy_buffer_to_buffer(src, 0, dst, 0, 4)
         self.queue.submit([enc.finish()])
-        promise = dst.map_async(wgpu.MapMode.READ, 0, 4)
+        words = self._read_u32(dst)
+        return None if words is None else int(words[0])
+
+    def _read_u32(self, buf):
+        """Map the ``MAP_READ`` buffer ``buf`` after every submission so far, wait (on this
+        thread, looking every 50 ms whether the thread was closed) and return its words as a
+        ``uint32`` array; None when closed meanwhile."""
+        promise = buf.map_async(wgpu.MapMode.READ, 0, buf.size)
         while not promise._thread_event.wait(0.05):
             if self.closed:
                 return None
         promise.sync_wait()
-        value = int(np.frombuffer(dst.read_mapped(0, 4), np.uint32)[0])
-        dst.unmap()
+        words = np.frombuffer(buf.read_mapped(0, buf.size), np.uint32).copy()
+        buf.unmap()
         self.inflight = 0
-        return value
+        return words
 
     def close(self) -> None:
         """Fail what is queued with ``ServerClosed`` and stop the thread (joined <= 1 s)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pointwise import WORKGROUP, covers, grid, groups
+from .pointwise import WORKGROUP, covers, covers_total, grid
 from .shader import NAN_HELPERS, program, tree_reduce
 
 R, RW, W = "read", "read_write", "write"
@@ -254,8 +254,8 @@ decode_continue = program(
 
 # The workgroup counts they need (Kernel.count_error, pointwise.covers): a short count is
 # refused on every backend (the cpu bodies do the whole row whatever the count).
-covers(embed_at, lambda c, p: c[0] * c[1] * c[2] >= groups(p["H"]), "grid(H)")
-covers(kv_append, lambda c, p: c[0] * c[1] * c[2] >= groups(p["H"]), "grid(H)")
+covers(embed_at, covers_total("H"), "grid(H)")
+covers(kv_append, covers_total("H"), "grid(H)")
 covers(causal_attend, lambda c, p: c[0] >= p["heads"], "(heads, 1, 1)")
 
 

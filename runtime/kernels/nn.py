@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from .pointwise import WORKGROUP, covers, elementwise, grid, groups
+from .pointwise import WORKGROUP, covers, covers_total, elementwise, grid, groups
 from .shader import NAN_HELPERS, program, tree_reduce
 from ..cpu_threads import FAN_OUT, RULE
 
@@ -765,14 +765,10 @@ def attention_count(batch: int, seq: int, heads: int) -> tuple:
 # The workgroup counts the kernels need (Kernel.count_error, pointwise.covers): their cpu
 # bodies do the whole work whatever the count, the GPU sources the part it covers, so a short
 # count is refused on every backend instead of giving different values on each.
-def _total(param: str, per: int = WORKGROUP):
-    return lambda c, p: c[0] * c[1] * c[2] >= groups(p[param], per)
-
-
 for _k in (gelu, embedding, mean_pool):
-    covers(_k, _total("n"), "grid(n)")
+    covers(_k, covers_total("n"), "grid(n)")
 for _k in (layer_norm, add_layer_norm, l2_normalize):
-    covers(_k, _total("rows", 1), "rows_count(rows)")
+    covers(_k, covers_total("rows", 1), "rows_count(rows)")
 for (_name, _tm), _k in _MM.items():
     covers(_k, lambda c, p, tm=_tm: c[0] >= groups(p["N"], MM_TILE) and c[1] >= groups(p["M"], tm),
            f"matmul_count(M, N, {_tm}) (matmul_for)")

@@ -27,11 +27,11 @@ def grid(n: int, workgroup: int = WORKGROUP) -> tuple:
 
     Splits into a second dimension past 65,535 workgroups; kernels bound-check with ``n``.
     """
-    groups = max(1, -(-int(n) // workgroup))
-    if groups <= _MAX_DIM:
-        return (groups, 1, 1)
-    y = -(-groups // _MAX_DIM)
-    return (-(-groups // y), y, 1)
+    g = groups(n, workgroup)
+    if g <= _MAX_DIM:
+        return (g, 1, 1)
+    y = -(-g // _MAX_DIM)
+    return (-(-g // y), y, 1)
 
 
 def covers(kernel, ok, hint: str):
@@ -56,6 +56,12 @@ def covers(kernel, ok, hint: str):
 def groups(n: int, per: int = WORKGROUP) -> int:
     """Workgroups of ``per`` invocations that cover ``n`` (at least 1)."""
     return max(1, -(-int(n) // per))
+
+
+def covers_total(param: str, per: int = WORKGROUP):
+    """``covers``' test for a kernel launched over ``grid(p[param], per)``: the workgroups,
+    however folded into ``(x, y, z)``, cover ``p[param]`` invocations of ``per`` each."""
+    return lambda c, p: c[0] * c[1] * c[2] >= groups(p[param], per)
 
 
 def elementwise(name: str, bindings, expr: str, params=(), cpu=None, bind=None,

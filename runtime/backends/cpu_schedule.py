@@ -30,7 +30,8 @@ import itertools
 import random
 import threading
 
-from ..errors import LaunchError
+from .. import _threads
+from ..errors import LaunchError, ServerClosed
 from .base import Completion
 
 RUN, WAIT, SIGNAL = 0, 1, 2
@@ -138,7 +139,9 @@ class ThreadScheduler(Scheduler):
                                          name=f"runtime-cpu-worker-{k}", daemon=True)
                         for k in range(self.workers)]
         for t in self.threads:
-            t.start()
+            if not _threads.start(t):       # SOAK7: the backend's constructor raises, and the
+                self.close()                # workers already started end
+                raise ServerClosed(_threads.not_started(t.name))
 
     def notify(self):
         if self.waiting:
@@ -340,7 +343,8 @@ class ThreadScheduler(Scheduler):
         finally:
             self.cv.release()
         for t in self.threads:
-            t.join(timeout=5.0)
+            if t.is_alive():                # (not one that never started: SOAK7)
+                t.join(timeout=5.0)
 
 
 def encode_trace(picks) -> str:

@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import wgpu
 
+from .. import _threads
 from ..errors import LaunchError, LoopLimitExceeded, ServerClosed, error_list, unhealthy
 from .base import Completion
 
@@ -120,7 +121,9 @@ class QueueThread:
         self.submits = 0         # command buffers handed over (counted at push, by the owner)
         self.free_staging: dict = {}     # size -> idle MAP_READ buffers
         self._thread = threading.Thread(target=self._loop, name="runtime-wgpu-queue", daemon=True)
-        self._thread.start()
+        if not _threads.start(self._thread):
+            self.closed = True
+            raise ServerClosed(_threads.not_started("the wgpu queue thread"))
 
     def push(self, op) -> None:
         """Queue ``(kind, obj, arg)``; ``arg`` is the dispatch count of a submit, the data of a

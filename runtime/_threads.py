@@ -41,19 +41,32 @@ def start(thread: threading.Thread, limit_s: float | None = None) -> bool:
     module doc): its target is then dropped and ``threading`` forgets it, so it runs nothing if
     it starts late.
 
-    Raises what ``Thread.start`` raises (``RuntimeError``: started twice, no threads left).
+    Raises what ``Thread.start`` raises (``RuntimeError``: started twice, no threads left; an
+    asynchronous exception landing in its wait, the thread then dropped unless it runs).
     """
     started = _Started(START_S if limit_s is None else limit_s)
     thread._started = started
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:               # (an asynchronous exception landing in the wait)
+        if not started.is_set():
+            _forget(thread)
+        raise
     if started.is_set():
         return True
+    _forget(thread)
+    return False
+
+
+def _forget(thread: threading.Thread) -> None:
+    """Drop a thread that has not run: its target (it runs nothing if it starts late) and
+    ``threading``'s record of it (``threading.enumerate()`` listed it, and through its target
+    whatever it would have served, for ever)."""
     thread._target, thread._args, thread._kwargs = None, (), {}
     limbo, lock = getattr(threading, "_limbo", None), getattr(threading, "_active_limbo_lock", None)
     if limbo is not None and lock is not None:
-        with lock:                      # (threading.enumerate() listed it for ever)
+        with lock:
             limbo.pop(thread, None)
-    return False
 
 
 def not_started(what: str) -> str:

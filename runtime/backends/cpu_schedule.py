@@ -138,10 +138,13 @@ class ThreadScheduler(Scheduler):
         self.threads = [threading.Thread(target=self._loop, args=(k == 0,),
                                          name=f"runtime-cpu-worker-{k}", daemon=True)
                         for k in range(self.workers)]
-        for t in self.threads:
-            if not _threads.start(t):       # SOAK7: the backend's constructor raises, and the
-                self.close()                # workers already started end
-                raise ServerClosed(_threads.not_started(t.name))
+        try:
+            for t in self.threads:
+                if not _threads.start(t):   # SOAK7: the backend's constructor raises, and the
+                    raise ServerClosed(_threads.not_started(t.name))  # started ones end
+        except BaseException:           # (an asynchronous exception too: none runs for nobody)
+            self.close()
+            raise
 
     def notify(self):
         if self.waiting:

@@ -167,7 +167,13 @@ class DeviceQueue:
         #: whose workers would otherwise outlive it; a shutdown closes it in its last message)
         self.on_death = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        if not _threads.start(self._thread):        # SOAK7: never a hang in runtime.client()
+        try:
+            started = _threads.start(self._thread)  # SOAK7: never a hang in runtime.client()
+        except BaseException:           # (an asynchronous exception: the thread may run)
+            self.closed = True
+            self._wake.set()
+            raise
+        if not started:
             self.closed = True
             raise ServerClosed(_threads.not_started(f"the device thread {name}"))
         _QUEUES.add(self)

@@ -20,8 +20,7 @@ from ..server.server import BUSY
 from .graph import Graph, _Owner
 from .handle import Handle
 from .pool import GraphPool
-from ..streams import Event, StreamId, current_key
-from ..streams import _local as _thread_streams  # (current_key's table: read's hot path)
+from ..streams import THREAD_KEYS, Event, StreamId, current_key
 
 
 #: the iteration bound of ``capture_while(max_iterations=None)`` (eager and cpu replays): a
@@ -256,7 +255,7 @@ class ComputeClient:
         sid = self._pin                             # (self._sid, inlined: the hot path)
         if sid is None:
             try:                                    # (current_key(), inlined)
-                sid = _thread_streams.key
+                sid = THREAD_KEYS.key
             except AttributeError:
                 sid = current_key()
         raw = srv.read(sid, hid, dtype)

@@ -135,16 +135,21 @@ class ComputeServer:
         if check:
             from .checker import Checker
             self.checker = marks.checker = Checker(self)
-        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
-                                 reentrant=getattr(backend, "reentrant", None),
-                                 in_kernel=getattr(backend, "in_kernel", None))
-        self.queue.run_lazy = self._run_lazy
-        self.queue.on_death = backend.close     # SOAK6: a dead server's workers end too
-        self.marks.before_take = self._reap_busy
-        self.queue.message_error = self._on_async_error
-        backend.on_room = self.queue.notify_room
-        backend.on_broken = self.queue._check_backend    # (cpu: an interrupted helper)
-        watch_thread_ends(self)
+        self.queue = q = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
+                                     reentrant=getattr(backend, "reentrant", None),
+                                     in_kernel=getattr(backend, "in_kernel", None))
+        try:
+            q.run_lazy = self._run_lazy
+            q.on_death = backend.close          # SOAK6: a dead server's workers end too
+            self.marks.before_take = self._reap_busy
+            q.message_error = self._on_async_error
+            backend.on_room = q.notify_room
+            backend.on_broken = q._check_backend     # (cpu: an interrupted helper)
+            watch_thread_ends(self)
+        except BaseException:           # SOAK7: an asynchronous exception landing here left
+            q.closed = True             # the device thread waiting for ever for a server
+            q._wake.set()               # nobody had (the caller closes the backend)
+            raise
         self.submit = self.queue.submit
         self.post = self.queue.post
         self.release = self.queue.release

@@ -59,6 +59,33 @@ def forget_imports_of_other_threads() -> list:
     return dropped
 
 
+def bind_submodules() -> list:
+    """Bind every module ``a.b`` of ``sys.modules`` as attribute ``b`` of its package ``a`` where
+    the package lacks it; returns the names bound.
+
+    An import interrupted by an asynchronous exception (KeyboardInterrupt, a signal handler's,
+    ``PyThreadState_SetAsyncExc``) leaves the submodules it had finished in ``sys.modules``
+    while the package that was importing them is dropped; the package imported again finds
+    them there and does not bind them (a package binds a submodule as an attribute only when
+    it loads it), so ``pycparser.c_ast`` and the like raised ``AttributeError`` for the rest
+    of the process (SOAK7: the wgpu backend was then "unavailable here" for good). A module
+    in ``sys.modules`` ran to its end (a failed one is removed), so binding it is what the
+    import would have done."""
+    bound = []
+    for name, mod in list(sys.modules.items()):
+        parent, dot, child = name.rpartition(".")
+        if not dot or mod is None:
+            continue
+        pkg = sys.modules.get(parent)
+        if pkg is not None and not hasattr(pkg, child):
+            try:
+                setattr(pkg, child, mod)
+            except (AttributeError, TypeError):
+                continue
+            bound.append(name)
+    return bound
+
+
 def _held_elsewhere(lock) -> bool:
     """Whether re-entrant ``lock`` is held by a thread other than this one."""
     if lock.acquire(blocking=False):

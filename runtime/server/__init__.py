@@ -12,6 +12,7 @@ import importlib
 import os
 import threading
 
+from .._fork import bind_submodules
 from ..backends.base import check_interface, check_probe
 from ..errors import UnsupportedError
 from .server import ComputeServer
@@ -82,7 +83,9 @@ def _probe(cls) -> dict:
 
 
 def _probed(name: str):
-    """``name``'s probe answer or the reason it cannot run, probed once per process."""
+    """``name``'s probe answer or the reason it cannot run, probed once per process (a failure
+    after an interrupted import is probed again once the packages it left are repaired:
+    ``runtime._fork.bind_submodules``)."""
     got = _probes.get(name)
     if got is None:
         if name not in BACKENDS:
@@ -91,6 +94,11 @@ def _probed(name: str):
             got = _probe(backend_class(name))
         except Exception as e:  # noqa: BLE001 - the reason is the answer
             got = f"{name} backend unavailable here: {type(e).__name__}: {e}"
+            if bind_submodules():   # SOAK7: an interrupted import had left a package without
+                try:                # submodules it holds (AttributeError): once more
+                    got = _probe(backend_class(name))
+                except Exception as e2:  # noqa: BLE001
+                    got = f"{name} backend unavailable here: {type(e2).__name__}: {e2}"
         _probes[name] = got
     return got
 

@@ -29,6 +29,7 @@ import runtime
 from runtime.errors import LaunchError, ReplayFailed
 from runtime.server.marks import CLEAN, Mark, Marks
 from runtime.server.server import ComputeServer, HandleState, StreamState
+from helpers import produce_then_consume
 
 LIMIT_S = 20.0
 
@@ -333,16 +334,6 @@ def test_a_read_whose_mark_resolves_while_the_producer_fails_raises(monkeypatch,
         c.shutdown()
 
 
-def _fail_if(flag, y, *, count):
-    if flag[0] != 0:
-        raise ValueError("flag set")
-    y[:] = 7
-
-
-FAIL_IF = runtime.Kernel("fail_if", [runtime.Binding("flag", "f32", "read"),
-                                     runtime.Binding("y", "f32", "write")], cpu=_fail_if)
-
-
 def test_stress_producers_failing_on_workers_while_consumers_are_enqueued_and_read():
     """The service loop's shape under real threads, with the interpreter switching threads
     every 10 µs so a worker's failure lands inside the owner's mark code often: per request
@@ -354,40 +345,18 @@ def test_stress_producers_failing_on_workers_while_consumers_are_enqueued_and_re
     above are the deterministic ones."""
     import sys
 
-    from runtime import kernels as K
     c = runtime.client("cpu", max_idle_bytes=(1 << 30) - 17)    # a server of its own
-    n = 16
     ok, bad = c.create(np.zeros(1, np.float32)), c.create(np.ones(1, np.float32))
     wrong = []
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
         for i in range(1500):
-            a = c.with_stream(runtime.StreamId.new())
-            b = c.with_stream(runtime.StreamId.new())
-            y, z = a.empty(n, np.float32), b.empty(n, np.float32)
-            failing = i % 3 == 0
-            a.launch(FAIL_IF, 1, [bad if failing else ok, y])
-            b.wait_event(a.record_event())
-            b.launch(K.add_scalar, 1, [y, z], {"alpha": float(i % 5), "n": n})
-            try:
-                v = b.read(z)
-                if failing or v[0] != 7 + i % 5:
-                    wrong.append((i, float(v[0])))
-            except ReplayFailed:
-                if not failing:
-                    wrong.append((i, "raised"))
-            with pytest.raises(LaunchError) if failing else _nothing():
-                a.sync()
+            w, _ = produce_then_consume(c, ok, bad, i)
+            if w is not None:
+                wrong.append(w)
     finally:
         sys.setswitchinterval(old)
         c.shutdown()
-    assert not wrong, f"reads that returned instead of raising (request, value): {wrong[:8]}"
+    assert not wrong, f"requests whose calls broke the contract: {wrong[:8]}"
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

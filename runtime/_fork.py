@@ -59,9 +59,10 @@ def forget_imports_of_other_threads() -> list:
     return dropped
 
 
-def bind_submodules() -> list:
-    """Bind every module ``a.b`` of ``sys.modules`` as attribute ``b`` of its package ``a`` where
-    the package lacks it; returns the names bound.
+def bind_missing_submodule(exc: BaseException) -> bool:
+    """Repair what ``exc`` says an interrupted import left: True when an ``AttributeError`` in
+    its chain is ``module 'a' has no attribute 'b'`` while module ``a.b`` is loaded, after
+    binding it as attribute ``b`` of ``a``.
 
     An import interrupted by an asynchronous exception (KeyboardInterrupt, a signal handler's,
     ``PyThreadState_SetAsyncExc``) leaves the submodules it had finished in ``sys.modules``
@@ -70,20 +71,22 @@ def bind_submodules() -> list:
     it loads it), so ``pycparser.c_ast`` and the like raised ``AttributeError`` for the rest
     of the process (SOAK7: the wgpu backend was then "unavailable here" for good). A module
     in ``sys.modules`` ran to its end (a failed one is removed), so binding it is what the
-    import would have done."""
-    bound = []
-    for name, mod in list(sys.modules.items()):
-        parent, dot, child = name.rpartition(".")
-        if not dot or mod is None:
-            continue
-        pkg = sys.modules.get(parent)
-        if pkg is not None and not hasattr(pkg, child):
-            try:
-                setattr(pkg, child, mod)
-            except (AttributeError, TypeError):
-                continue
-            bound.append(name)
-    return bound
+    import would have done.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        pkg, name = getattr(exc, "obj", None), getattr(exc, "name", None)
+        if isinstance(exc, AttributeError) and isinstance(name, str) and \
+                type(pkg).__name__ == "module":
+            full = f"{getattr(pkg, '__name__', '')}.{name}"
+            mod = sys.modules.get(full)
+            if mod is not None and sys.modules.get(pkg.__name__) is pkg and \
+                    not hasattr(pkg, name):
+                setattr(pkg, name, mod)
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _held_elsewhere(lock) -> bool:

@@ -12,8 +12,8 @@ import warnings
 
 import numpy as np
 
-from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, UnsupportedError, error_list,
-                      unhealthy)
+from ..errors import (RAISE_THE_LIMIT, InvalidHandle, LaunchError, LoopLimitExceeded,
+                      UnsupportedError, error_list, unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from ..server.server import BUSY
@@ -619,7 +619,8 @@ class ComputeClient:
                 if done >= limit:
                     err = LoopLimitExceeded(
                         f"capture_while on stream {int(sid)}: condition handle {hid} was still "
-                        f"non-zero after max_iterations={limit} iterations; the loop stopped")
+                        f"non-zero after max_iterations={limit} iterations; the loop stopped: "
+                        f"{RAISE_THE_LIMIT}")
                     # what the loop wrote is marked, as a replay's write set is: another
                     # reader gets ReplayFailed, never the truncated values without an error
                     srv.call(srv.h_written_since_failed, sid, since, err)

@@ -122,7 +122,7 @@ class Kernel:
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
                  "element_checks", "product_checks", "checks", "ranges", "_ranges",
-                 "write_checks", "grid_elements", "count_error", "__weakref__")
+                 "write_checks", "grid_elements", "count_error", "extents", "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
@@ -178,6 +178,12 @@ class Kernel:
         #: covers; the server refuses such a launch, a capture and a ``Graph.update`` on every
         #: backend). None (the default): not checked.
         self.count_error = None
+        #: ``{binding index: fn(params, count) -> int}``: the most elements a launch with packed
+        #: ``params`` and direct workgroup ``count`` ``(x, y, z)`` reads from that (``read``)
+        #: binding, a prefix of its buffer, where ``elements`` cannot say it (the attention
+        #: kernels read ``B * S`` rows, ``B`` from the count). None: not declared (the declared
+        #: ``elements``, else the whole buffer). Capture-time only (:meth:`touched_bytes`).
+        self.extents = None
         if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
                             f"got {checks!r}")
@@ -255,6 +261,33 @@ class Kernel:
                 if n * size < nbytes:
                     return True
         return False
+
+    def touched_bytes(self, bi: int, params: tuple, count=None) -> int | None:
+        """The most bytes of binding ``bi``'s buffer a launch with packed ``params`` and
+        workgroup ``count`` touches, a prefix of the buffer: the element count the kernel
+        declares for it (``elements=``: it touches elements ``i < n`` only; a product of
+        params), fewer where a direct ``count`` covers fewer (:attr:`grid_elements`, for a
+        ``write`` binding: what it rewrites) or where the kernel declares the extent of a
+        ``read`` binding (:attr:`extents`), times the itemsize; None when nothing is declared
+        (the whole buffer). Capture-time analysis only (``runtime.server.capture.sources``: a
+        ``write`` hides a later read only where it covers what that read touches)."""
+        out = None
+        direct = type(count) is tuple
+        if self.accesses[bi] == "write":
+            grid = self.grid_elements if direct else None
+        else:
+            grid = None
+            ext = self.extents
+            if ext is not None and bi in ext and direct:
+                out = ext[bi](params, count) * DTYPES[self.bindings[bi].dtype].itemsize
+        for b, pi, size in self.element_checks + self.product_checks:
+            if b == bi:
+                n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
+                if grid is not None:
+                    n = min(n, grid(count))
+                if out is None or n * size < out:
+                    out = n * size
+        return out
 
     def elements_error(self, params: tuple, nbytes, hids=None) -> str | None:
         """Why a launch with packed ``params`` over buffers of ``nbytes`` (bytes, one per

@@ -53,6 +53,22 @@ def covers(kernel, ok, hint: str):
     return kernel
 
 
+def reads(kernel, extents: dict):
+    """Declare how much of its ``read`` bindings ``kernel`` reads (``Kernel.extents``):
+    ``{binding name: fn(count, p) -> elements}`` (``count`` the direct ``(x, y, z)``, ``p`` the
+    params by name), a prefix of each buffer, where ``elements=`` cannot say it (a row count
+    taken from the workgroup count). A graph that rewrites that prefix of a buffer before such
+    a read is then not taken to read the rest (``runtime.server.capture.sources``). Returns
+    ``kernel``."""
+    names = kernel.param_names
+    index = {b.name: i for i, b in enumerate(kernel.bindings)}
+
+    def wrap(fn):
+        return lambda params, count: int(fn(count, dict(zip(names, params))))
+    kernel.extents = {index[b]: wrap(fn) for b, fn in extents.items()}
+    return kernel
+
+
 def groups(n: int, per: int = WORKGROUP) -> int:
     """Workgroups of ``per`` invocations that cover ``n`` (at least 1)."""
     return max(1, -(-int(n) // per))

@@ -920,7 +920,7 @@ class ComputeServer:
         shared = [st for st in w.allocs if st.slot.graph_pool is s.pool]
         if not shared:
             return
-        src = cap.sources(w.ops)
+        src = cap.sources(w.ops, {st.id: st.nbytes for st in w.states.values()})
         bad = [st.id for st in shared if st.id in src]
         if bad:
             pid = s.pool.id

@@ -1,0 +1,182 @@
+"""A graph that writes part of a buffer and then reads more of it reads what the graph found
+there (docs/contract.md sections 4 and 4c; ADV7).
+
+A ``write`` binding whose declared element count (or workgroup count) covers a prefix of its
+buffer hides a later read only where it covers what that read touches
+(``runtime.server.capture.sources``, ``Kernel.touched_bytes``). Before ADV7 any write hid every
+later read: a ``fill`` of half of ``y`` then a ``copy`` of all of ``y`` into ``z`` made ``z``
+from the half the failed writer left, and ``z`` read back with no error; in a graph pool such a
+buffer counted as a temporary, so another graph of the pool overwrote the half the reader
+reads.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime import kernels as K
+from runtime.errors import ReplayFailed
+
+N = 8
+
+
+def _fail_a_write_of(c, y, short):
+    """A launch that would write all of ``y`` is refused (``short`` holds fewer elements than
+    its ``n``): ``y`` is marked, on every backend."""
+    n = y.nbytes // 4
+    c.launch(K.add_scalar, K.grid(n), [short, y], {"alpha": 1.0, "n": n})
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+
+
+def _half_then_all(c, y, z, zh):
+    c.launch(K.fill, K.grid(N // 2), [y], {"value": 3.0, "n": N // 2})    # half of y
+    c.launch(K.copy, K.grid(N), [y, z], {"n": N})                         # all of y
+    c.launch(K.copy, K.grid(N // 2), [y, zh], {"n": N // 2})              # the half it wrote
+
+
+def _capture(c, fn, *args):
+    c.graph_prepare()
+    fn(c, *args)
+    c.start_capture()
+    fn(c, *args)
+    return c.stop_capture()
+
+
+def test_a_graph_reading_past_its_own_partial_write_inherits_the_failure(client):
+    c = client.with_stream(runtime.StreamId.new())
+    short = c.create(np.zeros(4, np.float32))
+    y = c.create(np.full(N, 100, np.float32))
+    z, zh = c.empty(N, np.float32), c.empty(N // 2, np.float32)
+    g = _capture(c, _half_then_all, y, z, zh)
+    _fail_a_write_of(c, y, short)
+    for _ in range(2):                  # every replay, until y is written from the host
+        g.replay()
+        for h in (z, y):                # z holds the failed half: never a value (was silent)
+            with pytest.raises(ReplayFailed, match="add_scalar"):
+                c.read(h)
+    c.write(y, np.full(N, 5, np.float32))
+    g.replay()
+    np.testing.assert_array_equal(c.read(z), [3, 3, 3, 3, 5, 5, 5, 5])
+    np.testing.assert_array_equal(c.read(zh), [3, 3, 3, 3])
+    g.release()
+
+
+def test_a_read_within_the_part_a_graph_rewrote_is_not_stale(client):
+    """The other side of the rule: what reads only the rewritten part is computed from clean
+    data, so a graph whose temporaries are written in part (MiniLM's bucket graphs over a
+    shared arena) still recovers from a failure of their last writer."""
+    c = client.with_stream(runtime.StreamId.new())
+    short = c.create(np.zeros(4, np.float32))
+    t = c.create(np.full(N, 100, np.float32))
+    out = c.empty(N // 2, np.float32)
+
+    def body(c, t, out):
+        c.launch(K.fill, K.grid(N // 2), [t], {"value": 2.0, "n": N // 2})
+        c.launch(K.add_scalar, K.grid(N // 2), [t, out], {"alpha": 1.0, "n": N // 2})
+    g = _capture(c, body, t, out)
+    _fail_a_write_of(c, t, short)
+    g.replay()
+    np.testing.assert_array_equal(c.read(out), np.full(N // 2, 3, np.float32))
+    with pytest.raises(ReplayFailed):   # its other half still holds what the failure left
+        c.read(t)
+    g.release()
+
+
+def test_a_graph_updated_to_write_part_of_a_buffer_it_then_reads_whole_inherits(client):
+    """The same shape made by ``Graph.update(params=...)``: the fill of all of ``y`` updated to
+    half of it; updated back, the copy is computed from clean data again."""
+    c = client.with_stream(runtime.StreamId.new())
+    short = c.create(np.zeros(4, np.float32))
+    y, z = c.create(np.full(N, 100, np.float32)), c.empty(N, np.float32)
+
+    def body(c, y, z):
+        c.launch(K.fill, K.grid(N), [y], {"value": 3.0, "n": N})
+        c.launch(K.copy, K.grid(N), [y, z], {"n": N})
+    g = _capture(c, body, y, z)
+    g.update(params={0: {"n": N // 2}})
+    _fail_a_write_of(c, y, short)
+    g.replay()
+    with pytest.raises(ReplayFailed, match="add_scalar"):
+        c.read(z)
+    g.update(params={0: {"n": N}})
+    g.replay()
+    np.testing.assert_array_equal(c.read(z), np.full(N, 3, np.float32))
+    g.release()
+
+
+def _private():
+    return runtime.client("cpu", max_idle_bytes=(1 << 30) + 27)   # a server of its own
+
+
+def _half_graph(c, out, n, value, pool):
+    """``t = empty(n); t[:n/2] = value; out = t``: the window's ``t`` is read past the part
+    the graph writes."""
+    def body():
+        t = c.empty(n, np.float32)
+        c.launch(K.fill, K.grid(n // 2), [t], {"value": value, "n": n // 2})
+        c.launch(K.copy, K.grid(n), [t, out], {"n": n})
+        del t
+    c.graph_prepare(pool=pool)
+    body()
+    c.start_capture()
+    body()
+    return c.stop_capture()
+
+
+def _whole_graph(c, out, n, value, pool):
+    """``t = empty(n); t = value; out = t``: a plain temporary, shared by the pool."""
+    def body():
+        t = c.empty(n, np.float32)
+        c.launch(K.fill, K.grid(n), [t], {"value": value, "n": n})
+        c.launch(K.copy, K.grid(n), [t, out], {"n": n})
+        del t
+    c.graph_prepare(pool=pool)
+    body()
+    c.start_capture()
+    body()
+    return c.stop_capture()
+
+
+def test_a_pool_never_shares_a_buffer_a_graph_reads_past_its_partial_write():
+    """Graph A fills half of its window's ``t`` and copies all of it: ``t``'s other half is
+    state A reads. Before, the pool shared ``t`` with B as a temporary, so A's output changed
+    with every replay of B (7s in the half A does not write). Now ``t`` stays A's own."""
+    n = 256
+    c = _private().with_stream(runtime.StreamId.new())
+    out_a, out_b = c.empty(n, np.float32), c.empty(n, np.float32)
+    pool = runtime.GraphPool()
+    ga = _half_graph(c, out_a, n, 1.0, pool)
+    gc.collect()
+    ga.replay()
+    first = c.read(out_a)
+    np.testing.assert_array_equal(first[:n // 2], np.ones(n // 2, np.float32))
+    gb = _whole_graph(c, out_b, n, 7.0, pool)
+    gc.collect()
+    for _ in range(2):
+        gb.replay()
+        np.testing.assert_array_equal(c.read(out_b), np.full(n, 7, np.float32))
+        ga.replay()
+        np.testing.assert_array_equal(c.read(out_a), first)
+
+
+def test_a_pool_window_reading_past_a_partial_write_of_a_shared_buffer_is_refused():
+    """The window takes B's temporary from the pool, writes half of it and reads all of it:
+    the other half would be whatever B's last replay left. ``stop_capture`` raises
+    ``GraphStateError`` (no graph), as for any state taken from the pool; B still works."""
+    n = 256
+    c = _private().with_stream(runtime.StreamId.new())
+    out_a, out_b = c.empty(n, np.float32), c.empty(n, np.float32)
+    pool = runtime.GraphPool()
+    gb = _whole_graph(c, out_b, n, 7.0, pool)
+    gc.collect()
+    assert pool.memory_usage()["free_bytes"] == n * 4
+    with pytest.raises(runtime.GraphStateError, match="read by the recording before"):
+        _half_graph(c, out_a, n, 1.0, pool)
+    gc.collect()
+    gb.replay()
+    np.testing.assert_array_equal(c.read(out_b), np.full(n, 7, np.float32))

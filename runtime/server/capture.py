@@ -213,7 +213,7 @@ class GraphState:
         handles: the ``HandleState`` s it uses (``wstates``: those it writes; ``istates``: its
             read-only inputs; ``sstates``: its sources, whose marks a replay inherits;
             ``mstates``: those it writes only inside conditional nodes, whose failure marks a
-            replay keeps: :func:`maybe_written`);
+            replay keeps: :func:`maybe_written`, and the ``clobbers``);
             ``retained``: every pooled slot it uses, pinned until destroy, so
             no buffer a replay may touch changes owner while the graph lives.
         required: ids of caller-owned handles whose free breaks the graph (``retain=False``:
@@ -228,7 +228,7 @@ class GraphState:
     __slots__ = ("op", "id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
                  "wstates", "istates", "sstates", "mstates", "retained", "allocated", "required",
                  "freed", "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
-                 "fallback_reason", "defer")
+                 "fallback_reason", "defer", "clobbers")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
@@ -261,6 +261,11 @@ class GraphState:
         self.alloc_slots = [st.slot for st in window.allocs]
         self.retain = retain
         self.fallback_reason = None
+        #: ``{HandleState: Mark}``: live handles outside the graph that share a buffer it
+        #: writes (a graph pool's temporary handed to another window, kept there as an output:
+        #: ``ComputeServer._pool_aliases``); a replay leaves each its failed mark (also in
+        #: ``mstates``, so a replay sets them: ``ComputeServer._kept_marks``)
+        self.clobbers: dict = {}
 
     def set_defer(self) -> None:
         """``defer``: a replay may be deferred (``ComputeServer.replay``) as far as the graph

@@ -178,11 +178,14 @@ class Kernel:
         #: covers; the server refuses such a launch, a capture and a ``Graph.update`` on every
         #: backend). None (the default): not checked.
         self.count_error = None
-        #: ``{binding index: fn(params, count) -> int}``: the most elements a launch with packed
-        #: ``params`` and direct workgroup ``count`` ``(x, y, z)`` reads from that (``read``)
-        #: binding, a prefix of its buffer, where ``elements`` cannot say it (the attention
-        #: kernels read ``B * S`` rows, ``B`` from the count). None: not declared (the declared
-        #: ``elements``, else the whole buffer). Capture-time only (:meth:`touched_bytes`).
+        #: ``{binding index: fn(params, count) -> int}``: for a ``read`` binding the most
+        #: elements a launch with packed ``params`` and direct workgroup ``count`` ``(x, y, z)``
+        #: reads, for a ``write`` binding the elements it rewrites, a prefix of the buffer,
+        #: where ``elements`` cannot say it (the attention kernels touch ``B * S`` rows, ``B``
+        #: from the count; ``argmax`` writes one element). None: not declared (the declared
+        #: ``elements``, else the whole buffer). A ``write`` binding with one has an entry
+        #: ``(index, None, itemsize)`` in ``write_checks`` (:meth:`partial_write`).
+        #: ``runtime.kernels.pointwise.touches`` declares them.
         self.extents = None
         if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
@@ -255,6 +258,10 @@ class Kernel:
         ``write`` binding is then taken to rewrite its whole buffer)."""
         for b, pi, size in self.write_checks:
             if b == bi:
+                if pi is None:              # an extent (``extents``): from the params and count
+                    if type(count) is not tuple or self.extents[bi](params, count) * size < nbytes:
+                        return True
+                    continue
                 n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
                 if self.grid_elements is not None and type(count) is tuple:
                     n = min(n, self.grid_elements(count))
@@ -267,19 +274,16 @@ class Kernel:
         workgroup ``count`` touches, a prefix of the buffer: the element count the kernel
         declares for it (``elements=``: it touches elements ``i < n`` only; a product of
         params), fewer where a direct ``count`` covers fewer (:attr:`grid_elements`, for a
-        ``write`` binding: what it rewrites) or where the kernel declares the extent of a
-        ``read`` binding (:attr:`extents`), times the itemsize; None when nothing is declared
+        ``write`` binding: what it rewrites) or where the kernel declares the binding's extent
+        (:attr:`extents`), times the itemsize; None when nothing is declared
         (the whole buffer). Capture-time analysis only (``runtime.server.capture.sources``: a
         ``write`` hides a later read only where it covers what that read touches)."""
         out = None
         direct = type(count) is tuple
-        if self.accesses[bi] == "write":
-            grid = self.grid_elements if direct else None
-        else:
-            grid = None
-            ext = self.extents
-            if ext is not None and bi in ext and direct:
-                out = ext[bi](params, count) * DTYPES[self.bindings[bi].dtype].itemsize
+        grid = self.grid_elements if direct and self.accesses[bi] == "write" else None
+        ext = self.extents
+        if ext is not None and bi in ext and direct:
+            out = ext[bi](params, count) * DTYPES[self.bindings[bi].dtype].itemsize
         for b, pi, size in self.element_checks + self.product_checks:
             if b == bi:
                 n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)

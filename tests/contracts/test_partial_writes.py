@@ -180,3 +180,44 @@ def test_a_pool_window_reading_past_a_partial_write_of_a_shared_buffer_is_refuse
     gc.collect()
     gb.replay()
     np.testing.assert_array_equal(c.read(out_b), np.full(n, 7, np.float32))
+
+
+def test_kernels_writing_a_prefix_of_a_longer_buffer_keep_its_mark(client):
+    """``attention`` writes ``B * S`` rows of ``out``, ``argmax`` one element: over a longer
+    buffer whose last writer failed, the rest still holds what it held, so a read keeps
+    raising (before ADV7 their ``out`` declared no extent, was taken as rewritten whole, and
+    the stale rest read back with no error: 100s after the attention rows, eagerly, on cpu and
+    wgpu). A host write of the whole buffer clears it."""
+    from runtime.kernels import decode, nn
+    c = client.with_stream(runtime.StreamId.new())
+    B, S, heads, hd = 1, 4, 2, 32
+    H = heads * hd
+    qkv = c.create(np.ones(B * S * 3 * H, np.float32))
+    mask = c.create(np.ones(B * S, np.float32))
+    out = c.create(np.full(2 * B * S * H, 100, np.float32))     # twice what it writes
+    _fail_a_write_of(c, out, c.create(np.zeros(4, np.float32)))
+    c.launch(nn.attention, nn.attention_count(B, S, heads), [qkv, qkv, qkv, mask, out],
+             {"S": S, "heads": heads, "hd": hd, "ld_in": 3 * H, "q_off": 0, "k_off": H,
+              "v_off": 2 * H, "ld_out": H, "scale": 0.1})
+    for _ in range(2):
+        with pytest.raises(ReplayFailed, match="add_scalar"):
+            c.read(out)
+    c.write(out, np.zeros(2 * B * S * H, np.float32))
+    c.launch(nn.attention, nn.attention_count(B, S, heads), [qkv, qkv, qkv, mask, out],
+             {"S": S, "heads": heads, "hd": hd, "ld_in": 3 * H, "q_off": 0, "k_off": H,
+              "v_off": 2 * H, "ld_out": H, "scale": 0.1})
+    got = c.read(out)
+    np.testing.assert_allclose(got[:B * S * H], np.ones(B * S * H, np.float32), rtol=1e-5)
+    np.testing.assert_array_equal(got[B * S * H:], np.zeros(B * S * H, np.float32))
+
+    x = c.create(np.array([1, 5, 2, 0], np.float32))
+    idx = c.create(np.full(4, 9, np.int32))
+    c.launch(K.copy_words, K.grid(4), [c.create(np.zeros(1, np.int32)), idx], {"n": 4})
+    with pytest.raises(runtime.ServerError):
+        c.sync()
+    c.launch(decode.argmax, 1, [x, idx], {"n": 4})
+    with pytest.raises(ReplayFailed):
+        c.read(idx)
+    c.write(idx, np.zeros(4, np.int32))
+    c.launch(decode.argmax, 1, [x, idx], {"n": 4})
+    np.testing.assert_array_equal(c.read(idx), [1, 0, 0, 0])

@@ -1319,9 +1319,17 @@ class ComputeServer:
         """An eager ``capture_while`` on ``sid`` stopped at its limit with ``err``: mark every
         buffer written on ``sid`` after position ``since`` (what the loop wrote) as written by
         the failed loop, as a replay's write set is (``ReplayFailed`` on read until a later
-        write lands). Walks the handle table: only on this failure."""
-        states = [st for st in self.handles.values() if st.writes.get(sid, -1) > since]
-        self.marks.fail(states, ("loop", f"capture_while on stream {int(sid)}"), err)
+        write lands), the write sets of graphs the loop replayed on ``sid`` included (a replay
+        does not update ``HandleState.writes``: before ADV7 a body of ``g.replay()`` left
+        ``g``'s outputs with the truncated values and no error). Walks the handle and graph
+        tables: only on this failure."""
+        states = {id(st): st for st in self.handles.values()
+                  if st.writes.get(sid, -1) > since or st.replayed.get(sid, -1) > since}
+        for g in self.graphs.values():
+            if g.stream == sid and g.last_pos > since:
+                states.update((id(st), st) for st in g.wstates)
+        self.marks.fail(list(states.values()), ("loop", f"capture_while on stream {int(sid)}"),
+                        err)
 
     def h_cond_else(self, sid) -> None:
         graphs.cond_else(self, self._stream(sid))

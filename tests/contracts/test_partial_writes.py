@@ -39,8 +39,8 @@ def _half_then_all(c, y, z, zh):
     c.launch(K.copy, K.grid(N // 2), [y, zh], {"n": N // 2})              # the half it wrote
 
 
-def _capture(c, fn, *args):
-    c.graph_prepare()
+def _capture(c, fn, *args, pool=None):
+    c.graph_prepare(pool=pool)
     fn(c, *args)
     c.start_capture()
     fn(c, *args)
@@ -113,33 +113,17 @@ def _private():
     return runtime.client("cpu", max_idle_bytes=(1 << 30) + 27)   # a server of its own
 
 
-def _half_graph(c, out, n, value, pool):
-    """``t = empty(n); t[:n/2] = value; out = t``: the window's ``t`` is read past the part
-    the graph writes."""
+def _pool_graph(c, out, n, value, pool, part=False):
+    """``t = empty(n); t[:m] = value; out = t`` with ``m`` = ``n // 2`` (``part``: the
+    window's ``t`` is read past what the graph writes, so it is state) or ``n`` (a plain
+    temporary, shared by the pool)."""
     def body():
         t = c.empty(n, np.float32)
-        c.launch(K.fill, K.grid(n // 2), [t], {"value": value, "n": n // 2})
+        m = n // 2 if part else n
+        c.launch(K.fill, K.grid(m), [t], {"value": value, "n": m})
         c.launch(K.copy, K.grid(n), [t, out], {"n": n})
         del t
-    c.graph_prepare(pool=pool)
-    body()
-    c.start_capture()
-    body()
-    return c.stop_capture()
-
-
-def _whole_graph(c, out, n, value, pool):
-    """``t = empty(n); t = value; out = t``: a plain temporary, shared by the pool."""
-    def body():
-        t = c.empty(n, np.float32)
-        c.launch(K.fill, K.grid(n), [t], {"value": value, "n": n})
-        c.launch(K.copy, K.grid(n), [t, out], {"n": n})
-        del t
-    c.graph_prepare(pool=pool)
-    body()
-    c.start_capture()
-    body()
-    return c.stop_capture()
+    return _capture(c, lambda c: body(), pool=pool)
 
 
 def test_a_pool_never_shares_a_buffer_a_graph_reads_past_its_partial_write():
@@ -150,12 +134,12 @@ def test_a_pool_never_shares_a_buffer_a_graph_reads_past_its_partial_write():
     c = _private().with_stream(runtime.StreamId.new())
     out_a, out_b = c.empty(n, np.float32), c.empty(n, np.float32)
     pool = runtime.GraphPool()
-    ga = _half_graph(c, out_a, n, 1.0, pool)
+    ga = _pool_graph(c, out_a, n, 1.0, pool, part=True)
     gc.collect()
     ga.replay()
     first = c.read(out_a)
     np.testing.assert_array_equal(first[:n // 2], np.ones(n // 2, np.float32))
-    gb = _whole_graph(c, out_b, n, 7.0, pool)
+    gb = _pool_graph(c, out_b, n, 7.0, pool)
     gc.collect()
     for _ in range(2):
         gb.replay()
@@ -172,11 +156,11 @@ def test_a_pool_window_reading_past_a_partial_write_of_a_shared_buffer_is_refuse
     c = _private().with_stream(runtime.StreamId.new())
     out_a, out_b = c.empty(n, np.float32), c.empty(n, np.float32)
     pool = runtime.GraphPool()
-    gb = _whole_graph(c, out_b, n, 7.0, pool)
+    gb = _pool_graph(c, out_b, n, 7.0, pool)
     gc.collect()
     assert pool.memory_usage()["free_bytes"] == n * 4
     with pytest.raises(runtime.GraphStateError, match="read by the recording before"):
-        _half_graph(c, out_a, n, 1.0, pool)
+        _pool_graph(c, out_a, n, 1.0, pool, part=True)
     gc.collect()
     gb.replay()
     np.testing.assert_array_equal(c.read(out_b), np.full(n, 7, np.float32))

@@ -933,7 +933,8 @@ class ComputeServer:
                 f"stop_capture on stream {int(s.id)}: handle {bad[0]}, allocated in the window "
                 f"from graph pool {pid}'s shared buffers (another graph's temporary), is "
                 "read by the recording before it is written (state: an accumulator, a KV "
-                "cache); the pool's other graphs overwrite it on every replay, so no graph was "
+                "cache; or a read past the part a launch wrote); the pool's other graphs "
+                "overwrite it on every replay, so no graph was "
                 "made. Allocate state before graph_prepare, or capture this graph without the "
                 "pool")
 

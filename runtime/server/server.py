@@ -430,6 +430,10 @@ class ComputeServer:
             ws.warm_bytes -= st.slot.nbytes
         if not self.capture.on_free(self.streams.get(sid), st):
             self._release_slot(st)
+        gp = st.slot.graph_pool
+        if gp is not None and any(st in self.graphs[g].clobbers for g in gp.graphs
+                                  if g in self.graphs):
+            self._pool_aliases(gp)          # (its graphs forget it: deferred again)
 
     # -- copies ---------------------------------------------------------------------------------
     def h_write(self, sid, hid: int, data) -> None:

@@ -372,3 +372,38 @@ def test_an_output_on_another_graphs_temporary_raises_once_that_graph_overwrote_
             c.read(y)                                           # computed from it: raises too
     c.write(o, np.ones(n, np.float32))
     np.testing.assert_array_equal(c.read(o), np.ones(n, np.float32))
+
+
+def test_a_freed_output_on_another_graphs_temporary_is_forgotten_and_the_graph_deferred_again():
+    """The graph that overwrites such an output keeps it only while the handle lives: once it
+    is freed the graph forgets it (its table is bounded by live handles) and its replays are
+    deferred again like any tiny graph's (ADV7)."""
+    n = 256
+    c = _private().with_stream(runtime.StreamId.new())
+    x = c.create(np.arange(n, dtype=np.float32))
+    out_a = c.empty(n, np.float32)
+    pool = runtime.GraphPool()
+    ga = _graph(c, x, out_a, n, 100.0, 1.0, pool)
+    gc.collect()
+    c.sync()
+    keep = {}
+
+    def body():
+        o = c.empty(n, np.float32)                              # from the pool: A's t
+        c.launch(K.mul_scalar, K.grid(n), [x, o], {"alpha": 2.0, "n": n})
+        keep["o"] = o
+    c.graph_prepare(pool=pool)
+    body()
+    keep.clear()
+    c.start_capture()
+    body()
+    gb = c.stop_capture()
+    srv = c._server                                             # private: the graph's table
+    state = srv.graphs[ga.id]
+    assert len(state.clobbers) == 1 and not state.defer
+    keep.clear()
+    gc.collect()
+    c.sync()
+    assert state.clobbers == {} and state.defer
+    ga.replay()
+    np.testing.assert_array_equal(c.read(out_a), np.arange(n, dtype=np.float32) + 100)

@@ -122,7 +122,8 @@ class Kernel:
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
                  "element_checks", "product_checks", "checks", "ranges", "_ranges",
-                 "write_checks", "grid_elements", "count_error", "extents", "__weakref__")
+                 "write_checks", "grid_elements", "count_error", "extents", "_touch",
+                 "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
@@ -165,6 +166,10 @@ class Kernel:
         self.product_checks = tuple(c for c in checks_ if type(c[1]) is tuple)
         #: the ``element_checks``/``product_checks`` of ``write`` bindings (:meth:`partial_write`)
         self.write_checks = tuple(c for c in checks_ if self.accesses[c[0]] == "write")
+        #: per binding, ``((param index or indices, itemsize), ...)`` of its declared counts
+        #: (:meth:`touched_bytes`)
+        self._touch = tuple(tuple((c[1], c[2]) for c in checks_ if c[0] == i)
+                            for i in range(len(self.bindings)))
         #: ``grid_elements(count) -> int``: the most elements a direct workgroup count
         #: ``(x, y, z)`` lets the kernel write (``elementwise``: ``x * y * WORKGROUP``), or None
         #: (not declared: the declared ``elements`` count is taken as written). A launch whose
@@ -278,14 +283,16 @@ class Kernel:
         (:attr:`extents`), times the itemsize; None when nothing is declared
         (the whole buffer). Capture-time analysis only (``runtime.server.capture.sources``: a
         ``write`` hides a later read only where it covers what that read touches)."""
+        entries, ext = self._touch[bi], self.extents
+        if not entries and ext is None:
+            return None
         out = None
         direct = type(count) is tuple
-        grid = self.grid_elements if direct and self.accesses[bi] == "write" else None
-        ext = self.extents
         if ext is not None and bi in ext and direct:
             out = ext[bi](params, count) * DTYPES[self.bindings[bi].dtype].itemsize
-        for b, pi, size in self.element_checks + self.product_checks:
-            if b == bi:
+        if entries:
+            grid = self.grid_elements if direct and self.accesses[bi] == "write" else None
+            for pi, size in entries:
                 n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
                 if grid is not None:
                     n = min(n, grid(count))

@@ -110,23 +110,24 @@ def sources(ops, nbytes=None) -> frozenset:
         return 0 if whole else nbytes.get(h, 0)
     for op in ops:
         if isinstance(op, LaunchRec):
-            sc, k = op.scope, op.kernel
-            for bi, (b, h) in enumerate(zip(k.bindings, op.hids)):
-                if b.access != "write":
-                    need = None if whole else k.touched_bytes(bi, op.params, op.count)
+            sc, k, c = op.scope, op.kernel, op.count
+            for bi, (acc, h) in enumerate(zip(k.accesses, op.hids)):
+                if acc != "write" and h not in out:
+                    need = None if whole else k.touched_bytes(bi, op.params, c)
                     if not hidden(h, sc, size(h) if need is None else min(need, size(h))):
                         out.add(h)
-            c = op.count
             if not isinstance(c, tuple):
                 if not hidden(c, sc, size(c)):
                     out.add(c)
             elif c[0] and c[1] and c[2]:
-                for bi, (b, h) in enumerate(zip(k.bindings, op.hids)):
-                    if b.access == "write":
+                for bi, (acc, h) in enumerate(zip(k.accesses, op.hids)):
+                    if acc == "write":
                         cov = float("inf") if whole else k.touched_bytes(bi, op.params, c)
                         cov = size(h) if cov is None else cov
-                        ws = written.setdefault(h, {})
-                        if ws.get(sc, -1) < cov:
+                        ws = written.get(h)
+                        if ws is None:
+                            written[h] = {sc: cov}
+                        elif ws.get(sc, -1) < cov:
                             ws[sc] = cov
         elif hasattr(op, "cond") and not hidden(op.cond, op.scope, size(op.cond)):
             out.add(op.cond)

@@ -171,10 +171,11 @@ class Kernel:
         self._touch = tuple(tuple((c[1], c[2]) for c in checks_ if c[0] == i)
                             for i in range(len(self.bindings)))
         #: ``grid_elements(count) -> int``: the most elements a direct workgroup count
-        #: ``(x, y, z)`` lets the kernel write (``elementwise``: ``x * y * WORKGROUP``), or None
-        #: (not declared: the declared ``elements`` count is taken as written). A launch whose
+        #: ``(x, y, z)`` lets the kernel write, and read, of each binding (``elementwise``:
+        #: ``x * y * WORKGROUP``: invocation ``i`` touches element ``i`` only), or None (not
+        #: declared: the declared ``elements`` count is taken as written). A launch whose
         #: grid covers fewer elements than its buffer holds writes it only in part
-        #: (:meth:`partial_write`).
+        #: (:meth:`partial_write`) and reads no more (:meth:`touched_bytes`).
         self.grid_elements = None
         #: ``count_error(count, params) -> str | None``: why a direct workgroup count ``(x, y,
         #: z)`` covers less of the work its packed ``params`` name than the kernel needs, or
@@ -278,9 +279,9 @@ class Kernel:
         """The most bytes of binding ``bi``'s buffer a launch with packed ``params`` and
         workgroup ``count`` touches, a prefix of the buffer: the element count the kernel
         declares for it (``elements=``: it touches elements ``i < n`` only; a product of
-        params), fewer where a direct ``count`` covers fewer (:attr:`grid_elements`, for a
-        ``write`` binding: what it rewrites) or where the kernel declares the binding's extent
-        (:attr:`extents`), times the itemsize; None when nothing is declared
+        params), fewer where a direct ``count`` covers fewer (:attr:`grid_elements`) or where
+        the kernel declares the binding's extent (:attr:`extents`), times the itemsize (for a
+        ``write`` binding: what it rewrites); None when nothing is declared
         (the whole buffer). Capture-time analysis only (``runtime.server.capture.sources``: a
         ``write`` hides a later read only where it covers what that read touches)."""
         entries, ext = self._touch[bi], self.extents
@@ -291,7 +292,7 @@ class Kernel:
         if ext is not None and bi in ext and direct:
             out = ext[bi](params, count) * DTYPES[self.bindings[bi].dtype].itemsize
         if entries:
-            grid = self.grid_elements if direct and self.accesses[bi] == "write" else None
+            grid = self.grid_elements if direct else None
             for pi, size in entries:
                 n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
                 if grid is not None:

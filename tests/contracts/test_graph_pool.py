@@ -332,17 +332,15 @@ def test_a_pool_whose_server_stopped_serves_the_next_server():
         c.shutdown()
 
 
-def test_an_output_on_another_graphs_temporary_raises_once_that_graph_overwrote_it():
-    """Graph B's window takes graph A's temporary from the pool for its output ``o`` (kept
-    alive). A replay of A rewrites that buffer: a read of ``o`` then raises ``ReplayFailed``
-    naming A (before ADV7 it returned A's temporary, ``x + 100``, with no error), and so does
-    work computed from it; B's next replay (or a host write) makes it good again."""
-    n = 256
+def _output_on_a_temporary(n=256):
+    """Graph A of a pool (``t = x + 100``, a temporary, ``out_a = t``), then graph B of the
+    pool whose window takes A's ``t`` for its output ``o = 2x``, kept alive. Returns
+    ``(c, x, out_a, ga, gb, o, pool)``."""
     c = _private().with_stream(runtime.StreamId.new())
     x = c.create(np.arange(n, dtype=np.float32))
-    out_a, y = c.empty(n, np.float32), c.empty(n, np.float32)
+    out_a = c.empty(n, np.float32)
     pool = runtime.GraphPool()
-    ga = _graph(c, x, out_a, n, 100.0, 1.0, pool)             # t = x + 100 (a temporary)
+    ga = _graph(c, x, out_a, n, 100.0, 1.0, pool)
     gc.collect()
     c.sync()
     keep = {}
@@ -357,7 +355,17 @@ def test_an_output_on_another_graphs_temporary_raises_once_that_graph_overwrote_
     c.start_capture()
     body()
     gb = c.stop_capture()
-    o = keep.pop("o")
+    return c, x, out_a, ga, gb, keep.pop("o"), pool
+
+
+def test_an_output_on_another_graphs_temporary_raises_once_that_graph_overwrote_it():
+    """Graph B's window takes graph A's temporary from the pool for its output ``o`` (kept
+    alive). A replay of A rewrites that buffer: a read of ``o`` then raises ``ReplayFailed``
+    naming A (before ADV7 it returned A's temporary, ``x + 100``, with no error), and so does
+    work computed from it; B's next replay (or a host write) makes it good again."""
+    n = 256
+    c, x, out_a, ga, gb, o, pool = _output_on_a_temporary(n)
+    y = c.empty(n, np.float32)
     assert pool.memory_usage()["shared_bytes"] > 0              # o is A's temporary
     twice = np.arange(n, dtype=np.float32) * 2
     for _ in range(2):
@@ -379,29 +387,10 @@ def test_a_freed_output_on_another_graphs_temporary_is_forgotten_and_the_graph_d
     is freed the graph forgets it (its table is bounded by live handles) and its replays are
     deferred again like any tiny graph's (ADV7)."""
     n = 256
-    c = _private().with_stream(runtime.StreamId.new())
-    x = c.create(np.arange(n, dtype=np.float32))
-    out_a = c.empty(n, np.float32)
-    pool = runtime.GraphPool()
-    ga = _graph(c, x, out_a, n, 100.0, 1.0, pool)
-    gc.collect()
-    c.sync()
-    keep = {}
-
-    def body():
-        o = c.empty(n, np.float32)                              # from the pool: A's t
-        c.launch(K.mul_scalar, K.grid(n), [x, o], {"alpha": 2.0, "n": n})
-        keep["o"] = o
-    c.graph_prepare(pool=pool)
-    body()
-    keep.clear()
-    c.start_capture()
-    body()
-    gb = c.stop_capture()
-    srv = c._server                                             # private: the graph's table
-    state = srv.graphs[ga.id]
+    c, x, out_a, ga, gb, o, pool = _output_on_a_temporary(n)
+    state = c._server.graphs[ga.id]                             # private: the graph's table
     assert len(state.clobbers) == 1 and not state.defer
-    keep.clear()
+    del o
     gc.collect()
     c.sync()
     assert state.clobbers == {} and state.defer

@@ -1225,12 +1225,12 @@ class ComputeServer:
         writes them) whose marks may carry a failure: marks known final and clean (their
         stream ran past them, or the backend said they ran: ``Mark.ran``) are skipped."""
         reads = []
-        for st in g.sstates:                # (Marks.clean's test, inlined: every replay)
-            m = st.mark
+        for st in g.sstates:                # (Marks.clean's test, inlined: every replay; read
+            m = st.mark                     # in its order, Mark.settled: error last)
             if m is CLEAN:
                 continue
-            if (m._error is not None or m.parents or m.stream is None
-                    or m.pos > m.stream.done_pos and not m.ran):
+            if (m.parents or m.stream is None or m.pos > m.stream.done_pos and not m.ran
+                    or m._error is not None):
                 reads.append((st.id, m))
             else:
                 st.mark = CLEAN                 # final and clean: the cheap test next time

@@ -91,8 +91,11 @@ def test_capture_while_eager_and_recorded(client):
 def test_loop_limit_is_a_typed_failure(client):
     b = _bufs(client, cnt=i32(5), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
     work = _countdown(client, b, 3)
-    with pytest.raises(LoopLimitExceeded):
-        work()                                          # eager: raised at the call
+    with pytest.raises(LoopLimitExceeded, match=r"max_iterations=3 iterations; the loop "
+                       r"stopped: capture the loop with a larger capture_while\(\.\.\., "
+                       r"max_iterations=N\)"):
+        work()                                          # eager: raised at the call (and says
+                                                        # what to do, USER7)
     # what the stopped loop wrote is marked, as a replay's write set is (found by ADV2: another
     # reader got the truncated values, 3 of 5 iterations, with no error); x was only read
     other = client.with_stream(runtime.StreamId.new())
@@ -110,6 +113,9 @@ def test_loop_limit_is_a_typed_failure(client):
     with pytest.raises(ReplayFailed) as info:
         client.read(b["y"])                             # the write set is marked
     assert isinstance(info.value, LoopLimitExceeded) or "LoopLimitExceeded" in str(info.value)
+    assert "max_iterations=3 iterations in a graph replay" in str(info.value)
+    assert "stopped there: capture the loop with a larger capture_while(..., max_iterations=N)" \
+        in str(info.value)
     client.write(b["cnt"], i32(2))                      # a clean replay clears the marks
     try:
         client.sync()

@@ -34,7 +34,9 @@ all the buckets and a batch took a fifth of it (the serving benchmark's texts of
 over buckets 8, 12, 16, 20, 24: 7 texts a batch at 64 clients, against sentence-transformers'
 15). The batchers take the buckets in turn instead (the i-th to the ``i % N``-th), so each
 queue holds half of them: 10-11 texts a batch and 5-10% less CPU per request at 64 clients
-beside busy processes (issue 30, /work/notes/h30.md). Balance is kept: an idle batcher takes
+beside busy processes (issue 30, /work/notes/h30.md). Only under load (``BUCKET_MIN_LOAD``:
+at 8 clients the least loaded kept both streams running side by side, one thread each, and
+spent less CPU per request). Balance is kept: an idle batcher takes
 the next request whatever its bucket (a free thread starts at once, as with the least loaded),
 and a batcher more than ``BUCKET_SLACK * max_batch`` texts ahead of the least loaded gives way
 to it. The request is tokenised first (:meth:`Batcher.tokens_of`) to find its bucket.
@@ -56,6 +58,12 @@ ROUTES = ("least", "spill", "cpu", "bucket")
 #: beyond the least loaded one before the request goes to the least loaded instead, as a
 #: fraction of that batcher's ``max_batch``
 BUCKET_SLACK = 0.5
+#: ``route="bucket"``: below this many texts queued and running over the group (as a fraction
+#: of the first batcher's ``max_batch``) every request goes to the least loaded: a batch then
+#: holds what waits anyway, and a lone busy batcher runs its batch dealt out to every core,
+#: which costs more CPU per text than two batches side by side (8 clients beside two busy
+#: loops: 10.5 against 9.7 ms of CPU per request by bucket, issue 30)
+BUCKET_MIN_LOAD = 0.5
 
 
 def cpu_host_free() -> bool:
@@ -148,11 +156,15 @@ class BatcherGroup:
 
     def _by_bucket(self, seq: int, best):
         """``route="bucket"``'s choice for a request of sequence bucket ``seq``, ``best`` being
-        the least loaded running batcher: the running batchers take the sequence buckets in
-        turn (the i-th bucket of the first's ``seq_buckets`` to the ``i % N``-th), unless that
-        one holds more than ``BUCKET_SLACK * max_batch`` texts beyond ``best``, or ``best`` is
-        idle while it is not (an idle stream starts at once, as with the least loaded)."""
+        the least loaded running batcher: ``best`` while the group holds fewer than
+        ``BUCKET_MIN_LOAD * max_batch`` texts; else the running batchers take the sequence
+        buckets in turn (the i-th bucket of the first's ``seq_buckets`` to the ``i % N``-th),
+        unless that one holds more than ``BUCKET_SLACK * max_batch`` texts beyond ``best``, or
+        ``best`` is idle while it is not (an idle stream starts at once, as with the least
+        loaded)."""
         alive = [b for b in self.batchers if b.alive]
+        if sum(b.load for b in alive) < BUCKET_MIN_LOAD * alive[0].max_batch:
+            return best
         sizes = alive[0].seq_buckets
         i = sizes.index(seq) if seq in sizes else seq
         own = alive[i % len(alive)]

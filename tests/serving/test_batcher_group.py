@@ -322,6 +322,25 @@ def test_a_busy_host_routes_each_sequence_bucket_to_its_own_batcher():
     finally:
         gates[0].set(), gates[1].set()
         g.close()
+    # under BUCKET_MIN_LOAD * max_batch texts in the group (16 of 32): the least loaded
+    gates = [threading.Event(), threading.Event()]
+    first, second = FakeModel(gate=gates[0]), FakeModel(gate=gates[1])
+    g = BatcherGroup([Batcher(m, batch_buckets=(1, 2, 4, 8, 16, 32), seq_buckets=(4, 8, 16),
+                              max_batch=32) for m in (first, second)],
+                     route="cpu", free_host=lambda: False)
+    try:
+        futs = [g.submit(["x"])]
+        assert first.entered.wait(WAIT)
+        futs.append(g.submit(["y"]))
+        assert second.entered.wait(WAIT)
+        futs += [g.submit([t]) for t in ("z", "w", "v")]     # bucket 4, all: 2 / 1 after each
+        assert [b.queued for b in g.batchers] == [2, 1]
+        gates[0].set(), gates[1].set()
+        for f, t in zip(futs, "xyzwv"):
+            assert f.result(WAIT).embeddings[0][-1] == 3        # 3 tokens each
+    finally:
+        gates[0].set(), gates[1].set()
+        g.close()
     with BatcherGroup([Batcher(FakeModel(), seq_buckets=(4, 8, 16)) for _ in range(2)],
                       route="bucket") as g:
         rows = g.embed(["a b c d e f g", "a"], timeout=WAIT)   # whole, by its longest: 16

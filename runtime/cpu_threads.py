@@ -54,6 +54,13 @@ import re
 import threading
 import time
 
+try:
+    from ._threads import start as _start_thread     # SOAK7: a start with a way out
+except ImportError:     # (loaded alone, a leaf module: the plain start)
+    def _start_thread(thread) -> bool:
+        thread.start()
+        return True
+
 #: the environment variables that fix numpy's BLAS thread count (the user's setting wins)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -209,7 +216,8 @@ class BlasOwner:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="runtime-blas-owner")
-                self._thread.start()
+                if not _start_thread(self._thread):      # SOAK7: it died before it ran
+                    return fn()                         # (the next call starts another)
             if threading.current_thread() is self._thread:
                 return fn()
             owner = self._thread
@@ -744,8 +752,9 @@ class FanOutPool:
                 while len(self._threads) < helpers:
                     t = threading.Thread(target=self._loop, daemon=True,
                                          name=f"runtime-cpu-kernel-{len(self._threads)}")
+                    if not _start_thread(t):     # SOAK7: it died before it ran: fewer
+                        break                   # helpers this time (pieces go to who asks)
                     self._threads.append(t)
-                    t.start()
                 self._jobs.append(job)
                 cv.notify_all()             # callers waiting on their jobs wait here too
             try:

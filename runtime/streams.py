@@ -62,6 +62,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: the table ``current_key`` reads: ``THREAD_KEYS.key`` is the calling thread's stream key once
+#: ``StreamId.current()`` ran on it (AttributeError before); read directly on a read's hot path
+THREAD_KEYS = _local
+
+
 def current_key() -> int:
     """The plain int id of the calling thread's own stream (``StreamId.current()``)."""
     try:

@@ -1,6 +1,7 @@
 """Helpers shared by test modules: the CubeCL scenario kernels and the standard prelude
-(cubecl-scenarios.md: ``add_one``, ``mul_two``, input [1,2,3,4] -> output), and the import of a
-backend module that skips its test module when the backend's library is missing."""
+(cubecl-scenarios.md: ``add_one``, ``mul_two``, input [1,2,3,4] -> output), the import of a
+backend module that skips its test module when the backend's library is missing, and the
+service loop's failing producer and its consumer (``FAIL_FILL``, ``produce_then_consume``)."""
 
 import importlib
 import pkgutil
@@ -9,9 +10,10 @@ import time
 import numpy as np
 import pytest
 
+import runtime
 from runtime import kernels as K
-from runtime.errors import UnsupportedError
-from runtime.kernel import Kernel
+from runtime.errors import LaunchError, ReplayFailed, UnsupportedError
+from runtime.kernel import Binding, Kernel
 from runtime.server import backend_class
 
 
@@ -177,3 +179,48 @@ def interrupting_tracer(code, offsets, exc, hit: list, nth: int = 1, when=None):
             return local
         return None
     return tracer
+
+
+def _fail_if(flag, y, *, count):
+    if flag[0] != 0:
+        raise ValueError("flag set")
+    y[:] = 7
+
+
+#: ``y = 7``, raising while ``flag[0] != 0`` (a producer that fails at execution; a cpu
+#: kernel without a ``bind``: a worker runs it)
+FAIL_FILL = Kernel("fail_fill", [Binding("flag", "f32", "read"), Binding("y", "f32", "write")],
+                   cpu=_fail_if)
+
+
+def produce_then_consume(client, ok, bad, i: int, n: int = 16):
+    """One request of the service loop's shape (test_bounded_tables.py; RACE7's race): on two
+    fresh streams a producer on a (``FAIL_FILL``, failing when ``i % 3 == 0``: ``bad``'s flag,
+    else ``ok``'s), an event, a tiny consumer on b (``z = y + i % 5``, deferred), a read of
+    ``z`` on b, a sync of a. Returns ``(wrong, keep)``: ``wrong`` is None when every call did
+    what the contract says (a failed request's read raises ``ReplayFailed`` and its sync
+    ``LaunchError``, another's read returns ``7 + i % 5``), else ``(i, what happened)``;
+    ``keep`` = ``(a, y, z)``, the request's client of stream a and its buffers."""
+    a = client.with_stream(runtime.StreamId.new())
+    b = client.with_stream(runtime.StreamId.new())
+    y, z = a.empty(n, np.float32), b.empty(n, np.float32)
+    failing = i % 3 == 0
+    a.launch(FAIL_FILL, 1, [bad if failing else ok, y])
+    b.wait_event(a.record_event())
+    b.launch(K.add_scalar, 1, [y, z], {"alpha": float(i % 5), "n": n})
+    wrong = None
+    try:
+        v = b.read(z)
+        if failing or v[0] != 7 + i % 5:
+            wrong = (i, f"read returned {v[:2]}")
+    except ReplayFailed:
+        if not failing:
+            wrong = (i, "read raised")
+    try:
+        a.sync()
+        if failing:
+            wrong = wrong or (i, "sync returned")
+    except LaunchError:
+        if not failing:
+            wrong = wrong or (i, "sync raised")
+    return wrong, (a, y, z)

@@ -18,7 +18,8 @@ ROOT = pathlib.Path(runtime.__file__).resolve().parent
 #: lowest first; a module may import its own layer or one below, never one above. A name is a
 #: module or a package (everything under it).
 LAYERS = [
-    ["runtime._fork", "runtime.errors", "runtime.kernel", "runtime.streams", "runtime.cpu_threads"],
+    ["runtime._fork", "runtime._threads", "runtime.errors", "runtime.kernel", "runtime.streams",
+     "runtime.cpu_threads"],
     ["runtime.kernels"],
     ["runtime.backends"],
     ["runtime.server"],

@@ -293,9 +293,8 @@ class Backend:
     def launch_graph_now(self, stream, graph) -> bool:
         """:meth:`launch_now` for one replay of ``graph``: False (not run: enqueue it with
         :meth:`launch_graph`), True (it ran), or ``LaunchError`` (it ran and failed; the launches
-        after the failing one did not run). Default: False (never). The server does not ask
-        when ``graph`` has an ``inline`` attribute that is false (the cpu backend's graphs say
-        there whether a replay may run at once: one method call less per enqueued replay)."""
+        after the failing one did not run). Default: False (never). The server asks only for
+        deferred replays (``ComputeServer._run_lazy``); the backend's own tests decide."""
         return False
 
     def destroy_graph(self, stream, graph) -> None:

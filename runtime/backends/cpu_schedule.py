@@ -30,7 +30,8 @@ import itertools
 import random
 import threading
 
-from ..errors import LaunchError
+from .. import _threads
+from ..errors import LaunchError, ServerClosed
 from .base import Completion
 
 RUN, WAIT, SIGNAL = 0, 1, 2
@@ -137,8 +138,13 @@ class ThreadScheduler(Scheduler):
         self.threads = [threading.Thread(target=self._loop, args=(k == 0,),
                                          name=f"runtime-cpu-worker-{k}", daemon=True)
                         for k in range(self.workers)]
-        for t in self.threads:
-            t.start()
+        try:
+            for t in self.threads:
+                if not _threads.start(t):   # SOAK7: the backend's constructor raises, and the
+                    raise ServerClosed(_threads.not_started(t.name))  # started ones end
+        except BaseException:           # (an asynchronous exception too: none runs for nobody)
+            self.close()
+            raise
 
     def notify(self):
         if self.waiting:
@@ -340,7 +346,8 @@ class ThreadScheduler(Scheduler):
         finally:
             self.cv.release()
         for t in self.threads:
-            t.join(timeout=5.0)
+            if t.is_alive():                # (not one that never started: SOAK7)
+                t.join(timeout=5.0)
 
 
 def encode_trace(picks) -> str:

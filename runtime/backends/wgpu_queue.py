@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import wgpu
 
+from .. import _threads
 from ..errors import LaunchError, LoopLimitExceeded, ServerClosed, error_list, unhealthy
 from .base import Completion
 
@@ -120,7 +121,14 @@ class QueueThread:
         self.submits = 0         # command buffers handed over (counted at push, by the owner)
         self.free_staging: dict = {}     # size -> idle MAP_READ buffers
         self._thread = threading.Thread(target=self._loop, name="runtime-wgpu-queue", daemon=True)
-        self._thread.start()
+        try:
+            started = _threads.start(self._thread)
+        except BaseException:           # (an asynchronous exception: the thread may run)
+            self.close()
+            raise
+        if not started:
+            self.closed = True
+            raise ServerClosed(_threads.not_started("the wgpu queue thread"))
 
     def push(self, op) -> None:
         """Queue ``(kind, obj, arg)``; ``arg`` is the dispatch count of a submit, the data of a
@@ -268,8 +276,8 @@ class QueueThread:
         for kind, obj, _ in ops:
             if kind == _MAP:
                 _fail_closed(obj)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=1.0)
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self._thread.join(timeout=1.0)      # (not one that never started: SOAK7)
 
 
 def _weight(op) -> int:

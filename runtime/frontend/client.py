@@ -20,7 +20,7 @@ from ..server.server import BUSY
 from .graph import Graph, _Owner
 from .handle import Handle
 from .pool import GraphPool
-from ..streams import Event, StreamId, current_key
+from ..streams import THREAD_KEYS, Event, StreamId, current_key
 
 
 #: the iteration bound of ``capture_while(max_iterations=None)`` (eager and cpu replays): a
@@ -254,7 +254,10 @@ class ComputeClient:
         dtype = handle.dtype
         sid = self._pin                             # (self._sid, inlined: the hot path)
         if sid is None:
-            sid = current_key()
+            try:                                    # (current_key(), inlined)
+                sid = THREAD_KEYS.key
+            except AttributeError:
+                sid = current_key()
         raw = srv.read(sid, hid, dtype)
         if raw is BUSY:                             # the server was not idle: queued
             raw = srv.call(srv.h_read, sid, hid, dtype)
@@ -262,7 +265,7 @@ class ComputeClient:
             raw = self._finish_read(raw, hid)
         if raw.dtype is not dtype and raw.dtype != dtype:   # (bytes: not typed by the backend)
             raw = raw.view(dtype)
-        return raw if len(handle.shape) == 1 else raw.reshape(handle.shape)
+        return raw if handle._flat else raw.reshape(handle.shape)
 
     def _finish_read(self, answer, hid: int) -> np.ndarray:
         """Wait for ``h_read``'s ``(completion, mark, errors)`` on this thread and return the

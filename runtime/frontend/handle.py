@@ -29,13 +29,14 @@ class Handle:
     """
 
     __slots__ = ("id", "nbytes", "dtype", "shape", "_server", "_stream", "released", "_bindable",
-                 "__weakref__")
+                 "_flat", "__weakref__")
 
     def __init__(self, server, stream, nbytes: int, dtype, shape):
         self.id = next(_ids)
         self.nbytes = int(nbytes)
         self.dtype = np.dtype(dtype)
         self.shape = tuple(shape)
+        self._flat = len(self.shape) == 1     # (a read returns the bytes' view as they are)
         self._server = server
         self._stream = stream
         self.released = False

@@ -180,13 +180,20 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
         for k in [k for k, old in _servers.items() if old.closed]:
             del _servers[k]             # stopped servers (client.shutdown()): bounded by live ones
         _check_options(name, cls, options)
-        be = cls(device, **options)
+        be = srv = None
         try:
+            be = cls(device, **options)
             srv = ComputeServer(be, label, check=check, max_idle_bytes=max_idle)
-        except BaseException:           # (a bad max_idle_bytes): no backend workers left over
-            be.close()
+            _servers[key] = srv
+        except BaseException:
+            # (a bad max_idle_bytes, or an asynchronous exception landing anywhere in here,
+            # SOAK7): no device thread or backend worker is left running for nobody
+            if srv is not None:
+                _servers.pop(key, None)
+                srv.shutdown()
+            elif be is not None:
+                be.close()
             raise
-        _servers[key] = srv
         return srv
 
 

@@ -198,15 +198,18 @@ class GraphState:
         fences: cross-stream fences the first replay waits for (``Window.fences``).
         last_pos: the capture-stream position of its latest replay.
         op: ``("replay", id)``, the operation its replays' marks name (made once).
+        sstate: the ``StreamState`` of ``stream`` (set when the server registers the graph; the
+            stream is not reclaimed while a graph replays there): one load on the replay path.
     """
 
     __slots__ = ("op", "id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
                  "wstates", "istates", "sstates", "mstates", "retained", "allocated", "required",
                  "freed", "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
-                 "fallback_reason", "defer")
+                 "fallback_reason", "defer", "sstate")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
+        self.sstate = None          # its stream's state, set by the server as it registers it
         self.op = ("replay", gid)
         self.reads, self.writes = frozenset(window.reads), frozenset(window.writes)
         self.inputs = frozenset(window.inputs)

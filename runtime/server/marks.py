@@ -21,7 +21,13 @@ known to have run.
 Threads: ``fail`` may run on any thread (a backend worker); it only sets one attribute, which
 readers check after their completion finished (ordered after the failing work by the stream).
 ``error`` may be read on any thread (it only caches a failure it finds, which never goes away);
-``resolve`` with a ``done`` test (pruning) runs on the server's owner only.
+``resolve`` with a ``done`` test (pruning) runs on the server's owner only. A failure may land
+between any two reads of the owner (a worker runs the failing work meanwhile), so whatever
+drops a parent or calls a mark clean reads the error last: after that the work ran (``done``,
+``ran``: a failure is recorded before its work is known to have run) and after ``parents``
+(an inherited failure is cached before the parents are dropped); the failure counter is read
+again after ``done``. Read the other way round, a failure landing in between was lost: the
+mark looked clean and its reader returned stale values (RACE7: :meth:`settled`).
 """
 
 from __future__ import annotations
@@ -140,9 +146,9 @@ class Mark:
         if self._error is not None or not self.parents:
             return self._error
         if Mark.failures == self.since:   # nothing failed since its oldest ancestor was made
-            if done is not None and done(self):
+            if done is not None and done(self) and Mark.failures == self.since:
                 self.parents = ()         # it ran, and so did its ancestors: final, clean
-            return None
+            return None                   # (counted again after done: one may have landed)
         post, seen, posted, stack = [], set(), set(), [self]
         while stack:                      # post-order over the unresolved ancestors
             m = stack[-1]
@@ -156,6 +162,9 @@ class Mark:
                     posted.add(id(m))
                     post.append(m)
         for m in post:                    # parents before children
+            # done first, failures after (see the module doc): a parent failing meanwhile
+            # (before its work is known to have run) is seen below, never dropped as clean
+            ran = done is not None and m.stream is not None and done(m)
             if m._error is None:
                 for hid, p in m.parents:
                     if p._error is not None:
@@ -165,18 +174,25 @@ class Mark:
                         break
             if m._error is not None:
                 m.parents = ()
+            elif ran:                     # it ran, so did every ancestor: a parent resolved
+                m.parents = tuple((h, p) for h, p in m.parents   # clean (no parents, no
+                                  if p.parents or p._error is not None)   # error) goes
             elif done is not None:
-                if m.stream is not None and done(m):
-                    m.parents = ()        # it ran, so did every ancestor, and none failed
-                else:
-                    m.parents = tuple((h, p) for h, p in m.parents if not p.final(done))
+                m.parents = tuple((h, p) for h, p in m.parents if not p.settled(done))
         return self._error
 
+    def settled(self, done) -> bool:
+        """True when this mark is final and clean: no unfinished parents, its operation ran
+        (``done``) and nothing failed; server thread only. Reads ``parents``, then ``done``,
+        then the error (module doc): a failure landing on a worker while it reads is never
+        missed (a mark found failed afterwards stays a parent, and its failure is inherited)."""
+        return not self.parents and (self.stream is None or done(self)) and self._error is None
+
     def final(self, done) -> bool:
-        """True when this mark can no longer change: it failed, or it has no unfinished
-        parents and its operation ran (``done``); server thread only."""
-        return self._error is not None or (not self.parents and (self.stream is None
-                                                                 or done(self)))
+        """True when this mark can no longer change: it failed, or it is :meth:`settled`;
+        server thread only. (A caller keeping the marks that may still fail keeps those that
+        are not ``settled``: a failed one read as final would be dropped with its failure.)"""
+        return self._error is not None or self.settled(done)
 
     def describe(self) -> str:
         """The operation in words."""
@@ -355,9 +371,9 @@ class Marks:
         m = st.mark
         if m is CLEAN:
             return True
-        if m._error is None and not m.parents and m.stream is not None and (
-                m.pos <= m.stream.done_pos or m.ran):
-            st.mark = CLEAN
+        if not m.parents and m.stream is not None and (
+                m.pos <= m.stream.done_pos or m.ran) and m._error is None:   # (in this order:
+            st.mark = CLEAN                                                 # Mark.settled)
             return True
         return False
 
@@ -433,7 +449,7 @@ class Marks:
                                          f"{m.describe()}, failed ({m._error})")
                 mark.parents = ()
                 return
-            if not m.final(done):
+            if not m.settled(done):       # (one failing since the test above stays: RACE7)
                 parents.append((hid, m))
         if parents:
             mark.set_parents(parents)

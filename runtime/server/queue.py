@@ -52,6 +52,7 @@ import threading
 import traceback
 import weakref
 
+from .. import _threads
 from ..errors import ServerClosed, ServerError, ServerForked, UnsupportedError, unhealthy
 
 #: seconds between health checks while a caller waits for an answer.
@@ -166,7 +167,15 @@ class DeviceQueue:
         #: whose workers would otherwise outlive it; a shutdown closes it in its last message)
         self.on_death = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        try:
+            started = _threads.start(self._thread)  # SOAK7: never a hang in runtime.client()
+        except BaseException:           # (an asynchronous exception: the thread may run)
+            self.closed = True
+            self._wake.set()
+            raise
+        if not started:
+            self.closed = True
+            raise ServerClosed(_threads.not_started(f"the device thread {name}"))
         _QUEUES.add(self)
 
     # -- producers ------------------------------------------------------------------------

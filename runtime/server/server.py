@@ -135,16 +135,21 @@ class ComputeServer:
         if check:
             from .checker import Checker
             self.checker = marks.checker = Checker(self)
-        self.queue = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
-                                 reentrant=getattr(backend, "reentrant", None),
-                                 in_kernel=getattr(backend, "in_kernel", None))
-        self.queue.run_lazy = self._run_lazy
-        self.queue.on_death = backend.close     # SOAK6: a dead server's workers end too
-        self.marks.before_take = self._reap_busy
-        self.queue.message_error = self._on_async_error
-        backend.on_room = self.queue.notify_room
-        backend.on_broken = self.queue._check_backend    # (cpu: an interrupted helper)
-        watch_thread_ends(self)
+        self.queue = q = DeviceQueue(name, self._on_async_error, backend.is_alive, backend.load,
+                                     reentrant=getattr(backend, "reentrant", None),
+                                     in_kernel=getattr(backend, "in_kernel", None))
+        try:
+            q.run_lazy = self._run_lazy
+            q.on_death = backend.close          # SOAK6: a dead server's workers end too
+            self.marks.before_take = self._reap_busy
+            q.message_error = self._on_async_error
+            backend.on_room = q.notify_room
+            backend.on_broken = q._check_backend     # (cpu: an interrupted helper)
+            watch_thread_ends(self)
+        except BaseException:           # SOAK7: an asynchronous exception landing here left
+            q.closed = True             # the device thread waiting for ever for a server
+            q._wake.set()               # nobody had (the caller closes the backend)
+            raise
         self.submit = self.queue.submit
         self.post = self.queue.post
         self.release = self.queue.release
@@ -465,6 +470,23 @@ class ComputeServer:
                 if not queue._q and not queue.closed:
                     if queue.lazy:
                         self._run_lazy()
+                    # h_read's fast path, written out (one frame less on the hot path)
+                    s = self.streams.get(sid)
+                    st = self.handles.get(hid)
+                    if (s is not None and st is not None and s.window is None
+                            and self.checker is None and not (
+                                s.errors or self.marks.async_errors or self.backend.failures
+                                or self.ended_busy)):
+                        w = st.writes
+                        if not w or len(w) == 1 and sid in w:     # (else: an event wait)
+                            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes,
+                                                             dtype)
+                            if data is not None:
+                                if s.done_pos < s.pos or s.synced:
+                                    self.marks.ran(s)
+                                if st.mark is CLEAN or self.marks.clean(st):
+                                    st.reads[sid] = s.done_pos = s.pos = s.pos + 1
+                                    return data
                     return self.h_read(sid, hid, dtype)
             except queue.FATAL as e:
                 queue._die(e)
@@ -896,6 +918,7 @@ class ComputeServer:
         g = self.capture.end(s, next(_graph_ids), retain)
         self.graphs[g.id] = g
         s.graphs += 1                 # the stream is not reclaimed while a graph replays there
+        g.sstate = s
         gp, s.pool = s.pool, None
         s.warm, s.warm_bytes = set(), 0
         if gp is not None:                      # its window's buffers join the graph pool
@@ -957,7 +980,7 @@ class ComputeServer:
                     g = self.graphs.get(gid)
                     if g is None:
                         return self.h_replay(gid)
-                    s = self.streams[g.stream]
+                    s = g.sstate
                     # deferred when tiny and nothing sends it down the enqueue path but maybe
                     # its sources, decided when it runs (a deferred replay before it may fail)
                     if (g.defer and s.window is None and not g.freed and not g.fences
@@ -1011,13 +1034,13 @@ class ComputeServer:
                     except Exception as e:  # noqa: BLE001 - as in launch: a fire-and-forget's
                         self._on_async_error(e, self.h_launch, g)
                     continue
-                s = self.streams[g.stream]
+                s = g.sstate
                 for st in g.sstates:        # a source's mark may carry a failure
                     if st.mark is not CLEAN and self._marked_sources(g):
                         break
                 else:
                     try:                    # (a graph the backend would not run at once: False)
-                        ran = g.graph.inline and self.backend.launch_graph_now(s.raw, g.graph)
+                        ran = self.backend.launch_graph_now(s.raw, g.graph)
                     except LaunchError as e:    # it ran and failed: as if found at execution
                         failed = Mark(g.op).fail(e)
                         s.errors.append(failed)
@@ -1148,12 +1171,12 @@ class ComputeServer:
         writes them) whose marks may carry a failure: marks known final and clean (their
         stream ran past them, or the backend said they ran: ``Mark.ran``) are skipped."""
         reads = []
-        for st in g.sstates:                # (Marks.clean's test, inlined: every replay)
-            m = st.mark
+        for st in g.sstates:                # (Marks.clean's test, inlined: every replay; read
+            m = st.mark                     # in its order, Mark.settled: error last)
             if m is CLEAN:
                 continue
-            if (m._error is not None or m.parents or m.stream is None
-                    or m.pos > m.stream.done_pos and not m.ran):
+            if (m.parents or m.stream is None or m.pos > m.stream.done_pos and not m.ran
+                    or m._error is not None):
                 reads.append((st.id, m))
             else:
                 st.mark = CLEAN                 # final and clean: the cheap test next time
@@ -1245,7 +1268,8 @@ class ComputeServer:
         ng = graphs.instantiate(self, g, rebind, next(_graph_ids),
                                 None if sid is None else int(sid))
         self.graphs[ng.id] = ng
-        self.streams[ng.stream].graphs += 1
+        ng.sstate = self.streams[ng.stream]
+        ng.sstate.graphs += 1
         if gp is not None:                      # it rewrites the pool's buffers: a member
             gp.graphs.add(ng.id)
             self.graph_pool_of[ng.id] = gp

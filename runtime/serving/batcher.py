@@ -202,6 +202,23 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _worker(ref, q) -> None:
+    """The batcher worker's thread: waits on the queue ``q`` holding only a weak reference
+    ``ref`` to its :class:`Batcher`, which it holds while it has work (``Batcher._loop``). A
+    batcher dropped without ``close()`` puts a stop on ``q`` as it is collected: the thread ends."""
+    ring: deque = deque()                       # requests with texts waiting, in turn order
+    while True:
+        got = q.get()
+        b = ref()
+        if b is None:                           # dropped: nothing else can be queued (a
+            return                              # submit holds the batcher)
+        try:
+            if b._loop(ring, got):
+                return
+        finally:
+            b = None
+
+
 @dataclass
 class _Item:
     ids: np.ndarray            # int32 [length], one text's tokens
@@ -250,7 +267,9 @@ class Batcher:
         ``max_seq_length``, a token budget that cannot hold one longest text).
 
     Thread-safe: any thread may :meth:`submit`. The model is used from the worker thread only
-    (and by :meth:`warmup`, which the model's own lock serialises with it).
+    (and by :meth:`warmup`, which the model's own lock serialises with it). The worker holds
+    the batcher only while it has work: a batcher dropped without :meth:`close` (its requests
+    answered) is collected, and its worker thread ends and its model goes with it.
     """
 
     def __init__(self, model, *, graph: bool = True, max_batch: int = 32,
@@ -512,9 +531,12 @@ class Batcher:
     def start(self) -> None:
         """Start the worker thread (once)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="serving-batcher",
-                                            daemon=True)
+            # the worker holds the batcher only while it has work (SOAK7): one dropped without
+            # close() is collected, its finalizer's stop ends the worker, and its model goes
+            self._thread = threading.Thread(target=_worker, args=(weakref.ref(self), self._q),
+                                            name="serving-batcher", daemon=True)
             self._pid = os.getpid()             # (a forked child has no worker: _check_open)
+            weakref.finalize(self, self._q.put, _STOP)
             self._thread.start()
 
     @property
@@ -574,10 +596,11 @@ class Batcher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _loop(self) -> None:
-        ring: deque = deque()                     # requests with texts waiting, in turn order
+    def _loop(self, ring: deque, got) -> bool:
+        """The worker, from ``got`` (just taken off the queue) until the ``ring`` of requests
+        with texts waiting is empty (False: idle) or the batcher stopped (True)."""
         try:
-            self._serve(ring)
+            stop = self._serve(ring, got)
         except BaseException as e:  # noqa: BLE001 - a bug here must not strand the waiters
             self._closed = True                   # submits refuse from now on
             err = BatcherClosed(f"the batcher's worker stopped ({type(e).__name__}: {e})")
@@ -585,24 +608,24 @@ class Batcher:
                 it.req.fail(err)
             self._fail_queued(ring, err)
             raise
-        self._fail_queued(ring)
+        if stop:
+            self._fail_queued(ring)
+        return stop
 
-    def _serve(self, ring: deque) -> None:
-        stop = False
+    def _serve(self, ring: deque, got) -> bool:
+        stop = got is _STOP
+        if not stop:
+            ring.append(got)
+            stop = self._company(ring)
         while True:
-            if not ring and not stop:
-                got = self._q.get()
-                if got is _STOP:
-                    stop = True
-                else:
-                    ring.append(got)
-                    stop = self._company(ring)
             stop = self._admit(ring) or stop
             self._sweep(ring)
             if stop and (not ring or time.perf_counter() >= self._deadline):
-                break
+                return True
             if ring:
                 self._run(self._take(ring), ring)
+            elif not stop:
+                return False                    # idle: the worker waits without the batcher
 
     def _company(self, ring: deque) -> bool:
         """After an idle period: wait up to ``max_wait`` for more requests. True on stop."""

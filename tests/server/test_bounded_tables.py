@@ -27,7 +27,7 @@ from runtime.backends.cpu import ThreadScheduler
 from runtime.errors import LaunchError
 from runtime.server import capture as cap
 from runtime.server.queue import RELEASE_BATCH
-from helpers import captured_add_one
+from helpers import captured_add_one, produce_then_consume
 
 LIMIT_S = 20.0
 ONES = np.ones(4, np.float32)
@@ -512,17 +512,6 @@ def test_allocations_refused_on_a_stream_that_never_blocks_keep_a_bounded_error_
         c.shutdown()
 
 
-def _fail_if(flag, y, *, count):
-    if flag[0] != 0:
-        raise ValueError("flag set")
-    y[:] = 7
-
-
-#: ``y = 7``, raising while ``flag[0] != 0`` (a producer that fails at execution)
-FAIL_FILL = runtime.Kernel("fail_fill", [runtime.Binding("flag", "f32", "read"),
-                                         runtime.Binding("y", "f32", "write")], cpu=_fail_if)
-
-
 def test_a_service_loop_of_per_request_streams_graphs_and_failures_stays_bounded():
     """2,000 requests, each on two fresh streams: a producer (failing every third request)
     ordered before a consumer by an event, a stateful graph captured into a GraphPool with a
@@ -545,23 +534,8 @@ def test_a_service_loop_of_per_request_streams_graphs_and_failures_stays_bounded
     one = Tensor.from_numpy(root, np.ones(n, np.float32))
 
     def request(i):
-        a = root.with_stream(runtime.StreamId.new())
-        b = root.with_stream(runtime.StreamId.new())
-        y, z = a.empty(n, np.float32), b.empty(n, np.float32)
-        failing = i % 3 == 0
-        a.launch(FAIL_FILL, 1, [bad if failing else ok, y])
-        b.wait_event(a.record_event())
-        b.launch(K.add_scalar, 1, [y, z], {"alpha": float(i % 5), "n": n})
-        try:
-            v = b.read(z)
-            assert not failing and v[0] == 7 + i % 5, (i, v)
-        except runtime.ReplayFailed:
-            assert failing
-        try:
-            a.sync()
-            assert not failing
-        except LaunchError:
-            assert failing
+        wrong, (a, y, z) = produce_then_consume(root, ok, bad, i, n)
+        assert wrong is None, wrong
         state, res = a.create(np.zeros(n, np.float32)), a.empty(n, np.float32)
         pool = runtime.GraphPool()
 

@@ -376,3 +376,31 @@ def test_a_forked_child_waiting_on_a_parents_pending_request_gets_batcher_closed
                                    expected(model, "queued behind it"))
     finally:
         b.close()
+
+
+def test_batchers_dropped_without_close_leave_no_worker_and_free_their_model():
+    """SOAK7: a batcher's worker thread held the batcher (its bound ``_loop``) for ever, so one
+    dropped without ``close()`` (a service making one per tenant or model, a CorpusEmbedder
+    left to the garbage collector) kept its thread and its model: 50 batchers, 50 threads.
+    The worker now holds it only while it has work, and a collected batcher stops it."""
+    import gc
+    import time
+    import weakref
+
+    before = set(threading.enumerate())
+    models = []
+    for k in range(12):
+        model = FakeModel()
+        models.append(weakref.ref(model))
+        b = Batcher(model, max_wait_ms=0)
+        got = b.submit(TEXTS).result(10).embeddings
+        np.testing.assert_array_equal(got, np.stack([expected(model, t) for t in TEXTS]))
+        del got
+        del b, model
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while [t for t in threading.enumerate() if t not in before] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [t.name for t in threading.enumerate() if t not in before] == []
+    gc.collect()
+    assert [r for r in models if r() is not None] == []

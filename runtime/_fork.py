@@ -59,6 +59,36 @@ def forget_imports_of_other_threads() -> list:
     return dropped
 
 
+def bind_missing_submodule(exc: BaseException) -> bool:
+    """Repair what ``exc`` says an interrupted import left: True when an ``AttributeError`` in
+    its chain is ``module 'a' has no attribute 'b'`` while module ``a.b`` is loaded, after
+    binding it as attribute ``b`` of ``a``.
+
+    An import interrupted by an asynchronous exception (KeyboardInterrupt, a signal handler's,
+    ``PyThreadState_SetAsyncExc``) leaves the submodules it had finished in ``sys.modules``
+    while the package that was importing them is dropped; the package imported again finds
+    them there and does not bind them (a package binds a submodule as an attribute only when
+    it loads it), so ``pycparser.c_ast`` and the like raised ``AttributeError`` for the rest
+    of the process (SOAK7: the wgpu backend was then "unavailable here" for good). A module
+    in ``sys.modules`` ran to its end (a failed one is removed), so binding it is what the
+    import would have done.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        pkg, name = getattr(exc, "obj", None), getattr(exc, "name", None)
+        if isinstance(exc, AttributeError) and isinstance(name, str) and \
+                type(pkg).__name__ == "module":
+            full = f"{getattr(pkg, '__name__', '')}.{name}"
+            mod = sys.modules.get(full)
+            if mod is not None and sys.modules.get(pkg.__name__) is pkg and \
+                    not hasattr(pkg, name):
+                setattr(pkg, name, mod)
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _held_elsewhere(lock) -> bool:
     """Whether re-entrant ``lock`` is held by a thread other than this one."""
     if lock.acquire(blocking=False):

@@ -48,6 +48,11 @@ class LaunchError(ServerError):
     """A kernel launch that cannot run: compile failure, bad bindings, bad params."""
 
 
+#: the end of every ``LoopLimitExceeded`` message: what to do.
+RAISE_THE_LIMIT = ("capture the loop with a larger capture_while(..., max_iterations=N) or make "
+                   "its body clear the condition sooner")
+
+
 class LoopLimitExceeded(LaunchError):
     """A ``capture_while`` loop whose condition was still true after ``max_iterations`` runs of
     its body (eagerly, or in a replay): the loop stopped there, and a replay's write set
@@ -59,7 +64,7 @@ class LoopLimitExceeded(LaunchError):
         graph replay (``where``: e.g. ``" on wgpu; the unrolled loop"``)."""
         return cls(f"capture_while node {node}: its condition was still non-zero after "
                    f"max_iterations={limit} iterations in a graph replay{where or '; the loop'} "
-                   "stopped there")
+                   f"stopped there: {RAISE_THE_LIMIT}")
 
 
 class InvalidHandle(ServerError):

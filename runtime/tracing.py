@@ -61,6 +61,7 @@ MAX_STREAM_LANES = 4096
 MAX_GONE_BACKENDS = 64
 
 _active = None                 # the Tracer while tracing is on
+_env_path = None               # RUNTIME_TRACE's file while the tracer on is from_env's
 _lock = threading.Lock()
 
 
@@ -678,10 +679,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class TracingActive(RuntimeError):
+    """``start()`` while tracing is on already (``RUNTIME_TRACE``, a ``runtime.trace`` block or
+    an earlier ``start()``): one tracer at a time per process. ``runtime.trace()`` never raises
+    it: inside a running trace its block shares that trace."""
+
+
 def start(capacity: int = DEFAULT_CAPACITY) -> Tracer:
     """Switch tracing on (process-wide) and return the new ``Tracer``.
 
-    Raises: ``RuntimeError`` (tracing is on already); ``ValueError`` (``capacity < 1``).
+    Raises: ``TracingActive`` (a ``RuntimeError``: tracing is on already; the message says
+    what switched it on and how to share or stop it); ``ValueError`` (``capacity < 1``).
     """
     global _active
     from .backends.cpu import CpuBackend
@@ -689,7 +697,15 @@ def start(capacity: int = DEFAULT_CAPACITY) -> Tracer:
     from .server.server import ComputeServer
     with _lock:
         if _active is not None:
-            raise RuntimeError("tracing is on already (one runtime.trace at a time)")
+            if _env_path is not None:
+                raise TracingActive(
+                    f"tracing is on already: RUNTIME_TRACE={_env_path} traces this whole "
+                    "process (one tracer at a time): use runtime.trace(), whose block shares "
+                    "that trace, or unset RUNTIME_TRACE to start one of your own")
+            raise TracingActive(
+                "tracing is on already (a runtime.trace block or runtime.tracing.start(); one "
+                "tracer at a time): use runtime.trace(), whose block shares the running trace, "
+                "or runtime.tracing.stop() the running one first")
         tracer = Tracer(capacity)
         _swap(ComputeServer, "replay", _queued_replay)
         _swap(ComputeServer, "read", _queued_read)
@@ -711,9 +727,9 @@ def start(capacity: int = DEFAULT_CAPACITY) -> Tracer:
 
 def stop() -> Tracer | None:
     """Switch tracing off (the originals go back); returns the tracer that was on, or None."""
-    global _active
+    global _active, _env_path
     with _lock:
-        tracer, _active = _active, None
+        tracer, _active, _env_path = _active, None, None
         while _saved:
             cls, name, fn = _saved.pop()
             setattr(cls, name, fn)
@@ -762,17 +778,29 @@ def trace(path=None, capacity: int = DEFAULT_CAPACITY):
             (read ``tracer.events()``).
         capacity: events kept, the last ones (a ring; memory stays bounded).
     Yields: the ``Tracer``.
-    Raises: ``RuntimeError`` (tracing is on already); ``ValueError`` (``capacity < 1``);
-        ``OSError`` (``path`` cannot be written).
+    Raises: ``ValueError`` (``capacity < 1``); ``OSError`` (``path`` cannot be written).
+
+    Inside a running trace (``RUNTIME_TRACE=FILE``, an outer ``runtime.trace`` block, another
+    thread's block, ``runtime.tracing.start()``) the block shares it: it yields the running
+    ``Tracer`` (``capacity`` is ignored), leaves tracing on when it ends, and ``path`` gets
+    everything that tracer holds then, events from before the block included.
 
     Example: ``with runtime.trace("run.json"): ...`` then open run.json in
     https://ui.perfetto.dev or chrome://tracing.
     """
-    tracer = start(capacity)
+    if capacity < 1:
+        raise ValueError(f"a trace keeps >= 1 events, got capacity={capacity}")
+    try:
+        tracer, own = start(capacity), True
+    except TracingActive:
+        tracer, own = _active, False
+        if tracer is None:            # switched off in between: ours after all
+            tracer, own = start(capacity), True
     try:
         yield tracer
     finally:
-        stop()
+        if own:
+            stop()
         if path is not None:
             tracer.write(path)
 
@@ -783,8 +811,10 @@ def from_env() -> None:
     path = os.environ.get("RUNTIME_TRACE")
     if not path or _active is not None:
         return
+    global _env_path
     n = int(os.environ.get("RUNTIME_TRACE_EVENTS", DEFAULT_CAPACITY))
     tracer = start(n)
+    _env_path = path                  # named by start()'s TracingActive; stop() clears it
 
     def write():
         stop()

@@ -79,3 +79,20 @@ def test_servers_of_one_device_with_other_options_have_other_names():
     plain, checked = runtime.client("cpu")._server, runtime.client("cpu", check=True)._server
     assert plain is not checked and plain.name == "runtime-cpu:0"
     assert checked.name == "runtime-cpu:0 (check=True)"
+
+
+def test_a_write_of_floats_to_an_int_buffer_names_the_handle_and_the_conversion():
+    """``c.write(int32_handle, float64_array)`` raised numpy's bare "Cannot cast array data from
+    dtype('float64') to dtype('int32') according to the rule 'same_kind'" (no handle, nothing to
+    do; USER7); a kind that casts (float64 to a float32 buffer, int64 to int32) still writes."""
+    c = runtime.client("cpu")
+    i = c.create(np.array([7, 7, 7], np.int32))
+    with pytest.raises(TypeError, match=rf"write to handle {i.id}: float64 data does not cast to "
+                                        r"the handle's int32 .*\.astype\(np\.int32\)"):
+        c.write(i, np.array([1.5, 2.0, 3.0]))
+    np.testing.assert_array_equal(c.read(i), [7, 7, 7])          # nothing written
+    c.write(i, np.array([1, 2, 3], np.int64))
+    np.testing.assert_array_equal(c.read(i), [1, 2, 3])
+    f = c.create(np.zeros(2, np.float32))
+    c.write(f, np.array([0.5, -2.25]))
+    np.testing.assert_array_equal(c.read(f), np.array([0.5, -2.25], np.float32))

@@ -191,9 +191,10 @@ def test_switching_off_puts_the_original_methods_back():
              CpuBackend.launch_graph)
     with runtime.trace():
         assert DeviceQueue.submit is not plain[0] and srv.submit.__func__ is DeviceQueue.submit
-        with pytest.raises(RuntimeError):
-            with runtime.trace():
-                pass
+        with pytest.raises(tracing.TracingActive):      # one tracer at a time
+            tracing.start()
+        with runtime.trace() as inner:                     # a nested block shares it
+            assert inner is tracing.active()
     assert (DeviceQueue.submit, DeviceQueue.call, DeviceQueue.wait, CpuBackend._enqueue,
             CpuBackend.launch_graph) == plain
     assert srv.submit.__func__ is plain[0] and srv.call.__func__ is plain[1]
@@ -232,6 +233,58 @@ def test_RUNTIME_TRACE_traces_a_whole_process(tmp_path):
     check = subprocess.run([sys.executable, "-m", "runtime", "trace", "check", str(out)],
                            env=env, capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and "0 problem(s)" in check.stdout
+
+
+def test_runtime_trace_inside_RUNTIME_TRACE_shares_the_process_trace(tmp_path):
+    """``RUNTIME_TRACE=run.json python app.py`` (the README's commands table) made any app with
+    a ``with runtime.trace()`` block (the README's timeline example) fail with a bare
+    ``RuntimeError: tracing is on already (one runtime.trace at a time)`` naming neither
+    RUNTIME_TRACE nor what to do (USER7). The block now shares the process's trace; a second
+    ``tracing.start()`` raises ``TracingActive`` naming RUNTIME_TRACE's file."""
+    out, inner = tmp_path / "proc.json", tmp_path / "inner.json"
+    code = ("import numpy as np, runtime; from runtime import kernels as K, tracing\n"
+            "c = runtime.client('cpu'); x = c.create(np.ones(4, np.float32))\n"
+            "y = c.empty(4, np.float32)\n"
+            f"with runtime.trace({str(inner)!r}) as t:\n"
+            "    assert t is tracing.active()\n"
+            "    c.launch(K.add_scalar, 1, [x, y], {'alpha': 2.0, 'n': 4}); print(c.read(y)[0])\n"
+            "assert tracing.active() is t\n"
+            "try:\n"
+            "    tracing.start()\n"
+            "except tracing.TracingActive as e:\n"
+            "    print(type(e).__mro__[1].__name__, e)\n")
+    env = dict(os.environ, RUNTIME_TRACE=str(out), PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, second = r.stdout.splitlines()
+    assert first == "3.0"
+    assert second.startswith("RuntimeError tracing is on already: RUNTIME_TRACE=" + str(out))
+    for f in (inner, out):
+        doc = json.loads(f.read_text())
+        assert tracing.validate(doc) == []
+        assert {"launch", "read"} <= {e["name"] for e in doc["traceEvents"] if e["ph"] == "B"}
+
+
+def test_a_nested_runtime_trace_shares_the_outer_one_and_leaves_it_on(tmp_path):
+    c = runtime.client("cpu")
+    x, y = c.create(np.ones(4, np.float32)), c.empty(4, np.float32)
+    with runtime.trace() as outer:
+        with runtime.trace(tmp_path / "inner.json") as inner:
+            assert inner is outer
+            c.launch(K.add_scalar, 1, [x, y], {"alpha": 4.0, "n": 4})
+            np.testing.assert_array_equal(c.read(y), np.full(4, 5, np.float32))
+        assert tracing.active() is outer                  # the inner block left it on
+        with pytest.raises(tracing.TracingActive, match="runtime.tracing.stop"):
+            tracing.start()
+    assert tracing.active() is None
+    doc = json.loads((tmp_path / "inner.json").read_text())
+    assert tracing.validate(doc) == []
+    assert "read" in {e["name"] for e in doc["traceEvents"] if e["ph"] == "B"}
+    with pytest.raises(ValueError, match="capacity=0"):
+        with runtime.trace(capacity=0):
+            pass
 
 
 def test_a_file_that_is_not_a_trace_is_a_named_problem_not_an_exception(tmp_path, capsys):

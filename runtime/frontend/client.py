@@ -12,8 +12,8 @@ import warnings
 
 import numpy as np
 
-from ..errors import (InvalidHandle, LaunchError, LoopLimitExceeded, UnsupportedError, error_list,
-                      unhealthy)
+from ..errors import (RAISE_THE_LIMIT, InvalidHandle, LaunchError, LoopLimitExceeded,
+                      UnsupportedError, error_list, unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from ..server.server import BUSY
@@ -197,8 +197,10 @@ class ComputeClient:
                 ``same_kind`` casting), or bytes-like of exactly ``handle.nbytes`` bytes.
         Returns: at once (fire-and-forget); the copy is taken now. Waits for room while the
             device queue is full (its bytes of pending host data count; docs/contract.md section 1).
-        Raises: ``InvalidHandle`` (released, foreign, or a size mismatch); ``TypeError``;
-            ``ServerClosed`` (also while waiting for room).
+        Raises: ``InvalidHandle`` (released, foreign, or a size mismatch); ``TypeError`` (not a
+            Handle; an array whose dtype does not cast ``same_kind`` to the handle's, e.g. floats
+            to an int32 buffer: the message names both); ``ServerClosed`` (also while waiting
+            for room).
         Streams: ordered on this client's stream after earlier work on it, and after earlier
             uses of the buffer on other streams (the server inserts event waits).
         Capture: inside a window on this stream it is refused late: ``stop_capture`` raises
@@ -211,6 +213,10 @@ class ComputeClient:
             if data.size != handle.size:
                 raise InvalidHandle(f"write to handle {hid}: {data.size} elements given, the handle "
                                     f"holds {handle.size} ({handle.nbytes} bytes of {handle.dtype})")
+            if not np.can_cast(data.dtype, handle.dtype, casting="same_kind"):
+                raise TypeError(f"write to handle {hid}: {data.dtype} data does not cast to the "
+                                f"handle's {handle.dtype} (same_kind casting): convert it with "
+                                f".astype(np.{np.dtype(handle.dtype).name}) first")
             payload = np.ascontiguousarray(data).astype(handle.dtype, casting="same_kind",
                                                        copy=True).reshape(-1).view(np.uint8)
         else:
@@ -619,7 +625,8 @@ class ComputeClient:
                 if done >= limit:
                     err = LoopLimitExceeded(
                         f"capture_while on stream {int(sid)}: condition handle {hid} was still "
-                        f"non-zero after max_iterations={limit} iterations; the loop stopped")
+                        f"non-zero after max_iterations={limit} iterations; the loop stopped: "
+                        f"{RAISE_THE_LIMIT}")
                     # what the loop wrote is marked, as a replay's write set is: another
                     # reader gets ReplayFailed, never the truncated values without an error
                     srv.call(srv.h_written_since_failed, sid, since, err)

@@ -12,6 +12,7 @@ import importlib
 import os
 import threading
 
+from .._fork import bind_missing_submodule
 from ..backends.base import check_interface, check_probe
 from ..errors import UnsupportedError
 from .server import ComputeServer
@@ -32,6 +33,8 @@ _lock = threading.Lock()
 #: name -> its ``probe()`` answer, or the reason it cannot run here (a str): the one cache behind
 #: ``available_backends``, ``backend_unavailable`` and ``backend=None``.
 _probes: dict = {}
+#: submodules a probe may bind back before its failure is the answer (``_probed``)
+MAX_REBINDS = 8
 
 
 def backend_class(name: str):
@@ -82,15 +85,21 @@ def _probe(cls) -> dict:
 
 
 def _probed(name: str):
-    """``name``'s probe answer or the reason it cannot run, probed once per process."""
+    """``name``'s probe answer or the reason it cannot run, probed once per process (a failure
+    after an interrupted import is probed again once the package it left is repaired:
+    ``runtime._fork.bind_missing_submodule``, at most :data:`MAX_REBINDS` times)."""
     got = _probes.get(name)
     if got is None:
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}")
-        try:
-            got = _probe(backend_class(name))
-        except Exception as e:  # noqa: BLE001 - the reason is the answer
-            got = f"{name} backend unavailable here: {type(e).__name__}: {e}"
+        for _ in range(MAX_REBINDS + 1):
+            try:
+                got = _probe(backend_class(name))
+                break
+            except Exception as e:  # noqa: BLE001 - the reason is the answer
+                got = f"{name} backend unavailable here: {type(e).__name__}: {e}"
+                if not bind_missing_submodule(e):   # SOAK7: an interrupted import had left a
+                    break                           # package without a submodule: once more
         _probes[name] = got
     return got
 

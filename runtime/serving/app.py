@@ -44,6 +44,7 @@ import hmac
 import json
 import math
 import time
+import weakref
 
 import numpy as np
 
@@ -179,6 +180,10 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
         raise ValueError(f"token_ids={token_ids!r}; one of {MODES}")
     if token_ids == "openai" and openai_encoding is None:
         raise ValueError("token_ids='openai' needs openai_encoding (load_openai_encoding())")
+    # the routes reach the batcher and its models through weak proxies and app.state holds
+    # them (SOAK7): FastAPI caches its route functions (4,096 entries, process-wide), so an
+    # app made per tenant and dropped kept its batcher and model alive through their closures
+    app_batcher, batcher = batcher, weakref.proxy(batcher)
     m = metrics or batcher.metrics or ServingMetrics()
     if batcher.metrics is None:
         batcher.metrics = m
@@ -188,7 +193,8 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     model = batcher.model
     # serve --streams N: a BatcherGroup, a model per stream, each holding its own graphs;
     # the graph gauges and /health count every stream's, not the first one's
-    stream_models = [b.model for b in getattr(batcher, "batchers", (batcher,))]
+    stream_models = [weakref.proxy(b.model)
+                     for b in getattr(app_batcher, "batchers", (app_batcher,))]
 
     def held_buckets() -> list:
         return [tuple(b) for mo in stream_models for b in getattr(mo, "buckets", ())]
@@ -203,7 +209,8 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     # docs routes take no dependency, so they are off then (404), never open without the key
     docs = {} if not api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="runtime embeddings", version="0.1.0", **docs)
-    app.state.batcher, app.state.metrics, app.state.tracing = batcher, m, tracer
+    app.state.batcher, app.state.metrics, app.state.tracing = app_batcher, m, tracer
+    m = weakref.proxy(m)                # (the routes' too: app.state holds it)
     hidden = int(batcher.hidden)
     backend = getattr(getattr(model, "client", None), "backend", None)
     created = int(time.time())

@@ -91,8 +91,11 @@ def test_capture_while_eager_and_recorded(client):
 def test_loop_limit_is_a_typed_failure(client):
     b = _bufs(client, cnt=i32(5), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
     work = _countdown(client, b, 3)
-    with pytest.raises(LoopLimitExceeded):
-        work()                                          # eager: raised at the call
+    with pytest.raises(LoopLimitExceeded, match=r"max_iterations=3 iterations; the loop "
+                       r"stopped: capture the loop with a larger capture_while\(\.\.\., "
+                       r"max_iterations=N\)"):
+        work()                                          # eager: raised at the call (and says
+                                                        # what to do, USER7)
     # what the stopped loop wrote is marked, as a replay's write set is (found by ADV2: another
     # reader got the truncated values, 3 of 5 iterations, with no error); x was only read
     other = client.with_stream(runtime.StreamId.new())
@@ -110,6 +113,9 @@ def test_loop_limit_is_a_typed_failure(client):
     with pytest.raises(ReplayFailed) as info:
         client.read(b["y"])                             # the write set is marked
     assert isinstance(info.value, LoopLimitExceeded) or "LoopLimitExceeded" in str(info.value)
+    assert "max_iterations=3 iterations in a graph replay" in str(info.value)
+    assert "stopped there: capture the loop with a larger capture_while(..., max_iterations=N)" \
+        in str(info.value)
     client.write(b["cnt"], i32(2))                      # a clean replay clears the marks
     try:
         client.sync()
@@ -118,6 +124,29 @@ def test_loop_limit_is_a_typed_failure(client):
     client.write(b["y"], np.zeros(N, np.float32))
     g.replay()
     np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 2, np.float32))
+
+
+def test_an_eager_loop_of_replays_stopped_at_its_limit_marks_what_the_replays_wrote(client):
+    """An eager ``capture_while`` whose body replays a graph (a decode loop driven from the
+    host): stopped at ``max_iterations``, the graph's outputs hold the truncated loop's values.
+    They are marked like any write of the loop (before ADV7 only launches and host writes
+    were: a replay does not update the buffers' last writers, so ``y`` read back 3 of the
+    iterations with no error); a host write clears the mark."""
+    y, tmp = client.create(np.zeros(N, np.float32)), client.create(np.ones(N, np.float32))
+    go = client.create(i32(1))
+    g = capture(client, lambda: client.launch(K.accumulate, K.grid(N), [tmp, y], {"n": N}),
+                warmup=False)
+    with pytest.raises(LoopLimitExceeded):
+        client.capture_while(go, g.replay, max_iterations=3)   # go stays 1: the limit
+    other = client.with_stream(runtime.StreamId.new())
+    for reader in (client, other):
+        with pytest.raises(ReplayFailed, match="capture_while"):
+            reader.read(y)
+    np.testing.assert_array_equal(client.read(tmp), np.ones(N, np.float32))   # only read
+    client.write(y, np.zeros(N, np.float32))
+    client.write(go, i32(0))
+    g.replay()
+    np.testing.assert_array_equal(client.read(y), np.ones(N, np.float32))
 
 
 def test_wgpu_loop_needs_max_iterations():

@@ -199,3 +199,51 @@ def test_an_interrupt_landing_while_runtime_client_starts_a_server_leaves_no_thr
         np.testing.assert_array_equal(c.read(x), [0, 1, 2, 3])
     finally:
         c.shutdown()
+
+
+def test_a_backend_whose_import_was_interrupted_is_not_unavailable_for_good(tmp_path, monkeypatch):
+    """SOAK7: three threads opening the wgpu backend at once, interrupted (KeyboardInterrupt),
+    left ``pycparser`` re-imported without its ``c_ast`` attribute (a package binds a
+    submodule only when it loads it, and the interrupted import left it loaded), so the probe
+    failed with ``AttributeError`` and the backend was cached as "unavailable here" for the
+    life of the process. Here a package whose import is interrupted once stands for it."""
+    import builtins
+    import sys
+
+    import numpy as np
+
+    import runtime
+    from runtime import server as S
+
+    pkg = tmp_path / "soak7pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import soak7pkg.a\nimport soak7pkg.b\n")
+    (pkg / "a.py").write_text("value = 41\n")
+    (pkg / "b.py").write_text("import builtins\n"
+                              "if getattr(builtins, 'soak7_interrupt', False):\n"
+                              "    builtins.soak7_interrupt = False\n"
+                              "    raise KeyboardInterrupt('test: lands in the import')\n")
+    (tmp_path / "soak7be.py").write_text(
+        "import soak7pkg\n"
+        "from runtime.backends.cpu import CpuBackend\n"
+        "class Backend(CpuBackend):\n"
+        "    @staticmethod\n"
+        "    def probe():\n"
+        "        assert soak7pkg.a.value == 41\n"
+        "        return CpuBackend.probe()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(S.BACKENDS, "soak7", ("soak7be", "Backend"))
+    monkeypatch.setattr(builtins, "soak7_interrupt", True, raising=False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runtime.client("soak7")
+        assert "soak7pkg.a" in sys.modules and "soak7pkg" not in sys.modules
+        c = runtime.client("soak7")
+        x = c.create(np.arange(3, dtype=np.float32))
+        np.testing.assert_array_equal(c.read(x), [0, 1, 2])
+        c.shutdown()
+        assert S.backend_unavailable("soak7") is None
+    finally:
+        S._probes.pop("soak7", None)
+        for m in [m for m in sys.modules if m.startswith(("soak7pkg", "soak7be"))]:
+            del sys.modules[m]

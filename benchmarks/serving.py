@@ -59,8 +59,9 @@ Usage::
 ``--streams N`` serves the graph and eager paths with N copies of the model, each on its own
 stream with its own batcher (:class:`runtime.serving.BatcherGroup`, as ``serve --streams N``):
 each request goes to the least loaded, so on cpu N batches run at once, one thread each; on the
-cpu backend only while other processes take cores (``--route cpu``, serve's; ``--route least``:
-always; ``--route spill``: once the first holds a full batch waiting).
+cpu backend only while other processes take cores (``--route cpu``, serve's: then each request
+by its sequence bucket, as ``--route bucket`` always does; ``--route least``: always the least
+loaded; ``--route spill``: once the first holds a full batch waiting).
 
 ``--contention N`` runs N busy-loop processes beside every path for the whole run (a busy
 host; ``"contention"`` in the JSON's meta). ``--rounds R`` repeats the closed section (order rotated each round) and prints medians,
@@ -689,11 +690,14 @@ def main(argv=None) -> int:
                    "--streams); on cpu two batches then run at once, one thread each; 0 "
                    "(default): serve's default (runtime.serving.replica.default_streams: 2 "
                    "on cpu with 2 or more cores)")
-    p.add_argument("--route", default="auto", choices=("auto", "least", "spill", "cpu"),
+    p.add_argument("--route", default="auto",
+                   choices=("auto", "least", "spill", "cpu", "bucket"),
                    help="with --streams > 1, the BatcherGroup's routing: least (every request "
                    "to the least loaded), spill (the first batcher until a full batch waits "
-                   "there), cpu (spill on a free host, least on a busy one) or auto (cpu on the "
-                   "cpu backend, as serve; least elsewhere)")
+                   "there), bucket (each sequence bucket to a batcher of its own, the least "
+                   "loaded when that one is far ahead or another is idle), cpu (the first on a "
+                   "free host, bucket on a busy one) or auto (cpu on the cpu backend, as serve; "
+                   "least elsewhere)")
     p.add_argument("--max-padding", default="auto",
                    help="the graph and eager batchers' max_padding: auto, none or a fraction")
     p.add_argument("--rounds", type=int, default=1,

@@ -122,7 +122,8 @@ class Kernel:
     __slots__ = ("name", "bindings", "params", "workgroup_size", "wgsl", "cuda", "cpu",
                  "param_names", "accesses", "_f32", "_get", "_types", "_ints", "elements",
                  "element_checks", "product_checks", "checks", "ranges", "_ranges",
-                 "write_checks", "grid_elements", "count_error", "__weakref__")
+                 "write_checks", "grid_elements", "count_error", "extents", "_touch",
+                 "__weakref__")
 
     def __init__(self, name: str, bindings, params=(), workgroup_size=(64, 1, 1), *,
                  wgsl: str | None = None, cuda: str | None = None, cpu: Callable | None = None,
@@ -165,11 +166,16 @@ class Kernel:
         self.product_checks = tuple(c for c in checks_ if type(c[1]) is tuple)
         #: the ``element_checks``/``product_checks`` of ``write`` bindings (:meth:`partial_write`)
         self.write_checks = tuple(c for c in checks_ if self.accesses[c[0]] == "write")
+        #: per binding, ``((param index or indices, itemsize), ...)`` of its declared counts
+        #: (:meth:`touched_bytes`)
+        self._touch = tuple(tuple((c[1], c[2]) for c in checks_ if c[0] == i)
+                            for i in range(len(self.bindings)))
         #: ``grid_elements(count) -> int``: the most elements a direct workgroup count
-        #: ``(x, y, z)`` lets the kernel write (``elementwise``: ``x * y * WORKGROUP``), or None
-        #: (not declared: the declared ``elements`` count is taken as written). A launch whose
+        #: ``(x, y, z)`` lets the kernel write, and read, of each binding (``elementwise``:
+        #: ``x * y * WORKGROUP``: invocation ``i`` touches element ``i`` only), or None (not
+        #: declared: the declared ``elements`` count is taken as written). A launch whose
         #: grid covers fewer elements than its buffer holds writes it only in part
-        #: (:meth:`partial_write`).
+        #: (:meth:`partial_write`) and reads no more (:meth:`touched_bytes`).
         self.grid_elements = None
         #: ``count_error(count, params) -> str | None``: why a direct workgroup count ``(x, y,
         #: z)`` covers less of the work its packed ``params`` name than the kernel needs, or
@@ -178,6 +184,15 @@ class Kernel:
         #: covers; the server refuses such a launch, a capture and a ``Graph.update`` on every
         #: backend). None (the default): not checked.
         self.count_error = None
+        #: ``{binding index: fn(params, count) -> int}``: for a ``read`` binding the most
+        #: elements a launch with packed ``params`` and direct workgroup ``count`` ``(x, y, z)``
+        #: reads, for a ``write`` binding the elements it rewrites, a prefix of the buffer,
+        #: where ``elements`` cannot say it (the attention kernels touch ``B * S`` rows, ``B``
+        #: from the count; ``argmax`` writes one element). None: not declared (the declared
+        #: ``elements``, else the whole buffer). A ``write`` binding with one has an entry
+        #: ``(index, None, itemsize)`` in ``write_checks`` (:meth:`partial_write`).
+        #: ``runtime.kernels.pointwise.touches`` declares them.
+        self.extents = None
         if isinstance(checks, str) or not all(isinstance(m, str) for m in checks):
             raise TypeError(f"kernel {name}: checks must be a sequence of messages (str), "
                             f"got {checks!r}")
@@ -249,12 +264,42 @@ class Kernel:
         ``write`` binding is then taken to rewrite its whole buffer)."""
         for b, pi, size in self.write_checks:
             if b == bi:
+                if pi is None:              # an extent (``extents``): from the params and count
+                    if type(count) is not tuple or self.extents[bi](params, count) * size < nbytes:
+                        return True
+                    continue
                 n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
                 if self.grid_elements is not None and type(count) is tuple:
                     n = min(n, self.grid_elements(count))
                 if n * size < nbytes:
                     return True
         return False
+
+    def touched_bytes(self, bi: int, params: tuple, count=None) -> int | None:
+        """The most bytes of binding ``bi``'s buffer a launch with packed ``params`` and
+        workgroup ``count`` touches, a prefix of the buffer: the element count the kernel
+        declares for it (``elements=``: it touches elements ``i < n`` only; a product of
+        params), fewer where a direct ``count`` covers fewer (:attr:`grid_elements`) or where
+        the kernel declares the binding's extent (:attr:`extents`), times the itemsize (for a
+        ``write`` binding: what it rewrites); None when nothing is declared
+        (the whole buffer). Capture-time analysis only (``runtime.server.capture.sources``: a
+        ``write`` hides a later read only where it covers what that read touches)."""
+        entries, ext = self._touch[bi], self.extents
+        if not entries and ext is None:
+            return None
+        out = None
+        direct = type(count) is tuple
+        if ext is not None and bi in ext and direct:
+            out = ext[bi](params, count) * DTYPES[self.bindings[bi].dtype].itemsize
+        if entries:
+            grid = self.grid_elements if direct else None
+            for pi, size in entries:
+                n = params[pi] if type(pi) is int else math.prod(params[i] for i in pi)
+                if grid is not None:
+                    n = min(n, grid(count))
+                if out is None or n * size < out:
+                    out = n * size
+        return out
 
     def elements_error(self, params: tuple, nbytes, hids=None) -> str | None:
         """Why a launch with packed ``params`` over buffers of ``nbytes`` (bytes, one per

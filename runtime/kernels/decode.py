@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pointwise import WORKGROUP, covers, covers_total, grid
+from .pointwise import WORKGROUP, covers, covers_total, grid, touches
 from .shader import NAN_HELPERS, program, tree_reduce
 
 R, RW, W = "read", "read_write", "write"
@@ -257,6 +257,9 @@ decode_continue = program(
 covers(embed_at, covers_total("H"), "grid(H)")
 covers(kv_append, covers_total("H"), "grid(H)")
 covers(causal_attend, lambda c, p: c[0] >= p["heads"], "(heads, 1, 1)")
+# what they rewrite of a longer buffer (the rest keeps a failure's mark: contract 4)
+touches(causal_attend, {"out": lambda c, p: p["heads"] * p["hd"]})
+touches(argmax, {"out": lambda c, p: 1})
 
 
 __all__ = ["embed_at", "kv_append", "causal_attend", "argmax", "feed_back",

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from .pointwise import WORKGROUP, covers, covers_total, elementwise, grid, groups
+from .pointwise import WORKGROUP, covers, covers_total, elementwise, grid, groups, touches
 from .shader import NAN_HELPERS, program, tree_reduce
 from ..cpu_threads import FAN_OUT, RULE
 
@@ -741,9 +741,16 @@ def attention_for(hd: int):
     if not 1 <= hd <= ATTN_MAX_HEAD_DIM:
         raise ValueError(f"attention: head dim {hd} is outside 1..{ATTN_MAX_HEAD_DIM}")
     if hd not in _ATTN:
-        _ATTN[hd] = covers(_attention(hd), lambda c, p: p["heads"] > 0 and c[1] >= p["heads"]
-                           and c[0] >= groups(p["S"], ATTN_WORKGROUP) and c[1] % p["heads"] == 0,
-                           "attention_count(batch, S, heads)")
+        k = covers(_attention(hd), lambda c, p: p["heads"] > 0 and c[1] >= p["heads"]
+                   and c[0] >= groups(p["S"], ATTN_WORKGROUP) and c[1] % p["heads"] == 0,
+                   "attention_count(batch, S, heads)")
+        rows = lambda c, p: c[1] // max(p["heads"], 1) * p["S"]          # noqa: E731 - B * S
+        # out: B * S rows of ld_out, all of them only when the heads fill a row
+        _ATTN[hd] = touches(k, {"q": lambda c, p: rows(c, p) * p["ld_in"],
+                                "k": lambda c, p: rows(c, p) * p["ld_in"],
+                                "v": lambda c, p: rows(c, p) * p["ld_in"], "mask": rows,
+                                "out": lambda c, p: rows(c, p) * p["ld_out"]
+                                if p["heads"] * p["hd"] == p["ld_out"] else 0})
     return _ATTN[hd]
 
 
@@ -767,6 +774,8 @@ def attention_count(batch: int, seq: int, heads: int) -> tuple:
 # count is refused on every backend instead of giving different values on each.
 for _k in (gelu, embedding, mean_pool):
     covers(_k, covers_total("n"), "grid(n)")
+touches(mean_pool, {"x": lambda c, p: p["n"] // max(p["H"], 1) * p["S"] * p["H"],   # B * S
+                    "mask": lambda c, p: p["n"] // max(p["H"], 1) * p["S"]})           # rows
 for _k in (layer_norm, add_layer_norm, l2_normalize):
     covers(_k, covers_total("rows", 1), "rows_count(rows)")
 for (_name, _tm), _k in _MM.items():

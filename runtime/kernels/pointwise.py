@@ -14,7 +14,7 @@ from functools import partial
 
 import numpy as np
 
-from ..kernel import Kernel
+from ..kernel import DTYPES, Kernel
 from .shader import program
 
 #: invocations per workgroup of every elementwise kernel.
@@ -50,6 +50,30 @@ def covers(kernel, ok, hint: str):
         return (f"kernel {kernel.name}: workgroup count {tuple(count)} covers less than its "
                 f"params ask for ({shown}): launch over {hint}")
     kernel.count_error = count_error
+    return kernel
+
+
+def touches(kernel, extents: dict):
+    """Declare how much of its buffers ``kernel`` touches where ``elements=`` cannot say it (a
+    row count taken from the workgroup count, a kernel writing one row or one element):
+    ``{binding name: fn(count, p) -> elements}`` (``count`` the direct ``(x, y, z)``, ``p`` the
+    params by name), a prefix of each buffer (``Kernel.extents``). For a ``read`` binding:
+    the most it reads, so a graph that rewrote that prefix before is not taken to read the
+    rest (``runtime.server.capture.sources``); for a ``write`` binding: what it rewrites, all
+    of it (0 when that is not a prefix), so a launch covering less than the buffer keeps the
+    buffer's failure mark (``Kernel.partial_write``, contract section 4). Returns
+    ``kernel``."""
+    names = kernel.param_names
+    index = {b.name: i for i, b in enumerate(kernel.bindings)}
+
+    def wrap(fn):
+        return lambda params, count: int(fn(count, dict(zip(names, params))))
+    kernel.extents = dict(kernel.extents or {})
+    for b, fn in extents.items():
+        bi = index[b]
+        kernel.extents[bi] = wrap(fn)
+        if kernel.accesses[bi] == "write" and not any(c[0] == bi for c in kernel.write_checks):
+            kernel.write_checks += ((bi, None, DTYPES[kernel.bindings[bi].dtype].itemsize),)
     return kernel
 
 

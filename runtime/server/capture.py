@@ -73,7 +73,7 @@ def surely_runs(op) -> bool:
     return not op.scope and c.__class__ is tuple and bool(c[0] and c[1] and c[2])
 
 
-def sources(ops) -> frozenset:
+def sources(ops, nbytes=None) -> frozenset:
     """Handle ids whose contents a graph of ``ops`` (``ops.LaunchRec``/``CondRec``, in recorded
     order) may read before it writes them: its inputs and its state (a buffer it reads and
     writes, a KV cache, an accumulator). A ``read`` or ``read_write`` binding, an indirect count
@@ -84,26 +84,52 @@ def sources(ops) -> frozenset:
     or indirect count) hides nothing. A failure mark on a source marks what a replay writes
     (docs/contract.md section 4). (Before ADV6 only writes outside every node hid a read: a
     loop graph's temporaries counted as state, so a graph with a loop that failed once failed
-    on every later replay, its state rewritten or not.)"""
-    out, written = set(), {}
+    on every later replay, its state rewritten or not.)
 
-    def hidden(h, scope) -> bool:       # (a set of distinct scopes per handle: few)
+    With ``nbytes`` (``{handle id: bytes}``) a write hides a later read only where it covers
+    what that read touches (``Kernel.touched_bytes``: a declared element count, or what a
+    workgroup count covers, is a prefix of the buffer; a binding declaring none touches all of
+    it): a ``fill`` of half of ``y`` then a ``copy`` of all of ``y`` reads the other half as
+    the graph found it, so ``y`` is a source (its failure mark reaches the copy's output, and
+    a pool never shares it as a temporary); a ``copy`` of that half only is not (ADV7: every
+    write hid every later read, and the copy's output read back the failed half with no
+    error). Without ``nbytes`` any write hides the reads after it."""
+    out, written = set(), {}            # {handle: {scope: bytes covered}}: few scopes each
+    whole = nbytes is None
+
+    def hidden(h, scope, need) -> bool:
         ws = written.get(h)
-        return ws is not None and (() in ws or any(scope[:len(w)] == w for w in ws))
+        if ws is None:
+            return False
+        top = ws.get(())
+        if top is not None and top >= need:
+            return True
+        return any(cov >= need and scope[:len(w)] == w for w, cov in ws.items())
+
+    def size(h):
+        return 0 if whole else nbytes.get(h, 0)
     for op in ops:
         if isinstance(op, LaunchRec):
-            sc = op.scope
-            binds = list(zip(op.kernel.bindings, op.hids))
-            out.update(h for b, h in binds if b.access != "write" and not hidden(h, sc))
-            c = op.count
+            sc, k, c = op.scope, op.kernel, op.count
+            for bi, (acc, h) in enumerate(zip(k.accesses, op.hids)):
+                if acc != "write" and h not in out:
+                    need = None if whole else k.touched_bytes(bi, op.params, c)
+                    if not hidden(h, sc, size(h) if need is None else min(need, size(h))):
+                        out.add(h)
             if not isinstance(c, tuple):
-                if not hidden(c, sc):
+                if not hidden(c, sc, size(c)):
                     out.add(c)
             elif c[0] and c[1] and c[2]:
-                for b, h in binds:
-                    if b.access != "read":
-                        written.setdefault(h, set()).add(sc)
-        elif hasattr(op, "cond") and not hidden(op.cond, op.scope):
+                for bi, (acc, h) in enumerate(zip(k.accesses, op.hids)):
+                    if acc == "write":
+                        cov = float("inf") if whole else k.touched_bytes(bi, op.params, c)
+                        cov = size(h) if cov is None else cov
+                        ws = written.get(h)
+                        if ws is None:
+                            written[h] = {sc: cov}
+                        elif ws.get(sc, -1) < cov:
+                            ws[sc] = cov
+        elif hasattr(op, "cond") and not hidden(op.cond, op.scope, size(op.cond)):
             out.add(op.cond)
     return frozenset(out)
 
@@ -188,7 +214,7 @@ class GraphState:
         handles: the ``HandleState`` s it uses (``wstates``: those it writes; ``istates``: its
             read-only inputs; ``sstates``: its sources, whose marks a replay inherits;
             ``mstates``: those it writes only inside conditional nodes, whose failure marks a
-            replay keeps: :func:`maybe_written`);
+            replay keeps: :func:`maybe_written`, and the ``clobbers``);
             ``retained``: every pooled slot it uses, pinned until destroy, so
             no buffer a replay may touch changes owner while the graph lives.
         required: ids of caller-owned handles whose free breaks the graph (``retain=False``:
@@ -205,7 +231,7 @@ class GraphState:
     __slots__ = ("op", "id", "stream", "graph", "reads", "writes", "inputs", "sources", "handles",
                  "wstates", "istates", "sstates", "mstates", "retained", "allocated", "required",
                  "freed", "fences", "last_pos", "launches", "ops", "alloc_slots", "retain",
-                 "fallback_reason", "defer", "sstate")
+                 "fallback_reason", "defer", "sstate", "clobbers")
 
     def __init__(self, gid, stream, graph, window: Window, retain: bool):
         self.id, self.stream, self.graph = gid, stream, graph
@@ -213,7 +239,7 @@ class GraphState:
         self.op = ("replay", gid)
         self.reads, self.writes = frozenset(window.reads), frozenset(window.writes)
         self.inputs = frozenset(window.inputs)
-        self.sources = sources(window.ops)
+        self.sources = sources(window.ops, {st.id: st.nbytes for st in window.states.values()})
         self.handles = list(window.states.values())
         self.wstates = [st for st in self.handles if st.id in self.writes]
         self.istates = [st for st in self.handles if st.id in self.inputs]
@@ -239,6 +265,11 @@ class GraphState:
         self.alloc_slots = [st.slot for st in window.allocs]
         self.retain = retain
         self.fallback_reason = None
+        #: ``{HandleState: Mark}``: live handles outside the graph that share a buffer it
+        #: writes (a graph pool's temporary handed to another window, kept there as an output:
+        #: ``ComputeServer._pool_aliases``); a replay leaves each its failed mark (also in
+        #: ``mstates``, so a replay sets them: ``ComputeServer._kept_marks``)
+        self.clobbers: dict = {}
 
     def set_defer(self) -> None:
         """``defer``: a replay may be deferred (``ComputeServer.replay``) as far as the graph

@@ -402,7 +402,7 @@ def _rebind_state(server, g: GraphState, new_ops, s) -> None:
     g.handles = list(w.states.values())
     g.wstates = [st for st in g.handles if st.id in g.writes]
     g.istates = [st for st in g.handles if st.id in g.inputs]
-    g.sources = sources(new_ops)
+    g.sources = sources(new_ops, {st.id: st.nbytes for st in g.handles})
     g.sstates = [st for st in g.handles if st.id in g.sources]
     maybe = maybe_written(new_ops, {st.id: st.nbytes for st in g.handles})
     g.mstates = [st for st in g.wstates if st.id in maybe]

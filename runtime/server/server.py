@@ -399,7 +399,7 @@ class ComputeServer:
         s = self._stream(sid)
         gp = s.pool if s.state != cap.NO_CAPTURE else None
         slot = gp.take(nbytes) if gp is not None else None
-        fresh = False
+        taken, fresh = slot is not None, False
         if slot is None:
             try:
                 try:
@@ -419,6 +419,8 @@ class ComputeServer:
             if s.warm_bytes > s.warm_peak:
                 s.warm_peak = s.warm_bytes
         self.capture.on_alloc(s, st, fresh)
+        if taken:                               # another graph's temporary: it rewrites it
+            self._pool_aliases(gp)
         if data is not None:
             self.h_write(sid, hid, data)
 
@@ -433,6 +435,10 @@ class ComputeServer:
             ws.warm_bytes -= st.slot.nbytes
         if not self.capture.on_free(self.streams.get(sid), st):
             self._release_slot(st)
+        gp = st.slot.graph_pool
+        if gp is not None and any(st in self.graphs[g].clobbers for g in gp.graphs
+                                  if g in self.graphs):
+            self._pool_aliases(gp)          # (its graphs forget it: deferred again)
 
     # -- copies ---------------------------------------------------------------------------------
     def h_write(self, sid, hid: int, data) -> None:
@@ -928,6 +934,7 @@ class ComputeServer:
             for slot in g.alloc_slots:
                 if id(slot) not in state:       # its state (read before written) stays its own
                     gp.adopt(slot)
+            self._pool_aliases(gp)
         if self.checker is not None:
             self.checker.on_graph(g)
         return g.id, bool(self.backend.hardware_graphs)
@@ -943,7 +950,7 @@ class ComputeServer:
         shared = [st for st in w.allocs if st.slot.graph_pool is s.pool]
         if not shared:
             return
-        src = cap.sources(w.ops)
+        src = cap.sources(w.ops, {st.id: st.nbytes for st in w.states.values()})
         bad = [st.id for st in shared if st.id in src]
         if bad:
             pid = s.pool.id
@@ -953,7 +960,8 @@ class ComputeServer:
                 f"stop_capture on stream {int(s.id)}: handle {bad[0]}, allocated in the window "
                 f"from graph pool {pid}'s shared buffers (another graph's temporary), is "
                 "read by the recording before it is written (state: an accumulator, a KV "
-                "cache); the pool's other graphs overwrite it on every replay, so no graph was "
+                "cache; or a read past the part a launch wrote); the pool's other graphs "
+                "overwrite it on every replay, so no graph was "
                 "made. Allocate state before graph_prepare, or capture this graph without the "
                 "pool")
 
@@ -1155,7 +1163,11 @@ class ComputeServer:
         replay's does (finished with the replay, so chains stay short: ``Mark.also``); a replay
         run at once leaves them in place."""
         kept, pending = [], []
+        clobbers = g.clobbers
         for st in g.mstates:
+            if clobbers and st in clobbers:     # another handle on a buffer it rewrites
+                kept.append((st, clobbers[st]))
+                continue
             old = st.mark
             if old is CLEAN or self.marks.clean(st):
                 continue
@@ -1164,6 +1176,48 @@ class ComputeServer:
             else:
                 pending.append((st, old))
         return kept, pending
+
+    def _pool_aliases(self, gp) -> None:
+        """Give each graph of graph pool ``gp`` the live handles outside it that share a buffer
+        it writes (``GraphState.clobbers``): a window of the pool that takes another graph's
+        temporary (``GraphPool.take``) and keeps the handle (an output) holds a buffer that
+        graph's replays rewrite. Such a replay leaves the handle marked with a
+        ``GraphStateError`` (a read raises ``ReplayFailed`` naming the graph, launches reading
+        it inherit) until it is written again (its own graph's replay, a launch, a host
+        write), instead of reading back the other graph's temporaries with no error (ADV7).
+        Capture-time only (a window takes from the pool, a graph joins it, an update or
+        instance changes what it writes): one pass over the handles; a graph with clobbers is
+        not deferred (``GraphState.set_defer``). Kept as long as the handles live."""
+        live: dict = {}
+        for st in self.handles.values():
+            if st.slot.graph_pool is gp:
+                live.setdefault(id(st.slot), []).append(st)
+        for gid in gp.graphs:
+            g = self.graphs.get(gid)
+            if g is None:
+                continue
+            old, new = g.clobbers, {}
+            if live:
+                mine = {st.id for st in g.handles}
+                for ws in g.wstates:
+                    for st in live.get(id(ws.slot), ()):
+                        if st.id not in mine:
+                            m = old.get(st)
+                            if m is None:
+                                m = Mark(("pool", f"replay of graph {g.id}, which rewrites its "
+                                                  f"buffer (a temporary of graph pool {gp.id})"),
+                                         GraphStateError(
+                                    f"handle {st.id} was allocated in a capture window of graph "
+                                    f"pool {gp.id} on a buffer graph {g.id} of the pool uses as "
+                                    f"a temporary, and a replay of graph {g.id} overwrote it; "
+                                    "read a pool graph's outputs right after its replay, before "
+                                    "another graph of the pool replays, or allocate outputs "
+                                    "before graph_prepare (runtime.capture does)"))
+                            new[st] = m
+            if new or old:
+                g.mstates = [st for st in g.mstates if st not in old] + list(new)
+                g.clobbers = new
+                g.set_defer()
 
     @staticmethod
     def _marked_sources(g) -> list:
@@ -1241,6 +1295,9 @@ class ComputeServer:
         nothing (``graphs.update``); returns its ``fallback_reason``."""
         g = self._graph(gid, "update")
         graphs.update(self, g, rebind, params, count)
+        gp = self.graph_pool_of.get(gid)
+        if gp is not None and self.graphs.get(gid) is g:   # (its sets were rebuilt)
+            self._pool_aliases(gp)
         return g.fallback_reason
 
     def h_graph_instantiate(self, gid: int, rebind: dict, sid) -> tuple:
@@ -1273,6 +1330,7 @@ class ComputeServer:
         if gp is not None:                      # it rewrites the pool's buffers: a member
             gp.graphs.add(ng.id)
             self.graph_pool_of[ng.id] = gp
+            self._pool_aliases(gp)
         if self.checker is not None:
             self.checker.on_graph(ng)
         return ng.id, ng.stream, bool(self.backend.hardware_graphs)
@@ -1290,9 +1348,17 @@ class ComputeServer:
         """An eager ``capture_while`` on ``sid`` stopped at its limit with ``err``: mark every
         buffer written on ``sid`` after position ``since`` (what the loop wrote) as written by
         the failed loop, as a replay's write set is (``ReplayFailed`` on read until a later
-        write lands). Walks the handle table: only on this failure."""
-        states = [st for st in self.handles.values() if st.writes.get(sid, -1) > since]
-        self.marks.fail(states, ("loop", f"capture_while on stream {int(sid)}"), err)
+        write lands), the write sets of graphs the loop replayed on ``sid`` included (a replay
+        does not update ``HandleState.writes``: before ADV7 a body of ``g.replay()`` left
+        ``g``'s outputs with the truncated values and no error). Walks the handle and graph
+        tables: only on this failure."""
+        states = {id(st): st for st in self.handles.values()
+                  if st.writes.get(sid, -1) > since or st.replayed.get(sid, -1) > since}
+        for g in self.graphs.values():
+            if g.stream == sid and g.last_pos > since:
+                states.update((id(st), st) for st in g.wstates)
+        self.marks.fail(list(states.values()), ("loop", f"capture_while on stream {int(sid)}"),
+                        err)
 
     def h_cond_else(self, sid) -> None:
         graphs.cond_else(self, self._stream(sid))

@@ -347,8 +347,18 @@ class Batcher:
         Raises: ``TypeError`` (not strings); ``ValueError`` naming ``input[i]``: the first text
             over ``max_input_chars``, or the first the tokenizer refuses (e.g. a lone UTF-16
             surrogate); :class:`QueueFull`; :class:`BatcherClosed`. (The one place texts are
-            checked: the HTTP app, the Ray replicas and the corpus embedders all submit here.)
+            checked: the HTTP app, the Ray replicas and the corpus embedders all submit here,
+            or call :meth:`tokens_of`.)
         """
+        return self._enqueue(*self.tokens_of(texts))
+
+    def tokens_of(self, texts) -> tuple:
+        """``(ids, mask)`` of ``texts`` as :meth:`submit` checks and tokenises them (on the
+        calling thread), without queueing: :meth:`submit_tokens` queues them, here or on another
+        batcher over the same model (:class:`runtime.serving.BatcherGroup` routes by their
+        sequence bucket, :meth:`seq_bucket`).
+
+        Raises: as :meth:`submit` (but :class:`QueueFull`)."""
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
@@ -365,12 +375,25 @@ class Batcher:
                 raise ValueError(f"'input[{i}]' is not valid Unicode: it holds a lone UTF-16 "
                                  "surrogate") from None
         if not texts:
-            return self._enqueue(np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64))
+            return np.zeros((0, 0), np.int64), np.zeros((0, 0), np.int64)
         try:
-            ids, mask = self.model.tokenize(list(texts))
+            return self.model.tokenize(list(texts))
         except Exception as e:  # noqa: BLE001 - tokenizers raise plain Exception
             raise ValueError(self._bad_text(texts, e)) from None
+
+    def submit_tokens(self, ids, mask) -> Future:
+        """Queue texts tokenised by :meth:`tokens_of` or :meth:`ids_of` (of a batcher over the
+        same model). Returns and raises as :meth:`submit`."""
+        self._check_open()
         return self._enqueue(ids, mask)
+
+    def seq_bucket(self, mask) -> int:
+        """The sequence bucket (tokens) of the longest text of a request's ``mask`` (``[n,
+        L]``; 0 for no texts): the bucket its batch runs at."""
+        mask = np.asarray(mask)
+        if not mask.size:
+            return 0
+        return bucket_up(max(int(mask.sum(axis=1).max()), 1), self.seq_buckets)
 
     def submit_ids(self, seqs) -> Future:
         """Queue token-id inputs: one list of the model's token ids per text.
@@ -383,12 +406,16 @@ class Batcher:
             a model without ``encode_ids``); ``TypeError``; :class:`QueueFull`;
             :class:`BatcherClosed`.
         """
+        return self._enqueue(*self.ids_of(seqs))
+
+    def ids_of(self, seqs) -> tuple:
+        """``(ids, mask)`` of token-id inputs as :meth:`submit_ids` checks them, without queueing
+        (:meth:`submit_tokens`). Raises: as :meth:`submit_ids` (but :class:`QueueFull`)."""
         enc = getattr(self.model, "encode_ids", None)
         if enc is None:
             raise ValueError("this model does not take token-id inputs; send strings")
         self._check_open()
-        ids, mask = enc(list(seqs))
-        return self._enqueue(ids, mask)
+        return enc(list(seqs))
 
     def _bad_text(self, texts, err: BaseException) -> str:
         """The message for a text the tokenizer refused: which one, and why."""

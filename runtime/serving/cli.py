@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=positive_int, default=None,
                    help="copies of the model, each on its own stream with its own batcher; "
                    "each request goes to the least loaded (on cpu: while other processes take "
-                   "cores, concurrent batches one thread each; on a free host the first only; "
+                   "cores, by its sequence bucket under load, concurrent batches one thread "
+                   "each; on a free host the first only; "
                    "one more set of graphs per stream, the weights shared; default: 2 on cpu "
                    "with 2 or more cores, else 1)")
     p.add_argument("--max-queue", type=positive_int, default=4096,

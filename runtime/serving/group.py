@@ -1,5 +1,6 @@
 """Several batchers behind one submit: a model per stream, each request to the least loaded
-(on the cpu backend: while the host is busy, else the first; ``route="cpu"``, see below).
+(on the cpu backend: by sequence bucket while the host is busy, else the first;
+``route="cpu"``, see below).
 
 A :class:`BatcherGroup` holds ``N`` :class:`runtime.serving.Batcher` s, each with its own model
 (on cpu: its own stream of the process's one device server, its own captured graphs) and its own
@@ -24,8 +25,21 @@ OpenBLAS's own threads), batches fuller and reads the weights once per batch, so
 batches cost more CPU per text. So ``serve`` (two streams by default on cpu:
 :func:`runtime.serving.replica.default_streams`) routes a cpu group by the thread rule's view
 of the host (``route="cpu"``, :func:`cpu_host_free`): only the first batcher while the process
-has its cores to itself (what one stream does), the least loaded while busy processes take
+has its cores to itself (what one stream does), by sequence bucket while busy processes take
 cores. ``route="spill"`` (the first until a full batch waits there) remains an option.
+
+By sequence bucket (``route="bucket"``, and ``"cpu"`` on a busy host): a batch holds the texts
+of one sequence bucket, so with every request to the least loaded each batcher's queue mixed
+all the buckets and a batch took a fifth of it (the serving benchmark's texts of 2-20 tokens
+over buckets 8, 12, 16, 20, 24: 7 texts a batch at 64 clients, against sentence-transformers'
+15). The batchers take the buckets in turn instead (the i-th to the ``i % N``-th), so each
+queue holds half of them: 10-11 texts a batch and 5-10% less CPU per request at 64 clients
+beside busy processes (issue 30, /work/notes/h30.md). Only under load (``BUCKET_MIN_LOAD``:
+at 8 clients the least loaded kept both streams running side by side, one thread each, and
+spent less CPU per request). Balance is kept: an idle batcher takes
+the next request whatever its bucket (a free thread starts at once, as with the least loaded),
+and a batcher more than ``BUCKET_SLACK * max_batch`` texts ahead of the least loaded gives way
+to it. The request is tokenised first (:meth:`Batcher.tokens_of`) to find its bucket.
 
 Within each batcher, batching stays as :class:`Batcher` documents (fair ring, sub-batches of big
 requests, cancellation); a request never spans two batchers, so its rows come back in order
@@ -39,7 +53,17 @@ from .batcher import BatcherClosed
 __all__ = ["BatcherGroup", "ROUTES", "cpu_host_free"]
 
 #: the routings :class:`BatcherGroup` knows
-ROUTES = ("least", "spill", "cpu")
+ROUTES = ("least", "spill", "cpu", "bucket")
+#: ``route="bucket"``: most texts a request's own batcher (by its sequence bucket) may hold
+#: beyond the least loaded one before the request goes to the least loaded instead, as a
+#: fraction of that batcher's ``max_batch``
+BUCKET_SLACK = 0.5
+#: ``route="bucket"``: below this many texts queued and running over the group (as a fraction
+#: of the first batcher's ``max_batch``) every request goes to the least loaded: a batch then
+#: holds what waits anyway, and a lone busy batcher runs its batch dealt out to every core,
+#: which costs more CPU per text than two batches side by side (8 clients beside two busy
+#: loops: 10.5 against 9.7 ms of CPU per request by bucket, issue 30)
+BUCKET_MIN_LOAD = 0.5
 
 
 def cpu_host_free() -> bool:
@@ -60,9 +84,9 @@ class BatcherGroup:
         batchers: started :class:`runtime.serving.Batcher` s, each over its own model (same
             weights, buckets and limits; the first one's settings are reported).
         route: ``"least"`` (every request to the least loaded), ``"spill"`` (the first
-            batcher until it holds a full batch waiting) or ``"cpu"`` (the first while the
-            process has its cores to itself, least loaded while busy processes take cores);
-            :meth:`pick`.
+            batcher until it holds a full batch waiting), ``"bucket"`` (by sequence bucket)
+            or ``"cpu"`` (the first while the process has its cores to itself, by sequence
+            bucket while busy processes take cores); :meth:`pick`.
         free_host: ``() -> bool`` for ``"cpu"``: whether the process has its cores to itself
             now (default :func:`cpu_host_free`; tests pass a fake).
     Attributes: ``batchers``, ``route``; ``model``, ``hidden``, ``path``, ``max_seq_length``
@@ -82,8 +106,9 @@ class BatcherGroup:
         self.route = route
         self._free_host = free_host or cpu_host_free
 
-    def pick(self):
-        """The batcher the next request goes to, among those whose worker runs.
+    def pick(self, seq: int = 0):
+        """The batcher the next request goes to, among those whose worker runs; ``seq``: the
+        request's sequence bucket (:meth:`Batcher.seq_bucket`; 0: unknown).
 
         ``route="least"``: the one with the least :attr:`Batcher.load` (texts queued plus texts
         in the batch running now); on a tie the first (a lone client stays on one model; a
@@ -103,7 +128,10 @@ class BatcherGroup:
         batch dealt out to two threads waits at the end of every kernel for whichever the OS
         is not running (with two busy loops on 2 cores: 1.42 / 1.74 / 1.89x
         sentence-transformers at 1 / 8 / 64 clients on two streams against 1.13 / 1.07 / 0.95
-        on one; README, "The cpu backend").
+        on one; README, "The cpu backend"), each request by its sequence bucket ``seq`` as
+        ``"bucket"`` does (unknown: the least loaded).
+
+        ``route="bucket"``: :meth:`_by_bucket` (``seq`` unknown: the least loaded).
 
         Raises: :class:`BatcherClosed` (every worker has stopped).
         """
@@ -117,18 +145,55 @@ class BatcherGroup:
         if best is None:
             raise BatcherClosed("every batcher's worker has stopped")
         if self.route == "cpu":
-            return first if self._free_host() else best
+            if self._free_host():
+                return first
+            return self._by_bucket(seq, best) if seq else best
+        if self.route == "bucket" and seq:
+            return self._by_bucket(seq, best)
         if self.route == "spill" and first.queued < first.max_batch:
             return first
         return best
 
+    def _by_bucket(self, seq: int, best):
+        """``route="bucket"``'s choice for a request of sequence bucket ``seq``, ``best`` being
+        the least loaded running batcher: ``best`` while the group holds fewer than
+        ``BUCKET_MIN_LOAD * max_batch`` texts; else the running batchers take the sequence
+        buckets in turn (the i-th bucket of the first's ``seq_buckets`` to the ``i % N``-th),
+        unless that one holds more than ``BUCKET_SLACK * max_batch`` texts beyond ``best``, or
+        ``best`` is idle while it is not (an idle stream starts at once, as with the least
+        loaded)."""
+        alive = [b for b in self.batchers if b.alive]
+        if sum(b.load for b in alive) < BUCKET_MIN_LOAD * alive[0].max_batch:
+            return best
+        sizes = alive[0].seq_buckets
+        i = sizes.index(seq) if seq in sizes else seq
+        own = alive[i % len(alive)]
+        if best.load == 0 and own.load > 0:
+            return best
+        if own.load - best.load > BUCKET_SLACK * own.max_batch:
+            return best
+        return own
+
+    def _routes_by_bucket(self) -> bool:
+        return self.route == "bucket" or (self.route == "cpu" and not self._free_host())
+
     def submit(self, texts):
-        """:meth:`Batcher.submit` on :meth:`pick`'s batcher (same arguments, result, errors)."""
-        return self.pick().submit(texts)
+        """:meth:`Batcher.submit` on :meth:`pick`'s batcher (same arguments, result, errors);
+        routing by sequence bucket (``"bucket"``, ``"cpu"`` on a busy host), the texts are
+        tokenised first (:meth:`Batcher.tokens_of`) to find their bucket."""
+        if not self._routes_by_bucket():
+            return self.pick().submit(texts)
+        b = self.pick()
+        ids, mask = b.tokens_of(texts)
+        return self.pick(b.seq_bucket(mask)).submit_tokens(ids, mask)
 
     def submit_ids(self, seqs):
-        """:meth:`Batcher.submit_ids` on :meth:`pick`'s batcher."""
-        return self.pick().submit_ids(seqs)
+        """:meth:`Batcher.submit_ids` on :meth:`pick`'s batcher (routed as :meth:`submit`)."""
+        if not self._routes_by_bucket():
+            return self.pick().submit_ids(seqs)
+        b = self.pick()
+        ids, mask = b.ids_of(seqs)
+        return self.pick(b.seq_bucket(mask)).submit_tokens(ids, mask)
 
     def embed(self, texts, timeout: float | None = None):
         """``submit(texts).result(timeout).embeddings``: ``float32 [n, hidden]``. Blocks."""

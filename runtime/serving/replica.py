@@ -133,8 +133,8 @@ def start_batcher(backend: str | None = "cpu", *, model=None, model_dir=None,
             process's device server with its own batcher; more than 1 returns a
             :class:`runtime.serving.BatcherGroup` sending each request to the least loaded
             (on cpu, concurrent batches run one thread each; :mod:`runtime.serving.group`),
-            on the cpu backend while the host is busy (``route="cpu"``: on a free host the
-            first batcher until a full batch waits there).
+            on the cpu backend while the host is busy, by sequence bucket under load
+            (``route="cpu"``: on a free host the first batcher only).
             A given ``model`` is the first copy; the others are its replicas
             (``MiniLM.replica``: the same weight buffers, buckets and graphs of their own), or
             loaded from ``model_dir`` for a model without ``replica()``. ``None``:

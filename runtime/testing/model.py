@@ -166,6 +166,29 @@ class Model:
                         and np.array_equal(np.signbit(got[zero]), np.signbit(want[zero])))
         return bool(np.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True))
 
+    def _extent(self, launch, bi: int) -> int:
+        """Bytes of binding ``bi``'s buffer ``launch`` touches (a ``write`` binding: what it
+        rewrites), a prefix: ``Kernel.touched_bytes``, or the whole buffer where the kernel
+        declares nothing (``runtime.server.capture.sources``' rule)."""
+        spec = self.p.kernels[launch.kernel]
+        k = spec.kernel
+        whole = self.p.size * DTYPES[k.bindings[bi].dtype].itemsize
+        try:
+            got = k.touched_bytes(bi, k.pack_params(dict(launch.params)),
+                                  normalize_count(spec.count))
+        except (TypeError, ValueError):
+            return whole
+        return whole if got is None else min(got, whole)
+
+    def _partial(self, launch, bi: int) -> bool:
+        """Whether ``launch`` rewrites only part of binding ``bi``'s buffer (a ``write`` whose
+        declared count, or grid, covers less: ``Kernel.partial_write``): it keeps the buffer's
+        failure mark, the rest still holding what the failed writer left (contract 4)."""
+        k = self.p.kernels[launch.kernel].kernel
+        if k.accesses[bi] != "write" or not k.write_checks:
+            return False
+        return self._extent(launch, bi) < self.p.size * DTYPES[k.bindings[bi].dtype].itemsize
+
     def _apply(self, launch, propagate: bool = True) -> str:
         """Run one launch on the model's arrays: ``"ok"``, ``"failed"``, ``"unknown"``, or a
         sentence when the body wrote a binding declared ``read`` (the server orders launches
@@ -210,8 +233,10 @@ class Model:
             for i, unknown in enumerate(blank):
                 if unknown and not np.array_equal(runs[0][i], runs[1][i]):
                     work[i] = None
-        for b, bind, w in zip(launch.bufs, binds, work):
-            if w is None:
+        for bi, (b, bind, w) in enumerate(zip(launch.bufs, binds, work)):
+            if bind.access == "write" and self.bufs[b].failed and self._partial(launch, bi):
+                self.bufs[b].value = None     # a write over part of it keeps its mark (ADV7)
+            elif w is None:
                 self.bufs[b].value, self.bufs[b].failed = None, False
             elif bind.access != "read":
                 self.bufs[b].value, self.bufs[b].failed = w, False
@@ -427,33 +452,38 @@ class Model:
         writes them (``runtime.server.capture.sources``); a condition reads; a write inside a
         conditional node may not run, so it does not hide a later read."""
         writes, sources = set(), set()
+        whole = self.p.size * 4                   # (every dtype of the kit is 4 bytes)
 
         def walk(items, written):
-            # ``written``: buffers surely written before here in this scope or an enclosing
-            # one (a write inside a branch or loop body hides the reads after it in that body,
-            # not those after the node: runtime.server.capture.sources)
+            # ``written``: ``{buffer: bytes}`` surely written (a prefix) before here in this
+            # scope or an enclosing one (a write inside a branch or loop body hides the reads
+            # after it in that body, not those after the node; a write hides a read only where
+            # it covers what the read touches: runtime.server.capture.sources)
             for it in items:
                 if isinstance(it, P.CaptureIf):
-                    if it.cond not in written:
+                    if written.get(it.cond, 0) < whole:
                         sources.add(it.cond)
-                    walk(it.then, set(written))
-                    walk(it.other, set(written))
+                    walk(it.then, dict(written))
+                    walk(it.other, dict(written))
                 elif isinstance(it, P.CaptureWhile):
                     walk(it.init, written)
-                    if it.counter not in written:
+                    if written.get(it.counter, 0) < whole:
                         sources.add(it.counter)
-                    walk(it.body, set(written))
+                    walk(it.body, dict(written))
                 else:
                     zero = isinstance(it, _Zero)
-                    spec = self.p.kernels[(it.launch if zero else it).kernel]
+                    launch = it.launch if zero else it
+                    spec = self.p.kernels[launch.kernel]
                     binds = list(zip(it.bufs, spec.kernel.bindings))
-                    sources.update(b for b, bind in binds
-                                   if bind.access != "write" and b not in written)
-                    out = {b for b, bind in binds if bind.access != "read"}
-                    writes.update(out)
+                    sources.update(b for bi, (b, bind) in enumerate(binds)
+                                   if bind.access != "write"
+                                   and written.get(b, 0) < self._extent(launch, bi))
+                    writes.update(b for b, bind in binds if bind.access != "read")
                     if not zero:                  # a count of 0 may write nothing
-                        written.update(out)
-        walk(items, set())
+                        for bi, (b, bind) in enumerate(binds):
+                            if bind.access == "write":
+                                written[b] = max(written.get(b, 0), self._extent(launch, bi))
+        walk(items, {})
         return items, writes, sources
 
     def _replay(self, op, value, error):
@@ -490,7 +520,7 @@ class Model:
         return self._expect_ok(error, f"replay of g{op.graph}")
 
     def _cond_only(self, items) -> set:
-        """Buffers a recording writes only inside conditional nodes
+        """Buffers a recording writes only inside conditional nodes, or only in part
         (``runtime.server.capture.maybe_written``): a replay may leave them unwritten, so a
         failure on them outlives a replay that succeeds (docs/contract.md section 4b)."""
         inner, top = set(), set()
@@ -505,10 +535,12 @@ class Model:
                     walk(it.body, False)
                 else:
                     zero = isinstance(it, _Zero)
-                    spec = self.p.kernels[(it.launch if zero else it).kernel]
-                    out = {b for b, bind in zip(it.bufs, spec.kernel.bindings)
-                           if bind.access != "read"}
-                    (top if at_top and not zero else inner).update(out)
+                    launch = it.launch if zero else it
+                    spec = self.p.kernels[launch.kernel]
+                    for bi, (b, bind) in enumerate(zip(it.bufs, spec.kernel.bindings)):
+                        if bind.access != "read":   # (a write over part of it may leave a
+                            (top if at_top and not zero and not self._partial(launch, bi)
+                             else inner).add(b)     # failure's rest: maybe_written)
         walk(items, True)
         return inner - top
 

@@ -260,8 +260,14 @@ class Builder:
         if bufs is None:
             return None
         params = []
+        size = self.cfg["size"]
         for name in spec.kernel.param_names:
-            v = spec.params.get(name, self.cfg["size"] if name == "n" else None)
+            v = spec.params.get(name, size if name == "n" else None)
+            if (v is size and name == "n" and self.cfg.get("partial")
+                    and spec.kernel.write_checks and ki < self.cfg["user_kernels"]):
+                # a write over part of its buffers (ADV7): the rest keeps what it held, a
+                # failure's mark included, and a later read of all of it reads that rest
+                v = self.pick((size, size, max(size // 2, 1), 1))
             params.append((name, self.draw(v) if hasattr(v, "example") else v))
         return P.Launch(k, ki, bufs, tuple(params))
 
@@ -342,6 +348,10 @@ class Builder:
             back = self._feed_back(k, launches)
             if back is not None:
                 launches.append(back)
+        if launches and self.cfg.get("partial") and self.flag():
+            past = self._read_past(k, launches)     # reads what a partial write left
+            if past is not None:
+                launches.append(past)
         node = self.flag() and self.flag()  # the window records a conditional node: buffers
         loop = node and self.flag()         # written only in its bodies keep a failure mark
         if node:                            # across replays that skip them (contract 4b)
@@ -386,6 +396,24 @@ class Builder:
             return None
         out, state = self.pick(pairs)
         return P.Launch(k, self.cfg["copy32"], (out, state), (("n", self.cfg["size"]),))
+
+    def _read_past(self, k, launches):
+        """``copy32(b -> dst)`` of all of a buffer ``b`` the launches write only in part (a
+        ``write`` whose ``n`` is less than the size): the graph reads the rest of ``b`` as it
+        found it, so ``b`` is one of its sources and a failure mark on it reaches ``dst``
+        (docs/contract.md section 4; ADV7: such a read was hidden by the partial write and
+        ``dst`` read back the failed rest with no error). None if none fits."""
+        size, part = self.cfg["size"], []
+        for op in launches:
+            n = dict(op.params).get("n", size)
+            binds = self.cfg["kernels"][op.kernel].kernel.bindings
+            part += [b for b, bind in zip(op.bufs, binds) if bind.access == "write" and n < size]
+        pairs = [(b, d) for b in sorted(set(part)) for d in sorted(self.live)
+                 if d != b and self.live[d] == self.live[b]]
+        if not pairs:
+            return None
+        b, dst = self.pick(pairs)
+        return P.Launch(k, self.cfg["copy32"], (b, dst), (("n", size),))
 
     def thread(self):
         """A thread that writes and copies on its own stream and ends (with a sync, then its
@@ -746,7 +774,8 @@ class Builder:
 
 def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
              *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
-             refusals: bool = True, failures: bool = False, pools: bool = True):
+             refusals: bool = True, failures: bool = False, pools: bool = True,
+             partial: bool = True):
     """A hypothesis strategy of ``Program`` s over your kernels.
 
     Args:
@@ -794,6 +823,12 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             section 4c); such a window frees its allocations before ``stop_capture`` (a live
             one could be another pool graph's temporary) and its graphs are instantiated on
             their own stream only.
+        partial: a launch of a kernel that declares the elements it writes
+            (``Kernel(elements=...)``, every elementwise kernel's ``n``) whose ``n`` you leave
+            out is drawn over all of each buffer, half of it or one element: a write over part
+            of a buffer keeps its failure mark (the rest still holds what the failed writer
+            left), and a graph that reads past the part it wrote reads the buffer as it found
+            it, so that buffer is one of its sources (docs/contract.md section 4; ADV7).
     Returns: a strategy of ``Program``.
     Raises: ``TypeError``/``ValueError`` for bad kernels or params (at the call).
     """
@@ -801,7 +836,7 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
 
     cfg = config(kernels, buffers, streams, clients, capture, size=size, steps=steps,
                  values=values, contract=contract, refusals=refusals, failures=failures,
-                 pools=pools)
+                 pools=pools, partial=partial)
     choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
 
     @st.composite
@@ -820,9 +855,11 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
 
 def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
            *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
-           refusals: bool = True, failures: bool = False, pools: bool = False) -> dict:
+           refusals: bool = True, failures: bool = False, pools: bool = False,
+           partial: bool = False) -> dict:
     """The checked arguments of ``programs()`` as the ``Builder`` 's configuration (a dict;
-    ``pools`` off unless asked: a scripted builder's choices stay those it was written for).
+    ``pools`` and ``partial`` off unless asked: a scripted builder's choices stay those it was
+    written for).
     Raises what ``programs()`` raises."""
     from hypothesis import strategies as st
 
@@ -852,4 +889,4 @@ def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: b
             "count_down": len(specs) + 2, "buffers": buffers, "streams": min(streams, clients),
             "clients": clients, "capture": capture, "size": size, "values": vals,
             "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures,
-            "pools": bool(pools) and capture}
+            "pools": bool(pools) and capture, "partial": bool(partial)}

@@ -126,6 +126,29 @@ def test_loop_limit_is_a_typed_failure(client):
     np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 2, np.float32))
 
 
+def test_an_eager_loop_of_replays_stopped_at_its_limit_marks_what_the_replays_wrote(client):
+    """An eager ``capture_while`` whose body replays a graph (a decode loop driven from the
+    host): stopped at ``max_iterations``, the graph's outputs hold the truncated loop's values.
+    They are marked like any write of the loop (before ADV7 only launches and host writes
+    were: a replay does not update the buffers' last writers, so ``y`` read back 3 of the
+    iterations with no error); a host write clears the mark."""
+    y, tmp = client.create(np.zeros(N, np.float32)), client.create(np.ones(N, np.float32))
+    go = client.create(i32(1))
+    g = capture(client, lambda: client.launch(K.accumulate, K.grid(N), [tmp, y], {"n": N}),
+                warmup=False)
+    with pytest.raises(LoopLimitExceeded):
+        client.capture_while(go, g.replay, max_iterations=3)   # go stays 1: the limit
+    other = client.with_stream(runtime.StreamId.new())
+    for reader in (client, other):
+        with pytest.raises(ReplayFailed, match="capture_while"):
+            reader.read(y)
+    np.testing.assert_array_equal(client.read(tmp), np.ones(N, np.float32))   # only read
+    client.write(y, np.zeros(N, np.float32))
+    client.write(go, i32(0))
+    g.replay()
+    np.testing.assert_array_equal(client.read(y), np.ones(N, np.float32))
+
+
 def test_wgpu_loop_needs_max_iterations():
     from runtime.testing import backend_unavailable
 

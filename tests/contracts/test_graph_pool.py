@@ -119,9 +119,9 @@ def test_a_pool_of_released_graphs_may_move_to_another_stream():
 
 
 def test_checker_sees_a_pool_buffer_shared_by_two_graphs():
-    """Graph B's output lives in graph A's temporary (the pool handed it over); reading it
+    """Graph B's output lives in graph A's temporary (the pool handed it over); using it
     from another stream after a replay of A, with nothing ordering the two, is a race on that
-    buffer, though the read names another handle than A ever used."""
+    buffer, though the launch names another handle than A ever used."""
     c = runtime.client("cpu", check=True, max_idle_bytes=(1 << 30) + 27)   # its own server
     s = c.with_stream(runtime.StreamId.new())
     other = c.with_stream(runtime.StreamId.new())
@@ -141,9 +141,13 @@ def test_checker_sees_a_pool_buffer_shared_by_two_graphs():
     gb.replay()
     np.testing.assert_array_equal(s.read(out), np.full(n, 6, np.float32))
     np.testing.assert_array_equal(other.read(out), np.full(n, 6, np.float32))  # ordered: fine
-    ga.replay()                                        # overwrites B's output: documented
+    ga.replay()                                        # overwrites B's output
+    z = other.empty(n, np.float32)
+    other.launch(K.copy, K.grid(n), [out, z], {"n": n})    # unordered after it: a race
     with pytest.raises(runtime.StreamRaceError):
-        other.read(out)
+        other.sync()
+    with pytest.raises(runtime.ReplayFailed, match=f"graph {ga.id}"):
+        s.read(out)                                    # and it holds A's temporary (ADV7)
     s.sync()
     assert len(srv.checker.violations) == 1
     c.shutdown()
@@ -326,3 +330,69 @@ def test_a_pool_whose_server_stopped_serves_the_next_server():
             other.graph_prepare(pool=pool)
         other.shutdown()
         c.shutdown()
+
+
+def _output_on_a_temporary(n=256):
+    """Graph A of a pool (``t = x + 100``, a temporary, ``out_a = t``), then graph B of the
+    pool whose window takes A's ``t`` for its output ``o = 2x``, kept alive. Returns
+    ``(c, x, out_a, ga, gb, o, pool)``."""
+    c = _private().with_stream(runtime.StreamId.new())
+    x = c.create(np.arange(n, dtype=np.float32))
+    out_a = c.empty(n, np.float32)
+    pool = runtime.GraphPool()
+    ga = _graph(c, x, out_a, n, 100.0, 1.0, pool)
+    gc.collect()
+    c.sync()
+    keep = {}
+
+    def body():
+        o = c.empty(n, np.float32)                              # from the pool: A's t
+        c.launch(K.mul_scalar, K.grid(n), [x, o], {"alpha": 2.0, "n": n})
+        keep["o"] = o
+    c.graph_prepare(pool=pool)
+    body()
+    keep.clear()
+    c.start_capture()
+    body()
+    gb = c.stop_capture()
+    return c, x, out_a, ga, gb, keep.pop("o"), pool
+
+
+def test_an_output_on_another_graphs_temporary_raises_once_that_graph_overwrote_it():
+    """Graph B's window takes graph A's temporary from the pool for its output ``o`` (kept
+    alive). A replay of A rewrites that buffer: a read of ``o`` then raises ``ReplayFailed``
+    naming A (before ADV7 it returned A's temporary, ``x + 100``, with no error), and so does
+    work computed from it; B's next replay (or a host write) makes it good again."""
+    n = 256
+    c, x, out_a, ga, gb, o, pool = _output_on_a_temporary(n)
+    y = c.empty(n, np.float32)
+    assert pool.memory_usage()["shared_bytes"] > 0              # o is A's temporary
+    twice = np.arange(n, dtype=np.float32) * 2
+    for _ in range(2):
+        gb.replay()
+        np.testing.assert_array_equal(c.read(o), twice)
+        ga.replay()
+        np.testing.assert_array_equal(c.read(out_a), np.arange(n, dtype=np.float32) + 100)
+        with pytest.raises(runtime.ReplayFailed, match=f"graph {ga.id}"):
+            c.read(o)
+        c.launch(K.add_scalar, K.grid(n), [o, y], {"alpha": 1.0, "n": n})
+        with pytest.raises(runtime.ReplayFailed):
+            c.read(y)                                           # computed from it: raises too
+    c.write(o, np.ones(n, np.float32))
+    np.testing.assert_array_equal(c.read(o), np.ones(n, np.float32))
+
+
+def test_a_freed_output_on_another_graphs_temporary_is_forgotten_and_the_graph_deferred_again():
+    """The graph that overwrites such an output keeps it only while the handle lives: once it
+    is freed the graph forgets it (its table is bounded by live handles) and its replays are
+    deferred again like any tiny graph's (ADV7)."""
+    n = 256
+    c, x, out_a, ga, gb, o, pool = _output_on_a_temporary(n)
+    state = c._server.graphs[ga.id]                             # private: the graph's table
+    assert len(state.clobbers) == 1 and not state.defer
+    del o
+    gc.collect()
+    c.sync()
+    assert state.clobbers == {} and state.defer
+    ga.replay()
+    np.testing.assert_array_equal(c.read(out_a), np.arange(n, dtype=np.float32) + 100)

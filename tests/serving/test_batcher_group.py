@@ -14,7 +14,7 @@ from runtime.serving.batcher import Batcher, BatcherClosed
 from runtime.serving.group import BatcherGroup
 from runtime.serving.metrics import ServingMetrics
 
-from fakes import FakeModel, expected, samples
+from fakes import HIDDEN, FakeModel, expected, samples
 
 WAIT = 30          # seconds a step may take at most (a hang fails; nothing is timed)
 
@@ -290,3 +290,79 @@ def test_serve_defaults_to_two_streams_on_cpu_with_two_cores_and_one_elsewhere(m
         assert isinstance(one, Batcher)
     finally:
         one.close()
+
+
+def test_a_busy_host_routes_each_sequence_bucket_to_its_own_batcher():
+    # route="cpu" while the host is busy (and route="bucket" always): the batchers take the
+    # sequence buckets in turn (here 4 -> the first, 8 -> the second), so each one's queue
+    # holds fewer buckets and its batches are fuller (a batch holds one bucket's texts);
+    # an idle batcher still starts a request at once, and one more than BUCKET_SLACK *
+    # max_batch texts ahead of the least loaded gives way to it. The least loaded alone
+    # would have split the five 1-word texts 3 / 2 and run them in two batches of 3 and 1.
+    from runtime.serving import group as group_mod
+    gates = [threading.Event(), threading.Event()]
+    first, second = FakeModel(gate=gates[0]), FakeModel(gate=gates[1])
+    g = BatcherGroup([Batcher(m, batch_buckets=(1, 2, 4), seq_buckets=(4, 8, 16), max_batch=4)
+                      for m in (first, second)], route="cpu", free_host=lambda: False)
+    try:
+        futs = {"x": g.submit(["x"])}                # 3 tokens: bucket 4, its own (the first)
+        assert first.entered.wait(WAIT)
+        futs["y"] = g.submit(["y"])                  # the second is idle: it starts at once
+        assert second.entered.wait(WAIT)
+        for t in ("z", "e f g h", "w", "v", "u", "t"):   # 3 and 6 tokens: buckets 4 and 8
+            futs[t] = g.submit([t])
+        assert [b.queued for b in g.batchers] == [4, 2]  # z w v u | e f g h, t (5 vs 2 > 2)
+        gates[0].set(), gates[1].set()
+        for t, f in futs.items():
+            model = second if t in ("y", "e f g h", "t") else first
+            np.testing.assert_array_equal(f.result(WAIT).embeddings[0], expected(model, t))
+        assert [c[1:] for c in first.calls] == [(1, 4, 1), (4, 4, 4)]     # z w v u: one batch
+        assert sorted(c[1:] for c in second.calls) == [(1, 4, 1), (1, 4, 1), (1, 8, 1)]
+        assert group_mod.BUCKET_SLACK == 0.5        # (the slack the counts above assume)
+    finally:
+        gates[0].set(), gates[1].set()
+        g.close()
+    # under BUCKET_MIN_LOAD * max_batch texts in the group (16 of 32): the least loaded
+    gates = [threading.Event(), threading.Event()]
+    first, second = FakeModel(gate=gates[0]), FakeModel(gate=gates[1])
+    g = BatcherGroup([Batcher(m, batch_buckets=(1, 2, 4, 8, 16, 32), seq_buckets=(4, 8, 16),
+                              max_batch=32) for m in (first, second)],
+                     route="cpu", free_host=lambda: False)
+    try:
+        futs = [g.submit(["x"])]
+        assert first.entered.wait(WAIT)
+        futs.append(g.submit(["y"]))
+        assert second.entered.wait(WAIT)
+        futs += [g.submit([t]) for t in ("z", "w", "v")]     # bucket 4, all: 2 / 1 after each
+        assert [b.queued for b in g.batchers] == [2, 1]
+        gates[0].set(), gates[1].set()
+        for f, t in zip(futs, "xyzwv"):
+            assert f.result(WAIT).embeddings[0][-1] == 3        # 3 tokens each
+    finally:
+        gates[0].set(), gates[1].set()
+        g.close()
+    with BatcherGroup([Batcher(FakeModel(), seq_buckets=(4, 8, 16)) for _ in range(2)],
+                      route="bucket") as g:
+        rows = g.embed(["a b c d e f g", "a"], timeout=WAIT)   # whole, by its longest: 16
+        np.testing.assert_array_equal(rows[1], expected(g.batchers[0].model, "a"))
+        assert sorted(c[2] for c in g.batchers[0].model.calls) == [4, 16]
+        assert not g.batchers[1].model.calls
+        assert g.embed([], timeout=WAIT).shape == (0, HIDDEN)
+
+
+def test_tokens_of_and_submit_tokens_queue_what_submit_does():
+    model = FakeModel()
+    with Batcher(model, seq_buckets=(4, 8, 16)) as b:
+        ids, mask = b.tokens_of(["a b c d", "x"])
+        assert ids.shape == (2, 6) and mask.sum() == 9
+        assert b.seq_bucket(mask) == 8 and b.seq_bucket(mask[1:]) == 4
+        assert b.seq_bucket(np.zeros((0, 0))) == 0
+        rows = b.submit_tokens(ids, mask).result(WAIT).embeddings
+        np.testing.assert_array_equal(rows, b.embed(["a b c d", "x"], timeout=WAIT))
+        np.testing.assert_array_equal(rows[0], expected(model, "a b c d"))
+        with pytest.raises(TypeError):
+            b.tokens_of([1])
+        with pytest.raises(ValueError):
+            b.tokens_of(["\ud800"])
+    with pytest.raises(BatcherClosed):
+        b.submit_tokens(ids, mask)

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, find, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, find, given, settings, strategies as st
 
 import runtime
 from runtime import kernels as K
@@ -128,7 +128,7 @@ def test_generated_programs_use_every_call_and_pass():
     seen = set()
     ks = [(K.add_scalar, {"alpha": 1.5}), K.copy, K.add]
 
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(programs(ks, streams=2, clients=3))
     def one(prog):
@@ -382,3 +382,53 @@ def test_the_model_counts_a_source_of_unknown_state_as_perhaps_marked(shape, see
     run = run_program(prog, seed=seed, raises=False)
     assert not run.mismatches, run.report()
     assert isinstance(run.reads[0], runtime.ReplayFailed)      # the server marks b4 (right)
+
+
+def test_the_model_expects_a_graph_reading_past_its_partial_write_to_inherit_a_failure():
+    """A graph that writes half of ``b1`` (``n = 2`` of 4) and then copies all of it into
+    ``b0`` reads the half a failed writer left: ``b0`` must raise ``ReplayFailed`` (ADV7: the
+    server hid the read behind the partial write and ``b0`` read back a value; the model
+    follows ``Kernel.touched_bytes``), and ``b1`` keeps its mark (a write over part of it)."""
+    specs = (KernelSpec(ALWAYS_FAILS), KernelSpec(K.add_scalar, {"alpha": 1.0}),
+             KernelSpec(K.copy))
+    ops = (Create(0, 0, "f32", ONES), Create(0, 1, "f32", ONES), Create(0, 2, "f32", ONES),
+           Launch(0, 0, (0, 1), (("n", 4),)),          # fails: marks b1
+           Sync(0), Prepare(0), StartCapture(0),
+           Launch(0, 1, (2, 1), (("alpha", 1.0), ("n", 2))),    # half of b1
+           Launch(0, 2, (1, 0), (("n", 4),)),                   # all of b1 into b0
+           StopCapture(0, 0), Replay(0, 0), Read(0, 0), Read(0, 1))
+    prog = Program(ops, (Sync(0),), specs, 4, 1, 1)
+    for s in range(3):
+        run = run_program(prog, seed=s, check=True)
+        assert all(isinstance(r, runtime.ReplayFailed) for r in run.reads[-2:]), run.reads
+    model = Model(prog)
+    for op in ops[:11]:
+        model.step(op, None, runtime.LaunchError("x") if isinstance(op, Sync) else None)
+    assert "must raise ReplayFailed" in model.step(ops[11], np.full(4, 2, np.float32), None)
+
+
+def test_programs_draw_partial_writes_and_graphs_that_read_past_them():
+    """``programs()`` draws launches whose ``n`` covers part of their buffers and capture
+    windows that copy all of such a buffer after writing part of it (``partial=True``, the
+    default; ADV7)."""
+    def read_past(prog):
+        ops = list(prog.ops)
+        for i, op in enumerate(ops):
+            if isinstance(op, Launch) and dict(op.params).get("n", 8) < 8:
+                later = ops[i + 1:]
+                if any(isinstance(o, Launch) and o.bufs[0] == op.bufs[-1]
+                       and dict(o.params).get("n") == 8 for o in later[:3]) and any(
+                        isinstance(o, StopCapture) for o in later):
+                    return True
+        return False
+    found = []
+
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(programs([(K.add_scalar, {"alpha": 1.5}), K.copy], buffers=3, steps=12))
+    def draw(prog):
+        if read_past(prog):
+            found.append(prog)
+    draw()
+    assert found, "no program wrote part of a buffer and then read all of it in a window"
+    run_program(found[0], seed=0, check=True)

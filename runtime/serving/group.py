@@ -33,8 +33,9 @@ of one sequence bucket, so with every request to the least loaded each batcher's
 all the buckets and a batch took a fifth of it (the serving benchmark's texts of 2-20 tokens
 over buckets 8, 12, 16, 20, 24: 7 texts a batch at 64 clients, against sentence-transformers'
 15). The batchers take the buckets in turn instead (the i-th to the ``i % N``-th), so each
-queue holds half of them: 10-11 texts a batch and 5-10% less CPU per request at 64 clients
-beside busy processes (issue 30, /work/notes/h30.md). Only under load (``BUCKET_MIN_LOAD``:
+queue holds half of them: 9-10 texts a batch at 64 clients beside busy processes, more
+requests/s in 8 of 10 paired rounds (median +21% in each of two runs) for 2-11% less CPU per
+request (issue 30, /work/notes/h30.md). Only under load (``BUCKET_MIN_LOAD``:
 at 8 clients the least loaded kept both streams running side by side, one thread each, and
 spent less CPU per request). Balance is kept: an idle batcher takes
 the next request whatever its bucket (a free thread starts at once, as with the least loaded),
@@ -163,7 +164,7 @@ class BatcherGroup:
         ``best`` is idle while it is not (an idle stream starts at once, as with the least
         loaded)."""
         alive = [b for b in self.batchers if b.alive]
-        if sum(b.load for b in alive) < BUCKET_MIN_LOAD * alive[0].max_batch:
+        if not alive or sum(b.load for b in alive) < BUCKET_MIN_LOAD * alive[0].max_batch:
             return best
         sizes = alive[0].seq_buckets
         i = sizes.index(seq) if seq in sizes else seq

@@ -227,6 +227,10 @@ class WgpuBackend(Backend):
         return {"hardware": adapter.info.get("adapter_type") in ("DiscreteGPU", "IntegratedGPU"),
                 "device": describe(adapter)}
 
+    #: wgpu-py starts threads of its own (a device's poll thread): opened on a thread of its
+    #: own (runtime.server._open, SOAK7)
+    foreign_threads = True
+
     def __init__(self, device: int = 0, adapter: str | None = None, max_tasks: int | None = None,
                  max_inflight: int | None = None, **options):
         if options:

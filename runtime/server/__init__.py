@@ -14,7 +14,8 @@ import threading
 
 from .._fork import bind_missing_submodule
 from ..backends.base import check_interface, check_probe
-from ..errors import UnsupportedError
+from .. import _threads
+from ..errors import ServerClosed, UnsupportedError
 from .server import ComputeServer
 
 __all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "backend_unavailable",
@@ -191,7 +192,7 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
         _check_options(name, cls, options)
         be = srv = None
         try:
-            be = cls(device, **options)
+            be = _open(cls, device, options)
             srv = ComputeServer(be, label, check=check, max_idle_bytes=max_idle)
             _servers[key] = srv
         except BaseException:
@@ -204,6 +205,53 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
                 be.close()
             raise
         return srv
+
+
+def _open(cls, device: int, options: dict):
+    """``cls(device, **options)``; on a thread of its own for a backend whose library starts
+    threads of its own (``cls.foreign_threads``: wgpu-py's poll thread), SOAK7.
+
+    On CPython 3.10/3.11 an asynchronous exception aimed at a thread that starts another can
+    land in the new one, which dies before it runs, and ``Thread.start`` waits for ever
+    (``runtime._threads``); our own starts have a way out, a library's do not: a
+    KeyboardInterrupt aimed at a caller of ``runtime.client("wgpu")`` hung it inside wgpu-py's
+    ``GPUDevice.__init__``, holding the server table's lock, so every later
+    ``runtime.client()`` of the process hung too. On a private thread nobody aims at, the
+    caller's wait is where such an exception lands (it propagates; a backend finished after
+    it is closed). Raises what the constructor raises; ``ServerClosed`` when the thread does
+    not start."""
+    if not getattr(cls, "foreign_threads", False):
+        return cls(device, **options)
+    box: dict = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def build():
+        try:
+            box["backend"] = cls(device, **options)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        with lock:
+            done.set()
+            left = box.get("abandoned")
+        if left and "backend" in box:
+            box.pop("backend").close()
+    t = threading.Thread(target=build, name="runtime-open-backend", daemon=True)
+    if not _threads.start(t):
+        raise ServerClosed(_threads.not_started(t.name))
+    try:
+        while not done.wait(0.05):
+            pass
+    except BaseException:
+        with lock:
+            box["abandoned"] = True
+            be = box.pop("backend", None) if done.is_set() else None
+        if be is not None:
+            be.close()
+        raise
+    if "error" in box:
+        raise box.pop("error")
+    return box.pop("backend")
 
 
 def _label(name: str, device: int, options: dict) -> str:

@@ -247,3 +247,63 @@ def test_a_backend_whose_import_was_interrupted_is_not_unavailable_for_good(tmp_
         S._probes.pop("soak7", None)
         for m in [m for m in sys.modules if m.startswith(("soak7pkg", "soak7be"))]:
             del sys.modules[m]
+
+
+def test_a_backend_whose_library_starts_threads_is_opened_on_a_thread_nobody_interrupts(
+        monkeypatch):
+    """SOAK7 (wgpu soak with interrupts): a KeyboardInterrupt aimed at a caller of
+    ``runtime.client("wgpu")`` landed in the poll thread wgpu-py's ``GPUDevice.__init__``
+    was starting, which died before it ran; wgpu-py's ``Thread.start`` waited for ever, under
+    the server table's lock: every later ``runtime.client()`` hung. A backend declaring
+    ``foreign_threads`` is now constructed on a private thread: the interrupt lands in the
+    caller's wait and propagates, and the backend finished after it is closed."""
+    import ctypes
+    import threading
+
+    import numpy as np
+
+    import runtime
+    from runtime import server as S
+    from runtime.backends.cpu import CpuBackend
+
+    gate, entered, closed, opened_on = threading.Event(), threading.Event(), [], []
+
+    class Foreign(CpuBackend):
+        foreign_threads = True
+
+        def __init__(self, device=0):
+            opened_on.append(threading.get_ident())
+            entered.set()
+            assert gate.wait(30)
+            super().__init__(device)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+    monkeypatch.setitem(S.BACKENDS, "foreign7", Foreign)
+    before = set(threading.enumerate())
+    box = []
+
+    def caller():
+        try:
+            runtime.client("foreign7")
+            box.append("returned")
+        except KeyboardInterrupt:
+            box.append("interrupted")
+    t = threading.Thread(target=caller)
+    t.start()
+    try:
+        assert entered.wait(30)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
+                                                   ctypes.py_object(KeyboardInterrupt))
+        t.join(30)
+        assert box == ["interrupted"] and opened_on[0] != t.ident
+    finally:
+        gate.set()
+    assert _until_gone(before) == [] and len(closed) == 1
+    c = runtime.client("foreign7")
+    try:
+        np.testing.assert_array_equal(c.read(c.create(np.arange(3, dtype=np.float32))), [0, 1, 2])
+    finally:
+        c.shutdown()
+        S._probes.pop("foreign7", None)

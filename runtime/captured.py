@@ -110,7 +110,10 @@ class CapturedGraph:
     """
 
     def __init__(self, fn, output, client, graph, reason):
-        self._fn = fn
+        # only the fallback path runs fn again: a recorded graph keeps no reference to it
+        # (SOAK7: a closure over its owner, MiniLM's bucket forward, made a cycle that kept
+        # the model's weights until the cyclic gc ran: up to 5 models, 750 MB, in a service)
+        self._fn = fn if graph is None else None
         self.output = output
         self.client = client
         self.stream = client.stream

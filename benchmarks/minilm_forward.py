@@ -618,7 +618,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--eager-vs-replay", action="store_true")
     ap.add_argument("--backends", nargs="+", default=["cpu", "wgpu"])
-    ap.add_argument("--out", default="minilm_forward.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
+                                         / "minilm_forward.json"),
+                    help="the JSON (default: benchmarks/results/minilm_forward.json, which git "
+                         "ignores)")
     ap.add_argument("--plot", help="write a bar chart (png) of the comparison")
     ap.add_argument("--contention", type=int, default=0, metavar="N",
                     help="run N busy-loop processes beside both sides (a busy host)")
@@ -627,6 +630,7 @@ def main(argv=None) -> int:
                     "best per row), e.g. 1,2; default: torch's own count")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.worker:
         kind, job, out = args.worker
         if kind == "kernels":                # torch's column of the kernel table

@@ -246,3 +246,25 @@ def test_a_bad_flag_value_gets_the_usage_and_one_error_line(argv, capsys, monkey
     assert lines[0].startswith(f"usage: python -m runtime {argv[0]}"), err
     assert sum(ln.startswith("python -m runtime") and "error:" in ln for ln in lines) == 1, err
     assert "Traceback" not in err
+
+
+def test_serve_on_a_port_another_process_holds_says_so_and_exits_1(monkeypatch, capsys):
+    """USER7: ``serve`` on a taken port printed only uvicorn's "OSError: [Errno 98] Address
+    already in use"; it says which address and what to do (--port 0), exit status 1."""
+    import socket
+
+    import runtime.serving as serving
+    from runtime.serving import cli
+
+    monkeypatch.setattr(serving, "load_model",
+                        lambda backend="cpu", *, path=None, max_graphs=8: FakeModel())
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        assert cli.main(["--host", "127.0.0.1", "--port", str(port), "--backend", "cpu"]) == 1
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port 0" in err, err

@@ -268,3 +268,15 @@ def test_serve_on_a_port_another_process_holds_says_so_and_exits_1(monkeypatch, 
         held.close()
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "--port 0" in err, err
+
+
+def test_health_reports_the_buckets_and_limits_that_run_when_the_flags_left_them_default(paths):
+    """USER7: /health said ``batch_buckets: null`` and ``max_batch_tokens: null`` for the
+    defaults; it reports what the batcher runs with (the README's 1,2,4,8,16,32 and 8192)."""
+    v = paths("serve", [])
+    b = v["app"].state.batcher
+    got = _client(v["app"]).get("/health").json()["settings"]
+    assert got["batch_buckets"] == list(b.batch_buckets) and None not in got["batch_buckets"]
+    assert got["seq_buckets"] == list(b.seq_buckets)
+    assert got["max_batch_tokens"] == b.max_batch_tokens > 0
+    assert got["max_batch"] == b.max_batch > 0

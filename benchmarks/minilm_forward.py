@@ -1,13 +1,16 @@
 """all-MiniLM-L6-v2 on the cpu backend beside sentence-transformers, side by side (issue 16).
 
     python benchmarks/minilm_forward.py                # the table (product alone without ST)
-    python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --plot minilm.png
-    python benchmarks/minilm_forward.py --st-python /work/venv-st/bin/python --contention 2 \
+    python benchmarks/minilm_forward.py --st-python $ST_PYTHON --plot minilm.png
+    python benchmarks/minilm_forward.py --st-python $ST_PYTHON --contention 2 \
         --st-threads 1,2               # torch at 1 and at 2 threads, ratios against the best
     python benchmarks/minilm_forward.py --variant blas2 OPENBLAS_NUM_THREADS=2 --variant now
-    python benchmarks/minilm_forward.py --variant before RUNTIME_BENCH_ROOT=/tmp/old --variant now
+    python benchmarks/minilm_forward.py --variant before RUNTIME_BENCH_ROOT=<an old checkout> --variant now
     python benchmarks/minilm_forward.py --kernels              # per-kernel µs beside numpy/torch
     python benchmarks/minilm_forward.py --eager-vs-replay --backends cpu wgpu
+
+($ST_PYTHON: the Python of an environment with sentence-transformers and torch, e.g. a venv made
+as the README's cpu section says.)
 
 The table: sentences/s of ``MiniLM.embed(texts, batch_size=len(texts))`` (the captured, replayed
 path, tokenisation included) and of sentence-transformers' ``encode(texts,
@@ -615,7 +618,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--eager-vs-replay", action="store_true")
     ap.add_argument("--backends", nargs="+", default=["cpu", "wgpu"])
-    ap.add_argument("--out", default="minilm_forward.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
+                                         / "minilm_forward.json"),
+                    help="the JSON (default: benchmarks/results/minilm_forward.json, which git "
+                         "ignores)")
     ap.add_argument("--plot", help="write a bar chart (png) of the comparison")
     ap.add_argument("--contention", type=int, default=0, metavar="N",
                     help="run N busy-loop processes beside both sides (a busy host)")
@@ -624,6 +630,7 @@ def main(argv=None) -> int:
                     "best per row), e.g. 1,2; default: torch's own count")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.worker:
         kind, job, out = args.worker
         if kind == "kernels":                # torch's column of the kernel table

@@ -32,7 +32,7 @@ kernels launched one by one) and ``sentence-transformers`` (the same batcher and
 with the model run by sentence-transformers on torch, cpu, each batch at its own shape: its
 texts padded to the longest, as ``SentenceTransformer.encode`` runs them, not to a bucket), only
 when it is installed
-(``--no-st`` skips it; run this script with ``/work/venv-st/bin/python`` or any environment
+(``--no-st`` skips it; run this script with the Python of any environment
 that has it). The cpu backend shares out the cores by its thread rule
 (``runtime.cpu_threads``, as ``serve`` does); torch keeps its default threads (one per core)
 unless ``--st-threads`` says otherwise. ``--st-threads 1,2`` (with ``--isolate``) runs
@@ -102,7 +102,7 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # longest text; a cpu forward costs about its padded rows): the benchmark's texts of 2-20 tokens
 # ran padded to 16 or 24 (1.3x their tokens at one client), now to at most 3 more; measured
 # against (16, 24, 32, ...) alternating, no busy loops, 2 streams: CPU per request 16.6 vs 18.4
-# ms at 1 client, 12.5 vs 12.9 at 8, 7.6 vs 7.8 at 64 (/work/notes/issue-30-s6.md). On cpu the
+# ms at 1 client, 12.5 vs 12.9 at 8, 7.6 vs 7.8 at 64 (issue 30). On cpu the
 # extra graphs cost little memory (one arena and GraphPool per model), a capture each.
 SEQ_BUCKETS = (8, 12, 16, 20, 24, 32, 64, 256)
 WARMUP_SEQ = 32                     # the warm-up captures every batch bucket up to this length

@@ -225,6 +225,11 @@ def create_app(batcher, *, model_id: str = MODEL_ID, metrics: ServingMetrics | N
     elif openai_ids is not None:
         limits["vocab_size"] = openai_ids.vocab_size
     health_settings = dict(settings or {}, token_ids=token_ids)
+    for k in ("batch_buckets", "seq_buckets", "max_batch", "max_batch_tokens"):
+        if k in health_settings and health_settings[k] is None:     # (None: the default, shown
+            v = getattr(batcher, k, None)                             # as what runs: USER7)
+            if v is not None:
+                health_settings[k] = list(v) if isinstance(v, tuple) else v
     big_submits = asyncio.Semaphore(1)
 
     def err(e: _ApiError):

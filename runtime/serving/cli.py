@@ -24,6 +24,7 @@ the headers).
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import os
 import sys
@@ -251,7 +252,8 @@ def main_ray(args, settings=None) -> int:
 
 
 def main(argv=None) -> int:
-    """Run the server until interrupted. Returns the exit code (2 when the model is missing)."""
+    """Run the server until interrupted. Returns the exit code (2 when the model is missing, 1
+    when the address cannot be listened on: in use, not this host's, or a privileged port)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)
     if args.ray:                         # Ray Serve: the same settings, per replica
@@ -309,6 +311,13 @@ def _serve(settings) -> int:
                      f"({replica.batcher.path} path"
                      f"{f', {streams} streams' if streams > 1 else ''}"
                      f", token ids: {settings.token_ids})")
+    except OSError as e:                # serve binds first: an address in use, not ours, ...
+        if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        print(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}; pick another "
+              "--port (another process may hold this one), or --port 0 for any free one",
+              file=sys.stderr)
+        return 1
     finally:
         replica.tracing.shutdown()
     return 0

@@ -35,7 +35,8 @@ over buckets 8, 12, 16, 20, 24: 7 texts a batch at 64 clients, against sentence-
 15). The batchers take the buckets in turn instead (the i-th to the ``i % N``-th), so each
 queue holds half of them: 9-10 texts a batch at 64 clients beside busy processes, more
 requests/s in 8 of 10 paired rounds (median +21% in each of two runs) for 2-11% less CPU per
-request (issue 30, /work/notes/h30.md). Only under load (``BUCKET_MIN_LOAD``:
+request (issue 30: a paired probe, the two routings alternating in one process every 192
+requests beside two busy loops). Only under load (``BUCKET_MIN_LOAD``:
 at 8 clients the least loaded kept both streams running side by side, one thread each, and
 spent less CPU per request). Balance is kept: an idle batcher takes
 the next request whatever its bucket (a free thread starts at once, as with the least loaded),

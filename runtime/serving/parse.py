@@ -94,18 +94,35 @@ def _ids(i: int, seq, vocab_size, window, slow: bool, max_ids) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "an integer", float: "a number",
+               str: "a string", list: "an array", dict: "an object"}
+
+
+def _json_type(v) -> str:
+    """What a JSON value is, in JSON's words (``null``, ``an array``, ...), for messages."""
+    return _JSON_TYPES.get(type(v), type(v).__name__)
+
+
 def _inputs(inp, body: bytes, token_ids: str, vocab_size, window, refusal) -> tuple:
     """``(inputs, is_ids)`` from the ``input`` field, or :class:`ApiError` 400."""
     if isinstance(inp, str):
         return [inp], False
     if not isinstance(inp, list):
-        raise ApiError(400, f"'input' is {type(inp).__name__}; it must be a string, a list of "
+        raise ApiError(400, f"'input' is {_json_type(inp)}; it must be a string, a list of "
                        "strings, or token ids (a list of ints or a list of lists of ints)",
                        param="input")
     if not inp:
         raise ApiError(400, "'input' must not be an empty list", param="input")
     if all(isinstance(t, str) for t in inp):
         return inp, False
+    first = inp[0]
+    if not (isinstance(first, (str, list)) or _is_int(first)):
+        raise ApiError(400, f"'input[0]' is {_json_type(first)}; each input must be a string "
+                       "(or, where the server takes token ids, every input an integer, or every "
+                       "input an array of integers)", param="input")
+    if isinstance(first, list) and first and isinstance(first[0], str):
+        raise ApiError(400, "'input[0]' is an array of strings; send the strings themselves: "
+                       "'input' is a string or a list of strings", param="input")
     if token_ids == "refuse" and (_is_int(inp[0]) or isinstance(inp[0], list)):
         raise ApiError(400, refusal, param="input", code="token_ids_not_accepted")
     # a bool inside an int list becomes an int in numpy: only then check each value in Python
@@ -120,8 +137,8 @@ def _inputs(inp, body: bytes, token_ids: str, vocab_size, window, refusal) -> tu
         return [_ids(i, s, vocab_size, window, slow, max_ids) for i, s in enumerate(inp)], True
     kind = str if isinstance(inp[0], str) else (list if isinstance(inp[0], list) else int)
     bad = next(i for i, t in enumerate(inp) if not isinstance(t, kind) or isinstance(t, bool))
-    raise ApiError(400, f"'input[{bad}]' is {type(inp[bad]).__name__} but 'input[0]' is "
-                   f"{type(inp[0]).__name__}; send strings, or token ids, not a mix",
+    raise ApiError(400, f"'input[{bad}]' is {_json_type(inp[bad])} but 'input[0]' is "
+                   f"{_json_type(first)}; send strings, or token ids, not a mix",
                    param="input")
 
 

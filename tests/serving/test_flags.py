@@ -246,3 +246,37 @@ def test_a_bad_flag_value_gets_the_usage_and_one_error_line(argv, capsys, monkey
     assert lines[0].startswith(f"usage: python -m runtime {argv[0]}"), err
     assert sum(ln.startswith("python -m runtime") and "error:" in ln for ln in lines) == 1, err
     assert "Traceback" not in err
+
+
+def test_serve_on_a_port_another_process_holds_says_so_and_exits_1(monkeypatch, capsys):
+    """USER7: ``serve`` on a taken port printed only uvicorn's "OSError: [Errno 98] Address
+    already in use"; it says which address and what to do (--port 0), exit status 1."""
+    import socket
+
+    import runtime.serving as serving
+    from runtime.serving import cli
+
+    monkeypatch.setattr(serving, "load_model",
+                        lambda backend="cpu", *, path=None, max_graphs=8: FakeModel())
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        assert cli.main(["--host", "127.0.0.1", "--port", str(port), "--backend", "cpu"]) == 1
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port 0" in err, err
+
+
+def test_health_reports_the_buckets_and_limits_that_run_when_the_flags_left_them_default(paths):
+    """USER7: /health said ``batch_buckets: null`` and ``max_batch_tokens: null`` for the
+    defaults; it reports what the batcher runs with (the README's 1,2,4,8,16,32 and 8192)."""
+    v = paths("serve", [])
+    b = v["app"].state.batcher
+    got = _client(v["app"]).get("/health").json()["settings"]
+    assert got["batch_buckets"] == list(b.batch_buckets) and None not in got["batch_buckets"]
+    assert got["seq_buckets"] == list(b.seq_buckets)
+    assert got["max_batch_tokens"] == b.max_batch_tokens > 0
+    assert got["max_batch"] == b.max_batch > 0

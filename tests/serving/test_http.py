@@ -100,6 +100,28 @@ def test_any_malformed_body_gets_a_4xx_error_never_an_exception():
     check()
 
 
+@pytest.mark.parametrize("inp, says", [
+    ([None], "'input[0]' is null; each input must be a string"),
+    ([1.5], "'input[0]' is a number; each input must be a string"),
+    ([{"a": 1}], "'input[0]' is an object; each input must be a string"),
+    ([["a", "b"]], "'input[0]' is an array of strings; send the strings themselves"),
+    (["a", None], "'input[1]' is null but 'input[0]' is a string; send strings"),
+    ({"a": 1}, "'input' is an object; it must be a string"),
+])
+@pytest.mark.parametrize("token_ids", ["refuse", "wordpiece"])
+def test_a_body_whose_inputs_are_not_strings_is_told_what_each_is_in_json_terms(inp, says,
+                                                                               token_ids):
+    """USER7: ``{"input": [null]}`` was answered "'input[0]' is NoneType but 'input[0]' is
+    NoneType; ... not a mix" and ``[["a"]]`` the token-ids refusal."""
+    from runtime.serving.app import MODEL_ID
+    from runtime.serving.parse import ApiError, parse_request
+
+    with pytest.raises(ApiError) as e:
+        parse_request(json.dumps({"input": inp, "model": MODEL_ID}).encode(), model_id=MODEL_ID,
+                      token_ids=token_ids, vocab_size=30522, window=256)
+    assert e.value.status == 400 and says in e.value.message, e.value.message
+
+
 def test_a_failing_batch_answers_500_to_its_requests_and_the_server_keeps_serving():
     _need_http()
     import httpx

@@ -133,7 +133,13 @@ class QueueThread:
     def push(self, op) -> None:
         """Queue ``(kind, obj, arg)``; ``arg`` is the dispatch count of a submit, the data of a
         write. Raises ``ServerClosed`` once closed (the op's completion is failed)."""
-        with self.cv:
+        if not self.cv.acquire(timeout=LOCK_S):
+            # SOAK7: an asynchronous exception landing in a caller between its acquire and
+            # its ``with`` block left the lock held for ever (nobody holds it longer than a
+            # few operations): take it back, or the server's owner waited here for ever
+            self.cv._lock.release()
+            self.cv.acquire()
+        with _Held(self.cv):
             if self.closed:
                 if op[0] == _MAP:
                     _fail_closed(op[1])
@@ -278,6 +284,25 @@ class QueueThread:
                 _fail_closed(obj)
         if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join(timeout=1.0)      # (not one that never started: SOAK7)
+
+
+#: seconds a push waits for the queue's lock before it takes it back (:meth:`QueueThread.push`)
+LOCK_S = 2.0
+
+
+class _Held:
+    """``with`` over a lock already acquired: releases it on the way out."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self):
+        return self.lock
+
+    def __exit__(self, *exc):
+        self.lock.release()
 
 
 def _weight(op) -> int:

@@ -805,3 +805,34 @@ def test_a_dead_server_whose_scheduler_lock_was_left_held_still_ends_its_threads
     c.shutdown()
     _until(lambda: not [t for t in threading.enumerate() if t.is_alive() and t not in before],
            "the dead server's threads to end")
+
+
+def test_a_wgpu_queue_lock_left_held_by_an_interrupted_caller_is_taken_back():
+    """SOAK7 (wgpu soak with interrupts): a KeyboardInterrupt landing in a caller between its
+    acquire of the wgpu queue thread's lock and its ``with`` block left the lock held for ever;
+    the device thread's next push waited for it for ever, and so did every blocking call. A
+    push now takes the lock back after ``LOCK_S``."""
+    from runtime.testing import backend_unavailable
+    why = backend_unavailable("wgpu")
+    if why:
+        pytest.skip(why)
+    c = runtime.client("wgpu", max_idle_bytes=(1 << 30) - 23)      # a server of its own
+    try:
+        x = c.create(ONES)
+        np.testing.assert_array_equal(c.read(x), ONES)
+        t = threading.Thread(target=c._server.backend.qt.cv.acquire)   # orphaned: never released
+        t.start()
+        t.join()
+        box = []
+
+        def use():
+            y = c.empty(4, np.float32)
+            c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+            box.append(c.read(y))
+        u = threading.Thread(target=use, daemon=True)
+        u.start()
+        u.join(LIMIT_S)
+        assert not u.is_alive(), "the call waited for the orphaned lock"
+        np.testing.assert_array_equal(box[0], ONES + 1)
+    finally:
+        c.shutdown()

@@ -216,16 +216,22 @@ def test_the_validator_finds_what_breaks_the_format():
         dict(ok[3], ts=9), ok[4]]))
 
 
+def _run_traced(code: str, out) -> tuple:
+    """``(env, completed process)`` of ``python -c code`` with ``RUNTIME_TRACE=out`` and this
+    checkout on ``PYTHONPATH``."""
+    env = dict(os.environ, RUNTIME_TRACE=str(out), PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    return env, subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                               text=True, timeout=120)
+
+
 def test_RUNTIME_TRACE_traces_a_whole_process(tmp_path):
     out = tmp_path / "proc.json"
     code = ("import numpy as np, runtime; from runtime import kernels as K\n"
             "c = runtime.client('cpu'); x = c.create(np.ones(4, np.float32))\n"
             "c.launch(K.add_scalar, 1, [x, x2 := c.empty(4, np.float32)], "
             "{'alpha': 1.0, 'n': 4}); print(c.read(x2)[0])\n")
-    env = dict(os.environ, RUNTIME_TRACE=str(out), PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
+    env, r = _run_traced(code, out)
     assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert tracing.validate(doc) == []
@@ -253,10 +259,7 @@ def test_runtime_trace_inside_RUNTIME_TRACE_shares_the_process_trace(tmp_path):
             "    tracing.start()\n"
             "except tracing.TracingActive as e:\n"
             "    print(type(e).__mro__[1].__name__, e)\n")
-    env = dict(os.environ, RUNTIME_TRACE=str(out), PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
+    env, r = _run_traced(code, out)
     assert r.returncode == 0, r.stderr[-2000:]
     first, second = r.stdout.splitlines()
     assert first == "3.0"

@@ -237,9 +237,9 @@ def _open(cls, device: int, options: dict):
         if left and "backend" in box:
             box.pop("backend").close()
     t = threading.Thread(target=build, name="runtime-open-backend", daemon=True)
-    if not _threads.start(t):
-        raise ServerClosed(_threads.not_started(t.name))
-    try:
+    try:                    # (the start too: the thread may run, and build, before it returns)
+        if not _threads.start(t):
+            raise ServerClosed(_threads.not_started(t.name))
         while not done.wait(0.05):
             pass
     except BaseException:

@@ -476,23 +476,6 @@ class ComputeServer:
                 if not queue._q and not queue.closed:
                     if queue.lazy:
                         self._run_lazy()
-                    # h_read's fast path, written out (one frame less on the hot path)
-                    s = self.streams.get(sid)
-                    st = self.handles.get(hid)
-                    if (s is not None and st is not None and s.window is None
-                            and self.checker is None and not (
-                                s.errors or self.marks.async_errors or self.backend.failures
-                                or self.ended_busy)):
-                        w = st.writes
-                        if not w or len(w) == 1 and sid in w:     # (else: an event wait)
-                            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes,
-                                                             dtype)
-                            if data is not None:
-                                if s.done_pos < s.pos or s.synced:
-                                    self.marks.ran(s)
-                                if st.mark is CLEAN or self.marks.clean(st):
-                                    st.reads[sid] = s.done_pos = s.pos = s.pos + 1
-                                    return data
                     return self.h_read(sid, hid, dtype)
             except queue.FATAL as e:
                 queue._die(e)

@@ -13,6 +13,15 @@ process hung too (SOAK7: 1 in ~1,000 interrupted requests).
 :func:`start` is ``thread.start()`` whose wait ends after :data:`START_S` seconds: it returns
 whether the thread runs, and a thread it gave up on does nothing if it ever starts late (its
 target is dropped). Callers raise a typed error (``ServerClosed`` for a server's threads).
+
+:class:`Event` is a ``threading.Event`` that an asynchronous exception cannot leave locked
+(SOAK8). CPython delivers one at a Python function's entry and right after a C function
+called from Python returns; ``threading.Event`` (and any ``with`` over a
+``threading.Condition``) enters its lock through the Condition's Python-level ``__enter__``,
+which returns after the lock's C ``acquire``: an exception landing there leaves the lock held
+for ever, and every later ``set`` (the device thread answering a call, a worker finishing a
+completion) waited for it for ever. A ``with`` over a plain lock (a C ``__enter__`` and
+``__exit__``) has no such point.
 """
 
 from __future__ import annotations
@@ -24,8 +33,75 @@ import threading
 START_S = 10.0
 
 
-class _Started(threading.Event):
+class Event:
+    """``threading.Event`` (``set``, ``clear``, ``is_set``, ``wait``) that an asynchronous
+    exception landing anywhere in a call leaves usable (module doc): its lock is only taken by
+    ``with`` over a plain lock, and each waiter sleeps on a lock of its own that ``set``
+    releases. One landing in a ``wait`` makes it raise (its waiter is forgotten); one landing
+    in ``set`` still wakes every waiter."""
+
+    __slots__ = ("_flag", "_lock", "_waiters")
+
+    def __init__(self):
+        self._flag = False
+        self._lock = threading.Lock()
+        self._waiters: list = []    # one held lock per waiting thread, released by set()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    isSet = is_set
+
+    def set(self) -> None:
+        with self._lock:
+            self._flag = True
+            waiters, self._waiters = self._waiters, []
+            try:
+                for w in waiters:
+                    w.release()
+            finally:                # (an exception between two releases: the rest too)
+                for w in waiters:
+                    if w.locked():
+                        w.release()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set, or ``timeout`` seconds (None: no limit); returns ``is_set()``."""
+        if self._flag:
+            return True
+        w = threading.Lock()
+        w.acquire()
+        with self._lock:
+            if self._flag:
+                return True
+            try:
+                self._waiters.append(w)
+            except BaseException:
+                if w in self._waiters:
+                    self._waiters.remove(w)
+                raise
+        got = False
+        try:
+            got = w.acquire(True, -1 if timeout is None else max(0.0, timeout))
+        finally:
+            with self._lock:
+                if w in self._waiters:      # (timed out, or interrupted)
+                    self._waiters.remove(w)
+        return got or self._flag
+
+    def _at_fork_reinit(self) -> None:
+        """(``threading``'s hook in a forked child) Fresh lock; the waiters stayed behind."""
+        self._lock = threading.Lock()
+        self._waiters = []
+
+
+class _Started(Event):
     """``Thread._started`` whose untimed ``wait`` (``Thread.start``'s) ends after ``limit_s``."""
+
+    __slots__ = ("limit_s",)
 
     def __init__(self, limit_s: float):
         super().__init__()

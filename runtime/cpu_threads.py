@@ -56,10 +56,12 @@ import time
 
 try:
     from ._threads import start as _start_thread     # SOAK7: a start with a way out
+    from ._threads import Event as _Event           # SOAK8: no lock an interrupt leaves held
 except ImportError:     # (loaded alone, a leaf module: the plain start)
     def _start_thread(thread) -> bool:
         thread.start()
         return True
+    _Event = threading.Event
 
 #: the environment variables that fix numpy's BLAS thread count (the user's setting wins)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -204,15 +206,19 @@ class BlasOwner:
 
     def __init__(self, timeout_s: float = 10.0):
         self.timeout_s = timeout_s
-        self._cv = threading.Condition(threading.Lock())
+        # SOAK8: blocks take the plain lock, never ``with self._cv`` (the Condition's Python
+        # __enter__/__exit__, where a KeyboardInterrupt can land with the lock taken and leave
+        # it held: every later call waited for it for ever)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._work: list = []
         self._thread = None
 
     def call(self, fn):
         """``fn()`` on the owner thread; returns its result or raises its exception."""
         box: list = []
-        done = threading.Event()
-        with self._cv:
+        done = _Event()
+        with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="runtime-blas-owner")
@@ -224,7 +230,7 @@ class BlasOwner:
             self._work.append((fn, box, done))
             self._cv.notify()
         if not done.wait(self.timeout_s):
-            with self._cv:
+            with self._lock:
                 if (fn, box, done) in self._work:       # never started: run it here
                     self._work.remove((fn, box, done))
                     return fn()
@@ -238,7 +244,7 @@ class BlasOwner:
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._work:
                     self._cv.wait()
                 fn, box, done = self._work.pop(0)
@@ -677,7 +683,7 @@ class _Job:
     """One :meth:`FanOutPool.run`: its pieces, handed out one at a time to whichever thread
     asks next (the caller and pool threads), and the first error."""
 
-    __slots__ = ("fn", "pieces", "next", "left", "error", "cv", "seats")
+    __slots__ = ("fn", "pieces", "next", "left", "error", "cv", "lock", "seats")
 
     def __init__(self, fn, pieces, cv, seats):
         self.fn, self.pieces = fn, pieces
@@ -686,6 +692,7 @@ class _Job:
         self.left = len(pieces)             # pieces not finished (or skipped after an error)
         self.error = None
         self.cv = cv
+        self.lock = cv._lock                # (``with`` takes it: see FanOutPool)
 
     def work(self) -> None:
         """Run pieces until none is left to hand out. An exception (a piece's, or an
@@ -693,22 +700,22 @@ class _Job:
         handed to the caller of ``run()`` and still counts the piece this thread held, so the
         caller's wait for ``left`` always ends (ADV6: one landing between taking a piece and
         running it left ``left`` above 0 for ever, the caller and its stream hung)."""
-        cv, n = self.cv, len(self.pieces)
+        cv, lock, n = self.cv, self.lock, len(self.pieces)
         held = False                        # a piece taken and not yet counted
         try:
             while True:
-                with cv:
+                with lock:
                     i = self.next
                     if i >= n:
                         return
                     self.next, held = i + 1, True   # (no call between: no interrupt lands)
                 self.fn(self.pieces[i])
-                with cv:
+                with lock:
                     self.left, held = self.left - 1, False
                     if not self.left:
                         cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the caller of run()
-            with cv:
+            with lock:
                 if self.error is None:
                     self.error = e
                 self.left -= n - self.next + held       # never handed out, and this one
@@ -727,7 +734,8 @@ class FanOutPool:
     """
 
     def __init__(self):
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()       # SOAK8: ``with`` takes the plain lock (BlasOwner)
+        self._cv = threading.Condition(self._lock)
         self._jobs: list = []               # jobs with pieces left to hand out and seats free
         self._threads: list = []
 
@@ -745,10 +753,10 @@ class FanOutPool:
                 for p in pieces:
                     fn(p)
             return
-        cv = self._cv
+        cv, lock = self._cv, self._lock
         job = _Job(fn, pieces, cv, helpers)
         with RULE.fan_out():
-            with cv:
+            with lock:
                 while len(self._threads) < helpers:
                     t = threading.Thread(target=self._loop, daemon=True,
                                          name=f"runtime-cpu-kernel-{len(self._threads)}")
@@ -760,7 +768,7 @@ class FanOutPool:
             try:
                 job.work()
             finally:
-                with cv:
+                with lock:
                     if job in self._jobs:
                         self._jobs.remove(job)
                     while job.left:                     # pieces other threads are in
@@ -771,7 +779,7 @@ class FanOutPool:
     def _loop(self) -> None:
         cv = self._cv
         while True:
-            with cv:
+            with self._lock:
                 while not self._jobs:
                     cv.wait()
                 job = self._jobs[0]

@@ -31,11 +31,11 @@ Terms:
 from __future__ import annotations
 
 import inspect
-import threading
 from typing import Any
 
 import numpy as np
 
+from .. import _threads
 from ..errors import ErrorQueue, UnsupportedError
 
 
@@ -95,7 +95,7 @@ class Completion:
             if self.done:
                 return True
         if self._event is None:
-            self._event = threading.Event()
+            self._event = _threads.Event()     # (SOAK8: no lock an interrupt leaves held)
             if self.done:         # finished between the check and the event's creation
                 return True
         return self._event.wait(timeout)

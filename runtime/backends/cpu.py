@@ -426,10 +426,10 @@ class CpuBackend(Backend):
         q = stream.q
         if not q or not self._threaded:
             return
-        cv = self.scheduler.cv
+        lock = self.scheduler.lock          # (SOAK8: a plain lock's with, no Python frame)
         claimed = taken = False
         try:                                # (see ThreadScheduler.help: busy always cleared)
-            with cv:
+            with lock:
                 if stream.busy or len(q) > INLINE_ITEMS or any(k != _TINY for k, _ in q):
                     return
                 stream.runner = threading.get_ident()
@@ -445,7 +445,7 @@ class CpuBackend(Backend):
             raise
         finally:
             if claimed:
-                with cv:
+                with lock:
                     stream.busy = False
                     if q and self.scheduler.waiting:
                         self.scheduler._requeue(stream)     # (wakes one idle worker)

@@ -123,7 +123,10 @@ class ThreadScheduler(Scheduler):
 
     def attach(self, backend):
         super().attach(backend)
-        lock = threading.Lock()
+        # SOAK8: blocks take the plain lock (``with self.lock``), never the Condition's Python
+        # __enter__/__exit__, where an asynchronous exception can land with the lock taken
+        # (SOAK6 found it left held: the server died of it)
+        self.lock = lock = threading.Lock()
         self.cv = threading.Condition(lock)
         # the polling worker's untimed sleep: a deferred push after a pause wakes it alone
         # (cv would wake every idle worker, and each would race to take the caller's work)
@@ -148,7 +151,7 @@ class ThreadScheduler(Scheduler):
 
     def notify(self):
         if self.waiting:
-            with self.cv:
+            with self.lock:
                 self._wake_one()
 
     def _wake_one(self) -> None:
@@ -169,10 +172,10 @@ class ThreadScheduler(Scheduler):
                     self.deferred.append(s)
                 self.pushes += 1
                 if self.poller_asleep:      # (read after the count: see _loop)
-                    with self.cv:
+                    with self.lock:
                         self.poll_cv.notify()
                 return True
-        with self.cv:                           # atomic with a worker's pick-then-wait
+        with self.lock:                           # atomic with a worker's pick-then-wait
             s.q.append(item)
             if s.sched == IDLE and not s.busy:
                 s.sched = READY
@@ -191,11 +194,11 @@ class ThreadScheduler(Scheduler):
 
     def kick(self):
         if self.waiting:
-            with self.cv:
+            with self.lock:
                 self._wake_all()
 
     def notify_all(self):
-        with self.cv:
+        with self.lock:
             self._wake_all()
 
     def _wake_all(self) -> None:
@@ -203,7 +206,7 @@ class ThreadScheduler(Scheduler):
         self.poll_cv.notify_all()
 
     def event_done(self, event):
-        with self.cv:
+        with self.lock:
             waiters = getattr(event, "waiters", None)
             if waiters:
                 event.waiters = None
@@ -249,8 +252,8 @@ class ThreadScheduler(Scheduler):
             raise
 
     def _work(self, poller):
-        cv = self.cv
-        with cv:
+        cv, lock = self.cv, self.lock
+        with lock:
             while not self.closed:
                 item = self._pick()
                 if item is None:
@@ -299,10 +302,10 @@ class ThreadScheduler(Scheduler):
         read or sync. Runs outside the server's lock; ``busy`` keeps per-stream FIFO (held for
         the whole run, so the items are popped without the lock). When it stops short of
         ``comp`` (the stream waits on another stream's event), the workers are woken."""
-        cv = self.cv
+        lock = self.lock
         claimed = taken = False
         try:                                # (from before busy is set: an interrupt anywhere
-            with cv:                        # after it still clears it, else the stream hangs)
+            with lock:                        # after it still clears it, else the stream hangs)
                 if stream.busy or not stream.q or self.closed:
                     if not comp.done and self.waiting and (self.deferred or self.ready):
                         self._wake_all()        # (deferred work it waits for: see _pick)
@@ -324,7 +327,7 @@ class ThreadScheduler(Scheduler):
             raise
         finally:
             if claimed:
-                with cv:
+                with lock:
                     stream.busy = False
                     self._requeue(stream)
                     if not comp.done and self.waiting and (self.deferred or self.ready):

@@ -61,7 +61,7 @@ class MapCompletion(Completion):
         super().__init__()
         self.qt, self.staging, self.size, self.nbytes = qt, staging, size, nbytes
         self.stream = stream                # its errors are reported by this completion
-        self.issued = threading.Event()     # set once map_async was called (or it failed)
+        self.issued = _threads.Event()     # set once map_async was called (or it failed)
         self.promise = None
         self._lock = threading.Lock()
 
@@ -113,7 +113,10 @@ class QueueThread:
         self.queue = backend.queue
         self.max_inflight = max_inflight
         self.ops: collections.deque = collections.deque()
-        self.cv = threading.Condition(threading.Lock())
+        # SOAK8: blocks take the plain lock (``with self.lock``), never the Condition's Python
+        # __enter__/__exit__, where a KeyboardInterrupt can land with the lock taken
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
         self.closed = False
         self.items = 0           # dispatches (or 1 per other op) queued here, for load()
         self.bytes = 0           # host bytes of queued writes
@@ -156,9 +159,9 @@ class QueueThread:
             self.cv.notify()
 
     def _loop(self) -> None:
-        cv, ops = self.cv, self.ops
+        cv, lock, ops = self.cv, self.lock, self.ops
         while True:
-            with cv:
+            with lock:
                 while not ops and not self.closed:
                     cv.wait()
                 if self.closed:
@@ -169,7 +172,7 @@ class QueueThread:
             except Exception as exc:  # noqa: BLE001 - reported, the thread goes on
                 self.backend._queue_error(op, exc)
             finally:
-                with cv:
+                with lock:
                     self.items -= _weight(op)
                     if op[0] == _WRITE:
                         self.bytes -= op[2].nbytes
@@ -274,7 +277,7 @@ class QueueThread:
 
     def close(self) -> None:
         """Fail what is queued with ``ServerClosed`` and stop the thread (joined <= 1 s)."""
-        with self.cv:
+        with self.lock:
             self.closed = True
             ops, self.ops = list(self.ops), collections.deque()
             self.items = self.bytes = 0

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+import threading
 
 import numba
 import numpy as np
@@ -46,6 +48,13 @@ def _start_pool() -> None:
     finally:
         if mine:
             del os.environ["OMP_WAIT_POLICY"]
+    # SOAK8: every numba.set_num_threads (set_threads, before each kernel's loops) enters the
+    # layer's start-up lock, a multiprocessing RLock whose Python-level __enter__ a
+    # KeyboardInterrupt can leave held (every later kernel's loops then waited for ever). The
+    # layer is up: the lock only guards its "started" flag now, which a plain RLock does.
+    par = sys.modules.get("numba.np.ufunc.parallel")
+    if getattr(par, "_is_initialized", False) and hasattr(par, "_backend_init_process_lock"):
+        par._backend_init_process_lock = threading.RLock()
 
 
 _start_pool()

@@ -223,7 +223,7 @@ def _open(cls, device: int, options: dict):
     if not getattr(cls, "foreign_threads", False):
         return cls(device, **options)
     box: dict = {}
-    done = threading.Event()
+    done = _threads.Event()        # (SOAK8: an interrupted wait leaves no lock held)
     lock = threading.Lock()
 
     def build():

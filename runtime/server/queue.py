@@ -100,7 +100,7 @@ class Reply:
         if self.done:
             return True
         if self._event is None:
-            self._event = threading.Event()
+            self._event = _threads.Event()     # (SOAK8: no lock an interrupt leaves held)
             if self.done:
                 return True
         return self._event.wait(timeout)
@@ -137,14 +137,19 @@ class DeviceQueue:
         self._load = load or (lambda: (0, 0))
         self._q = collections.deque()
         self._owner = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = _threads.Event()   # SOAK8: set by callers; an interrupted set or wait
+        #                                 (threading.Event) left its lock held: the device thread hung
         self._on_async_error = on_async_error
         #: called with ``(exception, fn, args)`` of a fire-and-forget message that raised (the
         #: server's marks what the message would have written: ``ComputeServer._on_async_error``)
         self.message_error = lambda e, fn, args: on_async_error(e)
         self.max_messages, self.max_bytes, self.max_load = max_messages, max_bytes, max_load
         self.bytes = 0                  # pending host data of queued messages
-        self._room = threading.Condition(threading.Lock())
+        # SOAK8: blocks take the plain lock (``with self._room_lock``), never the Condition's
+        # Python-level __enter__/__exit__, where an asynchronous exception (KeyboardInterrupt)
+        # can land with the lock taken and leave it held for ever (the next write hung)
+        self._room_lock = threading.Lock()
+        self._room = threading.Condition(self._room_lock)
         self.room_waiters = 0           # producers waiting for room (tests and benchmarks read it)
         self.closed = False
         self.closing = False            # a normal shutdown is under way (not a death)
@@ -193,7 +198,7 @@ class DeviceQueue:
         backlog depends on died (the cpu backend's stream workers: nothing would ever make
         room); checked every 50 ms.
         """
-        with self._room:
+        with self._room_lock:
             self.room_waiters += 1
             try:
                 while self.full():
@@ -224,7 +229,7 @@ class DeviceQueue:
         """Wake producers waiting for room (the owner after a message, the backend when its
         backlog shrank); cheap when nobody waits."""
         if self.room_waiters:
-            with self._room:
+            with self._room_lock:
                 self._room.notify_all()
 
     def submit(self, fn, *args, nbytes: int = 0) -> None:
@@ -244,7 +249,7 @@ class DeviceQueue:
                 or self.bytes + held >= self.max_bytes):
             self.wait_room()
         if nbytes:
-            with self._room:
+            with self._room_lock:
                 self.bytes += nbytes
             fn = _Counted(self, fn, nbytes)
         elif not q and self._owner.acquire(False):
@@ -598,7 +603,7 @@ class DeviceQueue:
         self.closed = True
         self._wake.set()                # the device thread ends (and runs on_death)
         self._fail_pending()
-        with self._room:
+        with self._room_lock:
             self._room.notify_all()
 
     def _fail_pending(self) -> None:
@@ -644,7 +649,7 @@ class DeviceQueue:
         if threading.current_thread() is self._thread:
             raise RuntimeError("close() from the device thread")
         self.closing = True
-        with self._room:                # producers waiting for room get ServerClosed now
+        with self._room_lock:                # producers waiting for room get ServerClosed now
             self._room.notify_all()
         done = Reply()
 
@@ -663,7 +668,7 @@ class DeviceQueue:
         self._wake.set()
         self._thread.join(timeout=5.0)
         self._fail_pending()
-        with self._room:
+        with self._room_lock:
             self._room.notify_all()
 
     def is_alive(self) -> bool:
@@ -682,7 +687,9 @@ def _after_fork_in_child() -> None:
     for q in list(_QUEUES):
         q.forked_from = parent
         q.closed = True
-        q._room = threading.Condition(threading.Lock())
+        q._room_lock = threading.Lock()
+        q._wake = _threads.Event()
+        q._room = threading.Condition(q._room_lock)
     _QUEUES.clear()
 
 
@@ -738,7 +745,7 @@ class _Counted:
             return self.fn(*args)
         finally:
             q = self.queue
-            with q._room:
+            with q._room_lock:
                 q.bytes -= self.nbytes
                 if q.room_waiters:
                     q._room.notify_all()

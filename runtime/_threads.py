@@ -145,6 +145,20 @@ def _forget(thread: threading.Thread) -> None:
             limbo.pop(thread, None)
 
 
+def is_alive(thread: threading.Thread) -> bool:
+    """``thread.is_alive()`` without CPython 3.11's flaw (SOAK8): an exception landing in
+    ``Thread._wait_for_tstate_lock`` right after its non-blocking poll of a running thread's
+    lock runs that method's handler (bpo-45274's), which releases the lock the thread holds and
+    marks it stopped: ``is_alive()`` is False for good while the thread runs on (the BLAS owner
+    then started a second owner per such interrupt). This reads the lock's state only."""
+    lock = getattr(thread, "_tstate_lock", False)
+    if lock is False or not hasattr(thread, "_is_stopped"):  # (other versions: their own)
+        return thread.is_alive()
+    if not thread._started.is_set():
+        return False
+    return lock is not None and lock.locked() and not thread._is_stopped
+
+
 def not_started(what: str) -> str:
     """The message of the error a caller raises when :func:`start` gave up on ``what``."""
     return (f"{what} did not start within {START_S:g} s: an asynchronous exception aimed at "

@@ -57,11 +57,15 @@ import time
 try:
     from ._threads import start as _start_thread     # SOAK7: a start with a way out
     from ._threads import Event as _Event           # SOAK8: no lock an interrupt leaves held
+    from ._threads import is_alive as _is_alive     # SOAK8: no live thread taken for dead
 except ImportError:     # (loaded alone, a leaf module: the plain start)
     def _start_thread(thread) -> bool:
         thread.start()
         return True
     _Event = threading.Event
+
+    def _is_alive(thread) -> bool:
+        return thread.is_alive()
 
 #: the environment variables that fix numpy's BLAS thread count (the user's setting wins)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -219,7 +223,7 @@ class BlasOwner:
         box: list = []
         done = _Event()
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None or not _is_alive(self._thread):
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="runtime-blas-owner")
                 if not _start_thread(self._thread):      # SOAK7: it died before it ran
@@ -235,7 +239,7 @@ class BlasOwner:
                     self._work.remove((fn, box, done))
                     return fn()
             while not done.wait(0.05):                   # started: it finishes, unless the
-                if not owner.is_alive() and not done.is_set():  # owner died with it taken
+                if not _is_alive(owner) and not done.is_set():  # owner died with it taken
                     return fn()                          # (an interrupt): run it here (ADV6)
         ok, value = box[0]
         if not ok:
@@ -771,7 +775,10 @@ class FanOutPool:
                 with lock:
                     if job in self._jobs:
                         self._jobs.remove(job)
-                    while job.left:                     # pieces other threads are in
+                    if job.next < len(pieces):          # SOAK8: interrupted before work()
+                        job.left -= len(pieces) - job.next    # ran: nobody hands them out
+                        job.next = len(pieces)                # now (the caller waited for
+                    while job.left:                     # ever); pieces other threads are in
                         cv.wait()
         if job.error is not None:
             raise job.error

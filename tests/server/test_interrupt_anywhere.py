@@ -103,23 +103,111 @@ class _Tenant:
         np.testing.assert_array_equal(_bounded(use), np.arange(N) + 2)
 
 
-@pytest.mark.parametrize("what", ["write", "create"])
-def test_a_keyboard_interrupt_landing_anywhere_in_a_write_leaves_no_lock_held(what):
+def _each_point(op, next_use) -> int:
+    """Interrupt ``op`` at each of its delivery points in turn, ``next_use()`` after each;
+    returns the number of points. The test's servers are stopped at the end (bounded)."""
+    try:
+        for k in range(1, MAX_POINTS):
+            if not _interrupt_at(op, k):
+                break
+            next_use()
+        assert k > 5, "the call ran no interruptible point"
+        return k - 1
+    finally:
+        _bounded(runtime.shutdown)
+
+
+@pytest.mark.parametrize("what", ["write", "create", "release", "stream"])
+def test_a_keyboard_interrupt_landing_anywhere_in_a_call_leaves_no_lock_held(what):
     """Before: the interrupt landing in ``Condition.__enter__`` of the queue's room (a write
-    counting its bytes) left the room's lock held and the next write hung."""
+    counting its bytes) left the room's lock held and the next write hung; one landing in the
+    device thread's wake-up ``Event.set`` (a release, a dropped stream's, while the owner was
+    busy) left that event's lock held: the device thread and ``shutdown`` hung."""
     t = _Tenant()
     data = np.ones(N, np.float32)
 
     def op():
         if what == "write":
             t.c.write(t.x, np.arange(N, dtype=np.float32))
-        else:
+        elif what == "create":
             t.c.create(data)
-    try:
-        for k in range(1, MAX_POINTS):
-            if not _interrupt_at(op, k):
-                break
-            t.next_use(op)
-        assert k > 5, "the call ran no interruptible point"
-    finally:
-        runtime.shutdown()
+        elif what == "release":
+            t.c.create(data).release()
+        else:                       # a stream used once and dropped, its event waited for
+            s = t.c.with_stream(runtime.StreamId.new())
+            s.wait_event(t.c.record_event())
+    _each_point(op, lambda: t.next_use(op))
+
+
+def test_an_interrupted_blas_owner_or_fan_out_call_leaves_the_next_one_working():
+    """runtime.cpu_threads: an interrupt landing in ``with self._cv`` (``BlasOwner.call``,
+    ``FanOutPool.run``) left the lock held: every later BLAS setting or attention fan-out, so
+    every later cpu kernel needing one, waited for ever; one landing at the entry of the
+    caller's own share of the pieces left them unhanded and the caller waited for ever; one
+    landing in the owner's ``is_alive()`` (CPython 3.11 then marks the live thread stopped)
+    started a second owner per interrupt."""
+    from runtime.cpu_threads import BLAS_OWNER, FAN_OUT
+
+    got = []
+
+    def op():
+        BLAS_OWNER.call(lambda: None)
+        FAN_OUT.run(got.append, range(4), 3)
+
+    def next_use():
+        assert _bounded(lambda: BLAS_OWNER.call(lambda: 7)) == 7
+        out = []
+        _bounded(lambda: FAN_OUT.run(out.append, range(4), 3))
+        assert sorted(out) == [0, 1, 2, 3]
+        owners = [t for t in threading.enumerate() if t.name == "runtime-blas-owner"]
+        assert len(owners) <= 1, "a live BLAS owner was taken for dead and another started"
+
+    _each_point(op, next_use)
+
+
+def test_an_interrupted_numba_thread_count_leaves_the_next_kernel_working():
+    """``numba.set_num_threads`` (``cpu_loops.set_threads``, before each kernel's loops)
+    enters numba's threading-layer start-up lock, a multiprocessing RLock with a Python
+    ``__enter__``: an interrupt landing there left it held and every later cpu kernel with
+    numba loops (matmul, attention) hung."""
+    from runtime.kernels.cpu_loops import set_threads
+
+    def next_use():
+        assert _bounded(lambda: set_threads(1)) == 1
+    _each_point(lambda: set_threads(1), next_use)
+
+
+def test_an_event_whose_wait_or_set_was_interrupted_still_wakes_its_waiters():
+    """``runtime._threads.Event`` (the queue's wake-up, replies, completions): a waiter
+    interrupted at each point of its ``wait``, then another waits and a third thread sets it;
+    a ``set`` interrupted at each point while three threads wait: each wakes (once the flag is
+    set: by that call, else the next)."""
+    from runtime._threads import Event
+
+    for k in range(1, 40):
+        ev = Event()
+        if not _interrupt_at(lambda: ev.wait(0.01), k):
+            break
+        box = []
+        w = threading.Thread(target=lambda: box.append(ev.wait(LIMIT_S)), daemon=True)
+        w.start()
+        _bounded(ev.set)
+        w.join(LIMIT_S)
+        assert box == [True] and ev._waiters == []
+    for k in range(1, 40):         # interrupted in set: the waiters still wake
+        ev = Event()
+        box = []
+        ws = [threading.Thread(target=lambda: box.append(ev.wait(LIMIT_S)), daemon=True)
+              for _ in range(3)]
+        for w in ws:
+            w.start()
+        while len(ev._waiters) < 3:
+            ev.wait(0.001)
+        fired = _interrupt_at(ev.set, k)
+        if not ev.is_set():         # interrupted before it set the flag: a later set works
+            _bounded(ev.set)
+        for w in ws:
+            w.join(LIMIT_S)
+        assert box == [True] * 3 and ev.is_set()
+        if not fired:
+            break

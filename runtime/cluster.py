@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 LOOPBACK = "127.0.0.1"
 _SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -77,3 +79,61 @@ def init_ray(address: str | None = None, *, num_cpus: float | None = None,
         raise NotLoopback(f"the local Ray cluster came up on {bad}, not {LOOPBACK} only; set "
                            f"{_SWITCH}=0 before starting Python")
     return ctx
+
+
+#: seconds :func:`stop_serve` gives Serve's cleanup beyond the replicas' grace
+STOP_MARGIN_S = 30.0
+
+
+def _local_raylet():
+    """The raylet process (``subprocess.Popen``) of the local cluster this process started, or
+    None (joined a cluster, or a Ray without that record)."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node
+        infos = node.all_processes.get("raylet") if node is not None else None
+        return infos[0].process if infos else None
+    except Exception:  # noqa: BLE001 - private API: without it, only the bound applies
+        return None
+
+
+def stop_serve(app_name: str, *, local: bool, grace_s: float = 0.0) -> bool:
+    """Delete Serve application ``app_name`` and, for a ``local`` cluster this process started,
+    stop Serve and Ray; never longer than the cluster lives or ``grace_s`` +
+    :data:`STOP_MARGIN_S` seconds.
+
+    SOAK8: a SIGTERM to the process group of ``serve --ray`` (``kill -TERM -PGID``, a service
+    manager, ``timeout``) also reaches the local cluster's processes, which Ray starts in that
+    group with only SIGINT blocked: its raylet shuts down, and ``serve.delete`` waited on the
+    dead controller until Ray's GCS client gave up after 60 s and ended the process with status
+    1, spinning a core meanwhile. The cleanup runs on a thread; the caller stops waiting for it
+    when the local raylet exits (nothing is left to drain) or the bound passes, then stops Ray.
+
+    Returns: whether Serve's cleanup finished (False: skipped, the cluster was going away).
+    """
+    from ray import serve
+
+    raylet = _local_raylet() if local else None
+    finished = threading.Event()
+
+    def clean():
+        try:
+            serve.delete(app_name)
+            if local:
+                serve.shutdown()
+            finished.set()
+        except Exception:  # noqa: BLE001 - a cluster going away: Ray's shutdown below
+            pass
+    t = threading.Thread(target=clean, name="runtime-serve-stop", daemon=True)
+    t.start()
+    end = time.monotonic() + max(0.0, grace_s) + STOP_MARGIN_S
+    while t.is_alive() and time.monotonic() < end:
+        if raylet is not None and raylet.poll() is not None:
+            break                       # the local cluster is stopping: nothing to drain
+        t.join(0.1)
+    if local:
+        import ray
+
+        ray.shutdown()
+    return finished.is_set()

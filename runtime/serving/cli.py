@@ -218,10 +218,7 @@ def main_ray(args, settings=None) -> int:
     import signal
     import time
 
-    import ray
-    from ray import serve
-
-    from ..cluster import init_ray
+    from ..cluster import init_ray, stop_serve
     from .ray_serve import APP_NAME, build_app_from_args, deploy
 
     settings = settings or settings_from_args(args)
@@ -244,10 +241,11 @@ def main_ray(args, settings=None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.delete(APP_NAME)
-        if args.address is None:
-            serve.shutdown()
-            ray.shutdown()
+        # SOAK8: bounded (a SIGTERM to the process group stops the local cluster too: Serve's
+        # cleanup waited 60 s for it, then Ray ended the process with status 1); a second
+        # SIGTERM meanwhile does not cut it short (ray.shutdown stops the cluster's processes)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_serve(APP_NAME, local=args.address is None, grace_s=args.grace)
     return 0
 
 

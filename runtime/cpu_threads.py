@@ -627,8 +627,8 @@ class ThreadChoice:
         """A kernel dealt out in pieces on ``threads`` threads (:meth:`threads`' answer) did
         ``work`` (multiply-adds) in ``wall`` seconds; ``shape``: any hashable naming the
         kernel's shape (kernels of one shape are compared with each other only)."""
-        if self.mode != "auto" or wall <= 0:
-            return
+        if self.mode != "auto" or wall <= 0 or not (self._plan or self._starved()):
+            return                      # (a free host: no lock, no clock)
         now = self._clock()
         with self._lock:
             if not self._plan:

@@ -561,8 +561,9 @@ class ThreadChoice:
     ``RUNTIME_CPU_CHOICE=all`` or ``1`` fixes the count (``mode``; ``auto``: measured).
 
     Args:
-        starved: ``() -> bool``, whether the process's threads wait for cores now (the rule
-            passes ``CpuShare.share`` below :data:`CHOICE_SHARE`; tests pass a fake).
+        starved: ``() -> bool``, whether the process's threads wait for cores that other
+            processes hold (the rule: ``CpuShare.share`` below :data:`CHOICE_SHARE` while the
+            process used less than ``CpuShare.external`` of its cores; tests pass a fake).
         window_s: seconds of pieces' wall time one window sums.
         margin: how much faster (a fraction) the other count must be, in each pair of
             windows, to replace the incumbent.
@@ -746,7 +747,10 @@ class ThreadRule:
         self.choice = ThreadChoice(self._starved)   # one thread or all, on a busy host
 
     def _starved(self) -> bool:
-        return self.cpu.share < CHOICE_SHARE
+        # the process's threads waited for cores (CpuShare.share) that other processes held:
+        # it used less than CpuShare.external of its cores meanwhile (not its own threads)
+        c = self.cpu
+        return c.share < CHOICE_SHARE and (c.used is None or c.used < c.external * self.cores)
 
     def share(self) -> int:
         """The rule's threads for a kernel starting now: ``max(1, cores // max(1, active))``,

@@ -212,6 +212,13 @@ def test_the_rule_counts_pieces_only_of_an_item_executing_alone_and_starved(monk
     assert rule.share() == 2                          # whole calls still see both cores
     rule.cpu.share = 0.95                             # free again
     assert rule.threads() == 2
+    rule.cpu.share, rule.cpu.used = 0.5, 1.9          # waiting for its own threads: not starved
+    rule.record(1e6, 0.01, 2, A)
+    assert not rule.choice._plan and rule.threads() == 2
+    rule.cpu.used = 0.9                               # for other processes: compared
+    clock.t += 100
+    rule.record(1e6, 0.01, 2, A)
+    assert rule.choice._plan
 
 
 def test_the_matmul_runs_at_the_chosen_count_and_reports_its_pieces(monkeypatch):

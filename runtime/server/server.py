@@ -682,6 +682,10 @@ class ComputeServer:
                                       "the device; launch through ComputeClient.launch, which "
                                       "reads them first")
                 self._wait_for(s, cst.writes)
+                if cst.mark is not CLEAN and not Marks.clean(cst):  # counts from a failed
+                    if reads is None:           # writer: what it writes is stale (ADV8)
+                        reads = []
+                    reads.append((cst.id, cst.mark))
             if self.checker is not None:
                 for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")

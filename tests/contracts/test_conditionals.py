@@ -17,6 +17,7 @@ from runtime.errors import (CaptureRefused, LaunchError, LoopLimitExceeded, Repl
                             ServerUnhealthy, UnsupportedError)
 
 from graph_kernels import add_i32, capture, i32, set_i32
+from helpers import fail_write_set
 
 N = 8
 
@@ -424,15 +425,6 @@ def test_a_pending_failure_of_a_conditional_only_buffer_marks_that_buffer_alone(
     c.shutdown()
 
 
-def _fail_write_set(c, g):
-    """Mark ``g``'s write set failed: a replay refused inside a window of its stream."""
-    c.graph_prepare()
-    c.start_capture()
-    with pytest.raises(CaptureRefused):
-        g.replay()
-    c.abort_capture()
-
-
 def test_a_buffer_both_branches_write_recovers_with_the_next_replay(client):
     # ADV8: y is written by both branches of a capture_if with an else, so every replay writes
     # it whichever branch runs. It counted as written only inside a node: after one failure y
@@ -455,7 +447,7 @@ def test_a_buffer_both_branches_write_recovers_with_the_next_replay(client):
     g = _cond_or_skip(client, lambda: capture(client, work))
     g.replay()
     np.testing.assert_array_equal(client.read(b["z"]), np.arange(N) + 11)
-    _fail_write_set(client, g)
+    fail_write_set(client, g)
     for flag, add in ((0, 2), (1, 1), (0, 2)):
         client.write(b["flag"], i32(flag))
         g.replay()                          # old: ReplayFailed for y and z on every replay
@@ -482,7 +474,7 @@ def test_a_buffer_one_branch_writes_still_keeps_its_failure_when_both_branches_r
                           lambda: client.launch(K.add_scalar, 1, [b["x"], b["w"]],
                                                 {"alpha": 2.0, "n": N}))
     g = _cond_or_skip(client, lambda: capture(client, work))
-    _fail_write_set(client, g)
+    fail_write_set(client, g)
     client.write(b["w"], np.zeros(N, np.float32))      # (w, written by the else branch only,
     client.write(b["flag"], i32(0))                    # keeps its failure too: rewritten)
     for _ in range(2):

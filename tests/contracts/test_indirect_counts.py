@@ -15,10 +15,11 @@ import pytest
 
 import runtime
 from runtime import kernels as K
-from runtime.errors import CaptureRefused, ReplayFailed
+from runtime.errors import ReplayFailed
 from runtime.kernel import Binding, Kernel
 
 from graph_kernels import capture
+from helpers import fail_write_set
 
 
 def _counts_writer(c):
@@ -32,20 +33,11 @@ def _counts_writer(c):
     return src, cnt, g
 
 
-def _fail(c, g):
-    """A replay of ``g`` refused inside a window of its stream: its write set is marked."""
-    c.graph_prepare()
-    c.start_capture()
-    with pytest.raises(CaptureRefused):
-        g.replay()
-    c.abort_capture()
-
-
 def test_an_indirect_launch_counted_by_a_failed_writer_inherits_the_failure(client):
     if not client.capabilities["indirect_dispatch"]:
         pytest.skip("the device does not read counts: launch reads them on the host first")
     src, cnt, g = _counts_writer(client)
-    _fail(client, g)                         # cnt keeps [0, 1, 1]: the failed copy's target
+    fail_write_set(client, g)                         # cnt keeps [0, 1, 1]: the failed copy's target
     x = client.create(np.arange(128, dtype=np.float32))
     y = client.create(np.zeros(128, np.float32))
     client.launch(K.add_scalar, cnt, [x, y], {"alpha": 1.0, "n": 128})

@@ -369,12 +369,32 @@ class ComputeServer:
             merge(fences, slot.fences)
             slot.fences = fences
             slot.orphan = True          # (last: an orphan always carries its handle's fences)
-            if slot.graph_pool is not None:     # the next window of its graph pool may take it
-                slot.graph_pool.give(slot)
+            gp = slot.graph_pool                # the next window of its graph pool may take it
+            if gp is not None and self._shareable(slot, gp):
+                gp.give(slot)
         else:
             self.pool.give(slot, fences)
             if self.pool.idle_bytes > self.pool.max_idle:
                 self._trim(self.pool.max_idle)
+
+    def _shareable(self, slot, gp) -> bool:
+        """Whether orphan ``slot`` (its handle freed, graphs still retain it) may be handed to
+        the next window of graph pool ``gp`` as a temporary: every live graph retaining it is
+        a member of ``gp`` that writes it before it reads it (not one of its sources). A graph
+        outside the pool (``stop_capture(retain=True)``, ``runtime.capture`` without the pool)
+        replays in no order with the pool's graphs, and a graph reading the buffer before it
+        writes it (its input: another graph's output whose handle was freed while it kept the
+        buffer) reads whatever the temporary's next owner writes there: before ADV8 both read
+        another graph's temporaries back with no error. Walks the live graphs: only when a
+        handle on a pool buffer some graph retains is freed, or such a graph is destroyed."""
+        members = gp.graphs
+        for g in self.graphs.values():
+            for r in g.retained:
+                if r is slot:
+                    if g.id not in members or any(st.slot is slot for st in g.sstates):
+                        return False
+                    break
+        return True
 
     # -- memory ---------------------------------------------------------------------------------
     def _trim(self, keep: int) -> int:
@@ -726,6 +746,10 @@ class ComputeServer:
                                       "the device; launch through ComputeClient.launch, which "
                                       "reads them first")
                 self._wait_for(s, cst.writes)
+                if cst.mark is not CLEAN and not Marks.clean(cst):  # counts from a failed
+                    if reads is None:           # writer: what it writes is stale (ADV8)
+                        reads = []
+                    reads.append((cst.id, cst.mark))
             if self.checker is not None:
                 for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
@@ -1296,6 +1320,10 @@ class ComputeServer:
                 f = dict(slot.fences)
                 merge(f, fence)
                 self.pool.give(slot, f)
+            elif slot.orphan and slot.graph_pool is not None and (
+                    self._shareable(slot, slot.graph_pool)):    # (what kept it unshared went)
+                merge(slot.fences, fence)
+                slot.graph_pool.give(slot)
         if gp is not None and not gp.graphs and gp.id in self.released_pools:
             self.released_pools.discard(gp.id)
             self.graph_pools.pop(gp.id, None)

@@ -463,8 +463,12 @@ class Model:
                 if isinstance(it, P.CaptureIf):
                     if written.get(it.cond, 0) < whole:
                         sources.add(it.cond)
-                    walk(it.then, dict(written))
-                    walk(it.other, dict(written))
+                    a, b = dict(written), dict(written)
+                    walk(it.then, a)
+                    walk(it.other, b)
+                    if it.other:          # written by both branches: whichever runs (ADV8)
+                        for buf in a.keys() & b.keys():
+                            written[buf] = max(written.get(buf, 0), min(a[buf], b[buf]))
                 elif isinstance(it, P.CaptureWhile):
                     walk(it.init, written)
                     if written.get(it.counter, 0) < whole:
@@ -523,26 +527,29 @@ class Model:
         """Buffers a recording writes only inside conditional nodes, or only in part
         (``runtime.server.capture.maybe_written``): a replay may leave them unwritten, so a
         failure on them outlives a replay that succeeds (docs/contract.md section 4b)."""
-        inner, top = set(), set()
+        written = set()
 
-        def walk(items, at_top):
+        def walk(items) -> set:
+            sure = set()                    # wholly written whenever ``items`` run
             for it in items:
                 if isinstance(it, P.CaptureIf):
-                    walk(it.then, False)
-                    walk(it.other, False)
+                    a, b = walk(it.then), walk(it.other)
+                    if it.other:            # both branches write it: whichever runs (ADV8)
+                        sure |= a & b
                 elif isinstance(it, P.CaptureWhile):
-                    walk(it.init, at_top)
-                    walk(it.body, False)
+                    sure |= walk(it.init)
+                    walk(it.body)           # (it may run zero times)
                 else:
                     zero = isinstance(it, _Zero)
                     launch = it.launch if zero else it
                     spec = self.p.kernels[launch.kernel]
                     for bi, (b, bind) in enumerate(zip(it.bufs, spec.kernel.bindings)):
                         if bind.access != "read":   # (a write over part of it may leave a
-                            (top if at_top and not zero and not self._partial(launch, bi)
-                             else inner).add(b)     # failure's rest: maybe_written)
-        walk(items, True)
-        return inner - top
+                            written.add(b)          # failure's rest: maybe_written)
+                            if not zero and not self._partial(launch, bi):
+                                sure.add(b)
+            return sure
+        return written - walk(items)
 
     def _thread(self, op, value, error):
         """A thread's writes and launches on its own stream (never capturing), in order; its

@@ -647,7 +647,14 @@ class Builder:
             return
         if not loop:
             self._set_flags(s)
-            op = P.CaptureIf(k, b, self._body(k, 2), self._body(k, 1))
+            then = self._body(k, 2)
+            if then and self.flag():    # both branches rewrite the same buffers (ADV8): the
+                last = then[-1]         # buffer counts as written whichever runs
+                alt = self._launch_op(k, last.kernel)
+                other = (last if alt is None else alt._replace(bufs=last.bufs),)
+            else:
+                other = self._body(k, 1)
+            op = P.CaptureIf(k, b, then, other)
             uses = {b: False}
         else:
             m = self.pick([1, 2, 3])

@@ -560,7 +560,8 @@ class ThreadChoice:
     once, and no comparisons: a quiet machine runs as without this class. State: a few numbers
     and at most ``MAX_SHAPES`` shapes per window (bounded); nothing waits here.
 
-    ``RUNTIME_CPU_CHOICE=all`` or ``1`` fixes the count (``mode``; ``auto``: measured).
+    ``RUNTIME_CPU_CHOICE=all`` or ``1`` fixes the count (``mode``; ``auto``: measured; another
+    value warns and is taken as ``auto``).
 
     Args:
         starved: ``() -> bool``, whether the process's threads wait for cores that other
@@ -578,7 +579,7 @@ class ThreadChoice:
         two pairs: the other count's speed over the incumbent's, ``> 1``: the other was
         faster), ``changes`` (times the choice changed), ``comparisons`` (comparisons
         finished).
-    Raises: ``ValueError`` (an unknown ``mode``).
+    Raises: ``ValueError`` (an unknown ``mode`` passed).
     """
 
     #: most shapes one window keeps (a kernel of another shape beyond them is not counted)
@@ -587,11 +588,16 @@ class ThreadChoice:
     def __init__(self, starved=None, window_s: float = 0.05, margin: float = 0.1,
                  hold_s: float = 1.0, max_hold_s: float = 16.0, stale_s: float = 2.0,
                  mode: str | None = None, clock=None):
-        if mode is None:
-            mode = os.environ.get("RUNTIME_CPU_CHOICE", "auto")
-        mode = str(mode).strip() or "auto"
+        if mode is None:                # (read at import: a typo warns, it does not fail it)
+            mode = os.environ.get("RUNTIME_CPU_CHOICE", "auto").strip() or "auto"
+            if mode not in ("auto", "all", "1"):
+                import warnings
+                warnings.warn(f"RUNTIME_CPU_CHOICE={mode!r} is not auto, all or 1: using auto",
+                              RuntimeWarning, stacklevel=2)
+                mode = "auto"
+        mode = str(mode).strip()
         if mode not in ("auto", "all", "1"):
-            raise ValueError(f"RUNTIME_CPU_CHOICE must be auto, all or 1, got {mode!r}")
+            raise ValueError(f"ThreadChoice mode must be auto, all or 1, got {mode!r}")
         self.mode = mode
         self._starved = starved or (lambda: False)
         self.window_s, self.margin, self.stale_s = window_s, margin, stale_s

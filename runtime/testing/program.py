@@ -175,13 +175,22 @@ class Launch(NamedTuple):
 
     def _run(self, c, objs):
         spec = objs.kernels[self.kernel]
-        c.launch(spec.kernel, spec.count, [objs.bufs[b] for b in self.bufs], dict(self.params))
+        c.launch(spec.kernel, self._count(spec, objs), [objs.bufs[b] for b in self.bufs],
+                 dict(self.params))
+
+    @staticmethod
+    def _count(spec, objs):
+        return spec.count
+
+    def _count_code(self, spec) -> str:
+        return repr(spec.count)
 
     def _code(self, kernels):
         spec = kernels[self.kernel]
         bufs = ", ".join(f"b{b}" for b in self.bufs)
         params = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.params) + "}"
-        return f"c{self.client}.launch({_kernel_expr(spec.kernel)}, {spec.count!r}, [{bufs}], {params})"
+        return (f"c{self.client}.launch({_kernel_expr(spec.kernel)}, {self._count_code(spec)}, "
+                f"[{bufs}], {params})")
 
 
 class LaunchIndirect(NamedTuple):
@@ -194,17 +203,13 @@ class LaunchIndirect(NamedTuple):
     params: tuple
     counts: int
 
-    def _run(self, c, objs):
-        spec = objs.kernels[self.kernel]
-        c.launch(spec.kernel, objs.bufs[self.counts], [objs.bufs[b] for b in self.bufs],
-                 dict(self.params))
+    _run, _code = Launch._run, Launch._code
 
-    def _code(self, kernels):
-        spec = kernels[self.kernel]
-        bufs = ", ".join(f"b{b}" for b in self.bufs)
-        params = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.params) + "}"
-        return (f"c{self.client}.launch({_kernel_expr(spec.kernel)}, b{self.counts}, [{bufs}], "
-                f"{params})")
+    def _count(self, spec, objs):
+        return objs.bufs[self.counts]
+
+    def _count_code(self, spec) -> str:
+        return f"b{self.counts}"
 
 
 def _simple_op(name: str, fields: str, code: str, run, doc: str):

@@ -545,7 +545,8 @@ class ThreadChoice:
     faster flipped from run to run with the host's other load (issue 30). So nothing is
     assumed: while the host is starved (``starved()``: the process's threads waited for cores,
     :class:`CpuShare`), every ``hold`` seconds the rule compares the two counts in windows of
-    work taken in turn (other, incumbent, other, incumbent), each window ``window_s`` seconds
+    work taken in turn (other, incumbent, incumbent, other: two pairs in opposite orders, so a
+    drift of the host's load cannot favour one count in both), each window ``window_s`` seconds
     of kernels dealt out in pieces (their wall time: :meth:`record`). Shapes vary between
     windows (a serving process runs whatever batches arrive), so the counts are compared shape
     by shape: for the shapes both windows of a pair ran, the incumbent's wall time against the
@@ -635,8 +636,9 @@ class ThreadChoice:
             if not self._plan:
                 if now < self._until or not self._starved():
                     return
-                # compare: the other count first, each twice, in turn (two pairs of windows)
-                self._plan = [not self.one, self.one, not self.one, self.one]
+                # compare: other, incumbent, incumbent, other (two pairs of windows, in
+                # opposite orders: a drift of the host's load favours neither count in both)
+                self._plan = [not self.one, self.one, self.one, not self.one]
                 self._one_now = self._plan[0]
                 self._wins, self._cur = [], {}
                 self._win, self._opened = 0.0, now
@@ -664,8 +666,8 @@ class ThreadChoice:
             if self._plan:
                 self._one_now = self._plan[0]
                 return
-            w = self._wins                  # other, incumbent, other, incumbent
-            self.speedups = (_speedup(w[0], w[1]), _speedup(w[2], w[3]))
+            w = self._wins                  # other, incumbent, incumbent, other
+            self.speedups = (_speedup(w[0], w[1]), _speedup(w[3], w[2]))
             self.comparisons += 1
             if all(x is not None and x > 1 + self.margin for x in self.speedups):
                 self.one = not self.one

@@ -494,7 +494,10 @@ class ComputeServer:
         if not queue._q and queue._owner.acquire(False):
             try:
                 if not queue._q and not queue.closed:
-                    if queue.lazy:
+                    lazy = queue.lazy
+                    if lazy:                    # one replay: run by h_read, with the copy
+                        if len(lazy) == 1 and lazy[0].__class__ is not tuple:
+                            return self.h_read(sid, hid, dtype, True)
                         self._run_lazy()
                     return self.h_read(sid, hid, dtype)
             except queue.FATAL as e:
@@ -513,7 +516,7 @@ class ComputeServer:
 
     queue_mod.OWNER_CODES.add(read.__code__)        # it takes the owner lock (queue.py)
 
-    def h_read(self, sid, hid: int, dtype=None) -> tuple:
+    def h_read(self, sid, hid: int, dtype=None, lazy=False) -> tuple:
         """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
         waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
         failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
@@ -530,7 +533,15 @@ class ComputeServer:
         Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
         at once (``Backend.copy_out_now``) and the answer is the copy itself, an ``np.ndarray``
         of ``dtype`` when the backend makes it (``uint8`` bytes when ``dtype`` is None or the
-        backend leaves it: the caller views them).
+        backend leaves it: the caller views them). ``lazy`` (:meth:`read`, the owner's entry):
+        deferred work is pending (``queue.lazy``), to run before anything else; on the fast
+        path, when it is one replay on this stream that :meth:`_run_lazy` would run at once (no
+        source's mark may carry a failure; ``Backend.launch_graph_now``), it runs together with
+        the copy, one backend call (a replay then a read of what it wrote is the core path);
+        else :meth:`_run_lazy` runs it and the read starts again without ``lazy``, as it does
+        after a failure there (recorded as :meth:`_run_lazy` records it: the read then raises).
+        An asynchronous exception landing in that run stops the server, as in
+        :meth:`_run_lazy` (the replay may have been lost or half run).
         """
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
@@ -538,15 +549,48 @@ class ComputeServer:
                 and not (s.errors or self.marks.async_errors or self.backend.failures
                          or self.ended_busy)):
             w = st.writes
-            if len(w) > 1 or sid not in w and w:
-                self._wait_for(s, w)        # (an event wait queued: not idle any more)
-            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
+            if lazy:                        # read() left one deferred replay: it runs first
+                lazy = self.queue.lazy
+                g = lazy[0]
+                data = None                 # on this stream: with the copy
+                if g.sstate is s and not (len(w) > 1 or sid not in w and w):
+                    for x in g.sstates:     # (as in _run_lazy: a source's mark may carry a
+                        if x.mark is not CLEAN and self._marked_sources(g):     # failure)
+                            break
+                    else:
+                        try:
+                            lazy.clear()    # (run once, whatever lands: never twice)
+                            data = self.backend.launch_graph_now(s.raw, g.graph, st.slot.buf,
+                                                                 st.nbytes, dtype)
+                            if data is False:   # not run at once: the enqueue path (below)
+                                lazy.append(g)
+                                data = None
+                            else:           # ran (as in _run_lazy)
+                                s.done_pos = g.last_pos = s.pos = s.pos + 1
+                                for x in g.wstates:
+                                    x.mark = CLEAN
+                        except LaunchError as e:
+                            self._ran_and_failed(g, s, e)
+                        except BaseException as e:
+                            lazy.clear()    # (as in _run_lazy: it may be lost or half run)
+                            self.queue._die(e)
+                            raise
+                if data is None:            # not run with the copy: run, then read as usual
+                    if lazy:
+                        self._run_lazy()
+                    return self.h_read(sid, hid, dtype)
+            else:
+                if len(w) > 1 or sid not in w and w:
+                    self._wait_for(s, w)    # (an event wait queued: not idle any more)
+                data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
             if data is not None:            # idle: everything before it ran
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)
                 if st.mark is CLEAN or self.marks.clean(st):
                     st.reads[sid] = s.done_pos = s.pos = s.pos + 1
                     return data
+        if lazy:                            # (read()'s deferred replay, not run above)
+            self._run_lazy()
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
         if st is None:
@@ -1057,12 +1101,7 @@ class ComputeServer:
                     try:                    # (a graph the backend would not run at once: False)
                         ran = self.backend.launch_graph_now(s.raw, g.graph)
                     except LaunchError as e:    # it ran and failed: as if found at execution
-                        failed = Mark(g.op).fail(e)
-                        s.errors.append(failed)
-                        fold_errors(s.errors)   # a stream that never blocks: bounded
-                        self.marks.fail(g.wstates, g.op, failed)
-                        s.pos += 1
-                        s.done_pos = g.last_pos = s.pos
+                        self._ran_and_failed(g, s, e)
                         continue
                     if ran:
                         s.done_pos = g.last_pos = s.pos = s.pos + 1
@@ -1083,6 +1122,17 @@ class ComputeServer:
             raise
         lazy.clear()
         return room
+
+    def _ran_and_failed(self, g, s, e) -> None:
+        """Record a deferred replay of ``g`` on ``s`` that ran at once and raised ``e``
+        (``LaunchError``) as a failure found at execution: queued on ``s`` (the next blocking
+        call raises it) and on the graph's write set (``ReplayFailed`` on read)."""
+        failed = Mark(g.op).fail(e)
+        s.errors.append(failed)
+        fold_errors(s.errors)               # a stream that never blocks: bounded
+        self.marks.fail(g.wstates, g.op, failed)
+        s.pos += 1
+        s.done_pos = g.last_pos = s.pos
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:

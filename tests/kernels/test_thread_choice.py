@@ -65,9 +65,9 @@ def _compare(c, clock, speed, **kw):
 def test_one_thread_is_chosen_when_its_windows_did_more_work_per_second():
     c, clock, _ = _choice()
     assert c.threads(2) == 2 and not c.one            # all threads until measured
-    # the other count first, then the incumbent, twice (paired windows)
+    # the other count first, the incumbent twice, the other again (two pairs, opposite orders)
     ran = _compare(c, clock, {1: 3e10, 2: 2e10})
-    assert ran == [1, 2, 1, 2]
+    assert ran == [1, 2, 2, 1]
     assert c.one and c.changes == 1 and c.comparisons == 1
     assert c.speedups == pytest.approx((1.5, 1.5))
     assert c.threads(2) == 1 and c.threads(1) == 1
@@ -76,7 +76,7 @@ def test_one_thread_is_chosen_when_its_windows_did_more_work_per_second():
     assert not c._plan and c.threads(2) == 1
     # two threads faster again: taken back once a comparison says so
     clock.t += 1.0
-    assert _compare(c, clock, {1: 2e10, 2: 3e10}) == [2, 1, 2, 1]
+    assert _compare(c, clock, {1: 2e10, 2: 3e10}) == [2, 1, 1, 2]
     assert not c.one and c.changes == 2 and c.threads(2) == 2
 
 
@@ -92,7 +92,17 @@ def test_the_choice_does_not_flap_on_small_or_inconsistent_differences():
         _window(c, clock, next(speeds))
     assert not c.one and c.changes == 0 and c.comparisons == 2
     assert c.speedups[0] > 1.1 and c.speedups[1] < 1
-    # confirmed choices wait longer each time (2, then 4 = max_hold_s): fewer comparisons
+    # the host slowing down through a comparison (both counts alike, 4 -> 1e10/s): the first
+    # pair favours the other count by 33%, the second (opposite order) the incumbent: kept
+    drift = iter([4e10, 3e10, 2e10, 1e10])
+    clock.t += 10
+    c.record(WORK[A], 0.001, 2, A)
+    for _ in range(4):
+        v = next(drift)
+        _window(c, clock, {1: v, 2: v})
+    assert c.speedups[0] == pytest.approx(4 / 3) and c.speedups[1] == pytest.approx(0.5)
+    assert not c.one and c.changes == 0 and c.comparisons == 3
+    # confirmed choices wait longer each time (4 = max_hold_s): fewer comparisons
     for hold in (4.0, 4.0):
         clock.t += hold - 0.1
         c.record(WORK[A], 0.001, 2, A)
@@ -100,7 +110,7 @@ def test_the_choice_does_not_flap_on_small_or_inconsistent_differences():
         clock.t += 0.2
         _compare(c, clock, {1: 2e10, 2: 2e10})
         assert not c.one
-    assert c.changes == 0 and c.comparisons == 4
+    assert c.changes == 0 and c.comparisons == 5
 
 
 def test_all_threads_at_once_when_the_host_is_free_again_and_no_comparisons_meanwhile():
@@ -149,7 +159,7 @@ def test_kernels_of_the_wrong_count_and_stale_windows_are_not_counted():
     clock.t += 0.01
     c.record(WORK[A], 0.001, 2, A)                    # starts: a window of one thread
     c.record(WORK[A], 10.0, 2, A)                     # started before the window: ignored
-    assert c._win == 0 and c._plan == [True, False, True, False]
+    assert c._win == 0 and c._plan == [True, False, False, True]
     c.record(WORK[A], 0.01, 1, A)
     assert c._win == pytest.approx(0.01)
     clock.t += 2.5                                    # idle longer than stale_s: dropped

@@ -9,7 +9,8 @@ inside a kernel, the work is split over threads. The rule:
     kernel threads = max(1, cores // stream items executing now)
 
 counted process-wide (every cpu backend of the process), with ``cores`` cut on a busy host
-(:class:`CpuShare`). The kernels of :mod:`runtime.kernels.nn` deal their work out to that many
+(:class:`CpuShare`), and one where a lone item's kernels did more work per second on one
+thread beside busy processes (:class:`ThreadChoice`, measured). The kernels of :mod:`runtime.kernels.nn` deal their work out to that many
 threads themselves (:class:`FanOutPool`): a matmul in blocks of its output, attention in
 sequences or heads, a large layer norm in rows, each piece with one-thread BLAS and numba, as
 torch's CPU attention runs single-threaded GEMMs in a parallel loop. Pieces go to whichever

@@ -85,6 +85,11 @@ def _threads() -> dict:
         if whole is not None:        # whole calls on BLAS's threads: on now, times turned off
             share = None if whole.share is None else round(whole.share, 2)
             out["whole calls"] = f"on={whole.on} stops={whole.stops} share={share}"
+        choice = getattr(rule.RULE, "choice", None)
+        if choice is not None:       # one thread or all on a busy host (ThreadChoice)
+            sp = [None if x is None else round(x, 2) for x in choice.speedups]
+            out["thread choice"] = (f"{choice.mode} one={choice.one} comparisons="
+                                    f"{choice.comparisons} changes={choice.changes} last={sp}")
     loops = sys.modules.get("runtime.kernels.cpu_loops")
     if loops is not None:                             # numba's OpenMP, as the runtime starts it
         out["numba OMP_WAIT_POLICY"] = _USER_ENV.get(
@@ -168,7 +173,7 @@ def _worker_product(job: dict) -> dict:
         res[key] = _time_calls(lambda: model.embed(texts, batch_size=len(texts)), job["reps"],
                                job["budget_s"], cost[key])
         cost[key]["rule"] = {k: v for k, v in _threads().items()       # the thread rule's state
-                             if k in ("cpu share", "busy host", "whole calls")}
+                             if k in ("cpu share", "busy host", "whole calls", "thread choice")}
     try:               # numba's count is per thread: report what one executing stream gets
         from runtime.kernels.cpu_loops import set_threads
         # the timed checkout's own rule (an editable install would hand an older checkout

@@ -386,7 +386,7 @@ def closed_rows(servers: dict, clients: list, args, round_: int = 0) -> list:
                          "cpu_ms_per_request": cpu * 1e3 / max(len(lat), 1),
                          "cores_used": cpu / wall,
                          "st_threads": st_thread_counts(args.st_threads)[0] if name == ST
-                         else None})
+                         else None, "thread_rule": _rule_state()})
             if not args.quiet:
                 r = rows[-1]
                 print(f"{label(r):22s} clients={n:3d}  {r['req_per_s']:7.1f} req/s  "
@@ -394,6 +394,25 @@ def closed_rows(servers: dict, clients: list, args, round_: int = 0) -> list:
                       f"rows/batch {r['rows_per_batch']:.1f}  CPU {r['cpu_ms_per_request']:.1f} "
                       f"ms/request", file=sys.stderr, flush=True)
     return rows
+
+
+def _rule_state() -> dict:
+    """The cpu thread rule's state after a row (an older checkout: what it has): the CPU share
+    its threads got, whether whole calls are on, and the thread choice on a busy host
+    (``runtime.cpu_threads.ThreadChoice``: one thread or all, comparisons made, changes)."""
+    mod = sys.modules.get("runtime.cpu_threads")
+    rule = getattr(mod, "RULE", None)
+    if rule is None:
+        return {}
+    out = {"cpu_share": round(rule.cpu.share, 2)}
+    whole = getattr(rule, "whole", None)
+    if whole is not None:
+        out["whole_calls"] = bool(whole.on)
+    choice = getattr(rule, "choice", None)
+    if choice is not None:
+        out["choice"] = {"mode": choice.mode, "one": choice.one,
+                         "comparisons": choice.comparisons, "changes": choice.changes}
+    return out
 
 
 def st_thread_counts(spec) -> list:

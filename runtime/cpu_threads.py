@@ -9,7 +9,8 @@ inside a kernel, the work is split over threads. The rule:
     kernel threads = max(1, cores // stream items executing now)
 
 counted process-wide (every cpu backend of the process), with ``cores`` cut on a busy host
-(:class:`CpuShare`). The kernels of :mod:`runtime.kernels.nn` deal their work out to that many
+(:class:`CpuShare`), and one where a lone item's kernels did more work per second on one
+thread beside busy processes (:class:`ThreadChoice`, measured). The kernels of :mod:`runtime.kernels.nn` deal their work out to that many
 threads themselves (:class:`FanOutPool`): a matmul in blocks of its output, attention in
 sequences or heads, a large layer norm in rows, each piece with one-thread BLAS and numba, as
 torch's CPU attention runs single-threaded GEMMs in a parallel loop. Pieces go to whichever
@@ -545,6 +546,184 @@ class WholeCalls:
             self._pause = min(self.max_backoff_s, self._pause * self.growth)
 
 
+class ThreadChoice:
+    """Whether kernels dealt out in pieces run on all the rule's threads or on one, chosen from
+    the throughput the process measures while its threads wait for cores (a busy host).
+
+    Beside busy processes two threads cost more CPU per forward than one (5-25% on 2 cores:
+    every piece handed between them, every wait at a kernel's end for the thread the OS is
+    not running) and may or may not obtain the extra core that pays for it: which count was
+    faster flipped from run to run with the host's other load (issue 30). So nothing is
+    assumed: while the host is starved (``starved()``: the process's threads waited for cores,
+    :class:`CpuShare`), every ``hold`` seconds the rule compares the two counts in windows of
+    work taken in turn (other, incumbent, incumbent, other: two pairs in opposite orders, so a
+    drift of the host's load cannot favour one count in both), each window ``window_s`` seconds
+    of kernels dealt out in pieces (their wall time: :meth:`record`). Shapes vary between
+    windows (a serving process runs whatever batches arrive), so the counts are compared shape
+    by shape: for the shapes both windows of a pair ran, the incumbent's wall time against the
+    time the other count's speed (multiply-adds per second, per shape) would have taken for
+    the same work. The other count takes over when it was faster by ``margin`` in both pairs
+    (hysteresis: noise between windows does not flip the choice); then the next comparison
+    comes after ``hold_s``, while one that confirms the incumbent doubles the wait, up to
+    ``max_hold_s``: under steady contention comparisons cost little, and a change of the
+    host is seen within ``max_hold_s``. On a free host (``starved()`` false) all the threads at
+    once, and no comparisons: a quiet machine runs as without this class. State: a few numbers
+    and at most ``MAX_SHAPES`` shapes per window (bounded); nothing waits here.
+
+    ``RUNTIME_CPU_CHOICE=all`` or ``1`` fixes the count (``mode``; ``auto``: measured; another
+    value warns and is taken as ``auto``).
+
+    Args:
+        starved: ``() -> bool``, whether the process's threads wait for cores that other
+            processes hold (the rule: ``CpuShare.share`` below :data:`CHOICE_SHARE` while the
+            process used less than ``CpuShare.external`` of its cores; tests pass a fake).
+        window_s: seconds of pieces' wall time one window sums.
+        margin: how much faster (a fraction) the other count must be, in each pair of
+            windows, to replace the incumbent.
+        hold_s, max_hold_s: the first and the longest wait between comparisons (seconds).
+        stale_s: a window open longer than this (seconds of clock: the process went idle, or
+            ran only whole calls) ends the comparison, incumbent kept.
+        mode: ``"auto"``, ``"all"`` or ``"1"``; ``None`` reads ``RUNTIME_CPU_CHOICE``.
+        clock: monotonic seconds (tests pass a fake).
+    Attributes: ``one`` (one thread is the incumbent), ``speedups`` (the last comparison's
+        two pairs: the other count's speed over the incumbent's, ``> 1``: the other was
+        faster), ``changes`` (times the choice changed), ``comparisons`` (comparisons
+        finished).
+    Raises: ``ValueError`` (an unknown ``mode`` passed).
+    """
+
+    #: most shapes one window keeps (a kernel of another shape beyond them is not counted)
+    MAX_SHAPES = 64
+
+    def __init__(self, starved=None, window_s: float = 0.05, margin: float = 0.1,
+                 hold_s: float = 1.0, max_hold_s: float = 16.0, stale_s: float = 2.0,
+                 mode: str | None = None, clock=None):
+        if mode is None:                # (read at import: a typo warns, it does not fail it)
+            mode = os.environ.get("RUNTIME_CPU_CHOICE", "auto").strip() or "auto"
+            if mode not in ("auto", "all", "1"):
+                import warnings
+                warnings.warn(f"RUNTIME_CPU_CHOICE={mode!r} is not auto, all or 1: using auto",
+                              RuntimeWarning, stacklevel=2)
+                mode = "auto"
+        mode = str(mode).strip()
+        if mode not in ("auto", "all", "1"):
+            raise ValueError(f"ThreadChoice mode must be auto, all or 1, got {mode!r}")
+        self.mode = mode
+        self._starved = starved or (lambda: False)
+        self.window_s, self.margin, self.stale_s = window_s, margin, stale_s
+        self.hold_s, self.max_hold_s = hold_s, max_hold_s
+        self._clock = clock or time.monotonic
+        self.one = mode == "1"
+        self._one_now = False               # one thread now (the choice, or a window's)
+        self.speedups: tuple = ()
+        self.changes = self.comparisons = 0
+        self._hold = hold_s
+        self._until = 0.0                   # no comparison before then
+        self._plan: list = []               # the windows left to run (True: one thread)
+        self._opened = 0.0                  # when the current window opened (clock)
+        self._wins: list = []               # finished windows: {shape: [work, wall]}
+        self._cur: dict = {}                # the current window's
+        self._win = 0.0                     # the current window's wall so far
+        self._lock = threading.Lock()
+
+    def threads(self, n: int) -> int:
+        """The threads a kernel dealt out in pieces gets now, out of the rule's ``n``: one
+        while one thread is the choice or a window of one runs, unless the host is free again
+        (then all, at once: the comparison, if any, is dropped)."""
+        if n <= 1 or self.mode == "all":
+            return n
+        if self.mode == "1":
+            return 1
+        if self._one_now or self._plan:
+            if not self._starved():
+                with self._lock:
+                    self._reset()
+                return n
+            return 1 if self._one_now else n
+        return n
+
+    def record(self, work: float, wall: float, threads: int, shape=None) -> None:
+        """A kernel dealt out in pieces on ``threads`` threads (:meth:`threads`' answer) did
+        ``work`` (multiply-adds) in ``wall`` seconds; ``shape``: any hashable naming the
+        kernel's shape (kernels of one shape are compared with each other only)."""
+        if self.mode != "auto" or wall <= 0 or not (self._plan or self._starved()):
+            return                      # (a free host: no lock, no clock)
+        now = self._clock()
+        with self._lock:
+            if not self._plan:
+                if now < self._until or not self._starved():
+                    return
+                # compare: other, incumbent, incumbent, other (two pairs of windows, in
+                # opposite orders: a drift of the host's load favours neither count in both)
+                self._plan = [not self.one, self.one, self.one, not self.one]
+                self._one_now = self._plan[0]
+                self._wins, self._cur = [], {}
+                self._win, self._opened = 0.0, now
+                return                  # this kernel ran before the comparison began
+            if now - self._opened > self.stale_s:       # idle, or only whole calls meanwhile
+                self._plan = []
+                self._one_now = self.one
+                self._until = now + self._hold
+                return
+            if (threads == 1) != self._plan[0]:    # started before this window: not its count
+                return
+            s = self._cur.get(shape)
+            if s is None:
+                if len(self._cur) >= self.MAX_SHAPES:
+                    return
+                s = self._cur[shape] = [0.0, 0.0]
+            s[0] += work
+            s[1] += wall
+            self._win += wall
+            if self._win < self.window_s:
+                return
+            self._plan.pop(0)
+            self._wins.append(self._cur)
+            self._cur, self._win, self._opened = {}, 0.0, now
+            if self._plan:
+                self._one_now = self._plan[0]
+                return
+            w = self._wins                  # other, incumbent, incumbent, other
+            self.speedups = (_speedup(w[0], w[1]), _speedup(w[3], w[2]))
+            self.comparisons += 1
+            if all(x is not None and x > 1 + self.margin for x in self.speedups):
+                self.one = not self.one
+                self.changes += 1
+                self._hold = self.hold_s
+            else:
+                self._hold = min(self.max_hold_s, self._hold * 2)
+            self._one_now = self.one
+            self._until = now + self._hold
+
+    def _reset(self) -> None:
+        # a free host: all the threads, the next comparison as soon as the host is starved
+        if self.one:
+            self.changes += 1
+        self.one = self._one_now = False
+        self._plan = []
+        self._hold = self.hold_s
+        self._until = 0.0
+
+
+def _speedup(other: dict, mine: dict):
+    """How much faster ``other``'s window ran than ``mine``'s (``{shape: [work, wall]}``), on
+    the shapes both ran: ``mine``'s wall time over the time ``other``'s speed per shape would
+    have taken for ``mine``'s work; ``None`` when they share no shape."""
+    t_mine = t_other = 0.0
+    for k, (wk, wl) in mine.items():
+        o = other.get(k)
+        if o is None or o[0] <= 0 or wk <= 0:
+            continue
+        t_mine += wl
+        t_other += wk * o[1] / o[0]
+    return t_mine / t_other if t_other > 0 else None
+
+
+#: :class:`ThreadChoice` compares one thread with all while the process's threads got less
+#: than this share of the CPU time they wanted (``CpuShare.share``: run / (run + wait))
+CHOICE_SHARE = 0.8
+
+
 #: the BLAS threads the rule gives numpy's OpenBLAS outside whole calls: one. The kernels that
 #: multiply matrices (:mod:`runtime.kernels.nn`) cut each product into blocks and deal them out
 #: to the fan-out pool (:class:`FanOutPool`: whichever thread asks next takes the next block,
@@ -570,6 +749,8 @@ class ThreadRule:
             a whole call's; ``False`` when the user's environment fixes it, or after
             :meth:`fix_blas`: then no whole calls).
         whole: whether kernels may make whole calls now (:class:`WholeCalls`).
+        choice: one thread or all for kernels dealt out in pieces while the process's threads
+            wait for cores (:class:`ThreadChoice`; the kernels report to :meth:`record`).
     """
 
     def __init__(self, cores: int | None = None):
@@ -582,11 +763,33 @@ class ThreadRule:
         self._blas = None                 # threadpoolctl controllers of the BLAS libraries
         self._blas_now = None             # the count last given to them
         self.whole = WholeCalls()         # whether kernels may make whole calls now
+        self.choice = ThreadChoice(self._starved)   # one thread or all, on a busy host
 
-    def threads(self) -> int:
-        """Library threads a kernel starting now gets: ``max(1, cores // max(1, active))``,
+    def _starved(self) -> bool:
+        # the process's threads waited for cores (CpuShare.share) that other processes held:
+        # it used less than CpuShare.external of its cores meanwhile (not its own threads)
+        c = self.cpu
+        return c.share < CHOICE_SHARE and (c.used is None or c.used < c.external * self.cores)
+
+    def share(self) -> int:
+        """The rule's threads for a kernel starting now: ``max(1, cores // max(1, active))``,
         with ``cores`` cut to what the process gets on a busy host (:class:`CpuShare`)."""
         return max(1, self.cpu.cores(self.cores) // max(1, self.active))
+
+    def threads(self) -> int:
+        """Library threads a kernel starting now gets: :meth:`share`, or one where that is
+        more than one and one thread did more work per second beside busy processes
+        (:class:`ThreadChoice`, ``self.choice``)."""
+        n = self.share()
+        return self.choice.threads(n) if n > 1 else n
+
+    def record(self, work: float, wall: float, threads: int, shape=None) -> None:
+        """A kernel dealt out in pieces on ``threads`` threads (:meth:`threads`' answer) did
+        ``work`` multiply-adds in ``wall`` seconds (``shape``: hashable, e.g. ``(M, N, K)``):
+        counted by :class:`ThreadChoice` while this item executes alone with more than one
+        thread to share (else the count was never a choice)."""
+        if self.active <= 1 and self.share() > 1:
+            self.choice.record(work, wall, threads, shape)
 
     def enter(self) -> None:
         """A stream item starts executing (the cpu backend calls it around each item, on the
@@ -603,11 +806,11 @@ class ThreadRule:
         """The threads a kernel starting now may run as one call on BLAS's own pool (OpenBLAS
         sharing one packing of the input among its threads), or 0: deal the work out in pieces
         (:class:`FanOutPool`). Whole when the rule sizes BLAS, the kernel gets more than one
-        thread (:meth:`threads`: no other item executing, a free host), no kernel runs pieces
+        thread (:meth:`share`: no other item executing, a free host), no kernel runs pieces
         now and the process has the cores to itself (:class:`WholeCalls`); BLAS is set to that
         many threads (from the owner thread, when it changes). A kernel that makes the call
         times it into ``self.whole`` (:meth:`WholeCalls.record`)."""
-        n = self.threads()
+        n = self.share()
         if n <= 1 or not self.adapt_blas or self.fan_outs or not self.whole.allowed():
             return 0
         with self._lock:
@@ -810,6 +1013,7 @@ def _after_fork_in_child() -> None:
     RULE.active = RULE.fan_outs = 0
     RULE.cpu = CpuShare()
     RULE.whole = WholeCalls()
+    RULE.choice = ThreadChoice(RULE._starved, mode=RULE.choice.mode)
     RULE._blas_now = None                      # the owner thread stayed in the parent
     BLAS_OWNER.__init__(BLAS_OWNER.timeout_s)
     FAN_OUT.__init__()

@@ -42,7 +42,8 @@ position, a token fed back on the device). Set them with :meth:`write`, read the
 :meth:`read`, restore the initial values with :meth:`reset`; :meth:`replay` runs steps without
 host data for graphs that feed themselves (``runtime.models.decoder``). A failed call marks the
 state (docs/contract.md section 4): every later call raises ``ReplayFailed`` rather than return
-outputs computed from the stale state, until the state is written (:meth:`write`, :meth:`reset`).
+outputs computed from the stale state, until the state is written (:meth:`write`, :meth:`reset`;
+:meth:`reset` also zeroes the outputs, which a ``loop=`` graph writes only inside its loop).
 
 Loop: ``loop="go"`` (an ``i32 [1]`` state slot) records the body inside
 ``ComputeClient.capture_while(go, body, max_iterations)``: one replay (one call) runs the body
@@ -201,7 +202,7 @@ class StaticGraph:
         self._tensors = {n: Tensor.from_numpy(self.client, s.init) for n, s in self._specs.items()}
         self._body = body
         self._cap = capture(self._run_body, client=self.client, warmup=warmup)
-        self.reset()
+        self._reset(outputs=False)     # (the outputs keep what the warm-up wrote)
 
     # -- the recorded work ----------------------------------------------------------------------
     def _run_body(self):
@@ -383,11 +384,19 @@ class StaticGraph:
             return {n: self._tensors[n].numpy() for n in names}
 
     def reset(self) -> None:
-        """Restore every state slot to its initial contents (on :attr:`stream`)."""
+        """Restore every state slot and every output to its initial contents (zeros unless
+        given; on :attr:`stream`): the recovery after a failed call (module doc). The outputs: a
+        graph may write an output only inside a conditional node (``loop=``: in the loop's
+        body, which may run zero times), so a replay leaves its failure mark in place
+        (docs/contract.md section 4b) and, before ADV8, every later call raised
+        ``ReplayFailed`` for it however often the state was reset."""
         self._alive("reset")
+        self._reset(outputs=True)
+
+    def _reset(self, outputs: bool) -> None:
         with self._lock:
             for n, s in self._specs.items():
-                if s.kind == "state":
+                if s.kind == "state" or outputs and s.kind == "output":
                     self.client.write(self._tensors[n].handle, s.init)
 
     def release(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import runtime
 from runtime import kernels as K
-from runtime.errors import LaunchError, ReplayFailed, UnsupportedError
+from runtime.errors import CaptureRefused, LaunchError, ReplayFailed, UnsupportedError
 from runtime.kernel import Binding, Kernel
 from runtime.server import backend_class
 
@@ -224,3 +224,14 @@ def produce_then_consume(client, ok, bad, i: int, n: int = 16):
         if not failing:
             wrong = wrong or (i, "sync raised")
     return wrong, (a, y, z)
+
+
+def fail_write_set(c, g):
+    """Mark graph ``g``'s write set failed the same way on every backend: a replay refused
+    inside a capture window of its stream (``c``: a client on that stream; docs/contract.md
+    section 4: a failure found at enqueue marks the write set too)."""
+    c.graph_prepare()
+    c.start_capture()
+    with pytest.raises(CaptureRefused):
+        g.replay()
+    c.abort_capture()

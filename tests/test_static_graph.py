@@ -178,3 +178,39 @@ def test_ordering_holds_under_the_interleaving_scheduler(seed):
     for k in range(4):
         cg.write(x, np.full(4, k, np.float32))
         np.testing.assert_array_equal(cg.read(cg.replay()), np.full(4, 2 * k, np.float32))
+
+
+def test_a_loop_graph_recovers_its_outputs_with_reset_after_a_failed_call(client):
+    # ADV8: loop= records the body inside capture_while, so the graph writes its output only
+    # inside the loop (it may run zero times): a failed call left the output's failure mark
+    # in place across every later replay, reset and state writes included (the
+    # Decoder.sequence_graph's ``next`` raised ReplayFailed for good after one bad token).
+    # reset() now rewrites the outputs too; a replay that runs the loop then reads back.
+    from runtime.errors import ReplayFailed, UnsupportedError
+    from graph_kernels import add_i32
+    from helpers import fail_write_set
+    one = Tensor.from_numpy(client, np.ones(4, np.float32))
+
+    def body(go, acc, y):
+        c = go.client
+        c.launch(K.accumulate, 1, [one.handle, acc.handle], {"n": 4})
+        c.launch(K.copy, 1, [acc.handle, y.handle], {"n": 4})
+        c.launch(add_i32, 1, [go.handle], {"delta": -1})
+    try:
+        g = StaticGraph(client, inputs={}, outputs={"y": ((4,), "f32")},
+                        state={"go": ((1,), "i32"), "acc": np.full(4, 10, np.float32)},
+                        body=body, loop="go", max_iterations=8)
+    except UnsupportedError as e:
+        pytest.skip(str(e))
+    g.write(go=[3])
+    g.replay()
+    np.testing.assert_array_equal(g.read("y"), np.full(4, 13, np.float32))
+    fail_write_set(g.client, g.graph)       # the graph's write set is marked failed
+    with pytest.raises(ReplayFailed):
+        g.read("y")
+    for k in (2, 0, 3):
+        g.reset()
+        g.write(go=[k])
+        g.replay()                          # old: ReplayFailed on every read of y
+        np.testing.assert_array_equal(g.read("y"), np.full(4, 10 + k if k else 0, np.float32))
+        np.testing.assert_array_equal(g.read("acc"), np.full(4, 10 + k, np.float32))

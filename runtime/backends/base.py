@@ -290,11 +290,15 @@ class Backend:
         wait for that work forever. Default: False (device work never runs host code)."""
         return False
 
-    def launch_graph_now(self, stream, graph) -> bool:
+    def launch_graph_now(self, stream, graph, buf=None, nbytes: int = 0, dtype=None):
         """:meth:`launch_now` for one replay of ``graph``: False (not run: enqueue it with
         :meth:`launch_graph`), True (it ran), or ``LaunchError`` (it ran and failed; the launches
-        after the failing one did not run). Default: False (never). The server asks only for
-        deferred replays (``ComputeServer._run_lazy``); the backend's own tests decide."""
+        after the failing one did not run). With ``buf`` (a read of ``nbytes`` bytes of it as
+        ``dtype`` follows, issue 26: one call for a replay and its read) it returns, instead of
+        True, the copy :meth:`copy_out_now` would return right after (an ``np.ndarray``; the
+        stream is idle then). Default: False (never). The server asks only for
+        deferred replays (``ComputeServer._run_lazy``, ``_read_lazy``); the backend's own tests
+        decide."""
         return False
 
     def destroy_graph(self, stream, graph) -> None:

@@ -90,7 +90,7 @@ class CpuGraph:
     changes ``launches`` calls :meth:`rebind`."""
 
     __slots__ = ("launches", "nodes", "calls", "names", "small", "plain", "tiny", "inline",
-                 "defer")
+                 "defer", "one")
 
     def __init__(self, launches):
         self.launches = launches
@@ -118,6 +118,7 @@ class CpuGraph:
         self.plain = plain                      # numpy ufunc calls only: no library pool
         self.tiny = plain and touched <= TINY_BYTES     # a flush may run it on the owner
         self.inline = self.tiny and cost <= INLINE_CALLS  # a replay may run it at once
+        self.one = calls[0] if self.inline and len(calls) == 1 else None   # (no loop: issue 26)
         # ufunc calls a waiter would run anyway (no worker woken): a replay on an idle server
         # may be deferred (``ComputeServer.replay``) and enqueued by the next owner
         self.defer = self.small and plain
@@ -221,6 +222,19 @@ def _bind(fn, views, kwargs, count, name):
         except BaseException as e:  # noqa: BLE001 - kernel code is user code
             raise LaunchError(f"kernel {name}: its cpu bind raised: {_text(e)}") from e
     return partial(fn, *views, count=count, **kwargs)
+
+
+def _copy_typed(buf, nbytes: int, dtype):
+    """A copy of ``buf``'s first ``nbytes`` bytes: of its ``dtype`` view when ``dtype``'s
+    itemsize divides ``nbytes`` (the view cached in ``buf.views`` by ``nbytes``, the latest dtype
+    asked for; bounded by :data:`MAX_VIEWS`), else ``uint8`` bytes (``dtype`` None: bytes)."""
+    if dtype is None or nbytes % dtype.itemsize:
+        return buf.data[:nbytes].copy()
+    views = buf.views
+    if len(views) >= MAX_VIEWS:
+        views.clear()
+    v = views[nbytes] = buf.data[:nbytes].view(dtype)
+    return v.copy()
 
 
 def _text(e: BaseException) -> str:
@@ -506,17 +520,10 @@ class CpuBackend(Backend):
             self.flush(stream)
         if stream.q or stream.busy or stream.errors or not self._threaded or self.closed:
             return None
-        if dtype is None:
-            return buf.data[:nbytes].copy()
-        views = buf.views
-        v = views.get(nbytes)               # (an int key: a dtype hashes slower)
-        if v is None or v.dtype is not dtype:
-            if nbytes % dtype.itemsize:
-                return buf.data[:nbytes].copy()
-            if len(views) >= MAX_VIEWS:
-                views.clear()
-            v = views[nbytes] = buf.data[:nbytes].view(dtype)
-        return v.copy()
+        v = buf.views.get(nbytes)           # (an int key: a dtype hashes slower)
+        if v is not None and v.dtype is dtype:
+            return v.copy()
+        return _copy_typed(buf, nbytes, dtype)
 
     def copy_out(self, stream, buf, nbytes):
         src = buf.data
@@ -607,22 +614,30 @@ class CpuBackend(Backend):
             raise LaunchError(f"kernel {program.name} raised on cpu: {_text(e)}") from e
         return True
 
-    def launch_graph_now(self, stream, graph):
+    def launch_graph_now(self, stream, graph, buf=None, nbytes=0, dtype=None):
         """Run a replay of at most :data:`INLINE_CALLS` ``TINY`` launches on the calling thread
-        when ``stream`` is idle (as :meth:`launch_now`). See ``Backend.launch_graph_now``."""
+        when ``stream`` is idle (as :meth:`launch_now`), then, with ``buf``, copy it as
+        :meth:`copy_out_now` (the stream is idle then). See ``Backend.launch_graph_now``."""
         if (not graph.inline or stream.q or stream.busy or stream.errors or not self._threaded
                 or self.closed):
             return False
-        calls = graph.calls
-        f = None
+        f = graph.one
         try:
-            for f in calls:
+            if f is not None:
                 f()
+            else:
+                for f in graph.calls:
+                    f()
         except BaseException as e:  # noqa: BLE001 - kernel code is user code
-            name = next(n for c, n in zip(calls, graph.names) if c is f)
+            name = next(n for c, n in zip(graph.calls, graph.names) if c is f)
             raise LaunchError(f"kernel {name} (in a graph replay) raised on cpu: "
                               f"{_text(e)}") from e
-        return True
+        if buf is None:
+            return True
+        v = buf.views.get(nbytes)           # (copy_out_now's copy)
+        if v is not None and v.dtype is dtype:
+            return v.copy()
+        return _copy_typed(buf, nbytes, dtype)
 
     # -- graphs -------------------------------------------------------------------------------
     def begin_graph(self, stream):

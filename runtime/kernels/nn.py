@@ -286,7 +286,9 @@ def _matmul_cpu(bias: bool, act: str | None):
                 _loops(M * N).bias_act_block(y, bb, code, 0, M, 0, N)
             return
         threads = RULE.threads()
+        t0 = time.perf_counter()
         FAN_OUT.run(_one_thread_piece(piece), mm_pieces(M, N, K, threads), threads)
+        RULE.record(M * N * K, time.perf_counter() - t0, threads, (M, N, K))   # ThreadChoice
     return run
 
 

@@ -21,6 +21,8 @@ kernels of :mod:`runtime.kernels.nn` have no such weakness).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..cpu_threads import FAN_OUT, RULE
@@ -107,7 +109,9 @@ def _panels_cpu(act: str | None):
             if p1 > full:                                   # the partial last panel
                 np.matmul(A, Wp[full, :, :N - full * P], out=y[:, full * P:])
             loops.bias_act_block(y, bb, code, 0, M, p0 * P, min(N, p1 * P))
+        t0 = time.perf_counter()
         FAN_OUT.run(nn._one_thread_piece(piece), panel_pieces(n_p, M * N * K, threads), threads)
+        RULE.record(M * N * K, time.perf_counter() - t0, threads, (M, N, K))   # ThreadChoice
     return run
 
 

@@ -23,7 +23,7 @@ Errors: a transition out of order raises ``GraphStateError`` and leaves the stat
 from __future__ import annotations
 
 from ..errors import CaptureRefused, GraphStateError, ServerUnhealthy, unhealthy
-from .ops import LaunchRec
+from .ops import CondRec, LaunchRec
 
 NO_CAPTURE, PREPARE, CAPTURE = "no capture", "prepared", "capturing"
 
@@ -81,7 +81,8 @@ def sources(ops, nbytes=None) -> frozenset:
     own scope and the scopes nested in it (if the branch or loop body runs, the write ran
     before them: a loop body's temporaries are not state), but not reads after its
     conditional node or in another branch, and a write that may not run where it sits (a zero
-    or indirect count) hides nothing. A failure mark on a source marks what a replay writes
+    or indirect count) hides nothing; what both branches of an if with an else write hides
+    the reads after the node (:func:`_both_branches`). A failure mark on a source marks what a replay writes
     (docs/contract.md section 4). (Before ADV6 only writes outside every node hid a read: a
     loop graph's temporaries counted as state, so a graph with a loop that failed once failed
     on every later replay, its state rewritten or not.)
@@ -95,6 +96,7 @@ def sources(ops, nbytes=None) -> frozenset:
     write hid every later read, and the copy's output read back the failed half with no
     error). Without ``nbytes`` any write hides the reads after it."""
     out, written = set(), {}            # {handle: {scope: bytes covered}}: few scopes each
+    nodes: dict = {}                    # node index -> its CondRec
     whole = nbytes is None
 
     def hidden(h, scope, need) -> bool:
@@ -129,32 +131,62 @@ def sources(ops, nbytes=None) -> frozenset:
                             written[h] = {sc: cov}
                         elif ws.get(sc, -1) < cov:
                             ws[sc] = cov
-        elif hasattr(op, "cond") and not hidden(op.cond, op.scope, size(op.cond)):
-            out.add(op.cond)
+        elif hasattr(op, "cond"):
+            nodes[op.index] = op
+            if not hidden(op.cond, op.scope, size(op.cond)):
+                out.add(op.cond)
+        elif op[0] == "end":
+            _both_branches(nodes[op[1]], written)
     return frozenset(out)
+
+
+def _both_branches(node, written: dict) -> None:
+    """At the end of conditional node ``node`` (an ``ops.CondRec``): what both branches of a
+    ``capture_if`` with an else branch write (``written``: ``{handle: {scope: bytes covered}}``)
+    is written whichever runs, so it counts as written in the scope the node sits in (the
+    smaller of the two prefixes), for the reads after the node and :func:`maybe_written`. A
+    loop body may run zero times and an if without an else may run nothing: they add nothing.
+    (Before ADV8 a buffer written in both branches stayed a source and maybe-written: one
+    failure of its writer made every later replay fail for good, though each rewrote it.)"""
+    if node.kind != "if":
+        return
+    then, other = node.scope + ((node.index, "then"),), node.scope + ((node.index, "else"),)
+    for ws in written.values():
+        a, b = ws.get(then), ws.get(other)
+        if a is not None and b is not None:
+            cov = a if a < b else b
+            if ws.get(node.scope, -1) < cov:
+                ws[node.scope] = cov
 
 
 def maybe_written(ops, nbytes=None) -> frozenset:
     """Handle ids a graph of ``ops`` writes only through launches that may not run
     (:func:`surely_runs`: inside conditional nodes, a zero or indirect workgroup count): a
     replay may leave them unwritten (the branch not taken, a loop run zero times, a count of
-    0), and the server cannot see which ran (it is decided on the device). A failure mark on
+    0), and the server cannot see which ran (it is decided on the device); a buffer both
+    branches of an if with an else rewrite is written whichever runs (:func:`_both_branches`). A failure mark on
     such a buffer therefore outlives a replay that succeeds: only a write that surely runs, a
     launch or a host write clears it (docs/contract.md section 4b). The same holds for a
     buffer (of ``nbytes[handle id]`` bytes) the graph writes only in part: a ``write`` whose
     declared element count covers less than the buffer (``Kernel.partial_write``) leaves the
     rest as it was (ADV6)."""
-    cond, top = set(), set()
+    cond, written, nodes = set(), {}, {}   # written: {handle: {scope: 1}}, whole writes
     for op in ops:
         if isinstance(op, LaunchRec):
-            k, runs = op.kernel, surely_runs(op)
+            k, c = op.kernel, op.count
+            runs = c.__class__ is tuple and bool(c[0] and c[1] and c[2])   # where it sits
             for bi, (b, h) in enumerate(zip(k.bindings, op.hids)):
                 if b.access == "read":
                     continue
-                whole = runs and not (nbytes and k.write_checks and b.access == "write"
-                                      and k.partial_write(bi, op.params, nbytes.get(h, 0), op.count))
-                (top if whole else cond).add(h)
-    return frozenset(cond - top)
+                cond.add(h)
+                if runs and not (nbytes and k.write_checks and b.access == "write"
+                                 and k.partial_write(bi, op.params, nbytes.get(h, 0), c)):
+                    written.setdefault(h, {})[op.scope] = 1
+        elif isinstance(op, CondRec):
+            nodes[op.index] = op
+        elif op[0] == "end":
+            _both_branches(nodes[op[1]], written)  # (both branches of an if write it)
+    return frozenset(h for h in cond if () not in written.get(h, ()))
 
 
 class Window:

@@ -369,12 +369,32 @@ class ComputeServer:
             merge(fences, slot.fences)
             slot.fences = fences
             slot.orphan = True          # (last: an orphan always carries its handle's fences)
-            if slot.graph_pool is not None:     # the next window of its graph pool may take it
-                slot.graph_pool.give(slot)
+            gp = slot.graph_pool                # the next window of its graph pool may take it
+            if gp is not None and self._shareable(slot, gp):
+                gp.give(slot)
         else:
             self.pool.give(slot, fences)
             if self.pool.idle_bytes > self.pool.max_idle:
                 self._trim(self.pool.max_idle)
+
+    def _shareable(self, slot, gp) -> bool:
+        """Whether orphan ``slot`` (its handle freed, graphs still retain it) may be handed to
+        the next window of graph pool ``gp`` as a temporary: every live graph retaining it is
+        a member of ``gp`` that writes it before it reads it (not one of its sources). A graph
+        outside the pool (``stop_capture(retain=True)``, ``runtime.capture`` without the pool)
+        replays in no order with the pool's graphs, and a graph reading the buffer before it
+        writes it (its input: another graph's output whose handle was freed while it kept the
+        buffer) reads whatever the temporary's next owner writes there: before ADV8 both read
+        another graph's temporaries back with no error. Walks the live graphs: only when a
+        handle on a pool buffer some graph retains is freed, or such a graph is destroyed."""
+        members = gp.graphs
+        for g in self.graphs.values():
+            for r in g.retained:
+                if r is slot:
+                    if g.id not in members or any(st.slot is slot for st in g.sstates):
+                        return False
+                    break
+        return True
 
     # -- memory ---------------------------------------------------------------------------------
     def _trim(self, keep: int) -> int:
@@ -474,7 +494,10 @@ class ComputeServer:
         if not queue._q and queue._owner.acquire(False):
             try:
                 if not queue._q and not queue.closed:
-                    if queue.lazy:
+                    lazy = queue.lazy
+                    if lazy:                    # one replay: run by h_read, with the copy
+                        if len(lazy) == 1 and lazy[0].__class__ is not tuple:
+                            return self.h_read(sid, hid, dtype, True)
                         self._run_lazy()
                     return self.h_read(sid, hid, dtype)
             except queue.FATAL as e:
@@ -493,7 +516,7 @@ class ComputeServer:
 
     queue_mod.OWNER_CODES.add(read.__code__)        # it takes the owner lock (queue.py)
 
-    def h_read(self, sid, hid: int, dtype=None) -> tuple:
+    def h_read(self, sid, hid: int, dtype=None, lazy=False) -> tuple:
         """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
         waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
         failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
@@ -510,7 +533,15 @@ class ComputeServer:
         Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
         at once (``Backend.copy_out_now``) and the answer is the copy itself, an ``np.ndarray``
         of ``dtype`` when the backend makes it (``uint8`` bytes when ``dtype`` is None or the
-        backend leaves it: the caller views them).
+        backend leaves it: the caller views them). ``lazy`` (:meth:`read`, the owner's entry):
+        deferred work is pending (``queue.lazy``), to run before anything else; on the fast
+        path, when it is one replay on this stream that :meth:`_run_lazy` would run at once (no
+        source's mark may carry a failure; ``Backend.launch_graph_now``), it runs together with
+        the copy, one backend call (a replay then a read of what it wrote is the core path);
+        else :meth:`_run_lazy` runs it and the read starts again without ``lazy``, as it does
+        after a failure there (recorded as :meth:`_run_lazy` records it: the read then raises).
+        An asynchronous exception landing in that run stops the server, as in
+        :meth:`_run_lazy` (the replay may have been lost or half run).
         """
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
@@ -518,15 +549,48 @@ class ComputeServer:
                 and not (s.errors or self.marks.async_errors or self.backend.failures
                          or self.ended_busy)):
             w = st.writes
-            if len(w) > 1 or sid not in w and w:
-                self._wait_for(s, w)        # (an event wait queued: not idle any more)
-            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
+            if lazy:                        # read() left one deferred replay: it runs first
+                lazy = self.queue.lazy
+                g = lazy[0]
+                data = None                 # on this stream: with the copy
+                if g.sstate is s and not (len(w) > 1 or sid not in w and w):
+                    for x in g.sstates:     # (as in _run_lazy: a source's mark may carry a
+                        if x.mark is not CLEAN and self._marked_sources(g):     # failure)
+                            break
+                    else:
+                        try:
+                            lazy.clear()    # (run once, whatever lands: never twice)
+                            data = self.backend.launch_graph_now(s.raw, g.graph, st.slot.buf,
+                                                                 st.nbytes, dtype)
+                            if data is False:   # not run at once: the enqueue path (below)
+                                lazy.append(g)
+                                data = None
+                            else:           # ran (as in _run_lazy)
+                                s.done_pos = g.last_pos = s.pos = s.pos + 1
+                                for x in g.wstates:
+                                    x.mark = CLEAN
+                        except LaunchError as e:
+                            self._ran_and_failed(g, s, e)
+                        except BaseException as e:
+                            lazy.clear()    # (as in _run_lazy: it may be lost or half run)
+                            self.queue._die(e)
+                            raise
+                if data is None:            # not run with the copy: run, then read as usual
+                    if lazy:
+                        self._run_lazy()
+                    return self.h_read(sid, hid, dtype)
+            else:
+                if len(w) > 1 or sid not in w and w:
+                    self._wait_for(s, w)    # (an event wait queued: not idle any more)
+                data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
             if data is not None:            # idle: everything before it ran
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)
                 if st.mark is CLEAN or self.marks.clean(st):
                     st.reads[sid] = s.done_pos = s.pos = s.pos + 1
                     return data
+        if lazy:                            # (read()'s deferred replay, not run above)
+            self._run_lazy()
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
         if st is None:
@@ -682,6 +746,10 @@ class ComputeServer:
                                       "the device; launch through ComputeClient.launch, which "
                                       "reads them first")
                 self._wait_for(s, cst.writes)
+                if cst.mark is not CLEAN and not Marks.clean(cst):  # counts from a failed
+                    if reads is None:           # writer: what it writes is stale (ADV8)
+                        reads = []
+                    reads.append((cst.id, cst.mark))
             if self.checker is not None:
                 for b, st in zip(bindings, states):
                     self.checker.on_access(s, st, kernel, b.access != "read")
@@ -1033,12 +1101,7 @@ class ComputeServer:
                     try:                    # (a graph the backend would not run at once: False)
                         ran = self.backend.launch_graph_now(s.raw, g.graph)
                     except LaunchError as e:    # it ran and failed: as if found at execution
-                        failed = Mark(g.op).fail(e)
-                        s.errors.append(failed)
-                        fold_errors(s.errors)   # a stream that never blocks: bounded
-                        self.marks.fail(g.wstates, g.op, failed)
-                        s.pos += 1
-                        s.done_pos = g.last_pos = s.pos
+                        self._ran_and_failed(g, s, e)
                         continue
                     if ran:
                         s.done_pos = g.last_pos = s.pos = s.pos + 1
@@ -1059,6 +1122,17 @@ class ComputeServer:
             raise
         lazy.clear()
         return room
+
+    def _ran_and_failed(self, g, s, e) -> None:
+        """Record a deferred replay of ``g`` on ``s`` that ran at once and raised ``e``
+        (``LaunchError``) as a failure found at execution: queued on ``s`` (the next blocking
+        call raises it) and on the graph's write set (``ReplayFailed`` on read)."""
+        failed = Mark(g.op).fail(e)
+        s.errors.append(failed)
+        fold_errors(s.errors)               # a stream that never blocks: bounded
+        self.marks.fail(g.wstates, g.op, failed)
+        s.pos += 1
+        s.done_pos = g.last_pos = s.pos
 
     def h_replay(self, gid: int):
         """Enqueue one replay of graph ``gid`` on its capture stream; returns once enqueued:
@@ -1246,6 +1320,10 @@ class ComputeServer:
                 f = dict(slot.fences)
                 merge(f, fence)
                 self.pool.give(slot, f)
+            elif slot.orphan and slot.graph_pool is not None and (
+                    self._shareable(slot, slot.graph_pool)):    # (what kept it unshared went)
+                merge(slot.fences, fence)
+                slot.graph_pool.give(slot)
         if gp is not None and not gp.graphs and gp.id in self.released_pools:
             self.released_pools.discard(gp.id)
             self.graph_pools.pop(gp.id, None)

@@ -17,6 +17,7 @@ from runtime.errors import (CaptureRefused, LaunchError, LoopLimitExceeded, Repl
                             ServerUnhealthy, UnsupportedError)
 
 from graph_kernels import add_i32, capture, i32, set_i32
+from helpers import fail_write_set
 
 N = 8
 
@@ -422,3 +423,62 @@ def test_a_pending_failure_of_a_conditional_only_buffer_marks_that_buffer_alone(
     with pytest.raises(ReplayFailed):
         c.read(b["z"])
     c.shutdown()
+
+
+def test_a_buffer_both_branches_write_recovers_with_the_next_replay(client):
+    # ADV8: y is written by both branches of a capture_if with an else, so every replay writes
+    # it whichever branch runs. It counted as written only inside a node: after one failure y
+    # kept the failure for good (a replay never cleared it), and z, computed from y after the
+    # node, failed on every replay too (y stayed a source), though each rewrote both from clean
+    # data: only a host write of the intermediate y recovered.
+    b = _bufs(client, flag=i32(1), x=np.arange(N, dtype=np.float32), y=np.zeros(N, np.float32),
+              z=np.zeros(N, np.float32), half=np.zeros(N, np.float32))
+
+    def work():
+        client.capture_if(b["flag"],
+                          lambda: (client.launch(K.add_scalar, 1, [b["x"], b["y"]],
+                                                 {"alpha": 1.0, "n": N}),
+                                   client.launch(K.fill, 1, [b["half"]], {"value": 1.0, "n": N})),
+                          lambda: (client.launch(K.add_scalar, 1, [b["x"], b["y"]],
+                                                 {"alpha": 2.0, "n": N}),
+                                   client.launch(K.fill, 1, [b["half"]],
+                                                 {"value": 2.0, "n": N // 2})))
+        client.launch(K.add_scalar, 1, [b["y"], b["z"]], {"alpha": 10.0, "n": N})
+    g = _cond_or_skip(client, lambda: capture(client, work))
+    g.replay()
+    np.testing.assert_array_equal(client.read(b["z"]), np.arange(N) + 11)
+    fail_write_set(client, g)
+    for flag, add in ((0, 2), (1, 1), (0, 2)):
+        client.write(b["flag"], i32(flag))
+        g.replay()                          # old: ReplayFailed for y and z on every replay
+        np.testing.assert_array_equal(client.read(b["y"]), np.arange(N) + add)
+        np.testing.assert_array_equal(client.read(b["z"]), np.arange(N) + add + 10)
+        with pytest.raises(ReplayFailed):   # the else branch writes half of it: kept
+            client.read(b["half"])
+    client.write(b["half"], np.zeros(N, np.float32))
+    client.write(b["flag"], i32(0))
+    g.replay()
+    np.testing.assert_array_equal(client.read(b["half"]), [2, 2, 2, 2, 0, 0, 0, 0])
+
+
+def test_a_buffer_one_branch_writes_still_keeps_its_failure_when_both_branches_run_launches(
+        client):
+    # the rule of the test above covers a buffer both branches write, never one branch alone
+    b = _bufs(client, flag=i32(1), x=np.arange(N, dtype=np.float32), y=np.zeros(N, np.float32),
+              w=np.zeros(N, np.float32))
+
+    def work():
+        client.capture_if(b["flag"],
+                          lambda: client.launch(K.add_scalar, 1, [b["x"], b["y"]],
+                                                {"alpha": 1.0, "n": N}),
+                          lambda: client.launch(K.add_scalar, 1, [b["x"], b["w"]],
+                                                {"alpha": 2.0, "n": N}))
+    g = _cond_or_skip(client, lambda: capture(client, work))
+    fail_write_set(client, g)
+    client.write(b["w"], np.zeros(N, np.float32))      # (w, written by the else branch only,
+    client.write(b["flag"], i32(0))                    # keeps its failure too: rewritten)
+    for _ in range(2):
+        g.replay()                          # y not written: its failure stays
+        np.testing.assert_array_equal(client.read(b["w"]), np.arange(N) + 2)
+        with pytest.raises(ReplayFailed):
+            client.read(b["y"])

@@ -367,3 +367,110 @@ def test_a_deferred_replay_too_large_to_run_at_once_fails_its_write_set_and_its_
     g1.replay()
     g2.replay()
     np.testing.assert_array_equal(c.read(z), 4 * np.arange(n, dtype=np.float32))
+
+
+def _spy_backend(c, monkeypatch) -> dict:
+    """Count the cpu backend's immediate verbs: a replay run together with a read's copy
+    (``launch_graph_now`` given the buffer), run alone, and copies alone (``copy_out_now``)."""
+    backend = c._server.backend
+    seen = {"with_copy": 0, "alone": 0, "copies": 0}
+    run, copy = backend.launch_graph_now, backend.copy_out_now
+
+    def launch_graph_now(stream, graph, buf=None, nbytes=0, dtype=None):
+        seen["alone" if buf is None else "with_copy"] += 1
+        return run(stream, graph, buf, nbytes, dtype)
+
+    def copy_out_now(*a, **k):
+        seen["copies"] += 1
+        return copy(*a, **k)
+    monkeypatch.setattr(backend, "launch_graph_now", launch_graph_now)
+    monkeypatch.setattr(backend, "copy_out_now", copy_out_now)
+    return seen
+
+
+@pytest.fixture
+def own(monkeypatch):
+    """A client of a server of its own whose device thread makes no timed look at deferred
+    work (a look landing between a deferral and the read, on a loaded host, would run it)."""
+    from runtime.server import queue as queue_mod
+    monkeypatch.setattr(queue_mod, "LAZY_S", 3600.0)
+    cl = runtime.client("cpu", max_idle_bytes=(1 << 30) + 11)
+    yield cl
+    cl.shutdown()
+
+
+def test_a_read_after_one_deferred_replay_runs_it_with_the_copy_and_reads_right(own,
+                                                                               monkeypatch):
+    # the core path (issue 26): replay, then read what it wrote, one backend call for both;
+    # a stateful graph (acc += x, state read and written by one graph) checked every time
+    c = own
+    x = c.create(np.arange(N, dtype=np.float32))
+    acc = c.create(np.zeros(N, np.float32))
+    g = captured_once(c, K.accumulate, [x, acc], {}, N)
+    c.write(acc, np.zeros(N, np.float32))
+    c.sync()
+    seen = _spy_backend(c, monkeypatch)
+    ref = np.zeros(N, np.float32)
+    for i in range(20):
+        g.replay()
+        assert len(_lazy(c)) == 1
+        ref += np.arange(N, dtype=np.float32)
+        np.testing.assert_array_equal(c.read(acc), ref)
+        if i % 5 == 4:                       # a buffer the graph only reads: after it ran too
+            g.replay()
+            ref += np.arange(N, dtype=np.float32)
+            np.testing.assert_array_equal(c.read(x), np.arange(N, dtype=np.float32))
+            assert not _lazy(c)
+            np.testing.assert_array_equal(c.read(acc), ref)
+    assert seen["with_copy"] == 24 and seen["alone"] == 0, seen
+
+
+def test_a_deferred_replay_failing_in_a_reads_run_fails_its_write_set_until_one_lands(
+        own, monkeypatch):
+    c = own
+    seen = _spy_backend(c, monkeypatch)
+    x = c.create(np.ones(N, np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    z = c.create(np.zeros(N, np.float32))
+    g1 = _captured(c, DOUBLE, [x, y])           # y = 2x, raising on a negative input
+    g2 = _captured(c, DOUBLE, [y, z])           # z = 2y: reads what g1 writes
+    c.write(x, -np.ones(N, np.float32))
+    c.sync()
+    g1.replay()
+    with pytest.raises(ReplayFailed) as e:      # run with the read: it failed
+        c.read(y)
+    assert isinstance(e.value, LaunchError) and "a negative input" in str(e.value)
+    assert seen["with_copy"] == 1 and seen["alone"] == 0, seen
+    for _ in range(2):
+        with pytest.raises(ReplayFailed):       # every read, until a replay lands
+            c.read(y)
+    np.testing.assert_array_equal(c.read(x), -np.ones(N, np.float32))   # (raised once)
+    g2.replay()                                 # one deferred replay reading the failed y:
+    assert len(_lazy(c)) == 1                   # not run with the copy, and it inherits
+    with pytest.raises(ReplayFailed) as e:
+        c.read(z)
+    assert "a negative input" in str(e.value)
+    g1.replay()                                 # fails again on the same input
+    with pytest.raises(ReplayFailed):
+        c.read(y)
+    c.write(x, np.full(N, 3, np.float32))       # the input is fine again: both land
+    g1.replay()
+    np.testing.assert_array_equal(c.read(y), np.full(N, 6, np.float32))
+    g2.replay()
+    np.testing.assert_array_equal(c.read(z), np.full(N, 12, np.float32))
+
+
+def test_a_read_on_another_stream_runs_a_deferred_replay_first_without_its_copy(own,
+                                                                                monkeypatch):
+    c = own
+    x = c.create(np.arange(N, dtype=np.float32))
+    y = c.create(np.zeros(N, np.float32))
+    other = c.create(np.full(N, 7, np.float32))
+    g = _captured(c, DOUBLE, [x, y])
+    c.sync()
+    seen = _spy_backend(c, monkeypatch)
+    g.replay()
+    c2 = c.with_stream(runtime.StreamId.new())
+    np.testing.assert_array_equal(c2.read(other), np.full(N, 7, np.float32))
+    assert not _lazy(c) and seen["with_copy"] == 0 and seen["alone"] == 1, seen
+    np.testing.assert_array_equal(c.read(y), 2 * np.arange(N, dtype=np.float32))

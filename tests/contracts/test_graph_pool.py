@@ -396,3 +396,66 @@ def test_a_freed_output_on_another_graphs_temporary_is_forgotten_and_the_graph_d
     assert state.clobbers == {} and state.defer
     ga.replay()
     np.testing.assert_array_equal(c.read(out_a), np.arange(n, dtype=np.float32) + 100)
+
+
+def _output_then_reader(c, pool, reader_pool, n=64):
+    """Pool graph A: ``out = x + 1``, ``out`` allocated in A's window and kept; graph C (in
+    ``reader_pool``, or none) reads it: ``res = out + 10``, retaining what it uses; then
+    ``out``'s handle is freed (C keeps its buffer) and pool graph B takes a window temporary
+    ``t = 1000`` (copied to ``res_b``). Returns ``(A, B, C, res, res_b, x)``."""
+    x = c.create(np.full(n, 5, np.float32))
+    res, res_b = c.create(np.zeros(n, np.float32)), c.create(np.zeros(n, np.float32))
+
+    def a_body():
+        o = c.empty(n, np.float32)
+        c.launch(K.add_scalar, 1, [x, o], {"alpha": 1.0, "n": n})
+        return o
+    c.graph_prepare(pool=pool)
+    a_body()
+    c.start_capture()
+    out = a_body()
+    A = c.stop_capture()
+    c.graph_prepare(pool=reader_pool)
+    c.launch(K.add_scalar, 1, [out, res], {"alpha": 10.0, "n": n})
+    c.start_capture()
+    c.launch(K.add_scalar, 1, [out, res], {"alpha": 10.0, "n": n})
+    C = c.stop_capture(retain=True)
+    out.release()
+    del out
+
+    def b_body():
+        t = c.empty(n, np.float32)
+        c.launch(K.fill, 1, [t], {"value": 1000.0, "n": n})
+        c.launch(K.copy, 1, [t, res_b], {"n": n})
+    c.graph_prepare(pool=pool)
+    b_body()
+    c.start_capture()
+    b_body()
+    B = c.stop_capture()
+    return A, B, C, res, res_b, x
+
+
+@pytest.mark.parametrize("reader", ["no pool", "same pool"])
+def test_a_pool_never_shares_a_buffer_another_graph_reads_as_its_input(client, hardware,
+                                                                       reader):
+    # ADV8: C kept A's output (its handle freed, C retains the buffer); the pool handed that
+    # buffer to B's window as a temporary, so after A, B, C the result was B's 1000 + 10, not
+    # (5 + 1) + 10, with no error (cpu, wgpu): whether C is outside the pool or a member
+    # reading it before writing it, the buffer is not a temporary anyone may take.
+    if hardware:
+        pytest.skip("a driver graph refuses window allocations the warm pool cannot serve")
+    pool = runtime.GraphPool()
+    A, B, C, res, res_b, x = _output_then_reader(client, pool,
+                                              pool if reader == "same pool" else None)
+    for _ in range(2):
+        A.replay()
+        B.replay()
+        C.replay()
+        np.testing.assert_array_equal(client.read(res), np.full(64, 16, np.float32))
+        np.testing.assert_array_equal(client.read(res_b), np.full(64, 1000, np.float32))
+    assert pool.memory_usage()["shared_bytes"] == 0
+    C.release()
+    del C
+    client.sync()
+    gc.collect()
+    assert pool.memory_usage()["free_bytes"] >= 256   # C gone: A's buffer may be shared again

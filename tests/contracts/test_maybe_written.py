@@ -15,18 +15,10 @@ import numpy as np
 import pytest
 
 from runtime import kernels as K
-from runtime.errors import CaptureRefused, ReplayFailed
+from runtime.errors import ReplayFailed
 
 from graph_kernels import capture
-
-
-def _fail_write_set(c, g):
-    """Mark ``g``'s write set failed: a replay refused inside a window of its stream."""
-    c.graph_prepare()
-    c.start_capture()
-    with pytest.raises(CaptureRefused):
-        g.replay()
-    c.abort_capture()
+from helpers import fail_write_set
 
 
 def test_a_launch_updated_to_a_zero_count_keeps_the_failure_of_what_it_writes(client):
@@ -40,7 +32,7 @@ def test_a_launch_updated_to_a_zero_count_keeps_the_failure_of_what_it_writes(cl
     g = capture(client, work)
     g.replay()
     np.testing.assert_array_equal(client.read(z), [11, 12, 13, 14])
-    _fail_write_set(client, g)
+    fail_write_set(client, g)
     for h in (y, z):
         with pytest.raises(ReplayFailed):
             client.read(h)
@@ -64,7 +56,7 @@ def test_an_indirect_launch_keeps_the_failure_of_what_it_writes(client):
     g = capture(client, lambda: client.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4}))
     g.replay()
     client.sync()
-    _fail_write_set(client, g)
+    fail_write_set(client, g)
     zero = client.create(np.array([0, 1, 1], np.uint32))
     client.launch(K.add_scalar, zero, [x, y], {"alpha": 5.0, "n": 4})    # runs nothing
     with pytest.raises(ReplayFailed):       # old: the stale [1, 2, 3, 4]
@@ -82,7 +74,7 @@ def test_a_graph_writing_a_buffer_only_through_an_indirect_launch_keeps_its_fail
     g = capture(client, lambda: client.launch(K.add_scalar, cnt, [x, y], {"alpha": 1.0, "n": 4}))
     g.replay()
     np.testing.assert_array_equal(client.read(y), [1, 2, 3, 4])
-    _fail_write_set(client, g)
+    fail_write_set(client, g)
     client.write(cnt, np.array([0, 1, 1], np.uint32))
     g.replay()                              # count 0 on the device: y not written
     with pytest.raises(ReplayFailed):       # old: the stale [1, 2, 3, 4]

@@ -270,33 +270,54 @@ def _after_each_call(code, exc, nth_call: int, hit: list):
     return interrupting_tracer(code, after_calls(code), exc, hit, nth_call)
 
 
-@pytest.mark.parametrize("nth_call", range(1, 7))
-def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_call, monkeypatch):
+def _accumulating(c):
+    """``(one, acc, g)``: a captured graph of ``acc += one`` (4 floats), acc zeroed, synced."""
+    one = c.create(np.ones(4, np.float32))
+    acc = c.create(np.zeros(4, np.float32))
+    c.graph_prepare()
+    c.launch(K.accumulate, 1, [one, acc], {"n": 4})
+    c.start_capture()
+    c.launch(K.accumulate, 1, [one, acc], {"n": 4})
+    g = c.stop_capture()
+    c.write(acc, np.zeros(4, np.float32))
+    c.sync()
+    return one, acc, g
+
+
+def _closed_or_right(c, acc, want):
+    """After an interrupted call: the server stopped (``ServerClosed``) or ``acc`` reads ``want``."""
+    out = _bounded(lambda: c.sync() or c.read(acc))
+    if "error" in out:
+        assert isinstance(out["error"], ServerClosed), out["error"]
+    else:
+        np.testing.assert_array_equal(out["value"], want)
+
+
+@pytest.mark.parametrize("nth_call", range(1, 9))
+@pytest.mark.parametrize("where", ["run_lazy", "read_with_copy"])
+def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_call, where,
+                                                                          monkeypatch):
     """Deferred launches and replays (issue 26) run at the next call into the server
-    (``ComputeServer._run_lazy``); an interruption right after any call inside that run may
-    have lost one, so the server stops (``ServerClosed`` for every later call) or, where it
-    landed before anything was taken, every later read is right: never a stale value."""
+    (``ComputeServer._run_lazy``; one replay before a read on its stream runs inside
+    ``h_read``, together with the read's copy); an interruption right after any call inside
+    that run may have lost one, so the server stops (``ServerClosed`` for every later call)
+    or, where it landed before anything was taken, every later read is right: never a stale
+    value, never a replay run twice."""
     monkeypatch.setattr(queue_mod, "OWNER_CHECK_S", 0.2, raising=False)
-    # no timed look of the device thread runs the three deferred items first (a loaded host)
+    # no timed look of the device thread runs the deferred items first (a loaded host)
     monkeypatch.setattr(queue_mod, "LAZY_S", 3600.0)
     c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 5)       # a server of its own
     try:
-        one = c.create(np.ones(4, np.float32))
-        acc = c.create(np.zeros(4, np.float32))
-        c.graph_prepare()
-        c.launch(K.accumulate, 1, [one, acc], {"n": 4})
-        c.start_capture()
-        c.launch(K.accumulate, 1, [one, acc], {"n": 4})
-        g = c.stop_capture()
-        c.write(acc, np.zeros(4, np.float32))
-        c.sync()
+        one, acc, g = _accumulating(c)
         g.replay()                                  # deferred: acc += 1
-        c.launch(K.accumulate, 1, [one, acc], {"n": 4})     # deferred: acc += 1
-        g.replay()                                  # deferred: acc += 1
-        assert len(c._server.queue.lazy) == 3
+        if where == "run_lazy":
+            c.launch(K.accumulate, 1, [one, acc], {"n": 4})     # deferred: acc += 1
+            g.replay()                                  # deferred: acc += 1
+        want = np.full(4, len(c._server.queue.lazy), np.float32)
+        assert want[0] == (3 if where == "run_lazy" else 1)
+        code = (ComputeServer._run_lazy if where == "run_lazy" else ComputeServer.h_read).__code__
         hit = []
-        sys.settrace(_after_each_call(ComputeServer._run_lazy.__code__, KeyboardInterrupt,
-                                      nth_call, hit))
+        sys.settrace(_after_each_call(code, KeyboardInterrupt, nth_call, hit))
         try:
             got = c.read(acc)
         except (KeyboardInterrupt, ServerError):
@@ -305,12 +326,8 @@ def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_ca
             sys.settrace(None)
         if not hit:                                 # fewer calls than nth_call: ran through
             assert nth_call > 3, "the first calls of the run were never reached"
-            np.testing.assert_array_equal(got, np.full(4, 3, np.float32))
+            np.testing.assert_array_equal(got, want)
             return
-        out = _bounded(lambda: c.sync() or c.read(acc))
-        if "error" in out:
-            assert isinstance(out["error"], ServerClosed), out["error"]
-        else:
-            np.testing.assert_array_equal(out["value"], np.full(4, 3, np.float32))
+        _closed_or_right(c, acc, want)
     finally:
         _bounded(c.shutdown)

@@ -404,3 +404,46 @@ def test_batchers_dropped_without_close_leave_no_worker_and_free_their_model():
     assert [t.name for t in threading.enumerate() if t not in before] == []
     gc.collect()
     assert [r for r in models if r() is not None] == []
+
+
+def test_a_lone_client_stops_waiting_for_company_and_a_burst_brings_the_wait_back():
+    # after LONELY_WAITS idle arrivals whose max_wait found no other request, a request at an
+    # idle batcher runs at once (one in LONELY_WAITS still waits, to see a burst coming back);
+    # a wait that finds company brings the waits back (counted: timed gets on the queue)
+    from runtime.serving import batcher as bm
+
+    class Q:
+        def __init__(self, q):
+            self.q, self.timed, self.hook = q, 0, None
+
+        def get(self, block=True, timeout=None):
+            if timeout is not None:
+                self.timed += 1
+                hook, self.hook = self.hook, None
+                if hook:
+                    hook()                      # a second client's request during the wait
+            return self.q.get(block, timeout) if timeout is None else self.q.get(True, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.q, name)
+
+    model = FakeModel()
+    b = Batcher(model, max_wait_ms=20, start=False)
+    q = b._q = Q(b._q)
+    b.start()
+    waits, extra = [], []
+    n = bm.LONELY_WAITS
+    try:
+        for i in range(3 * n + 1 + n):
+            if i == 3 * n:                       # a probe wait: another request comes
+                q.hook = lambda: extra.append(b.submit([TEXTS[1]]))
+            before = q.timed
+            e = b.embed([TEXTS[i % len(TEXTS)]], timeout=10)
+            np.testing.assert_array_equal(e[0], expected(model, TEXTS[i % len(TEXTS)]))
+            waits.append(q.timed - before > 0)
+        np.testing.assert_array_equal(extra[0].result(10).embeddings[0],
+                                      expected(model, TEXTS[1]))
+    finally:
+        b.close()
+    lonely = [True] * n + ([True] + [False] * (n - 1)) * 2     # n waits, then 1 in n
+    assert waits == lonely + [True] + [True] * n             # company found: waits again

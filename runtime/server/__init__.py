@@ -281,11 +281,21 @@ def _check_options(name: str, cls, options: dict) -> None:
 
 def shutdown() -> None:
     """Stop every server (queued work runs first); clients then raise ``ServerClosed``."""
-    with _lock:
-        servers = list(_servers.values())
-        _servers.clear()
-    for srv in servers:
-        srv.shutdown()
+    servers: list = []
+    try:
+        with _lock:
+            servers = list(_servers.items())
+            _servers.clear()
+        for _, srv in servers:
+            srv.shutdown()
+    except BaseException:
+        # SOAK8: interrupted (an asynchronous exception): the servers not stopped yet stay
+        # listed, so a later shutdown (or interpreter exit) stops them, never running for nobody
+        with _lock:
+            for key, srv in servers:
+                if not srv.closed:
+                    _servers.setdefault(key, srv)
+        raise
 
 
 def _after_fork_in_child() -> None:

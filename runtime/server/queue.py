@@ -649,23 +649,32 @@ class DeviceQueue:
         if threading.current_thread() is self._thread:
             raise RuntimeError("close() from the device thread")
         self.closing = True
-        with self._room_lock:                # producers waiting for room get ServerClosed now
-            self._room.notify_all()
-        done = Reply()
+        try:
+            with self._room_lock:            # producers waiting for room get ServerClosed now
+                self._room.notify_all()
+            done = Reply()
 
-        def last():
-            try:
-                finish()
-            finally:
-                self.closed = True
-        self._q.append((last, (), done))
-        if self._owner.acquire(False):
-            self._drain()
-        else:
+            def last():
+                try:
+                    finish()
+                finally:
+                    self.closed = True
+            self._q.append((last, (), done))
+            if self._owner.acquire(False):
+                self._drain()
+            else:
+                self._wake.set()
+            done.wait(10.0)
+            self.closed = True
             self._wake.set()
-        done.wait(10.0)
-        self.closed = True
-        self._wake.set()
+        except BaseException as e:
+            # SOAK8: an asynchronous exception cut the close short (before its last message
+            # was queued, ran, or woke the device thread): stop anyway, so the device thread
+            # and the backend's workers end (on_death), never left running for nobody
+            if not self.closed:
+                self._die(_Fatal(f"its shutdown was interrupted by {type(e).__name__}"))
+            self._wake.set()
+            raise
         self._thread.join(timeout=5.0)
         self._fail_pending()
         with self._room_lock:

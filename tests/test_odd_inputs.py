@@ -96,3 +96,20 @@ def test_a_write_of_floats_to_an_int_buffer_names_the_handle_and_the_conversion(
     f = c.create(np.zeros(2, np.float32))
     c.write(f, np.array([0.5, -2.25]))
     np.testing.assert_array_equal(c.read(f), np.array([0.5, -2.25], np.float32))
+
+
+def test_an_allocation_that_fails_names_its_handle_when_a_later_call_raises_it():
+    """USER8: ``c.empty(10**13, np.float32)`` returns a Handle at once and its ``OutOfMemory``
+    comes from the stream's next blocking call, which said only "cpu: could not allocate
+    43980465111040 bytes" (the pool's size class, not the request): not which handle, nor
+    what to do. The message now names the handle, the bytes asked for and what to do."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    h = c.empty(10**13, np.float32)
+    x = c.create(np.arange(4, dtype=np.float32))
+    with pytest.raises(runtime.OutOfMemory,
+                       match=rf"create/empty of handle {h.id} \(40000000000000 bytes\): cpu: could "
+                             r"not allocate \d+ bytes .*release handles you no longer need"):
+        c.sync()
+    np.testing.assert_array_equal(c.read(x), [0, 1, 2, 3])
+    with pytest.raises(runtime.InvalidHandle, match="its allocation failed"):
+        c.read(h)

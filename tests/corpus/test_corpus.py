@@ -76,6 +76,11 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
         (tmp_path / empty).write_text("")
         with pytest.raises(ValueError, match="no rows"):
             embed_corpus(tmp_path / empty, tmp_path / "o.parquet", progress=False)
+    # USER8: lines, but no JSON object among them: said "the input has no rows"
+    for body, why in (("plain text\n", "not valid JSON"), ("[1, 2]\n\"x\"\n", "a JSON list")):
+        (tmp_path / "n.jsonl").write_text(body)
+        with pytest.raises(ValueError, match=rf"no line is a JSON object \(the first is {why}"):
+            embed_corpus(tmp_path / "n.jsonl", tmp_path / "o.parquet", progress=False)
     r = subprocess.run([sys.executable, "-m", "runtime", "embed-corpus", str(tmp_path / "c.csv"),
                         "--out", str(tmp_path / "o.parquet")], cwd=REPO, capture_output=True,
                        text=True, timeout=120)

@@ -113,3 +113,16 @@ def test_an_allocation_that_fails_names_its_handle_when_a_later_call_raises_it()
     np.testing.assert_array_equal(c.read(x), [0, 1, 2, 3])
     with pytest.raises(runtime.InvalidHandle, match="its allocation failed"):
         c.read(h)
+
+
+def test_a_kernel_without_a_cpu_body_says_what_the_cpu_backend_needs():
+    """USER8: a Kernel with only a WGSL source launched on cpu failed with "kernel k has no cpu
+    implementation" (the wgpu and cuda refusals name the argument to give); it now names
+    ``Kernel(..., cpu=fn)`` and fn's signature."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.ones(4, np.float32))
+    k = runtime.Kernel("only_wgsl", [("x", "f32", "read_write")], wgsl="// none")
+    c.launch(k, 1, [x])
+    with pytest.raises(runtime.ServerUnhealthy) as ei:
+        c.sync()
+    assert "has no cpu implementation; the cpu backend needs Kernel(..., cpu=fn)" in str(ei.value)

@@ -812,7 +812,7 @@ def from_env() -> None:
     if not path or _active is not None:
         return
     global _env_path
-    from .flags import env_positive_int
+    from ._env import env_positive_int
     n = env_positive_int("RUNTIME_TRACE_EVENTS", DEFAULT_CAPACITY)   # a typo: a ValueError naming it
     tracer = start(n)
     _env_path = path                  # named by start()'s TracingActive; stop() clears it

@@ -13,7 +13,7 @@ import pytest
 
 import runtime
 from runtime import tracing
-from runtime.flags import env_positive_int, env_switch
+from runtime._env import env_positive_int, env_switch
 
 
 @pytest.mark.parametrize("text, want", [("1", True), ("true", True), ("YES", True), (" on ", True),

@@ -126,3 +126,18 @@ def test_a_kernel_without_a_cpu_body_says_what_the_cpu_backend_needs():
     with pytest.raises(runtime.ServerUnhealthy) as ei:
         c.sync()
     assert "has no cpu implementation; the cpu backend needs Kernel(..., cpu=fn)" in str(ei.value)
+
+
+def test_a_kernel_binding_or_param_given_as_a_bare_string_is_a_type_error():
+    """USER8: ``Kernel("k", ["x"], ...)`` unpacked the string letter by letter: ``"x"`` became
+    a read f32 binding silently, ``"yy"`` raised "binding y has dtype 'y'", and a param ``"n"``
+    a NamedTuple TypeError. Now a TypeError naming the tuple to give."""
+    body = lambda *a, **k: None                          # noqa: E731
+    for bindings in (["x"], ["yy"], [("x", "f32", "read", "more")], [5]):
+        with pytest.raises(TypeError, match=r"each binding is a runtime\.Binding or a tuple "
+                                            r"\(name, dtype, access\), e\.g\. \('x', 'f32'"):
+            runtime.Kernel("k", bindings, cpu=body)
+    with pytest.raises(TypeError, match=r"each param is a runtime\.Param or a tuple \(name, dtype\)"):
+        runtime.Kernel("k", [("x", "f32")], params=["n"], cpu=body)
+    k = runtime.Kernel("k", [("x",), runtime.Binding("y", "i32", "write")], [["n", "u32"]], cpu=body)
+    assert k.bindings[0] == ("x", "f32", "read") and k.params[0] == ("n", "u32")

@@ -68,7 +68,7 @@ from functools import partial
 
 import numpy as np
 
-from ..flags import env_switch
+from .._env import env_switch
 
 #: fusion on (the default); ``RUNTIME_CPU_FUSE=0`` in the environment turns it off (the graph
 #: then replays one numpy call per launch, as before issue 26's fusion).

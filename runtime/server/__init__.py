@@ -16,7 +16,7 @@ from .._fork import bind_missing_submodule
 from ..backends.base import check_interface, check_probe
 from .. import _threads
 from ..errors import ServerClosed, UnsupportedError
-from ..flags import env_switch
+from .._env import env_switch
 from .server import ComputeServer
 
 __all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "backend_unavailable",

@@ -9,7 +9,8 @@ inside a kernel, the work is split over threads. The rule:
     kernel threads = max(1, cores // stream items executing now)
 
 counted process-wide (every cpu backend of the process), with ``cores`` cut on a busy host
-(:class:`CpuShare`). The kernels of :mod:`runtime.kernels.nn` deal their work out to that many
+(:class:`CpuShare`), and one where a lone item's kernels did more work per second on one
+thread beside busy processes (:class:`ThreadChoice`, measured). The kernels of :mod:`runtime.kernels.nn` deal their work out to that many
 threads themselves (:class:`FanOutPool`): a matmul in blocks of its output, attention in
 sequences or heads, a large layer norm in rows, each piece with one-thread BLAS and numba, as
 torch's CPU attention runs single-threaded GEMMs in a parallel loop. Pieces go to whichever
@@ -559,7 +560,8 @@ class ThreadChoice:
     once, and no comparisons: a quiet machine runs as without this class. State: a few numbers
     and at most ``MAX_SHAPES`` shapes per window (bounded); nothing waits here.
 
-    ``RUNTIME_CPU_CHOICE=all`` or ``1`` fixes the count (``mode``; ``auto``: measured).
+    ``RUNTIME_CPU_CHOICE=all`` or ``1`` fixes the count (``mode``; ``auto``: measured; another
+    value warns and is taken as ``auto``).
 
     Args:
         starved: ``() -> bool``, whether the process's threads wait for cores that other
@@ -577,7 +579,7 @@ class ThreadChoice:
         two pairs: the other count's speed over the incumbent's, ``> 1``: the other was
         faster), ``changes`` (times the choice changed), ``comparisons`` (comparisons
         finished).
-    Raises: ``ValueError`` (an unknown ``mode``).
+    Raises: ``ValueError`` (an unknown ``mode`` passed).
     """
 
     #: most shapes one window keeps (a kernel of another shape beyond them is not counted)
@@ -586,11 +588,16 @@ class ThreadChoice:
     def __init__(self, starved=None, window_s: float = 0.05, margin: float = 0.1,
                  hold_s: float = 1.0, max_hold_s: float = 16.0, stale_s: float = 2.0,
                  mode: str | None = None, clock=None):
-        if mode is None:
-            mode = os.environ.get("RUNTIME_CPU_CHOICE", "auto")
-        mode = str(mode).strip() or "auto"
+        if mode is None:                # (read at import: a typo warns, it does not fail it)
+            mode = os.environ.get("RUNTIME_CPU_CHOICE", "auto").strip() or "auto"
+            if mode not in ("auto", "all", "1"):
+                import warnings
+                warnings.warn(f"RUNTIME_CPU_CHOICE={mode!r} is not auto, all or 1: using auto",
+                              RuntimeWarning, stacklevel=2)
+                mode = "auto"
+        mode = str(mode).strip()
         if mode not in ("auto", "all", "1"):
-            raise ValueError(f"RUNTIME_CPU_CHOICE must be auto, all or 1, got {mode!r}")
+            raise ValueError(f"ThreadChoice mode must be auto, all or 1, got {mode!r}")
         self.mode = mode
         self._starved = starved or (lambda: False)
         self.window_s, self.margin, self.stale_s = window_s, margin, stale_s

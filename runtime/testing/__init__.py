@@ -18,7 +18,8 @@ Four tools, usable alone or together (README "Testing your stream ordering"):
   (``trace``); ``runtime.client("cpu", scheduler="trace", trace=...)`` runs it again exactly.
 - **Programs over your kernels**: ``programs(kernels=[...])`` is a hypothesis strategy of
   multi-client, multi-stream programs (create, write, launch, read, free, events, capture,
-  capture into a ``runtime.GraphPool``, replay, clone, release, ``capture_if``/``capture_while``, ``Graph.update``), and ``run_program(program, backend=..., seed=...)`` runs one and
+  capture into a ``runtime.GraphPool``, replay, clone, release, ``capture_if``/``capture_while``, ``Graph.update``;
+  with ``indirect=True`` indirect launches over counts computed on the device), and ``run_program(program, backend=..., seed=...)`` runs one and
   compares every read with a sequential model built from the kernels' cpu bodies; a failure
   prints the (shrunk) program as Python calls you can paste.
 
@@ -29,8 +30,8 @@ from ..backends.cpu_schedule import decode_trace, encode_trace
 from .program import (CaptureIf, CaptureWhile, Clone, Create, CreateFlag, Empty, Free,
                       Instantiate, KernelSpec, Launch, Prepare, PreparePool, Program, Read, RecordEvent, Release, Replay,
                       StartCapture, StopCapture, Sync, Thread, Update, UpdateCount, WaitEvent, Write,
-                      copy32,
-                      count_down, set_counter)
+                      copy32, LaunchIndirect,
+                      count_down, set_counter, set_counts)
 from ..server import backend_unavailable
 from .run import ProgramMismatch, ProgramRun, Step, run_program
 from .search import ScheduleFailure, explore, pct_runs
@@ -43,4 +44,4 @@ __all__ = ["programs", "run_program", "explore", "pct_runs", "ScheduleFailure", 
            "WaitEvent", "Prepare", "PreparePool", "StartCapture", "StopCapture", "Replay", "Release", "Clone",
            "CreateFlag", "CaptureIf", "CaptureWhile", "Update", "UpdateCount", "Instantiate",
            "set_counter",
-           "count_down", "Thread"]
+           "count_down", "Thread", "LaunchIndirect", "set_counts"]

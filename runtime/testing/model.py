@@ -189,7 +189,7 @@ class Model:
             return False
         return self._extent(launch, bi) < self.p.size * DTYPES[k.bindings[bi].dtype].itemsize
 
-    def _apply(self, launch, propagate: bool = True) -> str:
+    def _apply(self, launch, propagate: bool = True, count=None) -> str:
         """Run one launch on the model's arrays: ``"ok"``, ``"failed"``, ``"unknown"``, or a
         sentence when the body wrote a binding declared ``read`` (the server orders launches
         by the declared access, so such a kernel races). ``propagate``: a marked buffer bound
@@ -216,9 +216,10 @@ class Model:
             work = [np.full(self.p.size, fill, b.dtype) if unknown else b.value.copy()
                     for b, unknown in zip(bufs, blank)]
             try:
-                self._run_body(spec, launch, work, binds, readonly=None)
+                self._run_body(spec, launch, work, binds, readonly=None, count=count)
             except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
-                wrote = self._writes_read_bindings(spec, launch, bufs, blank, fill, binds)
+                wrote = self._writes_read_bindings(spec, launch, bufs, blank, fill, binds,
+                                                   count)
                 if wrote:
                     return (f"kernel {spec.kernel.name} writes binding {', '.join(wrote)}, "
                             "declared 'read' (its view is read-only: the launch fails with "
@@ -247,26 +248,29 @@ class Model:
         return "ok"
 
     @staticmethod
-    def _run_body(spec, launch, work, binds, readonly) -> None:
+    def _run_body(spec, launch, work, binds, readonly, count=None) -> None:
         """Call the kernel's cpu body on ``work`` as the cpu backend does: the arrays of the
         bindings declared ``read`` (``readonly``: a set of binding indices; None: all of
-        them) are read-only views, so a body writing one raises (docs/contract.md section 2)."""
+        them) are read-only views, so a body writing one raises (docs/contract.md section 2).
+        ``count``: the workgroup count (an indirect launch's, read from its buffer), else the
+        spec's."""
         views = []
         for i, (w, bind) in enumerate(zip(work, binds)):
             if bind.access == "read" and (readonly is None or i in readonly):
                 w = w.view()
                 w.flags.writeable = False
             views.append(w)
-        spec.kernel.cpu(*views, count=normalize_count(spec.count), **dict(launch.params))
+        spec.kernel.cpu(*views, count=normalize_count(spec.count) if count is None else count,
+                        **dict(launch.params))
 
-    def _writes_read_bindings(self, spec, launch, bufs, blank, fill, binds) -> list:
+    def _writes_read_bindings(self, spec, launch, bufs, blank, fill, binds, count=None) -> list:
         """The names of the ``read`` bindings the body writes, when it raised only because
         their views are read-only (it runs on writable copies); [] when it fails anyway."""
         def attempt(readonly) -> bool:
             work = [np.full(self.p.size, fill, b.dtype) if unknown else b.value.copy()
                     for b, unknown in zip(bufs, blank)]
             try:
-                self._run_body(spec, launch, work, binds, readonly)
+                self._run_body(spec, launch, work, binds, readonly, count)
             except Exception:  # noqa: BLE001 - the user's kernel failing is what we model
                 return False
             return True
@@ -361,6 +365,37 @@ class Model:
             w.uses.update(op.bufs)
         else:
             self._error(s, self._apply(op))
+        return self._expect_ok(error, "launch")
+
+    def _launchindirect(self, op, value, error):
+        """An indirect launch (eager): its counts are an input (ADV8: a failure of the count
+        buffer's writer reaches what it writes); a count of 0 runs nothing; what it writes
+        keeps a failure mark whatever the count (it may write nothing: contract section 4b)."""
+        s = self.stream(op)
+        binds = self.p.kernels[op.kernel].kernel.bindings
+        outs = [b for b, bind in zip(op.bufs, binds) if bind.access != "read"]
+        ins = [self.bufs[b] for b, bind in zip(op.bufs, binds) if bind.access != "write"]
+        cb = self.bufs[op.counts]
+        ins.append(cb)
+        count = None if cb.value is None or cb.failed else tuple(int(v) for v in cb.value[:3])
+        if any(b.failed for b in ins):   # stale counts or inputs, whatever the count: marked
+            for b in outs:
+                self.bufs[b].value, self.bufs[b].failed = None, True
+            if count is None or 0 not in count:
+                self._error(s, "unknown")
+            return self._expect_ok(error, "launch")
+        if count is None or (0 in count and any(b.value is None for b in ins)):
+            for b in outs:               # unknown counts or inputs (perhaps marked): unknown
+                self.bufs[b].value = None     # (a failed one stays failed: its mark is kept)
+            if count is None:
+                self._error(s, "unknown")
+            return self._expect_ok(error, "launch")
+        if 0 in count:
+            return self._expect_ok(error, "launch")     # runs nothing: all as it was
+        kept = [b for b in outs if self.bufs[b].failed]
+        self._error(s, self._apply(op, count=count))
+        for b in kept:                   # (an indirect launch keeps their marks)
+            self.bufs[b].value, self.bufs[b].failed = None, True
         return self._expect_ok(error, "launch")
 
     def _read(self, op, value, error):

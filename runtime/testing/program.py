@@ -41,7 +41,20 @@ set_counter = _shader_program("set_counter", [("c", "i32", "read_write")],
 #: ``c[0] -= 1`` on a 1-element i32 loop counter (the first launch of a ``CaptureWhile`` body).
 count_down = _shader_program("count_down", [("c", "i32", "read_write")], [], (1, 1, 1),
                                     "c[0] = c[0] - 1;", cpu=_count_down)
-_BUILTINS = {"copy32": copy32, "set_counter": set_counter, "count_down": count_down}
+
+
+def _set_counts(flag, c, *, x, count):
+    c[:] = 1
+    c[0] = x
+
+
+#: ``c = [x, 1, 1, 1, ...]`` on a u32 buffer: the three workgroup counts an indirect launch reads
+#: (``LaunchIndirect``), computed from ``flag`` (an f32 buffer it reads and ignores, so a failure
+#: of ``flag``'s writer reaches the counts: contract section 4). cpu only (``indirect=True``).
+set_counts = Kernel("set_counts", [("flag", "f32", "read"), ("c", "u32", "write")],
+                    [("x", "u32")], cpu=_set_counts)
+_BUILTINS = {"copy32": copy32, "set_counter": set_counter, "count_down": count_down,
+             "set_counts": set_counts}
 
 
 class KernelSpec(NamedTuple):
@@ -162,13 +175,41 @@ class Launch(NamedTuple):
 
     def _run(self, c, objs):
         spec = objs.kernels[self.kernel]
-        c.launch(spec.kernel, spec.count, [objs.bufs[b] for b in self.bufs], dict(self.params))
+        c.launch(spec.kernel, self._count(spec, objs), [objs.bufs[b] for b in self.bufs],
+                 dict(self.params))
+
+    @staticmethod
+    def _count(spec, objs):
+        return spec.count
+
+    def _count_code(self, spec) -> str:
+        return repr(spec.count)
 
     def _code(self, kernels):
         spec = kernels[self.kernel]
         bufs = ", ".join(f"b{b}" for b in self.bufs)
         params = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.params) + "}"
-        return f"c{self.client}.launch({_kernel_expr(spec.kernel)}, {spec.count!r}, [{bufs}], {params})"
+        return (f"c{self.client}.launch({_kernel_expr(spec.kernel)}, {self._count_code(spec)}, "
+                f"[{bufs}], {params})")
+
+
+class LaunchIndirect(NamedTuple):
+    """``c.launch(kernel, b_counts, [bufs], params)``: an indirect launch (outside capture
+    windows), its three workgroup counts read from the u32 buffer ``counts`` when it executes
+    (a count of 0 runs nothing); ``kernel`` indexes ``program.kernels``."""
+    client: int
+    kernel: int
+    bufs: tuple
+    params: tuple
+    counts: int
+
+    _run, _code = Launch._run, Launch._code
+
+    def _count(self, spec, objs):
+        return objs.bufs[self.counts]
+
+    def _count_code(self, spec) -> str:
+        return f"b{self.counts}"
 
 
 def _simple_op(name: str, fields: str, code: str, run, doc: str):
@@ -430,7 +471,7 @@ class Program:
     def line(self, op) -> str:
         """One op as a line of Python."""
         return op._code(self.kernels) if isinstance(op, (Launch, CaptureIf, CaptureWhile,
-                                                         Thread)) \
+                                                         Thread, LaunchIndirect)) \
             else op._code()
 
     def to_python(self, backend="cpu", seed=0, check=False, notes=None) -> str:
@@ -451,7 +492,7 @@ class Program:
         if any(getattr(library, k.name, None) is k for k in kernels):
             lines.append("from runtime import kernels as K")
         used = {_kernel_expr(kernels[op.kernel]) for op in flat_launches(self.ops)
-                if isinstance(op, Launch)}
+                if isinstance(op, (Launch, LaunchIndirect))}
         builtins = [name for name in _BUILTINS if name in used]
         if builtins:
             lines.append(f"from runtime.testing import {', '.join(builtins)}")
@@ -532,4 +573,5 @@ OPS = {cls.__name__: cls for cls in (Create, Empty, Write, Launch, Read, Free, S
                                      WaitEvent, Prepare, PreparePool, StartCapture, StopCapture,
                                      Replay,
                                      Release, Clone, CreateFlag, CaptureIf, CaptureWhile,
-                                     Update, UpdateCount, Instantiate, Thread)}
+                                     Update, UpdateCount, Instantiate, Thread,
+                                     LaunchIndirect)}

@@ -81,6 +81,7 @@ class Builder:
         self.acc: dict = {}              # buf -> [(stream, pos, writes, by replay, clock)]
         self.recent: list = []           # the buffers written last (reads favour them)
         self.flags: dict = {}            # (stream, "if" | "loop") -> 1-element i32 buffer
+        self.counts: dict = {}           # stream -> its u32 count buffer (``_indirect``)
 
     # -- drawing helpers --------------------------------------------------------------------
     def pick(self, seq):
@@ -291,7 +292,39 @@ class Builder:
         op = self._launch_op(self.pick(range(self.cfg["clients"])),
                              self.pick(range(self.cfg["user_kernels"])))
         if op is not None:
+            if self.cfg.get("indirect") and self.stream(op.client) not in self.windows \
+                    and self.flag():
+                return self._indirect(op)
             self._issue(op)
+
+    def _indirect(self, op):
+        """``op`` as an indirect launch (``LaunchIndirect``, ``indirect=True``) over its
+        stream's u32 count buffer (made now: ``[x, 1, 1, ...]``, x 0, 1 or 2), which half the
+        time ``set_counts`` first rewrites from a live f32 buffer it reads: a failure of that
+        buffer's writer reaches the counts, and from them what the launch writes (ADV8)."""
+        k, s = op.client, self.stream(op.client)
+        cb = self.counts.get(s)
+        if cb is None:
+            cb = self.nbuf
+            self.nbuf += 1
+            self._access(s, {cb: True}, False)
+            self.ops.append(P.Create(k, cb, "u32", (self.pick([0, 1, 2]),)
+                                     + (1,) * (self.cfg["size"] - 1)))
+            self.counts[s] = cb
+        floats = [b for b, d in sorted(self.live.items()) if d == "f32"]
+        recent = [b for b in self.recent if b in floats]
+        if recent and self.flag():      # (a buffer written last: where a failure's marks are)
+            floats = recent
+        if floats and self.flag():
+            f = self.pick(floats)
+            if self._access(s, {f: False, cb: True}, False):
+                self.ops.append(P.Launch(k, self.cfg["set_counts"], (f, cb),
+                                         (("x", self.pick([0, 1, 2])),)))
+        spec = self.cfg["kernels"][op.kernel]
+        uses = {b: bind.access != "read" for b, bind in zip(op.bufs, spec.kernel.bindings)}
+        uses[cb] = uses.get(cb, False)
+        if self._access(s, uses, False):
+            self.ops.append(P.LaunchIndirect(k, op.kernel, op.bufs, op.params, cb))
 
     def read(self):
         """``c.read(b)``: half the time of a buffer written by the last calls (what a program
@@ -782,7 +815,7 @@ class Builder:
 def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
              *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
              refusals: bool = True, failures: bool = False, pools: bool = True,
-             partial: bool = True):
+             partial: bool = True, indirect: bool = False):
     """A hypothesis strategy of ``Program`` s over your kernels.
 
     Args:
@@ -836,6 +869,12 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
             of a buffer keeps its failure mark (the rest still holds what the failed writer
             left), and a graph that reads past the part it wrote reads the buffer as it found
             it, so that buffer is one of its sources (docs/contract.md section 4; ADV7).
+        indirect: some launches outside capture windows are indirect (``LaunchIndirect``):
+            their counts come from a per-stream u32 buffer (``[x, 1, 1, ...]``, x 0, 1 or 2;
+            0 runs nothing and leaves what the launch writes as it was, its failure mark
+            included) that the builtin ``set_counts`` may rewrite from an f32 buffer it reads,
+            so a failure of that buffer's writer reaches the counts and what the launch
+            writes (ADV8). cpu only (``set_counts`` has no GPU source); default False.
     Returns: a strategy of ``Program``.
     Raises: ``TypeError``/``ValueError`` for bad kernels or params (at the call).
     """
@@ -843,7 +882,7 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
 
     cfg = config(kernels, buffers, streams, clients, capture, size=size, steps=steps,
                  values=values, contract=contract, refusals=refusals, failures=failures,
-                 pools=pools, partial=partial)
+                 pools=pools, partial=partial, indirect=indirect)
     choices = _choices(_WEIGHT if contract else _WEIGHT_RACY)
 
     @st.composite
@@ -863,7 +902,7 @@ def programs(kernels, buffers: int = 4, streams: int = 2, clients=None, capture:
 def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: bool = True,
            *, size: int = 8, steps: int = 30, values=None, contract: bool = True,
            refusals: bool = True, failures: bool = False, pools: bool = False,
-           partial: bool = False) -> dict:
+           partial: bool = False, indirect: bool = False) -> dict:
     """The checked arguments of ``programs()`` as the ``Builder`` 's configuration (a dict;
     ``pools`` and ``partial`` off unless asked: a scripted builder's choices stay those it was
     written for).
@@ -890,10 +929,14 @@ def config(kernels, buffers: int = 4, streams: int = 2, clients=None, capture: b
     ints = st.integers(-8, 8)
     vals = {"f32": ints.map(float), "i32": ints, "u32": st.integers(0, 16)}
     vals.update(values or {})
+    if indirect and size < 3:
+        raise ValueError(f"indirect=True needs size >= 3 (three u32 counts), got {size}")
     return {"kernels": tuple(specs + [P.KernelSpec(P.copy32), P.KernelSpec(P.set_counter),
-                                      P.KernelSpec(P.count_down)]),
+                                      P.KernelSpec(P.count_down),
+                                      P.KernelSpec(P.set_counts, {"x": 0})]),
             "user_kernels": len(specs), "copy32": len(specs), "set_counter": len(specs) + 1,
-            "count_down": len(specs) + 2, "buffers": buffers, "streams": min(streams, clients),
+            "count_down": len(specs) + 2, "set_counts": len(specs) + 3,
+            "indirect": bool(indirect), "buffers": buffers, "streams": min(streams, clients),
             "clients": clients, "capture": capture, "size": size, "values": vals,
             "dtypes": dtypes, "contract": contract, "refusals": refusals, "failures": failures,
             "pools": bool(pools) and capture, "partial": bool(partial)}

@@ -13,9 +13,11 @@ the free of a buffer one or two windows use at ``stop_capture``), replays, clone
 releases before and after their inputs are freed, instances (``Graph.instantiate``) sharing the
 graph's state or rebinding a buffer, on its stream or another. One kernel fails on some inputs
 (``failures=True``): eagerly, inside a warm-up (``start_capture`` raises, nothing is recorded)
-and inside a replayed graph. Every read must match the model built from the kernels' cpu
-bodies, and a buffer whose last writer failed (or was computed from one) must raise
-``ReplayFailed`` until a later write lands; the failing stream raises the ``LaunchError``.
+and inside a replayed graph. Some eager launches are indirect, over counts computed from other
+buffers (``indirect=True``: a failure reaches the counts and what the launch writes; ADV8).
+Every read must match the model built from the kernels' cpu bodies, and a buffer whose last
+writer failed (or was computed from one) must raise ``ReplayFailed`` until a later write
+lands; the failing stream raises the ``LaunchError``.
 
 Hypothesis runs derandomized (tests/conftest.py): the same ``EXAMPLES`` programs every run.
 ``RUNTIME_PROPERTY_EXAMPLES`` raises the count and ``RUNTIME_HYPOTHESIS_EXPLORE=1`` draws new
@@ -71,7 +73,7 @@ KERNELS = [(K.add_scalar, {"alpha": 1.5}), (K.mul_scalar, {"alpha": -0.5}), K.co
            K.add, checked_double, checked_double_w]
 #: two streams shared by three clients, or one stream per client
 PROGRAMS = st.one_of(*(programs(KERNELS, buffers=5, streams=s, clients=3, steps=60,
-                                failures=True) for s in (2, 3)))
+                                failures=True, indirect=True) for s in (2, 3)))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None,

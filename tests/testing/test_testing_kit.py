@@ -490,3 +490,61 @@ def test_programs_draw_branches_that_both_write_one_buffer():
     draw()
     assert found, "no program wrote one buffer in both branches of a capture_if"
     run_program(found[0], seed=0, check=True)
+
+
+def test_the_model_expects_an_indirect_launch_to_inherit_its_counts_failure():
+    """An indirect launch whose count buffer was computed from a failed buffer (``set_counts``
+    reading it) computed from failed data: what it writes must raise ``ReplayFailed`` (ADV8:
+    the server took only the read bindings' marks, and ``b2`` read back a value); a count of
+    0 runs nothing and leaves what it writes as it was."""
+    from runtime.testing import LaunchIndirect, set_counts
+    specs = (KernelSpec(ALWAYS_FAILS), KernelSpec(K.add_scalar, {"alpha": 1.0}),
+             KernelSpec(set_counts, {"x": 0}))
+    n = (("n", 4),)
+    ops = (Create(0, 0, "f32", ONES), Create(0, 1, "f32", ONES), Create(0, 2, "f32", ONES),
+           Create(0, 3, "u32", (1, 1, 1, 1)),
+           LaunchIndirect(0, 1, (0, 2), (("alpha", 1.0),) + n, 3),   # b2 = b0 + 1
+           Read(0, 2),
+           Launch(0, 0, (0, 1), n),                                    # fails: marks b1
+           Sync(0),
+           Launch(0, 2, (1, 3), (("x", 1),)),                          # counts from b1
+           LaunchIndirect(0, 1, (0, 2), (("alpha", 1.0),) + n, 3),
+           Read(0, 2),
+           Write(0, 3, "u32", (0, 1, 1, 1)), Write(0, 2, "f32", FIVES),
+           LaunchIndirect(0, 1, (0, 2), (("alpha", 1.0),) + n, 3),   # count 0: b2 stays 5
+           Read(0, 2))
+    prog = Program(ops, (Sync(0),), specs, 4, 1, 1)
+    assert "c0.launch(K.add_scalar, b3, [b0, b2]" in prog.to_python()
+    for s in range(3):
+        run = run_program(prog, seed=s, check=True)
+        np.testing.assert_array_equal(run.reads[0], np.full(4, 2, np.float32))
+        assert isinstance(run.reads[1], runtime.ReplayFailed), run.reads
+        np.testing.assert_array_equal(run.reads[2], np.full(4, 5, np.float32))
+    model = Model(prog)
+    for op in ops[:10]:
+        model.step(op, np.full(4, 2, np.float32) if isinstance(op, Read) else None,
+                   runtime.LaunchError("x") if isinstance(op, Sync) else None)
+    assert "must raise ReplayFailed" in model.step(ops[10], np.full(4, 2, np.float32), None)
+
+
+def test_programs_draw_indirect_launches_over_counts_computed_from_other_buffers():
+    """``programs(indirect=True)`` draws indirect launches whose counts ``set_counts`` wrote
+    from an f32 buffer first (ADV8's shape), and such programs match the model."""
+    from runtime.testing import LaunchIndirect
+    found = []
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(programs([(K.add_scalar, {"alpha": 1.5}), K.copy], buffers=3, steps=30,
+                    indirect=True))
+    def draw(prog):
+        names = [type(op).__name__ for op in prog.ops]
+        if "LaunchIndirect" in names and any(
+                isinstance(op, Launch) and prog.kernels[op.kernel].kernel.name == "set_counts"
+                for op in prog.ops):
+            found.append(prog)
+    draw()
+    assert found, "no program launched indirectly over counts set_counts wrote"
+    assert any(isinstance(op, LaunchIndirect) for op in found[0].ops)
+    for prog in found[:5]:
+        run_program(prog, seed=0, check=True)

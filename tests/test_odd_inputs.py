@@ -141,3 +141,23 @@ def test_a_kernel_binding_or_param_given_as_a_bare_string_is_a_type_error():
         runtime.Kernel("k", [("x", "f32")], params=["n"], cpu=body)
     k = runtime.Kernel("k", [("x",), runtime.Binding("y", "i32", "write")], [["n", "u32"]], cpu=body)
     assert k.bindings[0] == ("x", "f32", "read") and k.params[0] == ("n", "u32")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "wgpu"])
+def test_a_big_endian_array_is_created_in_native_order_and_an_object_array_refused(backend):
+    """USER8: ``c.create(np.arange(4, dtype=">f4"))`` kept the big-endian bytes (handle dtype
+    ``>f4``) and a kernel read them as little-endian floats: ``add_scalar`` of [0, 1, 2, 3] gave
+    [1, 1, 1, 1] silently (torch refuses such arrays, cupy converts). An object array raised
+    numpy's "Cannot change data-type for array of references"."""
+    try:
+        c = runtime.client(backend).with_stream(runtime.StreamId.new())
+    except runtime.UnsupportedError as e:
+        pytest.skip(str(e))
+    x = c.create(np.arange(4, dtype=">f4"))
+    assert x.dtype == np.dtype(np.float32) and x.dtype.isnative
+    y = c.empty(4, np.float32)
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    np.testing.assert_array_equal(c.read(y), [1, 2, 3, 4])
+    np.testing.assert_array_equal(c.read(c.create(np.array([1, -2], dtype=">i4"))), [1, -2])
+    with pytest.raises(TypeError, match=r"dtype object \(Python objects have no device layout\)"):
+        c.create(np.array([object()]))

@@ -161,3 +161,15 @@ def test_a_big_endian_array_is_created_in_native_order_and_an_object_array_refus
     np.testing.assert_array_equal(c.read(c.create(np.array([1, -2], dtype=">i4"))), [1, -2])
     with pytest.raises(TypeError, match=r"dtype object \(Python objects have no device layout\)"):
         c.create(np.array([object()]))
+
+
+def test_a_handle_of_another_server_names_both_servers():
+    """USER8: a handle of ``runtime.client("cpu")`` used by ``runtime.client("cpu", check=True)``
+    said "belongs to another server (runtime-cpu:0)": the user's other client is cpu device 0
+    too. The message now names both servers and why they differ."""
+    a, b = runtime.client("cpu"), runtime.client("cpu", check=True)
+    h = a.create(np.ones(2, np.float32))
+    with pytest.raises(runtime.InvalidHandle,
+                       match=r"handle \d+ belongs to another server, runtime-cpu:0; this client's is "
+                             r"runtime-cpu:0 \(check=True\) .*options, e\.g\. check=True"):
+        b.read(h)

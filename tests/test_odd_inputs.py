@@ -170,6 +170,22 @@ def test_a_handle_of_another_server_names_both_servers():
     a, b = runtime.client("cpu"), runtime.client("cpu", check=True)
     h = a.create(np.ones(2, np.float32))
     with pytest.raises(runtime.InvalidHandle,
-                       match=r"handle \d+ belongs to another server, runtime-cpu:0; this client's is "
-                             r"runtime-cpu:0 \(check=True\) .*options, e\.g\. check=True"):
+                       match=r"handle \d+ belongs to another server, runtime-cpu:0; this "
+                             r"client's is runtime-cpu:0 \(check=True\) .*options, e\.g\. "
+                             r"check=True"):
         b.read(h)
+
+
+def test_a_0d_array_or_numpy_scalar_keeps_its_shape():
+    """USER8: ``c.create(np.array(3.0, np.float32))`` made a handle of shape (1,) (numpy's
+    ascontiguousarray promotes 0-d) and ``c.create(np.float32(3))`` was refused ("expected a
+    numpy array or bytes, got float32"); both are 0-d handles now, as ``torch.tensor(3.0)``."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    for data in (np.array(3.0, np.float32), np.float32(3.0)):
+        h = c.create(data)
+        assert h.shape == () and h.nbytes == 4
+        out = c.read(h)
+        assert out.shape == () and out == 3.0
+    y = c.empty(1, np.float32)
+    c.launch(K.add_scalar, 1, [h, y], {"alpha": 1.0, "n": 1})
+    np.testing.assert_array_equal(c.read(y), [4.0])

@@ -70,6 +70,8 @@ def main(argv=None) -> int:
         ap.error(f"--layers/--dim: {e}")
     if any(not 0 <= t < cfg.vocab for t in args.prompt):
         ap.error(f"argument --prompt: token ids must be in [0, {cfg.vocab}), got {args.prompt}")
+    if args.end_token is not None and not 0 <= args.end_token < cfg.vocab:
+        ap.error(f"argument --end-token: a token id in [0, {cfg.vocab}), got {args.end_token}")
     try:
         client = runtime.client(args.backend)
     except runtime.UnsupportedError as e:

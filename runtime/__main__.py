@@ -36,10 +36,15 @@ def _first_line(e: BaseException) -> str:
 def main(argv=None) -> int:
     """Run one command; returns its exit status (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("--version", "-V"):
+        from . import __version__
+        print(f"runtime {__version__}")
+        return 0
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         print(f"python -m runtime: unknown command {argv[0]!r}\n", file=sys.stderr)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m runtime <command> [options]\n\ncommands:")
+        print("usage: python -m runtime <command> [options]   (--version: the version)\n\n"
+              "commands:")
         for name, (_, _, doc) in COMMANDS.items():
             print(f"  {name:13s} {doc}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

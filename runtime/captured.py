@@ -215,6 +215,11 @@ class CapturedGraph:
         return f"CapturedGraph(stream={int(self.stream)}, {how})"
 
 
+#: how :attr:`CapturedGraph.fallback_reason` starts when ``fn`` launched no work on the capture
+#: stream (``StaticGraph`` refuses such a body).
+NOTHING_RECORDED = "nothing was recorded"
+
+
 def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1,
             pool=None) -> CapturedGraph:
     """Record ``fn()`` once and return a graph whose ``replay()`` re-runs it (seed 000).
@@ -318,7 +323,7 @@ def capture(fn, *, client: ComputeClient | None = None, warmup: int = 1,
     if graph.info()["launches"] == 0:
         graph.release()
         return CapturedGraph(fn, fn(), pinned, None,
-                             f"nothing was recorded on stream {int(pinned.stream)}: fn launched "
+                             f"{NOTHING_RECORDED} on stream {int(pinned.stream)}: fn launched "
                              "no work there (pass client= with the client fn's tensors use); "
                              "fn is re-run on every replay")
     _check_output(out, pinned)

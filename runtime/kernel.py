@@ -69,6 +69,19 @@ class Param(NamedTuple):
     dtype: str = "f32"
 
 
+def _spec(kernel: str, kind: str, cls, value, example: str):
+    """``value`` as a ``cls`` (``Binding``/``Param``): one already, or a tuple of its fields. A
+    bare string (``"x"``) is refused: it would unpack letter by letter (``Binding(*"yy")`` is
+    name ``"y"``, dtype ``"y"``)."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, (tuple, list)) and 1 <= len(value) <= len(cls._fields) and \
+            isinstance(value[0], str):
+        return cls(*value)
+    raise TypeError(f"kernel {kernel}: each {kind} is a runtime.{cls.__name__} or a tuple "
+                    f"({', '.join(cls._fields)}), e.g. {example}; got {value!r}")
+
+
 class Kernel:
     """A compute kernel: bindings, params, workgroup size and one source per backend.
 
@@ -112,7 +125,8 @@ class Kernel:
             size or wrapping ``0u - 1u`` where the cpu body raises. ``None``: none.
 
     Raises:
-        TypeError / ValueError: a malformed description (unknown dtype or access, no source,
+        TypeError / ValueError: a malformed description (a binding or param that is not a
+            tuple or Binding/Param, unknown dtype or access, no source,
             an ``elements`` that names no integer param or no binding).
 
     Kernels hash by identity: the server compiles each ``Kernel`` object once and caches the
@@ -131,8 +145,9 @@ class Kernel:
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"kernel name must be an identifier, got {name!r}")
         self.name = name
-        self.bindings = tuple(b if isinstance(b, Binding) else Binding(*b) for b in bindings)
-        self.params = tuple(p if isinstance(p, Param) else Param(*p) for p in params)
+        self.bindings = tuple(_spec(name, "binding", Binding, b, "('x', 'f32', 'read_write')")
+                              for b in bindings)
+        self.params = tuple(_spec(name, "param", Param, p, "('n', 'u32')") for p in params)
         for b in self.bindings:
             if b.dtype not in DTYPES:
                 raise ValueError(f"kernel {name}: binding {b.name} has dtype {b.dtype!r}; use one of {list(DTYPES)}")

@@ -75,7 +75,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _fork
-from .captured import capture
+from .captured import NOTHING_RECORDED, capture
 from .frontend import ComputeClient, Handle
 from .streams import StreamId
 from .errors import UnknownGraph
@@ -155,7 +155,8 @@ class StaticGraph:
     Raises:
         TypeError / ValueError: a malformed signature (bad name, shape or dtype; a name used
             twice), a ``loop`` that is not an ``i32 [1]`` state slot, ``max_iterations``
-            without ``loop``, or the body returned something that does not fit the outputs.
+            without ``loop``, or the body returned something that does not fit the outputs, or
+            it launched no work on the graph's stream and returned no outputs.
         UnsupportedError: ``loop`` on a backend without loop nodes.
         Whatever the body raises (nothing is kept).
     Streams: everything on :attr:`stream`, the graph's own; the body's tensors are on it.
@@ -202,6 +203,12 @@ class StaticGraph:
         self._tensors = {n: Tensor.from_numpy(self.client, s.init) for n, s in self._specs.items()}
         self._body = body
         self._cap = capture(self._run_body, client=self.client, warmup=warmup)
+        if not self._cap.recorded and self._cap.fallback_reason.startswith(NOTHING_RECORDED):
+            outs = [n for n, s in self._specs.items() if s.kind == "output"]
+            raise ValueError(f"StaticGraph: the body launched no work on the graph's stream and "
+                             f"returned no outputs, so every call would return {outs} as they "
+                             "are: launch through the tensors it receives (body(**tensors)) or "
+                             "return {output name: Tensor}")
         self._reset(outputs=False)     # (the outputs keep what the warm-up wrote)
 
     # -- the recorded work ----------------------------------------------------------------------

@@ -381,7 +381,13 @@ class Tensor:
 
 def _check_dtype(dtype) -> None:
     if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
-        raise ValueError(f"Tensor dtype must be one of {list(TENSOR_DTYPES)}, got {dtype!r}")
+        hint = ""
+        try:                            # np.float32 / "float32": name the kernel dtype to pass
+            name = next(k for k, v in TENSOR_DTYPES.items() if np.dtype(dtype) == v)
+            hint = f": pass {name!r} (Tensor dtypes are kernel dtype names)"
+        except (TypeError, ValueError, StopIteration):
+            pass
+        raise ValueError(f"Tensor dtype must be one of {list(TENSOR_DTYPES)}, got {dtype!r}{hint}")
 
 
 def _check_shape(shape) -> tuple:

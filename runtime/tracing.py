@@ -812,7 +812,8 @@ def from_env() -> None:
     if not path or _active is not None:
         return
     global _env_path
-    n = int(os.environ.get("RUNTIME_TRACE_EVENTS", DEFAULT_CAPACITY))
+    from ._env import env_positive_int
+    n = env_positive_int("RUNTIME_TRACE_EVENTS", DEFAULT_CAPACITY)   # a typo: a ValueError naming it
     tracer = start(n)
     _env_path = path                  # named by start()'s TracingActive; stop() clears it
 

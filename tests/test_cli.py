@@ -80,3 +80,10 @@ def test_capture_demo_runs_the_replay_workload_and_checks_it(tmp_path):
     r = subprocess.run([sys.executable, "-m", "runtime", "capture-demo", "--length", "3"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--length must be even" in r.stderr
+
+
+def test_version_prints_the_version(capsys):
+    # USER8: `python -m runtime --version` printed the usage and exited 2
+    import runtime
+    assert cli.main(["--version"]) == 0 and cli.main(["-V"]) == 0
+    assert capsys.readouterr().out == f"runtime {runtime.__version__}\n" * 2

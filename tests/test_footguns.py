@@ -8,6 +8,8 @@ Silent mismatches (the graph replays happily and the numbers are wrong):
   5. Freeing a buffer the graph uses: the next replay raises LivenessError (the graph pins the
      buffer, so no one else gets it; with or without check=True).
   6. Refreshing an input from another stream races the replay (check=True catches it).
+ 11. The same unpinned client used from another thread is on that thread's stream (so 6.);
+     ``c.with_stream(g.stream)`` there.
 Errors raised (loud, so less bad):
   7. Reading or syncing the capturing stream inside the window.
   8. start_capture() without graph_prepare().
@@ -218,3 +220,38 @@ def test_10_numpy_does_not_silently_wrap_a_handle_or_tensor(c):
         Tensor.from_numpy(c, t)                  # a tensor is not host data either
     np.testing.assert_array_equal(c.read(h), [0, 1, 2, 3])      # the explicit copies work
     np.testing.assert_array_equal(t.numpy(), np.ones((2, 2)))
+
+
+def test_11_an_unpinned_client_in_another_thread_uses_that_threads_stream():
+    """USER8: the README's Use example refreshes and reads "on the capture stream"; the same
+    client object used from a worker thread (the usual PyTorch habit: capture in main, serve in
+    a thread) works on the worker's own stream, so ``c.write``/``c.read`` there race the replay
+    (19 of 20 reads stale without check; check=True raises). Pinned to the graph's stream
+    (``c.with_stream(g.stream)``), as the README now says, the worker gets the right values."""
+    c = runtime.client("cpu", check=True, scheduler="interleave", seed=11)
+    x, y, g = captured_add_one(c)
+    out = {}
+
+    def racy():
+        try:
+            c.write(x, np.full(4, 9, np.float32))               # the worker's stream
+            g.replay()
+            out["racy"] = c.read(y)
+        except runtime.StreamRaceError as e:
+            out["racy"] = e
+
+    def pinned():
+        w = c.with_stream(g.stream)
+        for i in range(3):
+            w.write(x, np.full(4, i, np.float32))
+            g.replay()
+            out.setdefault("pinned", []).append(w.read(y).tolist())
+
+    for fn in (racy, pinned):
+        th = threading.Thread(target=fn)
+        th.start()
+        th.join(60)
+        assert not th.is_alive()
+    assert isinstance(out["racy"], runtime.StreamRaceError), out
+    assert out["pinned"] == [[1.0] * 4, [2.0] * 4, [3.0] * 4]
+    c.shutdown()

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(runtime.__file__).resolve().parent
 #: module or a package (everything under it).
 LAYERS = [
     ["runtime._fork", "runtime._threads", "runtime.errors", "runtime.kernel", "runtime.streams",
-     "runtime.cpu_threads"],
+     "runtime.cpu_threads", "runtime._env"],
     ["runtime.kernels"],
     ["runtime.backends"],
     ["runtime.server"],

@@ -96,3 +96,96 @@ def test_a_write_of_floats_to_an_int_buffer_names_the_handle_and_the_conversion(
     f = c.create(np.zeros(2, np.float32))
     c.write(f, np.array([0.5, -2.25]))
     np.testing.assert_array_equal(c.read(f), np.array([0.5, -2.25], np.float32))
+
+
+def test_an_allocation_that_fails_names_its_handle_when_a_later_call_raises_it():
+    """USER8: ``c.empty(10**13, np.float32)`` returns a Handle at once and its ``OutOfMemory``
+    comes from the stream's next blocking call, which said only "cpu: could not allocate
+    43980465111040 bytes" (the pool's size class, not the request): not which handle, nor
+    what to do. The message now names the handle, the bytes asked for and what to do."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    h = c.empty(10**13, np.float32)
+    x = c.create(np.arange(4, dtype=np.float32))
+    with pytest.raises(runtime.OutOfMemory,
+                       match=rf"create/empty of handle {h.id} \(40000000000000 bytes\): cpu: could "
+                             r"not allocate \d+ bytes .*release handles you no longer need"):
+        c.sync()
+    np.testing.assert_array_equal(c.read(x), [0, 1, 2, 3])
+    with pytest.raises(runtime.InvalidHandle, match="its allocation failed"):
+        c.read(h)
+
+
+def test_a_kernel_without_a_cpu_body_says_what_the_cpu_backend_needs():
+    """USER8: a Kernel with only a WGSL source launched on cpu failed with "kernel k has no cpu
+    implementation" (the wgpu and cuda refusals name the argument to give); it now names
+    ``Kernel(..., cpu=fn)`` and fn's signature."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x = c.create(np.ones(4, np.float32))
+    k = runtime.Kernel("only_wgsl", [("x", "f32", "read_write")], wgsl="// none")
+    c.launch(k, 1, [x])
+    with pytest.raises(runtime.ServerUnhealthy) as ei:
+        c.sync()
+    assert "has no cpu implementation; the cpu backend needs Kernel(..., cpu=fn)" in str(ei.value)
+
+
+def test_a_kernel_binding_or_param_given_as_a_bare_string_is_a_type_error():
+    """USER8: ``Kernel("k", ["x"], ...)`` unpacked the string letter by letter: ``"x"`` became
+    a read f32 binding silently, ``"yy"`` raised "binding y has dtype 'y'", and a param ``"n"``
+    a NamedTuple TypeError. Now a TypeError naming the tuple to give."""
+    body = lambda *a, **k: None                          # noqa: E731
+    for bindings in (["x"], ["yy"], [("x", "f32", "read", "more")], [5]):
+        with pytest.raises(TypeError, match=r"each binding is a runtime\.Binding or a tuple "
+                                            r"\(name, dtype, access\), e\.g\. \('x', 'f32'"):
+            runtime.Kernel("k", bindings, cpu=body)
+    with pytest.raises(TypeError, match=r"each param is a runtime\.Param or a tuple \(name, dtype\)"):
+        runtime.Kernel("k", [("x", "f32")], params=["n"], cpu=body)
+    k = runtime.Kernel("k", [("x",), runtime.Binding("y", "i32", "write")], [["n", "u32"]], cpu=body)
+    assert k.bindings[0] == ("x", "f32", "read") and k.params[0] == ("n", "u32")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "wgpu"])
+def test_a_big_endian_array_is_created_in_native_order_and_an_object_array_refused(backend):
+    """USER8: ``c.create(np.arange(4, dtype=">f4"))`` kept the big-endian bytes (handle dtype
+    ``>f4``) and a kernel read them as little-endian floats: ``add_scalar`` of [0, 1, 2, 3] gave
+    [1, 1, 1, 1] silently (torch refuses such arrays, cupy converts). An object array raised
+    numpy's "Cannot change data-type for array of references"."""
+    try:
+        c = runtime.client(backend).with_stream(runtime.StreamId.new())
+    except runtime.UnsupportedError as e:
+        pytest.skip(str(e))
+    x = c.create(np.arange(4, dtype=">f4"))
+    assert x.dtype == np.dtype(np.float32) and x.dtype.isnative
+    y = c.empty(4, np.float32)
+    c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+    np.testing.assert_array_equal(c.read(y), [1, 2, 3, 4])
+    np.testing.assert_array_equal(c.read(c.create(np.array([1, -2], dtype=">i4"))), [1, -2])
+    with pytest.raises(TypeError, match=r"dtype object \(Python objects have no device layout\)"):
+        c.create(np.array([object()]))
+
+
+def test_a_handle_of_another_server_names_both_servers():
+    """USER8: a handle of ``runtime.client("cpu")`` used by ``runtime.client("cpu", check=True)``
+    said "belongs to another server (runtime-cpu:0)": the user's other client is cpu device 0
+    too. The message now names both servers and why they differ."""
+    a, b = runtime.client("cpu"), runtime.client("cpu", check=True)
+    h = a.create(np.ones(2, np.float32))
+    with pytest.raises(runtime.InvalidHandle,
+                       match=r"handle \d+ belongs to another server, runtime-cpu:0; this "
+                             r"client's is runtime-cpu:0 \(check=True\) .*options, e\.g\. "
+                             r"check=True"):
+        b.read(h)
+
+
+def test_a_0d_array_or_numpy_scalar_keeps_its_shape():
+    """USER8: ``c.create(np.array(3.0, np.float32))`` made a handle of shape (1,) (numpy's
+    ascontiguousarray promotes 0-d) and ``c.create(np.float32(3))`` was refused ("expected a
+    numpy array or bytes, got float32"); both are 0-d handles now, as ``torch.tensor(3.0)``."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    for data in (np.array(3.0, np.float32), np.float32(3.0)):
+        h = c.create(data)
+        assert h.shape == () and h.nbytes == 4
+        out = c.read(h)
+        assert out.shape == () and out == 3.0
+    y = c.empty(1, np.float32)
+    c.launch(K.add_scalar, 1, [h, y], {"alpha": 1.0, "n": 1})
+    np.testing.assert_array_equal(c.read(y), [4.0])

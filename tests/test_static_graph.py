@@ -214,3 +214,19 @@ def test_a_loop_graph_recovers_its_outputs_with_reset_after_a_failed_call(client
         g.replay()                          # old: ReplayFailed on every read of y
         np.testing.assert_array_equal(g.read("y"), np.full(4, 10 + k if k else 0, np.float32))
         np.testing.assert_array_equal(g.read("acc"), np.full(4, 10 + k, np.float32))
+
+
+def test_a_body_that_launches_nothing_and_returns_no_outputs_is_refused():
+    """USER8: ``body=lambda x, y: {}`` (or ``None``) with no launch built a fallback StaticGraph
+    (fallback_reason: runtime.capture's "pass client=" hint) whose every call returned the
+    outputs' initial zeros. Now a ValueError at construction saying what to do."""
+    c = runtime.client("cpu")
+    for result in ({}, None):
+        with pytest.raises(ValueError, match=r"launched no work on the graph's stream and "
+                                             r"returned no outputs.*\['y'\]"):
+            StaticGraph(c, inputs={"x": ((4,), "f32")}, outputs={"y": ((4,), "f32")},
+                        body=lambda x, y, r=result: r)
+    g = StaticGraph(c, inputs={"x": ((4,), "f32")}, outputs={"y": ((4,), "f32")},
+                    body=lambda x, y: {"y": x})                 # a copy: recorded
+    assert g.recorded
+    np.testing.assert_array_equal(g(x=np.arange(4, dtype=np.float32))["y"], [0, 1, 2, 3])

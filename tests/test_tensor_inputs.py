@@ -82,3 +82,17 @@ def test_shapes_dims_and_dtypes_are_checked_at_the_call(c):
     assert empty.l2_normalize().numpy().shape == (2, 0)
     g = Tensor.from_numpy(c, np.ones(0, np.float32))
     assert empty.layer_norm(g, g).numpy().shape == (2, 0)
+
+
+def test_a_numpy_dtype_for_a_tensor_names_the_kernel_dtype_to_pass():
+    """USER8: ``Tensor.empty(c, (2, 2), np.float32)`` (PyTorch/CuPy habit) said only "Tensor
+    dtype must be one of ['f32', 'i32'], got <class 'numpy.float32'>"; it now says to pass
+    'f32' (and 'i32' for np.int32)."""
+    c = runtime.client("cpu")
+    with pytest.raises(ValueError, match=r"got <class 'numpy.float32'>: pass 'f32'"):
+        runtime.Tensor.empty(c, (2, 2), np.float32)
+    with pytest.raises(ValueError, match=r"got 'int32': pass 'i32'"):
+        runtime.Tensor.empty(c, (2,), "int32")
+    with pytest.raises(ValueError, match=r"got 'f16'$"):
+        runtime.Tensor.empty(c, (2,), "f16")
+    assert runtime.Tensor.empty(c, (2, 2), "f32").shape == (2, 2)

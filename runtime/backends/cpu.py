@@ -540,7 +540,8 @@ class CpuBackend(Backend):
     # -- kernels ------------------------------------------------------------------------------
     def compile(self, kernel):
         if kernel.cpu is None:
-            raise LaunchError(f"kernel {kernel.name} has no cpu implementation")
+            raise LaunchError(f"kernel {kernel.name} has no cpu implementation; the cpu backend "
+                              "needs Kernel(..., cpu=fn), fn(*binding views, *, **params, count)")
         return kernel
 
     def _resolve(self, kernel, count, args, params):

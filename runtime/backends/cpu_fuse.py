@@ -68,9 +68,11 @@ from functools import partial
 
 import numpy as np
 
+from .._env import env_switch
+
 #: fusion on (the default); ``RUNTIME_CPU_FUSE=0`` in the environment turns it off (the graph
 #: then replays one numpy call per launch, as before issue 26's fusion).
-ENABLED = os.environ.get("RUNTIME_CPU_FUSE", "1") != "0"
+ENABLED = env_switch("RUNTIME_CPU_FUSE", True)   # 0/false/no/off; a typo: ValueError
 #: elements each op of a fused call runs per block (the block's operands stay in L1).
 BLOCK = 256
 #: op-elements of a fused call counted as one call where the graph decides whether a replay is

@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     # SIGTERM stops the run as Ctrl-C does: the with-blocks clean up (no .partial file left)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # refused before a model loads or Ray starts (seconds), not after
-    check_output(args.out, args.ray, args.single_file, args.resume, args.overwrite)
+    check_output(args.out, args.ray, args.single_file, args.resume, args.overwrite,
+                 args.input)
     if args.ray:
         from ..cluster import init_ray
         init_ray(args.address)

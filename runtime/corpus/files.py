@@ -170,8 +170,9 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
     block. CSV: records end at a newline outside quotes; the types are :func:`_csv_types`, the
     text column ``string``. Parquet: the file's schema and row count.
 
-    Raises: ``FileNotFoundError``; ``ValueError`` (unknown format; the text column in no row:
-        exit 2); ``pyarrow.ArrowInvalid`` (a CSV or Parquet file pyarrow cannot read).
+    Raises: ``FileNotFoundError``; ``ValueError`` (unknown format; the text column in no row;
+        a JSON Lines file with no JSON object in it: exit 2); ``pyarrow.ArrowInvalid`` (a CSV or
+        Parquet file pyarrow cannot read).
     """
     import pyarrow as pa
 
@@ -186,6 +187,7 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
         import json
         kinds: dict = {}
         raw = False                               # some row's text value is kept as raw text
+        first_bad = None                          # why the first line is not an object
         blocks, offset = _Blocks(block_rows, 0), 0
         with open(p, "rb") as f:
             for line in f:
@@ -195,16 +197,22 @@ def plan_input(path, text_column: str = "text", block_rows: int = BLOCK_ROWS) ->
                 blocks.row(offset)
                 try:
                     obj = json.loads(line)
-                except ValueError:
+                except ValueError as e:
                     raw = True
+                    first_bad = first_bad or f"not valid JSON ({str(e)[:80]})"
                     continue                      # kept as a failed row by read_block
                 if not isinstance(obj, dict):
                     raw = True
+                    first_bad = first_bad or f"a JSON {type(obj).__name__}, not an object"
                     continue
                 for k, v in obj.items():
                     seen = kinds.setdefault(k, set())
                     if v is not None:
                         seen.add(_kind(v))
+        if not kinds and first_bad is not None:   # rows, but not one object: not JSON Lines
+            raise ValueError(f"input {str(p)!r}: no line is a JSON object (the first is "
+                             f"{first_bad}); JSON Lines holds one object per line, e.g. "
+                             f'{{"{text_column}": "a text"}}')
         _need_column(list(kinds), text_column)
         raw = raw or bool(kinds[text_column] - {"str"})
         columns = tuple((k, pa.string() if k == text_column else _json_type(v))

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .embedder import EMBEDDING, ERROR, CorpusEmbedder
-from .files import ROW_INDEX, Block, ParquetSink, plan_input, read_block
+from .files import FORMATS, ROW_INDEX, Block, ParquetSink, plan_input, read_block
 
 #: The Ray path's manifest in the dataset folder: the plan it belongs to.
 MANIFEST = "_plan.json"
@@ -109,7 +109,7 @@ def embed_corpus(input_path, output_path, *, text_column: str = "text", use_ray:
         raise ValueError(f"batch_size and actors must be >= 1, got {batch_size}, {actors}")
     if (resume or single_file) and not use_ray:
         raise ValueError("resume and single_file go with use_ray (the dataset output)")
-    check_output(output_path, use_ray, single_file, resume, overwrite)
+    check_output(output_path, use_ray, single_file, resume, overwrite, input_path)
     t0 = time.perf_counter()
     plan = plan_input(input_path, text_column, block_rows)      # bad input: before any model
     if not plan.blocks:
@@ -204,14 +204,19 @@ def _ours(path: Path) -> bool:
 
 
 def check_output(output, use_ray: bool, single_file: bool, resume: bool,
-                 overwrite: bool) -> None:
+                 overwrite: bool, input_path=None) -> None:
     """Refuse an output that a run would replace without ``overwrite`` (``ValueError``), the
     same way on both paths: an existing output file (in-process, or ``single_file``'s
     merge), a folder where a file goes, or (``use_ray``) a dataset folder that is not empty
     without ``resume`` (:func:`check_dataset_folder`). ``overwrite`` replaces a file, or a
     dataset folder holding only what a Ray run writes (part files and its manifest): never a
     folder with other files in it. ``overwrite`` with ``resume`` is refused (which one?). The
-    CLI asks before it loads a model or starts Ray (seconds)."""
+    CLI asks before it loads a model or starts Ray (seconds).
+
+    An output file that is ``input_path`` itself (``--overwrite`` would replace the corpus
+    with its embeddings) is refused even with ``overwrite``, and so is an output file named
+    like a text input (``.csv``, ``.json``, ``.jsonl``, ``.ndjson``): the output is Parquet,
+    and a later run would read that file as CSV or JSON."""
     output = Path(output)
     if overwrite and resume:
         raise ValueError("--overwrite and --resume contradict each other: --resume keeps the "
@@ -220,6 +225,13 @@ def check_output(output, use_ray: bool, single_file: bool, resume: bool,
         if output.is_dir():
             raise ValueError(f"--out {str(output)!r} is a folder; the output is one Parquet "
                              "file (a folder goes with --ray)")
+        if (input_path is not None and output.exists() and Path(input_path).exists()
+                and output.samefile(input_path)):
+            raise ValueError(f"--out {str(output)!r} is the input file: the run would replace "
+                             "the corpus with its embeddings; pass another --out")
+        if output.suffix.lower() in FORMATS and FORMATS[output.suffix.lower()] != "parquet":
+            raise ValueError(f"--out {str(output)!r}: the output is a Parquet file, not "
+                             f"{output.suffix}; name it {output.stem + '.parquet'!r}")
         if output.exists() and not overwrite:
             raise ValueError(f"--out {str(output)!r} exists: pass --overwrite "
                              "(overwrite=True) to replace it, or another --out")

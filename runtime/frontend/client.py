@@ -29,9 +29,21 @@ DEFAULT_MAX_ITERATIONS = 1 << 20
 
 
 def _as_bytes(data):
-    """A private contiguous uint8 copy of ``data`` (numpy array, bytes-like) and its array."""
+    """A private contiguous uint8 copy of ``data`` (numpy array, bytes-like) and its array.
+    A non-native byte order (``>f4`` on a little-endian host) is converted to native: kernels
+    read native bytes (as torch and cupy, which refuse or convert such arrays); an object array
+    is a ``TypeError`` (Python objects have no device layout). A 0-d array or numpy scalar keeps
+    its shape ``()`` (``np.ascontiguousarray`` alone makes it ``(1,)``)."""
+    if isinstance(data, np.generic):      # np.float32(3): a 0-d array, as torch.tensor(3.0)
+        data = np.asarray(data)
     if isinstance(data, np.ndarray):
-        arr = np.ascontiguousarray(data)
+        if data.dtype.hasobject:
+            raise TypeError(f"expected a numpy array of numbers, got dtype {data.dtype} (Python "
+                            "objects have no device layout): convert it with .astype(np.float32) "
+                            "or another numeric dtype")
+        arr = np.ascontiguousarray(data).reshape(data.shape)
+        if not arr.dtype.isnative:        # raw big-endian bytes would read as other numbers
+            arr = arr.astype(arr.dtype.newbyteorder("="))
     elif isinstance(data, (bytes, bytearray, memoryview)):
         arr = np.frombuffer(bytes(data), np.uint8)
     else:
@@ -143,13 +155,16 @@ class ComputeClient:
         """Copy a host array to a new device buffer.
 
         Args:
-            data: a numpy array (any dtype and shape; copied now, so later changes to it do not
-                matter) or bytes-like (``uint8``).
+            data: a numpy array or scalar (any numeric dtype and shape, 0-d included; copied
+                now, so later changes to it do not matter; a non-native byte order such as
+                ``>f4`` is converted, so the handle's dtype is the native one) or bytes-like
+                (``uint8``).
         Returns: a ``Handle`` with the array's ``nbytes``, ``dtype`` and ``shape``; returns at
             once (fire-and-forget).
-        Raises: ``TypeError`` (not an array/bytes); ``ServerClosed``. Allocation failures
-            (``OutOfMemory``, after the idle pool was given back and the allocation retried once)
-            are queued on the stream and raised by its next blocking call.
+        Raises: ``TypeError`` (not an array/bytes; an object array); ``ServerClosed``.
+            Allocation failures (``OutOfMemory``, after the idle pool was given back and the
+            allocation retried once) are queued on the stream and raised by its next blocking
+            call.
         Backpressure: waits for room while the device queue is full (docs/contract.md section 1).
         Streams: the copy is ordered on this client's stream.
         Capture: inside a window on this stream the copy is a host write: ``stop_capture``
@@ -159,7 +174,8 @@ class ComputeClient:
         srv = self._server
         sid = self._sid
         h = Handle(srv, sid, arr.nbytes, arr.dtype, arr.shape)
-        payload = arr.reshape(-1).view(np.uint8).copy() if isinstance(data, np.ndarray) else arr
+        host = isinstance(data, (np.ndarray, np.generic))      # bytes-like: copied already
+        payload = arr.reshape(-1).view(np.uint8).copy() if host else arr
         srv.submit(srv.h_alloc, sid, h.id, arr.nbytes, payload, nbytes=payload.nbytes)
         return h
 

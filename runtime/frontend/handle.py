@@ -75,8 +75,12 @@ class Handle:
         if self._server is not server:
             if self._server.queue.forked_from is not None:
                 raise self._server.queue.closed_error()       # a parent's handle, after fork
-            raise InvalidHandle(f"{what}: handle {self.id} belongs to another server "
-                                f"({self._server.name}); copy it through the host")
+            raise InvalidHandle(f"{what}: handle {self.id} belongs to another server, "
+                                f"{self._server.name}; this client's is {server.name} "
+                                "(runtime.client() with another "
+                                "backend, device or options, e.g. check=True, has a server of its "
+                                "own); use a client of the handle's server, or copy it through "
+                                "the host")
         return self.id
 
     def __array__(self, dtype=None, copy=None):

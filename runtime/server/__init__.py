@@ -16,6 +16,7 @@ from .._fork import bind_missing_submodule
 from ..backends.base import check_interface, check_probe
 from .. import _threads
 from ..errors import ServerClosed, UnsupportedError
+from .._env import env_switch
 from .server import ComputeServer
 
 __all__ = ["ComputeServer", "get_server", "shutdown", "available_backends", "backend_unavailable",
@@ -168,12 +169,13 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
     (cpu: ``scheduler``, ``seed``). Servers with different
     options are different servers (each with its own device thread).
 
-    Raises: ``ValueError`` (unknown backend, bad device index); ``UnsupportedError``.
+    Raises: ``ValueError`` (unknown backend, bad device index, ``RUNTIME_CHECK`` neither on nor
+        off); ``UnsupportedError``.
     """
     name = resolve_backend(backend)
     if not isinstance(device, int) or isinstance(device, bool) or device < 0:
         raise ValueError(f"device must be a non-negative int, got {device!r}")
-    if "check" not in options and os.environ.get("RUNTIME_CHECK", "") not in ("", "0"):
+    if "check" not in options and env_switch("RUNTIME_CHECK", False):
         options["check"] = True
     key = (name, device, _option_key(options))
     with _lock:

@@ -429,6 +429,10 @@ class ComputeServer:
                         raise
                     slot, fresh = self.pool.take(nbytes)
             except ServerError as e:
+                if isinstance(e, OutOfMemory):   # raised by a later call: name the handle
+                    e = OutOfMemory(f"create/empty of handle {hid} ({nbytes} bytes): {e} (after "
+                                    "giving the idle pool back); the handle is unusable: "
+                                    "release handles you no longer need, or allocate less")
                 s.errors.append(detach(e))
                 fold_errors(s.errors)            # a stream that never blocks: bounded
                 return

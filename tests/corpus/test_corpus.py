@@ -76,6 +76,11 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path):
         (tmp_path / empty).write_text("")
         with pytest.raises(ValueError, match="no rows"):
             embed_corpus(tmp_path / empty, tmp_path / "o.parquet", progress=False)
+    # USER8: lines, but no JSON object among them: said "the input has no rows"
+    for body, why in (("plain text\n", "not valid JSON"), ("[1, 2]\n\"x\"\n", "a JSON list")):
+        (tmp_path / "n.jsonl").write_text(body)
+        with pytest.raises(ValueError, match=rf"no line is a JSON object \(the first is {why}"):
+            embed_corpus(tmp_path / "n.jsonl", tmp_path / "o.parquet", progress=False)
     r = subprocess.run([sys.executable, "-m", "runtime", "embed-corpus", str(tmp_path / "c.csv"),
                         "--out", str(tmp_path / "o.parquet")], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
@@ -287,6 +292,34 @@ def test_a_ray_run_into_a_folder_that_is_not_empty_is_refused_before_ray_starts(
     assert started == []
     with pytest.raises(RuntimeError, match="ray started"):
         cli.main([str(tmp_path / "c.jsonl"), "--out", str(out), "--ray", "--resume"])
+
+
+def test_the_input_itself_or_a_text_named_out_is_refused_even_with_overwrite(tmp_path):
+    """USER8: ``embed-corpus c.jsonl --out c.jsonl --overwrite`` replaced the corpus with its
+    Parquet output (exit 0, the input gone), and ``--out c.csv`` wrote Parquet under a CSV
+    name (a later run reads it as CSV). Both are refused before anything loads (status 2)."""
+    from runtime.corpus import cli
+
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"text": "one"}\n')
+    before = src.read_bytes()
+    for argv in ([str(src), "--out", str(src)], [str(src), "--out", str(src), "--overwrite"]):
+        with pytest.raises(ValueError, match="is the input file"):
+            cli.main(argv)
+    with pytest.raises(ValueError, match="is the input file"):
+        embed_corpus(src, tmp_path / "." / "c.jsonl", overwrite=True, progress=False)
+    assert src.read_bytes() == before
+    pq_src = tmp_path / "c.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["one"]}), pq_src)
+    with pytest.raises(ValueError, match="is the input file"):
+        cli.main([str(pq_src), "--out", str(pq_src), "--overwrite"])
+    pq_src.unlink()
+    for name in ("o.csv", "o.JSONL", "o.json", "o.ndjson"):
+        with pytest.raises(ValueError, match=r"Parquet file.*name it 'o\.parquet'"):
+            cli.main([str(src), "--out", str(tmp_path / name)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
 
 
 def test_an_existing_out_is_refused_unless_overwrite_on_both_paths(tmp_path, monkeypatch):

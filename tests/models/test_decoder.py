@@ -95,11 +95,12 @@ def test_example_runs(capsys):
 @pytest.mark.parametrize("flags, says", [(["--tokens", "0"], "argument --tokens"),
                                          (["--prompt", "99999"], "argument --prompt"),
                                          (["--dim", "3"], "--layers/--dim"),
-                                         (["--backend", "tpu"], "argument --backend")])
+                                         (["--backend", "tpu"], "argument --backend"),
+                                         (["--end-token", "-5"], "argument --end-token")])
 def test_example_refuses_a_bad_flag_with_one_error_line(flags, says, capsys):
     """USER5: a bad value (``--tokens 0``, a prompt id outside the vocabulary, a width that does
-    not split into heads, an unknown backend) ended in a traceback from deep in the decoder;
-    now argparse's answer: usage, one ``error:`` line naming the flag, exit status 2."""
+    not split into heads, an unknown backend; USER8: an end token outside the vocabulary) ended
+    in a traceback from deep in the decoder; now argparse's answer: usage, one ``error:`` line naming the flag, exit status 2."""
     path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "decode.py"
     spec = importlib.util.spec_from_file_location("decode_example", path)
     mod = importlib.util.module_from_spec(spec)

@@ -53,6 +53,7 @@ import numpy as np
 
 from ..errors import (ErrorQueue, InvalidHandle, LaunchError, OutOfMemory, UnsupportedError,
                       error_list, unhealthy)
+from .. import _threads
 from .base import Backend, Completion, written_buffers
 
 # Mesa's drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines, CI);
@@ -309,7 +310,7 @@ class WgpuBackend(Backend):
     def is_alive(self) -> bool:
         """False once the queue thread stopped or died (waiting callers get ``ServerClosed``)."""
         qt = self.qt
-        return not qt.closed and qt._thread.is_alive()
+        return not qt.closed and _threads.is_alive(qt._thread)   # (SOAK8)
 
     # -- memory ------------------------------------------------------------------------
     def _new_buffer(self, nbytes: int, usage):

@@ -202,7 +202,7 @@ class DeviceQueue:
             self.room_waiters += 1
             try:
                 while self.full():
-                    if self.closed or self.closing or not self._thread.is_alive():
+                    if self.closed or self.closing or not _threads.is_alive(self._thread):
                         raise self.closed_error()
                     if not self._healthy():
                         break               # (stopped below, outside the room's lock)
@@ -477,7 +477,7 @@ class DeviceQueue:
                 "waited for work that the body itself holds up (its own stream's, or work "
                 "ordered after it): it could never return; call the runtime outside kernel "
                 "bodies (as CUDA host functions may not call CUDA)")
-        if self.closed or not self._thread.is_alive() or not self._healthy():
+        if self.closed or not _threads.is_alive(self._thread) or not self._healthy():
             if waitable.wait(0):
                 return
             if not (self.closed or self.closing) and not self._healthy():
@@ -681,7 +681,7 @@ class DeviceQueue:
             self._room.notify_all()
 
     def is_alive(self) -> bool:
-        return not self.closed and self._thread.is_alive()
+        return not self.closed and _threads.is_alive(self._thread)
 
 
 #: every queue of this process, so that a forked child can close the ones it inherited

@@ -54,6 +54,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._threads import is_alive as _is_alive     # SOAK8: 3.11's is_alive() can lie
 from ..models.buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_up, choose_bucket
 
 __all__ = ["Batcher", "BatchFailed", "BatcherClosed", "QueueFull", "Embeddings", "Timings",
@@ -443,7 +444,7 @@ class Batcher:
         return f"the texts cannot be tokenized: {err}"
 
     def _check_open(self) -> None:
-        if self._closed or (self._thread is not None and not self._thread.is_alive()):
+        if self._closed or (self._thread is not None and not _is_alive(self._thread)):
             if not self._closed and getattr(self, "_pid", None) not in (None, os.getpid()):
                 raise BatcherClosed(f"this batcher was started in process {self._pid}, which "
                                     "forked this one: its worker stays in the parent; make a "
@@ -480,7 +481,7 @@ class Batcher:
             req.add(_Item(ids[i, :L].astype(np.int32), req, i, now,
                           bucket_up(max(L, 1), self.seq_buckets)))
         self._q.put(req)
-        if self._closed and self._thread is not None and not self._thread.is_alive():
+        if self._closed and self._thread is not None and not _is_alive(self._thread):
             req.fail(BatcherClosed("the batcher closed before this request ran"))  # raced close
         if self.metrics is not None:
             self.metrics.inputs.inc(n)
@@ -555,7 +556,7 @@ class Batcher:
     @property
     def alive(self) -> bool:
         """True while the worker thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and _is_alive(self._thread)
 
     @property
     def queued(self) -> int:

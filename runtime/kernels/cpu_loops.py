@@ -74,6 +74,10 @@ def _after_fork_in_child() -> None:
     BLAS (OpenBLAS re-creates its pool after a fork) and attention's fan-out threads keep the
     child's other cores busy."""
     global POOL
+    par = sys.modules.get("numba.np.ufunc.parallel")     # SOAK8: the start-up locks (plain
+    if getattr(par, "_is_initialized", False):           # RLocks here, see _start_pool) may
+        par._backend_init_process_lock = threading.RLock()   # be held by a parent thread
+        par._backend_init_thread_lock = threading.RLock()    # that did not come along
     try:
         if numba.threading_layer() != "omp":
             return

@@ -189,3 +189,15 @@ def test_a_0d_array_or_numpy_scalar_keeps_its_shape():
     y = c.empty(1, np.float32)
     c.launch(K.add_scalar, 1, [h, y], {"alpha": 1.0, "n": 1})
     np.testing.assert_array_equal(c.read(y), [4.0])
+
+
+def test_empty_of_a_tuple_without_a_dtype_is_refused():
+    """USER8: ``c.empty((4,))`` (torch/cupy habit: a shape) made a 4-byte uint8 buffer, so an
+    f32 launch over 4 elements failed later with "exceeds the 1 elements". ``empty(nbytes)``
+    (an int) stays raw bytes, as documented; a tuple needs its dtype."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    for shape in ((4,), (2, 3), [4]):
+        with pytest.raises(TypeError, match=r"needs a dtype: empty\(shape, np\.float32\)"):
+            c.empty(shape)
+    assert c.empty(4).nbytes == 4 and c.empty(np.int64(4)).dtype == np.uint8
+    assert c.empty((2, 3), np.float32).nbytes == 24

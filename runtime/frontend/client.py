@@ -140,6 +140,16 @@ class ComputeClient:
         self._pinned = stream
         self._pin = None if stream is None else int(stream)
 
+    def __copy__(self) -> "ComputeClient":
+        return self.clone()
+
+    def __deepcopy__(self, memo) -> "ComputeClient":
+        return self                 # a client is a reference to the one server of its device
+
+    def __reduce__(self):
+        raise TypeError("a ComputeClient talks to this process's device server: it cannot be "
+                        "pickled; call runtime.client(...) in the other process")
+
     def with_stream(self, stream) -> "ComputeClient":
         """A new client on the same server, pinned to ``stream``."""
         c = ComputeClient(self._server, self.backend, self.device)

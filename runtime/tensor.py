@@ -211,6 +211,19 @@ class Tensor:
         """Number of elements."""
         return int(np.prod(self.shape, dtype=np.int64))
 
+    def __copy__(self) -> "Tensor":
+        """Another view of the same buffer (as a shallow copy of a torch tensor)."""
+        return Tensor(self.client, self._buf.handle, self.shape, self.dtype, _buf=self._buf)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"Tensor {self.shape} {self.dtype} is a device buffer: it cannot be "
+                        "deep-copied; Tensor.from_numpy(client, t.numpy()) copies it")
+
+    def __reduce__(self):
+        raise TypeError(f"Tensor {self.shape} {self.dtype} is a device buffer on this process's "
+                        "server: it cannot be pickled; send t.numpy() and Tensor.from_numpy it "
+                        "in the other process")
+
     def __array__(self, dtype=None, copy=None):
         # as Handle.__array__: no silent 0-d object array; the copy to the host is explicit
         raise TypeError("a runtime.Tensor lives on its device: copy it to the host with "

@@ -189,3 +189,48 @@ def test_a_0d_array_or_numpy_scalar_keeps_its_shape():
     y = c.empty(1, np.float32)
     c.launch(K.add_scalar, 1, [h, y], {"alpha": 1.0, "n": 1})
     np.testing.assert_array_equal(c.read(y), [4.0])
+
+
+def test_empty_of_a_tuple_without_a_dtype_is_refused():
+    """USER8: ``c.empty((4,))`` (torch/cupy habit: a shape) made a 4-byte uint8 buffer, so an
+    f32 launch over 4 elements failed later with "exceeds the 1 elements". ``empty(nbytes)``
+    (an int) stays raw bytes, as documented; a tuple needs its dtype."""
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    for shape in ((4,), (2, 3), [4]):
+        with pytest.raises(TypeError, match=r"needs a dtype: empty\(shape, np\.float32\)"):
+            c.empty(shape)
+    assert c.empty(4).nbytes == 4 and c.empty(np.int64(4)).dtype == np.uint8
+    assert c.empty((2, 3), np.float32).nbytes == 24
+
+
+def test_copy_pickle_and_deepcopy_of_device_objects():
+    """USER8: ``copy.copy(handle)`` / ``copy.copy(graph)`` made a second object of the same
+    buffer / graph reference whose drop freed it under the first (the next read raised
+    "unknown or freed", the next replay UnknownGraph); pickle and deepcopy of a Handle, Graph,
+    Tensor or client failed with "cannot pickle '_thread.lock' object". Now copy.copy shares
+    (a Graph clones its reference), deepcopy of a client is the client, and the rest is a
+    TypeError saying what to send instead."""
+    import copy
+    import gc
+    import pickle
+
+    from helpers import captured_add_one
+    c = runtime.client("cpu").with_stream(runtime.StreamId.new())
+    x, y, g = captured_add_one(c)
+    t = runtime.Tensor.from_numpy(c, np.arange(3, dtype=np.float32))
+    assert copy.copy(x) is x and copy.deepcopy(c) is c and copy.copy(c).stream == c.stream
+    g2, t2 = copy.copy(g), copy.copy(t)
+    assert g2 is not g and g2.id == g.id
+    del g2, t2
+    gc.collect()
+    g.replay()
+    np.testing.assert_array_equal(c.read(y), [2, 2, 2, 2])
+    np.testing.assert_array_equal(t.numpy(), [0, 1, 2])
+    for obj, says in ((x, "client.read"), (g, "capture it again"), (t, "t.numpy()"),
+                      (c, "runtime.client")):
+        with pytest.raises(TypeError, match=says.replace(".", r"\.").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            pickle.dumps(obj)
+    for obj in (x, g, t):
+        with pytest.raises(TypeError, match="cannot be deep-copied"):
+            copy.deepcopy(obj)

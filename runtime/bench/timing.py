@@ -9,6 +9,7 @@ changes, a warming cache) lands on all paths alike instead of on whichever ran l
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -159,8 +160,11 @@ def compare(paths: dict[str, Callable[[], object]], reps: int = 30, *, warmup: i
     Returns: name -> ``{"p50", "p10", "p90", "p99", "n"}`` in the unit of ``scale``
         (:func:`summarize`); ``p50`` is the median.
     Raises: ``ValueError`` (no paths, ``reps < 1``, ``warmup < 0``, ``pause_s < 0``),
-        ``TypeError`` (a path is not callable); whatever a path raises, unchanged.
+        ``TypeError`` (paths not a dict, a path not callable); whatever a path raises, unchanged.
     """
+    if not isinstance(paths, Mapping):
+        raise TypeError(f"compare: paths is a dict {{name: callable}}, e.g. {{'eager': f, "
+                        f"'replay': g}}; got {type(paths).__name__}")
     if not paths:
         raise ValueError("compare: give at least one path")
     if reps < 1 or warmup < 0 or pause_s < 0:

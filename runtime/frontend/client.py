@@ -140,6 +140,16 @@ class ComputeClient:
         self._pinned = stream
         self._pin = None if stream is None else int(stream)
 
+    def __copy__(self) -> "ComputeClient":
+        return self.clone()
+
+    def __deepcopy__(self, memo) -> "ComputeClient":
+        return self                 # a client is a reference to the one server of its device
+
+    def __reduce__(self):
+        raise TypeError("a ComputeClient talks to this process's device server: it cannot be "
+                        "pickled; call runtime.client(...) in the other process")
+
     def with_stream(self, stream) -> "ComputeClient":
         """A new client on the same server, pinned to ``stream``."""
         c = ComputeClient(self._server, self.backend, self.device)
@@ -187,12 +197,17 @@ class ComputeClient:
                 number of bytes (``empty(nbytes)``).
             dtype: numpy dtype (``np.float32``, ``"f4"``...).
         Returns: a ``Handle``; returns at once.
-        Raises: ``TypeError``/``ValueError`` for a bad shape or dtype.
+        Raises: ``TypeError``/``ValueError`` for a bad shape or dtype; ``TypeError`` for a tuple
+            shape without a dtype (``empty(4)`` is 4 bytes, not torch's 4 floats; a tuple
+            names elements, so it needs their dtype).
         Capture: allowed inside a window. Software graphs retain the buffer; on hardware graphs
             a buffer the warm pool cannot serve makes ``stop_capture`` refuse the window.
         """
         if dtype is None:
-            dtype, shape = np.uint8, shape
+            if not isinstance(shape, (int, np.integer)):
+                raise TypeError(f"empty({shape!r}) needs a dtype: empty(shape, np.float32); only "
+                                "empty(nbytes), an int, means raw bytes (uint8)")
+            dtype = np.uint8
         dtype = np.dtype(dtype)
         shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shp):

@@ -279,6 +279,20 @@ class Graph:
         gid, _, hw = srv.call(srv.h_graph_instantiate, self.id, rb, int(target))
         return Graph(_Owner(srv, gid), target, hw)
 
+    def __copy__(self) -> "Graph":
+        """:meth:`clone` (a plain copy would share this reference's count and release the
+        graph under it when dropped)."""
+        return self.clone()
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"graph {self.id} lives on this process's device server: it cannot be "
+                        "deep-copied (it records launches on these buffers); clone() gives "
+                        "another reference, instantiate(rebind=...) a copy on other buffers")
+
+    def __reduce__(self):
+        raise TypeError(f"graph {self.id} lives on this process's device server: it cannot be "
+                        "pickled; capture it again in the other process")
+
     def __del__(self):
         try:
             if not self._released:

@@ -44,6 +44,22 @@ class Handle:
         # the one identity test a launch makes per handle (ComputeClient.launch)
         self._bindable = server if self.dtype.itemsize in (1, 4) else None
 
+    # copy.copy made a second Handle of the same buffer whose drop freed it under the first;
+    # pickle and deepcopy failed with "cannot pickle '_thread.lock' object" (USER8)
+    def __copy__(self) -> "Handle":
+        """The handle itself: a handle names one buffer (a second one would free it)."""
+        return self
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"handle {self.id} is a buffer on this process's device server: it "
+                        "cannot be deep-copied; copy its contents with client.create("
+                        "client.read(handle)), or share the handle (copy.copy returns it)")
+
+    def __reduce__(self):
+        raise TypeError(f"handle {self.id} is a buffer on this process's device server: it "
+                        "cannot be pickled; send client.read(handle) (host data) and create it "
+                        "in the other process")
+
     @property
     def size(self) -> int:
         """Number of elements (``nbytes // dtype.itemsize``)."""

@@ -251,7 +251,8 @@ def main_ray(args, settings=None) -> int:
 
 def main(argv=None) -> int:
     """Run the server until interrupted. Returns the exit code (2 when the model is missing, 1
-    when the address cannot be listened on: in use, not this host's, or a privileged port)."""
+    when the address cannot be listened on: in use, not this host's, or a privileged port; 2
+    for ``--trace`` with a ``RUNTIME_TRACE_EVENTS`` that is not a positive integer)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)
     if args.ray:                         # Ray Serve: the same settings, per replica
@@ -271,14 +272,21 @@ def _serve_traced(settings, path: str) -> int:
     """
     import signal
 
+    from .._env import env_positive_int
     from ..tracing import trace
+
+    try:                                 # a typo: one error line, as for a bad flag
+        events = env_positive_int("RUNTIME_TRACE_EVENTS", 200_000)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     def _term(signum, frame):
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, _term)
     try:
-        with trace(path, int(os.environ.get("RUNTIME_TRACE_EVENTS", 200_000))):
+        with trace(path, events):
             status = _serve(settings)
     except (KeyboardInterrupt, SystemExit):
         print(f"trace written to {path}", file=sys.stderr)

@@ -72,7 +72,9 @@ def test_compare_scale_gives_milliseconds(fake_clock):
 @pytest.mark.parametrize("kwargs,exc", [({"paths": {}}, ValueError),
                                         ({"paths": {"a": print}, "reps": 0}, ValueError),
                                         ({"paths": {"a": print}, "pause_s": -1}, ValueError),
-                                        ({"paths": {"a": 3}}, TypeError)])
+                                        ({"paths": {"a": 3}}, TypeError),
+                                        # USER8: a list was AttributeError 'list' ... 'items'
+                                        ({"paths": [print]}, TypeError)])
 def test_compare_refuses_bad_arguments(kwargs, exc):
     with pytest.raises(exc):
         bench.compare(**kwargs)

@@ -280,3 +280,21 @@ def test_health_reports_the_buckets_and_limits_that_run_when_the_flags_left_them
     assert got["seq_buckets"] == list(b.seq_buckets)
     assert got["max_batch_tokens"] == b.max_batch_tokens > 0
     assert got["max_batch"] == b.max_batch > 0
+
+
+def test_serve_trace_with_a_bad_event_count_says_which_variable_and_exits_2(monkeypatch, capsys):
+    """USER8: ``serve --trace`` read ``RUNTIME_TRACE_EVENTS`` with a bare ``int()`` (a
+    traceback for ``abc``); it names the variable in one error line, exit status 2, before
+    the server starts."""
+    import runtime.serving as serving
+    from runtime.serving import cli
+
+    def no_model(*a, **k):
+        raise AssertionError("the server started with a bad RUNTIME_TRACE_EVENTS")
+
+    monkeypatch.setattr(serving, "load_model", no_model)
+    monkeypatch.setenv("RUNTIME_TRACE_EVENTS", "abc")
+    assert cli.main(["--host", "127.0.0.1", "--port", "0", "--trace", "t.json"]) == 2
+    err = capsys.readouterr().err
+    assert "RUNTIME_TRACE_EVENTS='abc'" in err and "positive integer" in err, err
+    assert "Traceback" not in err

@@ -230,7 +230,7 @@ def main_ray(args, settings=None) -> int:
         from .token_ids import load_openai_encoding
         load_openai_encoding()
     init_ray(args.address)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)   # `kill` stops it like Ctrl-C
+    caller = signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`: as Ctrl-C
     try:
         url = deploy(app, host=settings.host, port=settings.port)
         print(f"serving all-MiniLM-L6-v2 on Ray Serve ({args.replicas} replica(s), "
@@ -245,7 +245,12 @@ def main_ray(args, settings=None) -> int:
         # cleanup waited 60 s for it, then Ray ended the process with status 1); a second
         # SIGTERM meanwhile does not cut it short (ray.shutdown stops the cluster's processes)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_serve(APP_NAME, local=args.address is None, grace_s=args.grace)
+        try:
+            stop_serve(APP_NAME, local=args.address is None, grace_s=args.grace)
+        finally:
+            # the caller's handler back: a process that goes on (a test) kept SIGTERM ignored,
+            # and every child it started later inherited that (their SIGTERM did nothing)
+            signal.signal(signal.SIGTERM, caller)
     return 0
 
 

@@ -68,8 +68,13 @@ def paths(monkeypatch):
             monkeypatch.setattr(ray_serve.serve, "shutdown", lambda: None)
             monkeypatch.setattr(ray_serve.serve, "get_replica_context",
                                 lambda: type("Ctx", (), {"replica_tag": "r0"})())
+            import signal
+            handler = signal.getsignal(signal.SIGTERM)
             with pytest.raises(Stop):
                 cli.main(["--ray"] + argv)
+            # main_ray ignores SIGTERM during its cleanup only: left ignored, every child this
+            # process started later inherited it (test_http's SIGTERM tests failed after this)
+            assert signal.getsignal(signal.SIGTERM) is handler
             opts = ray_serve.deployment_options(bound["settings"].backend,
                                                 **dict(bound["options"],
                                                        grace=bound["settings"].grace,

@@ -94,8 +94,17 @@ def main(argv=None) -> int:
     settings = {"backend": None if args.backend == "auto" else args.backend,
                 "model_dir": args.model_dir, "max_graphs": args.max_graphs,
                 "seq_buckets": args.seq_buckets}
-    # SIGTERM stops the run as Ctrl-C does: the with-blocks clean up (no .partial file left)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM stops the run as Ctrl-C does: the with-blocks clean up (no .partial file left);
+    # the caller's handler is back afterwards (a process that goes on: a test, a notebook)
+    caller = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return _run(args, settings, check_output, embed_corpus)
+    finally:
+        signal.signal(signal.SIGTERM, caller)
+
+
+def _run(args, settings, check_output, embed_corpus) -> int:
+    """:func:`main` once its flags are read and SIGTERM is Ctrl-C's: the run and its summary."""
     # refused before a model loads or Ray starts (seconds), not after
     check_output(args.out, args.ray, args.single_file, args.resume, args.overwrite,
                  args.input)

@@ -313,8 +313,11 @@ def test_the_input_itself_or_a_text_named_out_is_refused_even_with_overwrite(tmp
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["one"]}), pq_src)
+    import signal
+    handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(ValueError, match="is the input file"):
         cli.main([str(pq_src), "--out", str(pq_src), "--overwrite"])
+    assert signal.getsignal(signal.SIGTERM) is handler              # the caller's handler back
     pq_src.unlink()
     for name in ("o.csv", "o.JSONL", "o.json", "o.ndjson"):
         with pytest.raises(ValueError, match=r"Parquet file.*name it 'o\.parquet'"):

@@ -54,6 +54,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._threads import Condition as _Condition   # SOAK9: a future no interrupt leaves locked
 from .._threads import is_alive as _is_alive     # SOAK8: 3.11's is_alive() can lie
 from ..models.buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_up, choose_bucket
 
@@ -140,6 +141,10 @@ class _Request:
 
     def __init__(self, n: int, hidden: int, tokens: np.ndarray):
         self.future: Future = Future()
+        # SOAK9: Future's own Condition enters its lock through Python: a caller interrupted
+        # there (Ctrl-C in ``embed``) left it owned, and the worker's answer to any request
+        # then waited for it for ever; this one enters in C
+        self.future._condition = _Condition()
         self.out = np.zeros((n, hidden), np.float32)
         self.tokens = tokens
         self.left = n                            # rows not yet computed
@@ -195,7 +200,7 @@ def _after_fork_in_child() -> None:
     # parent had pending, so a wait on its future here would never end
     for req in list(_UNSETTLED):
         req.lock = threading.Lock()         # (a parent thread may have held these)
-        req.future._condition = threading.Condition()
+        req.future._condition = _Condition()
         req.fail(BatcherClosed("this process was forked while the request was pending: only "
                                "the parent's batcher worker could answer it; submit it again "
                                "to a batcher made in this process"))
@@ -467,20 +472,22 @@ class Batcher:
             raise ValueError(f"{n} texts in one request, more than the server ever queues "
                              f"(max_queue={self.max_queue}); send at most {self.max_queue} "
                              "texts per request")
-        with self._count_lock:
-            if self._queued + n > self.max_queue:
-                raise QueueFull(f"{self._queued} texts are waiting (max_queue={self.max_queue}); "
-                                "retry later", self.drain_estimate())
-            self._queued += n
-            self._queued_requests += 1
-        _UNSETTLED.add(req)
         now = time.perf_counter()
         req.enqueue_ns = time.time_ns()
         for i in range(n):
             L = int(lengths[i])
             req.add(_Item(ids[i, :L].astype(np.int32), req, i, now,
                           bucket_up(max(L, 1), self.seq_buckets)))
-        self._q.put(req)
+        _UNSETTLED.add(req)
+        with self._count_lock:
+            if self._queued + n > self.max_queue:
+                raise QueueFull(f"{self._queued} texts are waiting (max_queue={self.max_queue}); "
+                                "retry later", self.drain_estimate())
+            # SOAK9: counted and queued with no point between where an asynchronous exception
+            # can land (a Ctrl-C there counted texts nobody queued: QueueFull for good)
+            self._queued += n
+            self._queued_requests += 1
+            self._q.put(req)
         if self._closed and self._thread is not None and not _is_alive(self._thread):
             req.fail(BatcherClosed("the batcher closed before this request ran"))  # raced close
         if self.metrics is not None:

@@ -462,3 +462,42 @@ def test_a_fork_while_another_thread_starts_or_stops_a_trace_leaves_the_child_ab
         print(status)
     """)
     assert out.strip() == "0"
+
+
+def test_a_fork_waits_for_a_blas_call_running_on_openblas_threads(monkeypatch):
+    """SOAK9: a fork from one thread while another ran a matmul as one call on OpenBLAS's own
+    threads (``nn._whole``) hung the forking process for ever, now and then (5 of 28 runs of a
+    two-fork soak): OpenBLAS's fork handler stops its workers while one may still finish its
+    share of the call, which then clears the stop order and sleeps; the handler waits for it in
+    ``fork()``, with the GIL held. A fork now waits for such a call to end (and starts no new
+    one meanwhile). Here the call is held inside ``_whole`` until a timer lets it go: the fork
+    returns only after that."""
+    import threading
+
+    import numpy as np
+
+    from runtime import cpu_threads
+    from runtime.kernels import nn
+
+    entered, release, released = threading.Event(), threading.Event(), []
+
+    def whole_call():                   # inside _whole, where the threaded call would run
+        entered.set()
+        assert release.wait(30)
+        return 0
+    monkeypatch.setattr(cpu_threads.RULE, "whole_call", whole_call)
+    a = np.ones((2, 2), np.float32)
+    t = threading.Thread(target=nn._whole, args=(a, a, np.empty_like(a)), daemon=True)
+    t.start()
+    assert entered.wait(30)
+    timer = threading.Timer(0.2, lambda: (released.append(True), release.set()))
+    timer.start()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    seen = list(released)               # what the fork waited for
+    assert os.waitpid(pid, 0)[1] == 0
+    t.join(30)
+    timer.join(30)
+    assert seen == [True], "the fork ran while a thread was in a whole BLAS call"
+    assert not cpu_threads._FORKING

@@ -236,17 +236,22 @@ def test_a_fork_while_a_worker_imports_a_module_leaves_the_child_able_to_import_
     assert out.split() == ["child", "0", "parent", "[7.0,", "7.0]"]
 
 
-@pytest.mark.parametrize("lock", ["numba", "llvm"])
+@pytest.mark.parametrize("lock", ["numba", "llvm", "layer"])
 def test_a_fork_while_a_worker_holds_numbas_compiler_lock_leaves_the_child_able_to_compile(lock):
     """A cpu worker compiling a numba loop (or loading it from numba's cache) at the fork held
     numba's compiler lock (and llvmlite's LLVM lock): the child's first compile waited for it
-    forever (found by ADV2; the LLVM lock hung one run of the first-work test below)."""
+    forever (found by ADV2; the LLVM lock hung one run of the first-work test below). [layer]
+    (SOAK9): one starting numba's threading layer (the process's first nn kernel) held the
+    layer's start-up lock: the child's first nn kernel waited for it for ever (2 of ~30
+    children of a fork beside two threads' first matmuls; fails on 4ca5ee2: the child hung)."""
     out = _run_fresh(f"""
         LOCK = {lock!r}""" + """
         from numba.core.compiler_lock import global_compiler_lock
         import llvmlite.binding.ffi
         held, go = threading.Event(), threading.Event()
-        the_lock = global_compiler_lock if LOCK == "numba" else llvmlite.binding.ffi.lib._lock
+        import numba.np.ufunc.parallel
+        the_lock = {"numba": global_compiler_lock, "llvm": llvmlite.binding.ffi.lib._lock,
+                    "layer": numba.np.ufunc.parallel._backend_init_thread_lock}[LOCK]
         runtime._fork.FORK_WAIT_S = 0.5     # the fork's wait for a compile gives up: the
                                             # child must still get the locks afresh
 

@@ -27,6 +27,8 @@ completion) waited for it for ever. A ``with`` over a plain lock (a C ``__enter_
 from __future__ import annotations
 
 import _thread
+import gc
+import sys
 import threading
 
 #: seconds :func:`start` waits for a new thread to run (it takes microseconds when all is well;
@@ -234,6 +236,22 @@ def is_alive(thread: threading.Thread) -> bool:
     if not thread._started.is_set():
         return False
     return lock is not None and lock.locked() and not thread._is_stopped
+
+
+def current_frames() -> dict:
+    """``sys._current_frames()`` (thread id -> top frame) with the cyclic gc off meanwhile
+    (SOAK9). On CPython 3.11 it holds the interpreter's thread-list lock while it builds its
+    dict; a collection starting there runs weakref callbacks (Python code), which can hand the
+    GIL to a thread that then starts a thread and waits for that lock with the GIL held: both
+    wait for ever (CPython gh-106883; a fork's wait for BLAS calls, cpu_threads._before_fork,
+    hung so beside a matmul starting its fan-out threads)."""
+    was = gc.isenabled()
+    try:
+        gc.disable()
+        return sys._current_frames()
+    finally:
+        if was:
+            gc.enable()
 
 
 def not_started(what: str) -> str:

@@ -60,6 +60,7 @@ try:
     from ._threads import start as _start_thread     # SOAK7: a start with a way out
     from ._threads import Event as _Event           # SOAK8: no lock an interrupt leaves held
     from ._threads import is_alive as _is_alive     # SOAK8: no live thread taken for dead
+    from ._threads import current_frames as _current_frames   # SOAK9: gh-106883
 except ImportError:     # (loaded alone, a leaf module: the plain start)
     def _start_thread(thread) -> bool:
         thread.start()
@@ -68,6 +69,7 @@ except ImportError:     # (loaded alone, a leaf module: the plain start)
 
     def _is_alive(thread) -> bool:
         return thread.is_alive()
+    _current_frames = sys._current_frames
 
 #: the environment variables that fix numpy's BLAS thread count (the user's setting wins)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -1032,7 +1034,7 @@ def _before_fork() -> None:
     me = threading.get_ident()
     end = time.monotonic() + FORK_WAIT_S
     while time.monotonic() < end:
-        for tid, f in sys._current_frames().items():
+        for tid, f in _current_frames().items():
             while tid != me and f is not None and f.f_code not in WHOLE_CODES:
                 f = f.f_back
             if tid != me and f is not None:

@@ -719,7 +719,7 @@ def _running_a_message() -> bool:
     waits for room before it takes it). A thread interrupted while it held the lock has left
     those functions. A frame walk: the device thread asks only after a wait timed out."""
     me = threading.get_ident()
-    for tid, f in sys._current_frames().items():
+    for tid, f in _threads.current_frames().items():      # (SOAK9: gh-106883)
         if tid == me:
             continue
         child = None

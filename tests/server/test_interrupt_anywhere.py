@@ -374,3 +374,60 @@ def test_a_condition_whose_with_wait_or_notify_was_interrupted_stays_usable():
         if not fired:
             break
     assert k > 3
+
+
+def test_a_batcher_worker_interrupted_anywhere_leaves_no_request_unanswered():
+    """Before: an asynchronous exception ending the batcher's worker right after it took a
+    request off its queue (outside ``Batcher._loop``, whose handler fails what it holds) lost
+    the request: never answered nor failed, its ``embed()`` without a timeout waited for ever.
+    Now the worker, interrupted at each point, leaves the request answered or failed with
+    ``BatcherClosed``, later submits refused, and nothing counted as queued."""
+    import math
+    import weakref
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from fakes import FakeModel
+
+    from runtime.serving.batcher import _STOP, Batcher, BatcherClosed, _worker
+
+    for k in range(1, MAX_POINTS):
+        b = Batcher(FakeModel(), start=False, max_wait_ms=0)
+        b._deadline = math.inf                  # (the stop below: serve what is queued first)
+        f = b.submit(["hello world"])
+        b._q.put(_STOP)
+        fired = _interrupt_at(lambda: _worker(weakref.ref(b), b._q), k)
+        if k <= 2:      # at the worker's entry: nothing taken (embed's liveness check, below)
+            assert not f.done() and b.queued == 1 and b._q.qsize() == 2
+            continue
+        assert f.done(), f"interrupted at point {k}: the request was left unanswered"
+        if fired:
+            assert isinstance(f.exception(), BatcherClosed) or f.exception() is None, k
+            with pytest.raises(BatcherClosed):
+                b.submit(["again"])
+        assert (b.queued, b.queued_requests) == (0, 0), k
+        if not fired:
+            break
+    assert k > 20
+
+
+def test_embed_raises_when_the_worker_ended_without_answering(monkeypatch):
+    """A batcher worker that ends before it took a request (an asynchronous exception at its
+    thread's first instruction, above) leaves nothing that answers it: ``embed()`` without a
+    timeout waited for ever. It now checks the worker every ``WAIT_POLL_S`` and raises
+    ``BatcherClosed``."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from fakes import FakeModel
+
+    from runtime.serving import batcher as bm
+
+    took = threading.Event()
+
+    def dies(ref, q):                   # takes the request, then ends without a word
+        q.get()
+        took.set()
+    monkeypatch.setattr(bm, "_worker", dies)
+    monkeypatch.setattr(bm, "WAIT_POLL_S", 0.05)
+    b = bm.Batcher(FakeModel())
+    with pytest.raises(bm.BatcherClosed):
+        _bounded(lambda: b.embed(["hello"]))
+    assert took.is_set()

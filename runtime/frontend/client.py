@@ -623,7 +623,9 @@ class ComputeClient:
             body: a callable (no arguments) issuing launches on this client.
             max_iterations: the most iterations (an int >= 0). Required on wgpu inside a
                 capture (the loop is unrolled to it); None elsewhere means
-                ``DEFAULT_MAX_ITERATIONS`` (so a loop never hangs).
+                ``DEFAULT_MAX_ITERATIONS`` (so a loop never hangs). 0: the body never runs,
+                so a condition that holds is ``LoopLimitExceeded`` (below) and a false one a
+                no-op.
         Outside a capture window the condition is read on the host before each iteration.
         Inside one the body is recorded once, as a loop node evaluated on the device at every
         replay (cpu: from the buffer; wgpu: ``max_iterations`` gated copies of the body; cuda:

@@ -127,6 +127,30 @@ def test_loop_limit_is_a_typed_failure(client):
     np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 2, np.float32))
 
 
+def test_max_iterations_0_runs_no_iteration_and_a_true_condition_is_loop_limit_exceeded(client):
+    """``max_iterations=0`` (USER leftover, decided by ADV9): the body never runs; a false
+    condition is a no-op, a true one the typed ``LoopLimitExceeded``, eagerly (nothing was
+    written, so nothing is marked) and in a replay (the write set is marked, as for any
+    limit; a host write recovers it), on every backend."""
+    b = _bufs(client, cnt=i32(0), x=np.ones(N, np.float32), y=np.full(N, 5, np.float32))
+    work = _countdown(client, b, 0)
+    work()
+    client.write(b["cnt"], i32(1))
+    with pytest.raises(LoopLimitExceeded, match="max_iterations=0"):
+        work()
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 5, np.float32))
+    client.write(b["cnt"], i32(0))
+    g = _cond_or_skip(client, lambda: capture(client, work, warmup=False))
+    g.replay()
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 5, np.float32))
+    client.write(b["cnt"], i32(1))
+    g.replay()
+    with pytest.raises(ReplayFailed, match="LoopLimitExceeded"):
+        client.read(b["y"])
+    client.write(b["y"], np.full(N, 7, np.float32))
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 7, np.float32))
+
+
 def test_an_eager_loop_of_replays_stopped_at_its_limit_marks_what_the_replays_wrote(client):
     """An eager ``capture_while`` whose body replays a graph (a decode loop driven from the
     host): stopped at ``max_iterations``, the graph's outputs hold the truncated loop's values.

@@ -503,13 +503,21 @@ class Capture:
             return True
         return False
 
-    def on_write(self, s, hid: int) -> bool:
-        """A host write to ``hid`` on ``s``: True when the window refuses it (late)."""
+    def on_write(self, s, st) -> bool:
+        """A host write to handle state ``st`` on ``s``: True when the window refuses it
+        (late). The write is not applied, so the handle is marked as written by a failed write
+        (``ReplayFailed`` on read until a later write lands): before ADV9 a write or a
+        ``create(array)`` inside a window left the old (or undefined) contents to be read back
+        with no error once ``abort_capture`` dropped the window, or from another stream."""
         w = s.window
         if w is None:
             return False
-        w.refusals.append(f"write to handle {hid} inside the capture window (a graph cannot "
-                          "record a host write; it was not applied)")
+        what = (f"write to handle {st.id} inside the capture window (a graph cannot record a "
+                "host write; it was not applied)")
+        w.refusals.append(what)
+        self.marks.fail((st,), ("write", st.id, s.id),
+                        CaptureRefused(f"{what} on stream {s.id}; write it again after "
+                                       "stop_capture() or abort_capture()"))
         return True
 
     def on_event(self, s, what: str) -> None:

@@ -471,7 +471,7 @@ class ComputeServer:
         st = self._handle(s, hid, "write")
         if st is None:
             return
-        if self.capture.on_write(s, hid):
+        if self.capture.on_write(s, st):      # (refused: marked, not applied)
             return
         self._wait_for(s, st.writes)
         self._wait_for(s, st.reads)

@@ -335,9 +335,10 @@ class Model:
         w = self.windows.get(s)
         self.bufs[op.buf] = _Buf(None if w else np.array(op.values, DTYPES[op.dtype]),
                                  DTYPES[op.dtype])
-        if w:
+        if w:                           # (not applied: marked, as a failed write, ADV9)
             w.allocs.add(op.buf)
             w.refused.append(f"create of b{op.buf} inside the window (a host write)")
+            self.bufs[op.buf].failed = True
         return self._expect_ok(error, "create")
 
     def _empty(self, op, value, error):
@@ -350,8 +351,10 @@ class Model:
 
     def _write(self, op, value, error):
         w = self.windows.get(self.stream(op))
-        if w:
+        if w:                           # not applied: marked, as a failed write (ADV9)
             w.refused.append(f"write to b{op.buf} inside the window")
+            b = self.bufs[op.buf]
+            b.value, b.failed = None, True
         else:
             b = self.bufs[op.buf]
             b.value, b.failed = np.array(op.values, DTYPES[op.dtype]), False

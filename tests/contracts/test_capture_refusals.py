@@ -163,3 +163,34 @@ def test_indirect_launch_reads_counts_on_the_caller_without_device_indirect_disp
     with pytest.raises(runtime.LaunchError, match="does not read counts on the device"):
         c.sync()
     c.shutdown()
+
+
+def test_a_write_refused_inside_a_window_is_never_read_back_as_if_applied(client):
+    """A host write (and ``create(array)``) inside a window is refused late and not applied.
+    Before ADV9 nothing marked the handle: after ``abort_capture`` (which reports no refusal)
+    or from another stream after ``stop_capture`` raised, a read returned the old contents
+    (a create's: whatever the pool held) with no error. Now it raises ``ReplayFailed`` naming
+    the refused write, until a later write lands."""
+    c = client
+    other = c.with_stream(runtime.StreamId.new())
+    h = c.create(np.zeros(N, np.float32))
+    c.graph_prepare()
+    c.start_capture()
+    c.write(h, np.full(N, 9.0, np.float32))
+    made = c.create(np.full(N, 3.0, np.float32))
+    c.abort_capture()
+    for hh in (h, made):
+        for reader in (c, other):
+            with pytest.raises(runtime.ReplayFailed, match="inside the capture window"):
+                reader.read(hh)
+    c.graph_prepare()
+    c.start_capture()
+    c.write(h, np.full(N, 9.0, np.float32))
+    with pytest.raises(CaptureRefused, match=f"write to handle {h.id}"):
+        c.stop_capture()
+    with pytest.raises(runtime.ReplayFailed):
+        other.read(h)
+    c.write(h, np.full(N, 9.0, np.float32))            # written again: applied, clean
+    np.testing.assert_array_equal(other.read(h), np.full(N, 9.0, np.float32))
+    _add(c, h, made, 1.0)                              # a launch rewriting it clears it too
+    np.testing.assert_array_equal(c.read(made), np.full(N, 10.0, np.float32))

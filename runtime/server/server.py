@@ -988,7 +988,7 @@ class ComputeServer:
             state = {id(st.slot) for st in g.sstates}
             for slot in g.alloc_slots:
                 if id(slot) not in state:       # its state (read before written) stays its own
-                    gp.adopt(slot)
+                    gp.adopt(slot, not slot.orphan or self._shareable(slot, gp))
             self._pool_aliases(gp)
         if self.checker is not None:
             self.checker.on_graph(g)

@@ -235,9 +235,10 @@ class ComputeClient:
         Streams: ordered on this client's stream after earlier work on it, and after earlier
             uses of the buffer on other streams (the server inserts event waits).
         Capture: inside a window on this stream it is refused late: ``stop_capture`` raises
-            ``CaptureRefused`` and the write is never applied (a graph cannot hold a host write);
-            the handle then reads ``ReplayFailed`` (a failed write) until a later write lands,
-            also after ``abort_capture``.
+            ``CaptureRefused`` and the write is never applied (a graph cannot hold a host write:
+            the buffer keeps what it held; a handle made inside that window, which held
+            nothing, reads ``ReplayFailed`` until a later write lands, also after
+            ``abort_capture``).
         """
         if not isinstance(handle, Handle):
             raise TypeError(f"write takes a Handle, got {type(handle).__name__}")

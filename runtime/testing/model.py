@@ -335,7 +335,7 @@ class Model:
         w = self.windows.get(s)
         self.bufs[op.buf] = _Buf(None if w else np.array(op.values, DTYPES[op.dtype]),
                                  DTYPES[op.dtype])
-        if w:                           # (not applied: marked, as a failed write, ADV9)
+        if w:                           # (not applied: it holds no data, marked, ADV9)
             w.allocs.add(op.buf)
             w.refused.append(f"create of b{op.buf} inside the window (a host write)")
             self.bufs[op.buf].failed = True
@@ -351,10 +351,10 @@ class Model:
 
     def _write(self, op, value, error):
         w = self.windows.get(self.stream(op))
-        if w:                           # not applied: marked, as a failed write (ADV9)
+        if w:                           # not applied (a buffer made in the window: marked)
             w.refused.append(f"write to b{op.buf} inside the window")
-            b = self.bufs[op.buf]
-            b.value, b.failed = None, True
+            if op.buf in w.allocs:
+                self.bufs[op.buf].failed = True
         else:
             b = self.bufs[op.buf]
             b.value, b.failed = np.array(op.values, DTYPES[op.dtype]), False

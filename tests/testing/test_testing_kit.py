@@ -550,15 +550,17 @@ def test_programs_draw_indirect_launches_over_counts_computed_from_other_buffers
         run_program(prog, seed=0, check=True)
 
 
-def test_the_model_expects_a_write_refused_inside_a_window_to_raise_until_written_again():
-    """A host write inside a capture window is refused late and not applied: the model marks
-    the buffer (ADV9: the server left its old contents to be read back with no error, from
-    the capture stream and from another one, once ``stop_capture`` had raised)."""
+def test_the_model_expects_a_create_refused_inside_a_window_to_raise_until_written():
+    """``create(values)`` inside a capture window: its write is refused late and not applied,
+    so the buffer holds no data: the model marks it (ADV9: the server read back the pool's old
+    bytes with no error, from the capture stream and another one, once ``stop_capture`` had
+    raised); a write to a buffer made before the window leaves it as it was."""
     ops = (Create(0, 0, "f32", ONES), Sync(0), Prepare(0), StartCapture(0),
-           Write(0, 0, "f32", FIVES), StopCapture(0, 0), Read(1, 0), Read(0, 0),
-           Write(1, 0, "f32", FIVES), Read(1, 0))
+           Create(0, 1, "f32", FIVES), Write(0, 0, "f32", FIVES), StopCapture(0, 0),
+           Read(1, 1), Read(0, 1), Read(1, 0), Write(1, 1, "f32", FIVES), Read(1, 1))
     prog = Program(ops, (Sync(0), Sync(1)), SPECS, 4, 2, 2)
     for s in range(3):
         run = run_program(prog, seed=s, check=True)
         assert [type(r) for r in run.reads[:2]] == [runtime.ReplayFailed] * 2, run.reads
-        np.testing.assert_array_equal(run.reads[2], np.full(4, 5, np.float32))
+        np.testing.assert_array_equal(run.reads[2], np.ones(4, np.float32))
+        np.testing.assert_array_equal(run.reads[3], np.full(4, 5, np.float32))

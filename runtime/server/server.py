@@ -1413,7 +1413,8 @@ class ComputeServer:
         return self._stream(sid).pos
 
     def h_written_since_failed(self, sid, since: int, err) -> None:
-        """An eager ``capture_while`` on ``sid`` stopped at its limit with ``err``: mark every
+        """An eager ``capture_while`` on ``sid`` stopped at its limit with ``err`` (or early, by
+        an error: ``ComputeClient._stopped_loop``): mark every
         buffer written on ``sid`` after position ``since`` (what the loop wrote) as written by
         the failed loop, as a replay's write set is (``ReplayFailed`` on read until a later
         write lands), the write sets of graphs the loop replayed on ``sid`` included (a replay

@@ -706,20 +706,27 @@ class Model:
                     # unknown condition, or an error that may have been raised by a later
                     # read: later iterations may have run
                     self._unknown(s, op.launches())
+                elif bad is None and k:     # stopped early by that error: marked (ADV9)
+                    self._stopped(op)
                 return bad
             if cnt == 0:
                 break
             if k == op.max_iterations:
                 if k:                   # what the stopped loop wrote is marked (server rule)
-                    for launch in op.body:
-                        spec = self.p.kernels[launch.kernel]
-                        for b, bind in zip(launch.bufs, spec.kernel.bindings):
-                            if bind.access != "read":
-                                self.bufs[b].value, self.bufs[b].failed = None, True
+                    self._stopped(op)
                 return self._expect_raise(error, LoopLimitExceeded, what)
             for launch in op.body:
                 self._error(s, self._apply(launch))
         return self._expect_ok(error, what)
+
+    def _stopped(self, op) -> None:
+        """An eager loop stopped before its condition said so (its limit, or an error after an
+        iteration ran): what its body writes is marked (``ReplayFailed`` until rewritten)."""
+        for launch in op.body:
+            spec = self.p.kernels[launch.kernel]
+            for b, bind in zip(launch.bufs, spec.kernel.bindings):
+                if bind.access != "read":
+                    self.bufs[b].value, self.bufs[b].failed = None, True
 
     def _update(self, op, value, error):
         s, items, writes, sources = self.graphs[op.graph]

@@ -14,7 +14,7 @@ import runtime
 from runtime import kernels as K
 from runtime.errors import CaptureRefused, GraphStateError, LaunchError, UnknownGraph
 
-from helpers import add_one, mul_two, prelude
+from helpers import add_one, captured_once, mul_two, prelude
 
 
 def test_capture_replay_runs_the_recorded_launch_twice(client):          # scenarios 1, 11
@@ -269,11 +269,7 @@ def test_a_replay_refused_at_the_call_leaves_a_stateful_graph_usable(client):
     c = client
     x = c.create(np.arange(4, dtype=np.float32))
     acc = c.create(np.zeros(4, np.float32))
-    c.graph_prepare()
-    c.launch(K.accumulate, 1, [x, acc], {"n": 4})
-    c.start_capture()
-    c.launch(K.accumulate, 1, [x, acc], {"n": 4})
-    g = c.stop_capture()
+    g = captured_once(c, K.accumulate, [x, acc], {}, 4)
     c.write(acc, np.zeros(4, np.float32))
     g.replay()
     c.graph_prepare()

@@ -155,6 +155,8 @@ class Condition(_thread.RLock):
         an exception landing in it still wakes every waiter it took."""
         if not self._is_owned():
             raise RuntimeError("cannot notify on un-acquired lock")
+        # (Event.set's lines, inline on purpose: a shared helper's entry would be a point
+        # where an exception lands after the waiters were taken, and none would wake)
         waiters = self._waiters[:n]
         self._waiters = self._waiters[n:]
         try:

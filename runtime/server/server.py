@@ -495,7 +495,12 @@ class ComputeServer:
         :data:`BUSY` (the caller then makes the blocking ``call(h_read, ...)``). Returns and
         raises what ``h_read`` does."""
         queue = self.queue
-        if not queue._q and queue._owner.acquire(False):
+        tok = queue._tok
+        if not queue._q and tok:
+            try:
+                tok.pop()                   # the owner lock taken (queue.OwnerLock)
+            except IndexError:              # (by another thread meanwhile)
+                return BUSY
             try:
                 if not queue._q and not queue.closed:
                     lazy = queue.lazy
@@ -511,7 +516,7 @@ class ComputeServer:
                 queue._check_backend()      # (its flush interrupted: CpuBackend.broken)
                 raise
             finally:                        # (DeviceQueue._release, inlined)
-                queue._owner.release()
+                tok.append(True)
                 if queue.room_waiters:
                     queue.notify_room()
                 if queue._q and not queue.closed and queue._owner.acquire(False):
@@ -633,7 +638,12 @@ class ComputeServer:
         the caller then submits it (``DeviceQueue.submit``, which waits for room first;
         ``ServerClosed`` once the server stopped)."""
         queue = self.queue
-        if not queue._q and queue._owner.acquire(False):
+        tok = queue._tok
+        if not queue._q and tok:
+            try:
+                tok.pop()                   # the owner lock taken (queue.OwnerLock)
+            except IndexError:              # (by another thread meanwhile)
+                return BUSY
             try:
                 if not queue._q and not queue.closed:
                     if count.__class__ is tuple:    # tiny work: deferred (as in replay)
@@ -841,7 +851,12 @@ class ComputeServer:
         the caller queued before ran), so it is ordered like a message. Records that the stream
         ran up to its position (``done_pos``: its marks are final), as a fence would."""
         queue = self.queue
-        if queue._q or not queue._owner.acquire(False):
+        tok = queue._tok
+        if queue._q or not tok:
+            return False
+        try:
+            tok.pop()                       # the owner lock taken (queue.OwnerLock)
+        except IndexError:                  # (by another thread meanwhile)
             return False
         try:
             if queue.lazy:
@@ -1037,7 +1052,12 @@ class ComputeServer:
         (so no frame of this function, one of the owner lock's holders,
         ``queue.OWNER_CODES``, is on a stack that only waits)."""
         queue = self.queue
-        if not queue._q and queue._owner.acquire(False):
+        tok = queue._tok
+        if not queue._q and tok:
+            try:
+                tok.pop()                   # the owner lock taken (queue.OwnerLock)
+            except IndexError:              # (by another thread meanwhile)
+                return BUSY
             try:
                 if not queue._q and not queue.closed:
                     g = self.graphs.get(gid)
@@ -1062,7 +1082,7 @@ class ComputeServer:
                 queue._die(e)
                 raise queue.closed_error() from None
             finally:                        # (DeviceQueue._release, inlined)
-                queue._owner.release()
+                tok.append(True)
                 if queue.room_waiters:
                     queue.notify_room()
                 if queue._q and not queue.closed and queue._owner.acquire(False):

@@ -117,16 +117,16 @@ SITES = {
     # fn, the line that takes the lock, what the main thread runs, the exception
     "submit": (queue_mod.DeviceQueue.submit, "elif not q and self._owner.acquire(False)",
                lambda c, x, y: c.empty(4, np.float32), KeyboardInterrupt),
-    "launch": (ComputeServer.launch, "if not queue._q and queue._owner.acquire(False)",
+    "launch": (ComputeServer.launch, "tok.pop()",
                lambda c, x, y: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4}),
                KeyboardInterrupt),
-    "call": (queue_mod.DeviceQueue.call, "if not q and self._owner.acquire(False)",
+    "call": (queue_mod.DeviceQueue.call, "owner = tok.pop()",
              lambda c, x, y: c.flush(), TimeoutError),
-    "sync_idle": (ComputeServer.sync_idle, "queue._owner.acquire(False)",
+    "sync_idle": (ComputeServer.sync_idle, "tok.pop()",
                   lambda c, x, y: c.sync(), KeyboardInterrupt),
-    "replay": (ComputeServer.replay, "if not queue._q and queue._owner.acquire(False)",
+    "replay": (ComputeServer.replay, "tok.pop()",
                _captured_replay, KeyboardInterrupt),
-    "read": (ComputeServer.read, "if not queue._q and queue._owner.acquire(False)",
+    "read": (ComputeServer.read, "tok.pop()",
              lambda c, x, y: c.read(x), KeyboardInterrupt),
 }
 

@@ -299,7 +299,7 @@ def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_ca
                                                                           monkeypatch):
     """Deferred launches and replays (issue 26) run at the next call into the server
     (``ComputeServer._run_lazy``; one replay before a read on its stream runs inside
-    ``h_read``, together with the read's copy); an interruption right after any call inside
+    ``ComputeServer.read``, together with the read's copy); an interruption right after any call inside
     that run may have lost one, so the server stops (``ServerClosed`` for every later call)
     or, where it landed before anything was taken, every later read is right: never a stale
     value, never a replay run twice."""
@@ -315,7 +315,7 @@ def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_ca
             g.replay()                                  # deferred: acc += 1
         want = np.full(4, len(c._server.queue.lazy), np.float32)
         assert want[0] == (3 if where == "run_lazy" else 1)
-        code = (ComputeServer._run_lazy if where == "run_lazy" else ComputeServer.h_read).__code__
+        code = (ComputeServer._run_lazy if where == "run_lazy" else ComputeServer.read).__code__
         hit = []
         sys.settrace(_after_each_call(code, KeyboardInterrupt, nth_call, hit))
         try:

@@ -875,8 +875,12 @@ class ComputeServer:
                 return False
             s.done_pos = s.pos
             return True
-        finally:
-            queue._release()
+        finally:                            # (DeviceQueue._release, inlined)
+            tok.append(True)
+            if queue.room_waiters:
+                queue.notify_room()
+            if queue._q and not queue.closed and queue._owner.acquire(False):
+                queue._drain()
 
     queue_mod.OWNER_CODES.add(sync_idle.__code__)    # it takes the owner lock (queue.py)
 

@@ -518,9 +518,9 @@ class ComputeServer:
                     if lazy:                # deferred work first: one replay, with the copy?
                         g = lazy[0]
                         if len(lazy) == 1 and g.__class__ is not tuple:
-                            s = g.sstate
-                            st = self.handles.get(hid)
-                            if (st is not None and self.streams.get(sid) is s
+                            s = g.sstate            # (in the table while g lives:
+                            st = self.handles.get(hid)  # StreamState.graphs)
+                            if (st is not None and s.id == sid
                                     and s.window is None and self.checker is None
                                     and not (s.errors or self.marks.async_errors
                                              or self.backend.failures or self.ended_busy)):
@@ -537,7 +537,7 @@ class ComputeServer:
                                             if data is False:   # not run at once: below
                                                 lazy.append(g)
                                             else:           # ran (as in _run_lazy)
-                                                s.done_pos = g.last_pos = s.pos = s.pos + 1
+                                                s.done_pos = g.last_pos = s.pos = p = s.pos + 1
                                                 for x in g.wstates:
                                                     x.mark = CLEAN
                                         except LaunchError as e:
@@ -551,7 +551,7 @@ class ComputeServer:
                                             if s.synced:        # path, from here)
                                                 self.marks.ran(s)
                                             if st.mark is CLEAN or self.marks.clean(st):
-                                                st.reads[sid] = s.done_pos = s.pos = s.pos + 1
+                                                st.reads[sid] = s.done_pos = s.pos = p + 1
                                                 return data
                                             return self.h_read(sid, hid, dtype)
                         self._run_lazy()

@@ -74,3 +74,22 @@ def ref():
     let every accuracy test pass vacuously).
     """
     return dict(np.load(FIXTURES / "minilm_reference.npz"))
+
+
+@pytest.fixture
+def frozen_gc():
+    """For a test that calls ``gc.collect()`` (or ``gc.get_objects()``) many times: one full
+    collection first, then the objects that are left (earlier tests', the modules') are frozen
+    out of the collector (``gc.freeze``) until the test ends, so each later collect walks only
+    what the test made. The same garbage is found (the test's own objects are collected as
+    before); in the full suite a collect walked the whole process's heap: 0.5-1 s each, 90 s of
+    the suite (SUITE9). ``gc.get_objects()`` then lists the test's objects only: count
+    against a baseline taken inside the test."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

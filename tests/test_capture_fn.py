@@ -194,8 +194,8 @@ def test_an_owner_holding_a_graph_of_its_own_closure_is_freed_without_the_cyclic
                 return self.x.add(self.w)
             self.graph = runtime.capture(forward, client=c)
 
+    gc.collect()                        # (earlier tests' cyclic garbage: freed before counting)
     before = client.memory_usage()["handles"]
-    gc.collect()
     gc.disable()
     try:
         refs = []

@@ -180,12 +180,14 @@ class WgpuStream:
     after the enqueue (at submit: server's owner or queue thread), reported by the stream's
     next completion (a deque: appended and drained on different threads). ``released``: the
     server forgot it; an error found later goes to the backend's ``failures`` instead.
+    ``fence``: the readback ``release_stream`` waits for (None before it is asked).
     """
 
-    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log", "errors", "released")
+    __slots__ = ("encoder", "cpass", "pipeline", "tasks", "log", "errors", "released", "fence")
 
     def __init__(self):
         self.released = False
+        self.fence = None
         self.encoder = self.cpass = self.pipeline = None
         self.tasks = 0     # dispatches encoded since the last submit
         self.log: list = []
@@ -404,10 +406,20 @@ class WgpuBackend(Backend):
         return s.cpass
 
     def release_stream(self, stream) -> bool:
-        """Submit ``stream``'s batch and forget it (True): on the one queue, submitted work is
-        ordered before anything any stream submits later. Errors it reported and did not hand
-        to a completion yet (and any found later) go to ``failures``: never dropped."""
-        self._submit(stream)
+        """Forget ``stream`` once the device ran its work (True); False before, ask again
+        later (``Backend.release_stream``). The first call submits its batch and a fence
+        readback behind it; each call polls that fence without waiting. Errors it reported
+        and did not hand to a completion yet go to ``failures``: never dropped.
+
+        (Before ADV9 it returned True once submitted: the server then took the stream's marks
+        as final, so a launch on another stream reading a buffer whose writer's device-side
+        check (``Kernel.checks``) was not read back yet took it as clean, and its result read
+        back the failed data with no error.)"""
+        if stream.fence is None:
+            self._submit(stream)
+            stream.fence = self._readback(self._fence_src, 4, None)
+        if not stream.fence.wait(0):            # (polls: never waits for the device)
+            return False
         stream.released = True
         self.failures.extend(stream.errors.take())
         return True

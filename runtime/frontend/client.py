@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 
 from ..errors import (RAISE_THE_LIMIT, InvalidHandle, LaunchError, LoopLimitExceeded,
-                      UnsupportedError, error_list, unhealthy)
+                      ServerError, UnsupportedError, error_list, unhealthy)
 from ..kernel import Kernel, normalize_count
 from ..server import get_server
 from ..server.server import BUSY
@@ -235,7 +235,10 @@ class ComputeClient:
         Streams: ordered on this client's stream after earlier work on it, and after earlier
             uses of the buffer on other streams (the server inserts event waits).
         Capture: inside a window on this stream it is refused late: ``stop_capture`` raises
-            ``CaptureRefused`` and the write is never applied (a graph cannot hold a host write).
+            ``CaptureRefused`` and the write is never applied (a graph cannot hold a host write:
+            the buffer keeps what it held; a handle made inside that window, which held
+            nothing, reads ``ReplayFailed`` until a later write lands, also after
+            ``abort_capture``).
         """
         if not isinstance(handle, Handle):
             raise TypeError(f"write takes a Handle, got {type(handle).__name__}")
@@ -623,7 +626,9 @@ class ComputeClient:
             body: a callable (no arguments) issuing launches on this client.
             max_iterations: the most iterations (an int >= 0). Required on wgpu inside a
                 capture (the loop is unrolled to it); None elsewhere means
-                ``DEFAULT_MAX_ITERATIONS`` (so a loop never hangs).
+                ``DEFAULT_MAX_ITERATIONS`` (so a loop never hangs). 0: the body never runs,
+                so a condition that holds is ``LoopLimitExceeded`` (below) and a false one a
+                no-op.
         Outside a capture window the condition is read on the host before each iteration.
         Inside one the body is recorded once, as a loop node evaluated on the device at every
         replay (cpu: from the buffer; wgpu: ``max_iterations`` gated copies of the body; cuda:
@@ -631,7 +636,9 @@ class ComputeClient:
         Raises: ``TypeError``/``ValueError`` (bad arguments; wgpu capture without
             ``max_iterations``); ``LoopLimitExceeded`` eagerly when ``cond`` is still non-zero
             after ``max_iterations`` iterations (the buffers the loop wrote on this stream are
-            marked with it: ``ReplayFailed`` on read until rewritten); ``UnsupportedError`` at
+            marked with it: ``ReplayFailed`` on read until rewritten; so are they when the
+            loop is stopped early by an error, its body's or a condition read's, a
+            KeyboardInterrupt included, which is raised); ``UnsupportedError`` at
             capture on a backend without loop nodes. In a replay an exceeded limit (every
             backend) marks the graph's write set with ``LoopLimitExceeded`` (``ReplayFailed``
             on read).
@@ -650,22 +657,44 @@ class ComputeClient:
         if not srv.call(srv.h_cond_begin, sid, "while", hid,
                         None if max_iterations is None else int(max_iterations),
                         _dtype_name(cond)):
-            done = 0
+            done = started = 0
             since = srv.call(srv.h_position, sid)
-            while self._cond_value(cond):
-                if done >= limit:
-                    err = LoopLimitExceeded(
-                        f"capture_while on stream {int(sid)}: condition handle {hid} was still "
-                        f"non-zero after max_iterations={limit} iterations; the loop stopped: "
-                        f"{RAISE_THE_LIMIT}")
-                    # what the loop wrote is marked, as a replay's write set is: another
-                    # reader gets ReplayFailed, never the truncated values without an error
-                    srv.call(srv.h_written_since_failed, sid, since, err)
-                    raise err
-                body()
-                done += 1
+            try:
+                while self._cond_value(cond):
+                    if done >= limit:
+                        err = LoopLimitExceeded(
+                            f"capture_while on stream {int(sid)}: condition handle {hid} was "
+                            f"still non-zero after max_iterations={limit} iterations; the loop "
+                            f"stopped: {RAISE_THE_LIMIT}")
+                        # what the loop wrote is marked, as a replay's write set is: another
+                        # reader gets ReplayFailed, never the truncated values without an error
+                        started = 0
+                        srv.call(srv.h_written_since_failed, sid, since, err)
+                        raise err
+                    started = 1
+                    body()
+                    done += 1
+            except BaseException as e:
+                if started:     # stopped early by an error (ADV9): marked as at the limit
+                    self._stopped_loop(sid, since, done, e)
+                raise
             return
         self._record_bodies(sid, body, None)
+
+    def _stopped_loop(self, sid, since: int, done: int, exc) -> None:
+        """An eager ``capture_while`` on ``sid`` was stopped after ``done`` whole iterations by
+        ``exc`` (its body or a condition read raised: a launch's failure, a KeyboardInterrupt):
+        what the loop wrote is marked with it, as at the limit, so another reader gets
+        ``ReplayFailed``, never the values of an unfinished loop with no error (a server that
+        stopped meanwhile has nothing left to mark)."""
+        srv = self._server
+        err = LaunchError(f"capture_while on stream {int(sid)} was stopped after {done} whole "
+                          f"iteration(s) by {type(exc).__name__}: {exc}; what the loop wrote is "
+                          "marked until a later write lands")
+        try:
+            srv.call(srv.h_written_since_failed, sid, since, err)
+        except ServerError:
+            pass
 
     def _record_bodies(self, sid, first, second) -> None:
         srv = self._server

@@ -503,13 +503,23 @@ class Capture:
             return True
         return False
 
-    def on_write(self, s, hid: int) -> bool:
-        """A host write to ``hid`` on ``s``: True when the window refuses it (late)."""
+    def on_write(self, s, st) -> bool:
+        """A host write to handle state ``st`` on ``s``: True when the window refuses it
+        (late; never applied: the buffer keeps what it held, scenario 18). A handle the window
+        itself allocated (``create(array)`` inside it) held nothing before, so it is marked as
+        written by a failed write (``ReplayFailed`` on read until a later write lands): before
+        ADV9 it read back whatever the pool's buffer held, with no error, once
+        ``abort_capture`` dropped the window or ``stop_capture`` had raised."""
         w = s.window
         if w is None:
             return False
-        w.refusals.append(f"write to handle {hid} inside the capture window (a graph cannot "
-                          "record a host write; it was not applied)")
+        what = (f"write to handle {st.id} inside the capture window (a graph cannot record a "
+                "host write; it was not applied)")
+        w.refusals.append(what)
+        if any(a is st for a in w.allocs):
+            self.marks.fail((st,), ("write", st.id, s.id),
+                            CaptureRefused(f"{what} on stream {s.id}, and the handle was made in "
+                                           "that window: it holds no data; write it again"))
         return True
 
     def on_event(self, s, what: str) -> None:

@@ -140,14 +140,16 @@ class GraphPool:
         self.bytes = self.high_water = 0
         self.shared = 0                 # bytes handed out again from ``free`` (reuse so far)
 
-    def adopt(self, slot: PooledBuffer) -> None:
-        """Make ``slot`` (retained by a graph of this pool) one of its shared buffers."""
+    def adopt(self, slot: PooledBuffer, share: bool = True) -> None:
+        """Make ``slot`` (retained by a graph of this pool) one of its shared buffers; an
+        orphan (its handle freed) is free for reuse at once unless ``share`` is False (another
+        graph still reads it: ``ComputeServer._shareable``; it is given when that one goes)."""
         if slot.graph_pool is None:
             slot.graph_pool = self
             self.slots[id(slot)] = slot
             self.bytes += slot.nbytes
             self.high_water = max(self.high_water, self.bytes)
-        if slot.orphan:
+        if slot.orphan and share:
             self.give(slot)
 
     def give(self, slot: PooledBuffer) -> None:

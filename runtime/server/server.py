@@ -471,7 +471,7 @@ class ComputeServer:
         st = self._handle(s, hid, "write")
         if st is None:
             return
-        if self.capture.on_write(s, hid):
+        if self.capture.on_write(s, st):      # (refused: marked, not applied)
             return
         self._wait_for(s, st.writes)
         self._wait_for(s, st.reads)
@@ -988,7 +988,7 @@ class ComputeServer:
             state = {id(st.slot) for st in g.sstates}
             for slot in g.alloc_slots:
                 if id(slot) not in state:       # its state (read before written) stays its own
-                    gp.adopt(slot)
+                    gp.adopt(slot, not slot.orphan or self._shareable(slot, gp))
             self._pool_aliases(gp)
         if self.checker is not None:
             self.checker.on_graph(g)
@@ -1146,12 +1146,13 @@ class ComputeServer:
 
         The first replay waits for the work other streams had pending on the graph's buffers at
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
-        is capturing); ``LivenessError`` (a caller-owned handle it uses was freed); the
-        backend's refusal. Any failure, here or later while it executes, marks the graph's
-        write set (``ReplayFailed`` on read) until a later write to each buffer lands; so does
-        a failure of the last writer of a buffer the graph reads before it writes it (an input,
-        or state it reads and writes: ``GraphState.sources``), whenever it is found. A graph
-        whose state is marked keeps failing until the state is written from the host.
+        is capturing); ``LivenessError`` (a caller-owned handle it uses was freed): these
+        two are raised before anything is enqueued and change no mark; the backend's refusal.
+        Any other failure, here or later while it executes, marks the graph's write set
+        (``ReplayFailed`` on read) until a later write to each buffer lands; so does a failure
+        of the last writer of a buffer the graph reads before it writes it (an input, or state
+        it reads and writes: ``GraphState.sources``), whenever it is found. A graph whose state
+        is marked keeps failing until the state is written from the host.
         """
         g = self.graphs.get(gid)
         if g is None:
@@ -1168,20 +1169,22 @@ class ComputeServer:
                 reads = self._marked_sources(g)
                 break
         graph = g.graph
+        # refused at the call before anything is enqueued: raised to the caller, nothing ran,
+        # no mark changes (a marked write set would poison a graph's state for good: ADV9)
+        if s.window is not None:
+            self.capture.on_event(s, f"replay of graph {gid}")
+        if g.freed:
+            hid = g.freed[0]
+            err = LivenessError(
+                f"replay of graph {gid} on stream {int(s.id)} uses handle {hid}, which was "
+                "freed: keep the Handle alive while the graph replays (or allocate it inside "
+                "the capture window, or use runtime.capture, so the graph retains it)")
+            err.handle, err.graph = hid, gid
+            if self.checker is not None:
+                self.checker.record(err)
+            raise err
         mark = Mark(g.op, None, (), s, s.pos + 1)
         try:
-            if s.window is not None:
-                self.capture.on_event(s, f"replay of graph {gid}")
-            if g.freed:
-                hid = g.freed[0]
-                err = LivenessError(
-                    f"replay of graph {gid} on stream {int(s.id)} uses handle {hid}, which was "
-                    "freed: keep the Handle alive while the graph replays (or allocate it inside "
-                    "the capture window, or use runtime.capture, so the graph retains it)")
-                err.handle, err.graph = hid, gid
-                if self.checker is not None:
-                    self.checker.record(err)
-                raise err
             if g.fences:                    # once: the stream's waits (``synced``) remain
                 self._wait_for(s, g.fences)
                 g.fences = {}
@@ -1410,7 +1413,8 @@ class ComputeServer:
         return self._stream(sid).pos
 
     def h_written_since_failed(self, sid, since: int, err) -> None:
-        """An eager ``capture_while`` on ``sid`` stopped at its limit with ``err``: mark every
+        """An eager ``capture_while`` on ``sid`` stopped at its limit with ``err`` (or early, by
+        an error: ``ComputeClient._stopped_loop``): mark every
         buffer written on ``sid`` after position ``since`` (what the loop wrote) as written by
         the failed loop, as a replay's write set is (``ReplayFailed`` on read until a later
         write lands), the write sets of graphs the loop replayed on ``sid`` included (a replay

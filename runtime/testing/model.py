@@ -335,9 +335,10 @@ class Model:
         w = self.windows.get(s)
         self.bufs[op.buf] = _Buf(None if w else np.array(op.values, DTYPES[op.dtype]),
                                  DTYPES[op.dtype])
-        if w:
+        if w:                           # (not applied: it holds no data, marked, ADV9)
             w.allocs.add(op.buf)
             w.refused.append(f"create of b{op.buf} inside the window (a host write)")
+            self.bufs[op.buf].failed = True
         return self._expect_ok(error, "create")
 
     def _empty(self, op, value, error):
@@ -350,8 +351,10 @@ class Model:
 
     def _write(self, op, value, error):
         w = self.windows.get(self.stream(op))
-        if w:
+        if w:                           # not applied (a buffer made in the window: marked)
             w.refused.append(f"write to b{op.buf} inside the window")
+            if op.buf in w.allocs:
+                self.bufs[op.buf].failed = True
         else:
             b = self.bufs[op.buf]
             b.value, b.failed = np.array(op.values, DTYPES[op.dtype]), False
@@ -527,9 +530,7 @@ class Model:
 
     def _replay(self, op, value, error):
         s, launches, writes, sources = self.graphs[op.graph]
-        if s in self.windows:
-            for b in writes:               # a refused replay marks its write set
-                self.bufs[b].failed = True
+        if s in self.windows:               # refused at the call: nothing ran, no mark
             return self._refused(op, error)
         if any(self.bufs[b].failed for b in sources):
             for b in writes:               # a marked input or state marks the whole write set
@@ -705,20 +706,27 @@ class Model:
                     # unknown condition, or an error that may have been raised by a later
                     # read: later iterations may have run
                     self._unknown(s, op.launches())
+                elif bad is None and k:     # stopped early by that error: marked (ADV9)
+                    self._stopped(op)
                 return bad
             if cnt == 0:
                 break
             if k == op.max_iterations:
                 if k:                   # what the stopped loop wrote is marked (server rule)
-                    for launch in op.body:
-                        spec = self.p.kernels[launch.kernel]
-                        for b, bind in zip(launch.bufs, spec.kernel.bindings):
-                            if bind.access != "read":
-                                self.bufs[b].value, self.bufs[b].failed = None, True
+                    self._stopped(op)
                 return self._expect_raise(error, LoopLimitExceeded, what)
             for launch in op.body:
                 self._error(s, self._apply(launch))
         return self._expect_ok(error, what)
+
+    def _stopped(self, op) -> None:
+        """An eager loop stopped before its condition said so (its limit, or an error after an
+        iteration ran): what its body writes is marked (``ReplayFailed`` until rewritten)."""
+        for launch in op.body:
+            spec = self.p.kernels[launch.kernel]
+            for b, bind in zip(launch.bufs, spec.kernel.bindings):
+                if bind.access != "read":
+                    self.bufs[b].value, self.bufs[b].failed = None, True
 
     def _update(self, op, value, error):
         s, items, writes, sources = self.graphs[op.graph]

@@ -163,3 +163,34 @@ def test_indirect_launch_reads_counts_on_the_caller_without_device_indirect_disp
     with pytest.raises(runtime.LaunchError, match="does not read counts on the device"):
         c.sync()
     c.shutdown()
+
+
+def test_a_create_refused_inside_a_window_is_never_read_back_as_if_made(client):
+    """``create(array)`` inside a window: its write is refused late and not applied, so the
+    new handle holds no data (a pooled buffer's old bytes). Before ADV9 a read returned those
+    bytes with no error once ``abort_capture`` (which reports no refusal) dropped the window,
+    or from another stream after ``stop_capture`` raised. Now it raises ``ReplayFailed``
+    naming the refused write, until a write lands. (A refused write to a handle made before
+    the window leaves it as it was: scenario 18, test_capture_replay.py.)"""
+    c = client
+    other = c.with_stream(runtime.StreamId.new())
+    junk = c.create(np.full(N, 7.0, np.float32))
+    junk.release()                                     # the pool's next buffer holds 7s
+    c.graph_prepare()
+    c.start_capture()
+    made = c.create(np.full(N, 3.0, np.float32))
+    c.abort_capture()
+    for reader in (c, other):
+        with pytest.raises(runtime.ReplayFailed, match="inside the capture window"):
+            reader.read(made)
+    c.graph_prepare()
+    c.start_capture()
+    made2 = c.create(np.full(N, 3.0, np.float32))
+    with pytest.raises(CaptureRefused, match=f"write to handle {made2.id}"):
+        c.stop_capture()
+    with pytest.raises(runtime.ReplayFailed):
+        other.read(made2)
+    c.write(made, np.full(N, 9.0, np.float32))         # written: applied, clean
+    np.testing.assert_array_equal(other.read(made), np.full(N, 9.0, np.float32))
+    _add(c, made, made2, 1.0)                          # a launch rewriting it clears it too
+    np.testing.assert_array_equal(c.read(made2), np.full(N, 10.0, np.float32))

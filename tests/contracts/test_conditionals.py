@@ -127,6 +127,70 @@ def test_loop_limit_is_a_typed_failure(client):
     np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 2, np.float32))
 
 
+def test_max_iterations_0_runs_no_iteration_and_a_true_condition_is_loop_limit_exceeded(client):
+    """``max_iterations=0`` (USER leftover, decided by ADV9): the body never runs; a false
+    condition is a no-op, a true one the typed ``LoopLimitExceeded``, eagerly (nothing was
+    written, so nothing is marked) and in a replay (the write set is marked, as for any
+    limit; a host write recovers it), on every backend."""
+    b = _bufs(client, cnt=i32(0), x=np.ones(N, np.float32), y=np.full(N, 5, np.float32))
+    work = _countdown(client, b, 0)
+    work()
+    client.write(b["cnt"], i32(1))
+    with pytest.raises(LoopLimitExceeded, match="max_iterations=0"):
+        work()
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 5, np.float32))
+    client.write(b["cnt"], i32(0))
+    g = _cond_or_skip(client, lambda: capture(client, work, warmup=False))
+    g.replay()
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 5, np.float32))
+    client.write(b["cnt"], i32(1))
+    g.replay()
+    with pytest.raises(ReplayFailed, match="LoopLimitExceeded"):
+        client.read(b["y"])
+    client.write(b["y"], np.full(N, 7, np.float32))
+    np.testing.assert_array_equal(client.read(b["y"]), np.full(N, 7, np.float32))
+
+
+def test_an_eager_loop_stopped_early_by_an_error_marks_what_it_wrote(client):
+    """ADV9: an eager ``capture_while`` stopped before its condition said so, by its body
+    raising (a KeyboardInterrupt in the 3rd iteration) or by a condition read raising a body
+    launch's failure, left the values of an unfinished loop (2 of 5 accumulations) for another
+    reader with no error; the limit (LoopLimitExceeded) already marked them. Now the loop's
+    writes are marked the same way and the error is raised; a host write recovers."""
+    b = _bufs(client, cnt=i32(5), x=np.ones(N, np.float32), y=np.zeros(N, np.float32))
+    calls = [0]
+
+    def body():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        client.launch(K.accumulate, 1, [b["x"], b["y"]], {"n": N})
+        client.launch(add_i32, 1, [b["cnt"]], {"delta": -1})
+    with pytest.raises(KeyboardInterrupt):
+        client.capture_while(b["cnt"], body, max_iterations=10)
+    other = client.with_stream(runtime.StreamId.new())
+    for reader in (client, other):
+        with pytest.raises(ReplayFailed, match="stopped after 2 whole iteration"):
+            reader.read(b["y"])
+    np.testing.assert_array_equal(other.read(b["x"]), np.ones(N, np.float32))
+    client.write(b["y"], np.zeros(N, np.float32))
+    client.write(b["cnt"], i32(3))
+    short = client.create(np.ones(2, np.float32))
+
+    def failing():                       # the 2nd iteration's launch is refused (n past short)
+        client.launch(K.accumulate, 1, [b["x"], b["y"]], {"n": N})
+        client.launch(add_i32, 1, [b["cnt"]], {"delta": -1})
+        if calls[0] == 4:
+            client.launch(K.add_scalar, 1, [short, b["x"]], {"alpha": 1.0, "n": N})
+        calls[0] += 1
+    with pytest.raises(LaunchError):
+        client.capture_while(b["cnt"], failing, max_iterations=10)
+    with pytest.raises(ReplayFailed, match="stopped after"):
+        other.read(b["y"])
+    client.write(b["y"], np.full(N, 4, np.float32))
+    np.testing.assert_array_equal(other.read(b["y"]), np.full(N, 4, np.float32))
+
+
 def test_an_eager_loop_of_replays_stopped_at_its_limit_marks_what_the_replays_wrote(client):
     """An eager ``capture_while`` whose body replays a graph (a decode loop driven from the
     host): stopped at ``max_iterations``, the graph's outputs hold the truncated loop's values.

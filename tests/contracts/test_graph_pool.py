@@ -459,3 +459,55 @@ def test_a_pool_never_shares_a_buffer_another_graph_reads_as_its_input(client, h
     client.sync()
     gc.collect()
     assert pool.memory_usage()["free_bytes"] >= 256   # C gone: A's buffer may be shared again
+
+
+def test_a_window_temporary_another_streams_graph_reads_is_not_shared_at_stop_capture(
+        client, hardware):
+    # ADV9 (ADV8's open item): pool graph A's window allocates t and frees it there (a
+    # temporary); meanwhile a graph B captured on another stream (outside the pool, retain)
+    # reads t. stop_capture gave t to the pool at once (GraphPool.adopt skipped _shareable), so
+    # pool graph C's window took it as its temporary: after A, C, B the result was C's
+    # 1000 + 10, not (1 + 1) + 10, with no error (cpu, wgpu).
+    if hardware:
+        pytest.skip("a driver graph refuses window allocations the warm pool cannot serve")
+    n = 64
+    a = client
+    b = a.with_stream(runtime.StreamId.new())
+    pool = runtime.GraphPool()
+    x = a.create(np.ones(n, np.float32))
+    out, res = a.create(np.zeros(n, np.float32)), b.create(np.zeros(n, np.float32))
+    a.sync()
+
+    def add(c, src, dst, alpha):
+        c.launch(K.add_scalar, 1, [src, dst], {"alpha": alpha, "n": n})
+    a.graph_prepare(pool=pool)
+    a.start_capture()
+    t = a.empty(n, np.float32)
+    add(a, x, t, 1.0)                                  # t = 2
+    b.graph_prepare()
+    add(b, t, res, 10.0)
+    b.start_capture()
+    add(b, t, res, 10.0)                               # B: res = t + 10
+    B = b.stop_capture(retain=True)
+    add(a, t, out, 0.0)
+    t.release()                                        # freed in A's own window
+    A = a.stop_capture()
+    a.graph_prepare(pool=pool)                         # C: a temporary of 1000s
+    a.start_capture()
+    u = a.empty(n, np.float32)
+    a.launch(K.fill, 1, [u], {"value": 1000.0, "n": n})
+    add(a, u, out, 0.0)
+    u.release()
+    C = a.stop_capture()
+    for _ in range(2):
+        A.replay()
+        C.replay()
+        b.wait_event(a.record_event())
+        B.replay()
+        np.testing.assert_array_equal(b.read(res), np.full(n, 12, np.float32))
+    assert pool.memory_usage()["shared_bytes"] == 0
+    B.release()
+    del B
+    a.sync()
+    gc.collect()
+    assert pool.memory_usage()["free_bytes"] >= 256    # B gone: t may be shared again

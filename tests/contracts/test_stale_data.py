@@ -21,6 +21,8 @@ from runtime import kernels as K
 from runtime.errors import CaptureRefused, LaunchError, ReplayFailed, ServerUnhealthy
 from runtime.testing import backend_unavailable
 
+from helpers import fail_write_set
+
 N = 64
 
 
@@ -273,8 +275,9 @@ def test_a_failure_found_at_enqueue_marks_what_the_launch_would_write(client):
 
 
 def refused_replay(c, x0):
-    """A graph ``y = x + 1`` (x = ``x0``) whose replay was refused (its stream was capturing):
-    ``y`` is marked. Returns ``(x, y, graph)``."""
+    """A graph ``y = x + 1`` (x = ``x0``) whose replay the backend refused at enqueue
+    (``helpers.fail_write_set``; a replay refused at the call, inside a window of its stream,
+    marks nothing since ADV9): ``y`` is marked. Returns ``(x, y, graph)``."""
     x = c.create(np.full(N, x0, np.float32))
     y = c.empty(N, np.float32)
     c.graph_prepare()
@@ -282,11 +285,7 @@ def refused_replay(c, x0):
     c.start_capture()
     add(c, x, y, 1.0)
     g = c.stop_capture()
-    c.graph_prepare()
-    c.start_capture()
-    with pytest.raises(CaptureRefused):
-        g.replay()                                # refused: marks y
-    c.abort_capture()
+    fail_write_set(c, g)                          # refused at enqueue: marks y
     return x, y, g
 
 

@@ -173,3 +173,33 @@ def test_an_unnamed_streams_error_found_after_it_ended_is_raised_by_the_next_blo
         time.sleep(0.01)
     assert "failed after its stream ended" in str(raised)
     c.sync()                                    # raised once
+
+
+def test_a_launch_reading_what_an_ended_threads_failed_launch_wrote_inherits_it(client):
+    # ADV9 (wgpu): a thread launches embed_at with a token outside the table (its device-side
+    # check fails the launch after the submit) and ends; wgpu's release_stream said "done" once
+    # the batch was submitted, so the server took the stream's marks as final, and a copy of
+    # the failed output on this thread's stream found it clean before the check was read back:
+    # read(z) returned y's old values with no error (18 of 20 tries). cpu raised already.
+    from runtime.kernels import decode as D
+    c = client.with_stream(None)
+    H, V, T = 64, 8, 4
+    wte = c.create(np.arange(V * H, dtype=np.float32))
+    wpe = c.create(np.zeros(T * H, np.float32))
+    for _ in range(5):
+        y = c.create(np.full(H, -1.0, np.float32))
+        z = c.empty(H, np.float32)
+        c.sync()
+
+        def worker():
+            tok = c.create(np.array([100], np.int32))       # outside wte's 8 rows
+            pos = c.create(np.array([0], np.int32))
+            c.launch(D.embed_at, K.grid(H), [tok, pos, wte, wpe, y], {"H": H, "T": T})
+        _in_thread(worker)
+        c.launch(K.copy, K.grid(H), [y, z], {"n": H})
+        with pytest.raises(ReplayFailed, match="embed_at"):
+            c.read(z)
+        try:
+            c.sync()                                        # (the launch's own error, if left)
+        except LaunchError:
+            pass

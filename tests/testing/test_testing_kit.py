@@ -548,3 +548,40 @@ def test_programs_draw_indirect_launches_over_counts_computed_from_other_buffers
     assert any(isinstance(op, LaunchIndirect) for op in found[0].ops)
     for prog in found[:5]:
         run_program(prog, seed=0, check=True)
+
+
+def test_the_model_expects_a_create_refused_inside_a_window_to_raise_until_written():
+    """``create(values)`` inside a capture window: its write is refused late and not applied,
+    so the buffer holds no data: the model marks it (ADV9: the server read back the pool's old
+    bytes with no error, from the capture stream and another one, once ``stop_capture`` had
+    raised); a write to a buffer made before the window leaves it as it was."""
+    ops = (Create(0, 0, "f32", ONES), Sync(0), Prepare(0), StartCapture(0),
+           Create(0, 1, "f32", FIVES), Write(0, 0, "f32", FIVES), StopCapture(0, 0),
+           Read(1, 1), Read(0, 1), Read(1, 0), Write(1, 1, "f32", FIVES), Read(1, 1))
+    prog = Program(ops, (Sync(0), Sync(1)), SPECS, 4, 2, 2)
+    for s in range(3):
+        run = run_program(prog, seed=s, check=True)
+        assert [type(r) for r in run.reads[:2]] == [runtime.ReplayFailed] * 2, run.reads
+        np.testing.assert_array_equal(run.reads[2], np.ones(4, np.float32))
+        np.testing.assert_array_equal(run.reads[3], np.full(4, 5, np.float32))
+
+
+def test_the_model_expects_an_eager_loop_stopped_by_an_error_to_mark_what_it_wrote():
+    """An eager ``capture_while`` whose body's launch fails (at execution) stops at the next
+    condition read, which raises: what the loop wrote is marked, as at its limit (ADV9: the
+    server left one iteration's values of a three-iteration loop readable with no error)."""
+    from runtime.testing import CaptureWhile, CreateFlag, count_down, set_counter
+    specs = (KernelSpec(K.add_scalar, {"alpha": 1.0}), KernelSpec(ALWAYS_FAILS),
+             KernelSpec(set_counter), KernelSpec(count_down))
+    n = (("n", 4),)
+    init = Launch(0, 2, (3,), (("value", 3),))
+    body = (Launch(0, 3, (3,), ()), Launch(0, 0, (0, 1), (("alpha", 1.0),) + n),
+            Launch(0, 1, (0, 2), n))
+    ops = (Create(0, 0, "f32", ONES), Create(0, 1, "f32", ONES), Create(0, 2, "f32", ONES),
+           CreateFlag(0, 3, 0), Sync(0), CaptureWhile(0, 3, (init,), body, 5), Read(1, 1),
+           Write(1, 1, "f32", FIVES), Read(1, 1))
+    prog = Program(ops, (Sync(0), Sync(1)), specs, 4, 2, 2)
+    for s in range(3):
+        run = run_program(prog, seed=s, check=True)
+        assert isinstance(run.reads[0], runtime.ReplayFailed), run.reads
+        np.testing.assert_array_equal(run.reads[1], np.full(4, 5, np.float32))

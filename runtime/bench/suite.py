@@ -404,7 +404,9 @@ def _compare(argv: list) -> int:
     while i < len(argv):
         a = argv[i]
         if a == "--compare":
-            if i + 1 >= len(argv):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                if argv[i + 1:i + 2] in (["-h"], ["--help"]):     # --compare --help: its help
+                    return refcompare.main("REF", ["--help"])
                 raise ValueError("--compare needs a git commit or a checkout path")
             ref, i = argv[i + 1], i + 2
             continue

@@ -83,3 +83,14 @@ def test_compare_takes_bench_out_for_its_folder(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         refcompare.main(str(ROOT), ["--out", str(tmp_path), "--json", str(tmp_path / "x.json")])
     assert e.value.code == 2 and "pass one" in capsys.readouterr().err
+
+
+def test_compare_help_is_its_help_and_a_missing_ref_is_named(capsys):
+    """A new user's ``bench --compare --help`` was refused as a REF ("--compare '--help':
+    neither a checkout ... nor a commit"); ``--compare --rounds 1`` the same with '--rounds'."""
+    from runtime.bench import suite
+    with pytest.raises(SystemExit) as e:
+        suite.main(["--compare", "--help"])
+    assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--compare needs a git commit or a checkout path"):
+        suite.main(["--compare", "--rounds", "1"])

@@ -9,8 +9,9 @@ imports a module on first use (``threadpoolctl`` at the first stream item, ``num
 compiles (or loads from the cache) a loop. A fork while work is pending in a fresh process then
 made the child hang at its first use of that module or of numba (issue 24 item 4's kind).
 
-Before the fork, :func:`_before_fork` waits for a compile another thread has in progress (its
-half-built numba and LLVM state would be copied into the child). In the child,
+Before the fork, :func:`_before_fork` waits for a compile, or a start of numba's threading layer,
+another thread has in progress (its half-built numba and LLVM state would be copied into the
+child; the layer's start-up locks would stay held there). In the child,
 :func:`forget_imports_of_other_threads` drops every import another thread had in
 progress (the module, half initialised, leaves ``sys.modules`` with its lock; the child imports
 it afresh when it needs it), :func:`free_numba_compiler_lock` replaces numba's compiler lock and
@@ -91,16 +92,17 @@ def bind_missing_submodule(exc: BaseException) -> bool:
 
 def _held_elsewhere(lock) -> bool:
     """Whether re-entrant ``lock`` is held by a thread other than this one."""
-    if lock.acquire(blocking=False):
+    if lock.acquire(False):
         lock.release()
         return False
     return True
 
 
 def free_numba_compiler_lock() -> bool:
-    """(in a forked child) Replace numba's global compiler lock and llvmlite's LLVM lock when
-    a thread that did not come along held them (a compile still in progress after the fork's
-    wait, :func:`_before_fork`): the child's first compile would wait for them forever.
+    """(in a forked child) Replace numba's global compiler lock, llvmlite's LLVM lock and
+    numba's threading-layer start-up locks when a thread that did not come along held them (a
+    compile or a start-up still in progress after the fork's wait, :func:`_before_fork`): the
+    child's first compile (first parallel loop) would wait for them forever.
     Returns whether one was replaced."""
     replaced = False
     cl = sys.modules.get("numba.core.compiler_lock")
@@ -115,6 +117,12 @@ def free_numba_compiler_lock() -> bool:
     if lk is not None and _held_elsewhere(lk):
         holder._lock = threading.RLock()
         replaced = True
+    par = sys.modules.get("numba.np.ufunc.parallel")       # the threading layer's start-up
+    for name in ("_backend_init_process_lock", "_backend_init_thread_lock"):   # (SOAK9)
+        lk = getattr(par, name, None)
+        if hasattr(lk, "acquire") and hasattr(lk, "release") and _held_elsewhere(lk):
+            setattr(par, name, threading.RLock())
+            replaced = True
     return replaced
 
 
@@ -124,13 +132,24 @@ _held: list = []            # the compile locks the forking thread took for the 
 
 
 def _compile_locks() -> list:
-    """numba's compiler lock and llvmlite's library lock (the order numba takes them in), those
-    of the modules imported so far."""
+    """numba's compiler lock and llvmlite's library lock (the order numba takes them in), then
+    numba's threading-layer start-up locks (the process lock, then the thread lock:
+    ``numba.np.ufunc.parallel._launch_threads``' order; a parallel compile takes them under
+    the compiler lock), those of the modules imported so far.
+
+    The start-up locks (SOAK9): a fork while another thread started numba's threading layer
+    (the first nn kernel of the process importing ``runtime.kernels.cpu_loops``) left them held
+    in the child, whose own first nn kernel then waited for ever in ``_set_init_process_lock``
+    (forks9 soak, two matmul threads and a fork: 2 of ~30 children); a start-up finishing
+    first is also never copied half done."""
     cl = sys.modules.get("numba.core.compiler_lock")
     ffi = sys.modules.get("llvmlite.binding.ffi")
+    par = sys.modules.get("numba.np.ufunc.parallel")
     locks = [getattr(getattr(cl, "global_compiler_lock", None), "_lock", None),
-             getattr(getattr(getattr(ffi, "lib", None), "_lock", None), "_lock", None)]
-    return [lk for lk in locks if lk is not None]
+             getattr(getattr(getattr(ffi, "lib", None), "_lock", None), "_lock", None),
+             getattr(par, "_backend_init_process_lock", None),
+             getattr(par, "_backend_init_thread_lock", None)]
+    return [lk for lk in locks if hasattr(lk, "acquire") and hasattr(lk, "release")]
 
 
 def _before_fork() -> None:

@@ -26,6 +26,9 @@ completion) waited for it for ever. A ``with`` over a plain lock (a C ``__enter_
 
 from __future__ import annotations
 
+import _thread
+import gc
+import sys
 import threading
 
 #: seconds :func:`start` waits for a new thread to run (it takes microseconds when all is well;
@@ -98,6 +101,84 @@ class Event:
         self._waiters = []
 
 
+class Condition(_thread.RLock):
+    """``threading.Condition()`` (its default reentrant lock; ``with``, ``acquire``,
+    ``release``, ``wait``, ``wait_for``, ``notify``, ``notify_all``) that an asynchronous
+    exception landing anywhere leaves unlocked (module doc; SOAK9). It *is* its lock, a C
+    ``RLock``: ``with`` enters and exits in C, with no point where an exception can land
+    between taking the lock and the block that releases it. ``threading.Condition``'s
+    ``with`` enters through a Python ``__enter__``: a ``concurrent.futures.Future``'s
+    ``result()`` interrupted there (``Batcher.embed`` under Ctrl-C) left the future's lock
+    owned by the interrupted caller, and the batcher's worker, answering any request, waited
+    for it for ever: every later request hung.
+
+    ``wait`` reacquires the lock however it ends (an exception landing in it: raised with the
+    lock held again, as ``threading.Condition``'s); one landing in ``notify`` still wakes the
+    waiters it chose. Used as the ``_condition`` of the batcher's request futures.
+    """
+
+    __slots__ = ("_waiters",)
+
+    def __init__(self):
+        super().__init__()
+        self._waiters: list = []    # one held plain lock per waiting thread, released by notify
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Release the lock, block until notified or ``timeout`` seconds pass (None: no
+        limit), take the lock back. Returns whether notified. Raises ``RuntimeError`` when the
+        caller does not hold the lock."""
+        if not self._is_owned():
+            raise RuntimeError("cannot wait on un-acquired lock")
+        saved = (self._recursion_count(), _thread.get_ident())   # (an exception here: held)
+        w = _thread.allocate_lock()
+        w.acquire()
+        self._waiters.append(w)
+        got = False
+        try:
+            # no delivery point between ``try`` and this call: the ``finally`` only runs
+            # once it released the lock
+            self._release_save()
+            got = w.acquire(True, -1 if timeout is None else max(0.0, timeout))
+            return got
+        finally:
+            self._acquire_restore(saved)
+            if not got and w in self._waiters:  # (timed out, or interrupted)
+                self._waiters.remove(w)
+
+    def wait_for(self, predicate, timeout: float | None = None):
+        """``threading.Condition.wait_for``: wait until ``predicate()`` is true or ``timeout``
+        seconds passed in all; returns the predicate's last value."""
+        return threading.Condition.wait_for(self, predicate, timeout)
+
+    def notify(self, n: int = 1) -> None:
+        """Wake up to ``n`` waiters (``RuntimeError`` when the caller does not hold the lock);
+        an exception landing in it still wakes every waiter it took."""
+        if not self._is_owned():
+            raise RuntimeError("cannot notify on un-acquired lock")
+        # (Event.set's lines, inline on purpose: a shared helper's entry would be a point
+        # where an exception lands after the waiters were taken, and none would wake)
+        waiters = self._waiters[:n]
+        self._waiters = self._waiters[n:]
+        try:
+            for w in waiters:
+                w.release()
+        finally:                    # (an exception between two releases: the rest too)
+            for w in waiters:
+                if w.locked():
+                    w.release()
+
+    def notify_all(self) -> None:
+        """Wake every waiter (see :meth:`notify`)."""
+        self.notify(len(self._waiters))
+
+    notifyAll = notify_all
+
+    def _at_fork_reinit(self) -> None:
+        """(a forked child) Fresh lock; the waiters stayed behind."""
+        super()._at_fork_reinit()
+        self._waiters = []
+
+
 class _Started(Event):
     """``Thread._started`` whose untimed ``wait`` (``Thread.start``'s) ends after ``limit_s``."""
 
@@ -157,6 +238,22 @@ def is_alive(thread: threading.Thread) -> bool:
     if not thread._started.is_set():
         return False
     return lock is not None and lock.locked() and not thread._is_stopped
+
+
+def current_frames() -> dict:
+    """``sys._current_frames()`` (thread id -> top frame) with the cyclic gc off meanwhile
+    (SOAK9). On CPython 3.11 it holds the interpreter's thread-list lock while it builds its
+    dict; a collection starting there runs weakref callbacks (Python code), which can hand the
+    GIL to a thread that then starts a thread and waits for that lock with the GIL held: both
+    wait for ever (CPython gh-106883; a fork's wait for BLAS calls, cpu_threads._before_fork,
+    hung so beside a matmul starting its fan-out threads)."""
+    was = gc.isenabled()
+    try:
+        gc.disable()
+        return sys._current_frames()
+    finally:
+        if was:
+            gc.enable()
 
 
 def not_started(what: str) -> str:

@@ -52,6 +52,7 @@ import contextlib
 import math
 import os
 import re
+import sys
 import threading
 import time
 
@@ -59,6 +60,7 @@ try:
     from ._threads import start as _start_thread     # SOAK7: a start with a way out
     from ._threads import Event as _Event           # SOAK8: no lock an interrupt leaves held
     from ._threads import is_alive as _is_alive     # SOAK8: no live thread taken for dead
+    from ._threads import current_frames as _current_frames   # SOAK9: gh-106883
 except ImportError:     # (loaded alone, a leaf module: the plain start)
     def _start_thread(thread) -> bool:
         thread.start()
@@ -67,6 +69,7 @@ except ImportError:     # (loaded alone, a leaf module: the plain start)
 
     def _is_alive(thread) -> bool:
         return thread.is_alive()
+    _current_frames = sys._current_frames
 
 #: the environment variables that fix numpy's BLAS thread count (the user's setting wins)
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -837,7 +840,8 @@ class ThreadRule:
         many threads (from the owner thread, when it changes). A kernel that makes the call
         times it into ``self.whole`` (:meth:`WholeCalls.record`)."""
         n = self.share()
-        if n <= 1 or not self.adapt_blas or self.fan_outs or not self.whole.allowed():
+        if n <= 1 or not self.adapt_blas or self.fan_outs or _FORKING or \
+                not self.whole.allowed():
             return 0
         with self._lock:
             if self.fan_outs:                 # pieces started meanwhile: they need BLAS at 1
@@ -1041,9 +1045,50 @@ RULE = ThreadRule()
 FAN_OUT = FanOutPool()
 
 
+#: code of the functions inside which a thread may run a BLAS call on OpenBLAS's own threads
+#: (``runtime.kernels.nn._whole``): a fork waits for them (:func:`_before_fork`)
+WHOLE_CODES: set = set()
+#: most seconds a fork waits for such calls to end (then it goes on)
+FORK_WAIT_S = 2.0
+_FORKING = False            # a fork is waiting or under way: no whole call starts
+
+
+def _before_fork() -> None:
+    """(``os.register_at_fork``) Let no BLAS call run on OpenBLAS's own threads across a fork
+    (SOAK9): OpenBLAS's own fork handler (``blas_thread_shutdown_``) stops its workers while a
+    threaded call's worker may still be finishing its share, which then clears the stop order
+    and sleeps for ever; the handler waits for it for ever, in ``fork()`` with the GIL held:
+    the whole process hung (``tests/test_fork.py``: a fork from one thread while another runs
+    matmuls; numpy alone: ``a @ a`` on a thread and a fork on another, within a few hundred
+    forks). New whole calls take pieces (one-thread BLAS) from now until the fork returned;
+    those in flight are waited for, at most :data:`FORK_WAIT_S`."""
+    global _FORKING
+    _FORKING = True
+    if not WHOLE_CODES:
+        return
+    me = threading.get_ident()
+    end = time.monotonic() + FORK_WAIT_S
+    while time.monotonic() < end:
+        for tid, f in _current_frames().items():
+            while tid != me and f is not None and f.f_code not in WHOLE_CODES:
+                f = f.f_back
+            if tid != me and f is not None:
+                break                               # a thread is in a whole call: wait
+        else:
+            return
+        time.sleep(0.0005)
+
+
+def _after_fork_in_parent() -> None:
+    global _FORKING
+    _FORKING = False
+
+
 def _after_fork_in_child() -> None:
     # only the forking thread comes along: no stream item executes here, the fan-out threads
     # are gone, and a lock another thread held at the fork would be held forever
+    global _FORKING
+    _FORKING = False
     RULE._lock = threading.Lock()
     RULE.active = RULE.fan_outs = 0
     RULE.cpu = CpuShare()
@@ -1055,4 +1100,5 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

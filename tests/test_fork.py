@@ -236,17 +236,22 @@ def test_a_fork_while_a_worker_imports_a_module_leaves_the_child_able_to_import_
     assert out.split() == ["child", "0", "parent", "[7.0,", "7.0]"]
 
 
-@pytest.mark.parametrize("lock", ["numba", "llvm"])
+@pytest.mark.parametrize("lock", ["numba", "llvm", "layer"])
 def test_a_fork_while_a_worker_holds_numbas_compiler_lock_leaves_the_child_able_to_compile(lock):
     """A cpu worker compiling a numba loop (or loading it from numba's cache) at the fork held
     numba's compiler lock (and llvmlite's LLVM lock): the child's first compile waited for it
-    forever (found by ADV2; the LLVM lock hung one run of the first-work test below)."""
+    forever (found by ADV2; the LLVM lock hung one run of the first-work test below). [layer]
+    (SOAK9): one starting numba's threading layer (the process's first nn kernel) held the
+    layer's start-up lock: the child's first nn kernel waited for it for ever (2 of ~30
+    children of a fork beside two threads' first matmuls; fails on 4ca5ee2: the child hung)."""
     out = _run_fresh(f"""
         LOCK = {lock!r}""" + """
         from numba.core.compiler_lock import global_compiler_lock
         import llvmlite.binding.ffi
         held, go = threading.Event(), threading.Event()
-        the_lock = global_compiler_lock if LOCK == "numba" else llvmlite.binding.ffi.lib._lock
+        import numba.np.ufunc.parallel
+        the_lock = {"numba": global_compiler_lock, "llvm": llvmlite.binding.ffi.lib._lock,
+                    "layer": numba.np.ufunc.parallel._backend_init_thread_lock}[LOCK]
         runtime._fork.FORK_WAIT_S = 0.5     # the fork's wait for a compile gives up: the
                                             # child must still get the locks afresh
 
@@ -462,3 +467,42 @@ def test_a_fork_while_another_thread_starts_or_stops_a_trace_leaves_the_child_ab
         print(status)
     """)
     assert out.strip() == "0"
+
+
+def test_a_fork_waits_for_a_blas_call_running_on_openblas_threads(monkeypatch):
+    """SOAK9: a fork from one thread while another ran a matmul as one call on OpenBLAS's own
+    threads (``nn._whole``) hung the forking process for ever, now and then (5 of 28 runs of a
+    two-fork soak): OpenBLAS's fork handler stops its workers while one may still finish its
+    share of the call, which then clears the stop order and sleeps; the handler waits for it in
+    ``fork()``, with the GIL held. A fork now waits for such a call to end (and starts no new
+    one meanwhile). Here the call is held inside ``_whole`` until a timer lets it go: the fork
+    returns only after that."""
+    import threading
+
+    import numpy as np
+
+    from runtime import cpu_threads
+    from runtime.kernels import nn
+
+    entered, release, released = threading.Event(), threading.Event(), []
+
+    def whole_call():                   # inside _whole, where the threaded call would run
+        entered.set()
+        assert release.wait(30)
+        return 0
+    monkeypatch.setattr(cpu_threads.RULE, "whole_call", whole_call)
+    a = np.ones((2, 2), np.float32)
+    t = threading.Thread(target=nn._whole, args=(a, a, np.empty_like(a)), daemon=True)
+    t.start()
+    assert entered.wait(30)
+    timer = threading.Timer(0.2, lambda: (released.append(True), release.set()))
+    timer.start()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    seen = list(released)               # what the fork waited for
+    assert os.waitpid(pid, 0)[1] == 0
+    t.join(30)
+    timer.join(30)
+    assert seen == [True], "the fork ran while a thread was in a whole BLAS call"
+    assert not cpu_threads._FORKING

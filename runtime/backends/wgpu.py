@@ -48,6 +48,7 @@ buffer after a copy instead.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -145,6 +146,36 @@ def _refuse_after_fork() -> None:
             "(their threads stayed in the parent; a device opened here would hang). Start "
             "workers with multiprocessing's 'spawn' or 'forkserver' method, or open wgpu only "
             "after the fork (the cpu backend works in a forked child)")
+
+
+#: devices of closed backends, by ``(device index, adapter preference, adapter)``: the next
+#: backend of that adapter takes one instead of opening another (:func:`_take_device`)
+_IDLE_DEVICES: dict = {}
+_IDLE_LOCK = threading.Lock()
+
+
+def _take_device(key):
+    """A device a closed backend of the same adapter left (:func:`_park_device`), or None.
+
+    Why (SOAK9): wgpu-native frees a device (a ``VkDevice``; on lavapipe a queue thread of its
+    own and ~0.6 MB) only when the last native object made from it is released, and an
+    asynchronous exception (Ctrl-C, ``PyThreadState_SetAsyncExc``) landing in a wgpu-py call
+    right after its native create returned (``create_bind_group``, ``create_command_encoder``:
+    where the interrupts that stop a server land) leaves a native object no Python object
+    owns: that server's device was never freed, and each server stopped so leaked an OS thread
+    for good (SOAK7, SOAK8: 27 -> 39 threads over two soak rounds; 200 servers interrupted
+    once each: +42 threads, +120 MB). Reused, such a device costs nothing more: the devices
+    open are bounded by the most backends of an adapter open at once."""
+    with _IDLE_LOCK:
+        idle = _IDLE_DEVICES.get(key)
+        return idle.pop() if idle else None
+
+
+def _park_device(key, dev) -> None:
+    """Keep ``dev`` (a closed backend's, its queue thread ended) for the next backend of its
+    adapter (:func:`_take_device`)."""
+    with _IDLE_LOCK:
+        _IDLE_DEVICES.setdefault(key, []).append(dev)
 
 
 def describe(adapter) -> str:
@@ -247,10 +278,16 @@ class WgpuBackend(Backend):
         self.device_name = describe(self.adapter)
         have = self.adapter.limits
         limits = {k: have[k] for k in _LIMITS if k in have}
-        try:
-            self.dev = self.adapter.request_device_sync(required_limits=limits)
-        except Exception as exc:  # noqa: BLE001 - any device-creation failure means unsupported
-            raise UnsupportedError(f"wgpu: cannot open {self.device_name}: {exc}") from exc
+        # (SOAK9) a closed backend's device of this adapter when there is one (_take_device)
+        self._device_key = (int(device), adapter or os.environ.get("RUNTIME_WGPU_ADAPTER"),
+                            self.device_name)
+        self._parked = False
+        self.dev = _take_device(self._device_key)
+        if self.dev is None:
+            try:
+                self.dev = self.adapter.request_device_sync(required_limits=limits)
+            except Exception as exc:  # noqa: BLE001 - any device-creation failure: unsupported
+                raise UnsupportedError(f"wgpu: cannot open {self.device_name}: {exc}") from exc
         global _DEVICE_PID
         _DEVICE_PID = os.getpid()
         self.queue = self.dev.queue
@@ -965,7 +1002,8 @@ class WgpuBackend(Backend):
     # -- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
         """Stop the queue thread (what it still holds fails with ``ServerClosed``; joined for
-        at most 1 s) and drop the caches (the device is released with them)."""
+        at most 1 s) and drop the caches; the device is kept for the next backend of its
+        adapter (:func:`_take_device`) once the queue thread ended."""
         try:
             self.qt.close()
         finally:
@@ -974,3 +1012,6 @@ class WgpuBackend(Backend):
             self._groups_by.clear()
             self._uniforms.clear()
             self._open.clear()
+            if not self._parked and not _threads.is_alive(self.qt._thread):
+                self._parked = True
+                _park_device(self._device_key, self.dev)

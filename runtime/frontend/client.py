@@ -408,9 +408,15 @@ class ComputeClient:
                                   f"{srv.backend.name} limit of {lim} per dimension; split the "
                                   "grid over y and z")
         params = kernel.pack_params(params)
-        room = srv.launch(self._sid, kernel, cnt, hids, params)
+        sid = self._pin                             # (self._sid, inlined: the hot path)
+        if sid is None:
+            try:                                    # (current_key(), inlined)
+                sid = THREAD_KEYS.key
+            except AttributeError:
+                sid = current_key()
+        room = srv.launch(sid, kernel, cnt, hids, params)
         if room is BUSY:                            # the server was not idle: queued
-            srv.submit(srv.h_launch, self._sid, kernel, cnt, hids, params)
+            srv.submit(srv.h_launch, sid, kernel, cnt, hids, params)
         elif room and srv.queue.full():             # enqueued on the device: bounded
             srv.queue.wait_room()
 
@@ -425,7 +431,12 @@ class ComputeClient:
         See also: ``cudaStreamSynchronize`` (waits, then returns the error).
         """
         srv = self._server
-        sid = self._sid
+        sid = self._pin                     # (self._sid, inlined: the hot path)
+        if sid is None:
+            try:                            # (current_key(), inlined)
+                sid = THREAD_KEYS.key
+            except AttributeError:
+                sid = current_key()
         if srv.sync_idle(sid):              # idle stream, nothing to report: no message
             return
         comp, errors = srv.call(srv.h_sync, sid)

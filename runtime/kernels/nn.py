@@ -31,7 +31,7 @@ import numpy as np
 
 from .pointwise import WORKGROUP, covers, covers_total, elementwise, grid, groups, touches
 from .shader import NAN_HELPERS, program, tree_reduce
-from ..cpu_threads import FAN_OUT, RULE
+from ..cpu_threads import FAN_OUT, RULE, WHOLE_CODES
 
 R, RW, W = "read", "read_write", "write"
 
@@ -255,6 +255,23 @@ def mm_pieces(M: int, N: int, K: int, threads: int) -> list:
     return [(r, min(M, r + step), 0, N) for r in range(0, M, step)]
 
 
+def _whole(A, W, y) -> int:
+    """``y = A @ W`` as one call on OpenBLAS's own threads when the rule allows it
+    (``RULE.whole_call``; timed into ``RULE.whole``): returns its threads, or 0 (nothing done:
+    pieces). A fork waits while a thread is in here (``cpu_threads.WHOLE_CODES``, SOAK9):
+    OpenBLAS's fork handler, racing a threaded call's workers, waited for ever for one of
+    them, and the forking process hung with the GIL held."""
+    n = RULE.whole_call()
+    if n:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        np.matmul(A, W, out=y)
+        RULE.whole.record(time.perf_counter() - t0, time.thread_time() - c0, n)
+    return n
+
+
+WHOLE_CODES.add(_whole.__code__)
+
+
 def _matmul_cpu(bias: bool, act: str | None):
     code = 1 if act == "gelu" else 0
 
@@ -277,11 +294,7 @@ def _matmul_cpu(bias: bool, act: str | None):
             np.matmul(A[r0:r1], W[:, c0:c1], out=y[r0:r1, c0:c1])
             if bias:
                 loops.bias_act_block(y, bb, code, r0, r1, c0, c1)
-        n = RULE.whole_call() if M <= WHOLE_ROWS else 0
-        if n:                                               # one call on BLAS's threads
-            t0, c0 = time.perf_counter(), time.thread_time()
-            np.matmul(A, W, out=y)
-            RULE.whole.record(time.perf_counter() - t0, time.thread_time() - c0, n)
+        if M <= WHOLE_ROWS and _whole(A, W, y):            # one call on BLAS's threads
             if bias:
                 _loops(M * N).bias_act_block(y, bb, code, 0, M, 0, N)
             return

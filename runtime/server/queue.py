@@ -49,6 +49,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 import traceback
 import weakref
 
@@ -76,6 +77,65 @@ LAZY_LOOKS = 5
 #: seconds the device thread waits for the owner lock before it checks whether a thread that
 #: was interrupted left it held (``DeviceQueue._take_owner``).
 OWNER_CHECK_S = 1.0
+
+
+class OwnerLock:
+    """The owner lock (module doc): held by the one thread that may run messages and device
+    work now. A token in a one-item list (``tok``): taking it is one ``list.pop()`` (atomic
+    under the GIL; ``IndexError`` when another thread holds it), giving it back one
+    ``append``. Issue 26: every call into an idle server takes and gives back the owner lock,
+    and ``threading.Lock.acquire(False)`` spends most of its ~1,000 instructions parsing its
+    arguments; the pop and the append cost ~300 together (valgrind callgrind, CPython 3.11).
+    The hot paths use ``tok`` directly: ``if tok: tok.pop()`` with ``IndexError`` handled as
+    "held" (another thread took it between the test and the pop), ``tok.append(True)`` to
+    give it back.
+
+    Nobody blocks on it in the hot paths: a caller that finds it held queues its work, which the
+    holder runs before it lets go (the module doc's invariant). A blocking :meth:`acquire`
+    (the device thread, tests) polls, sleeping 0.5 ms doubling to 20 ms between looks; only a
+    thread that found messages queued while another held the lock waits this way, and the
+    holder drains them itself on release. The API is ``threading.Lock``'s subset the queue
+    uses: :meth:`acquire`, :meth:`release`, :meth:`locked`.
+    """
+
+    __slots__ = ("tok",)
+
+    def __init__(self):
+        self.tok = [True]
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take the lock; True once held. ``blocking=False``: one try. ``timeout`` (seconds,
+        -1: none): give up after it, False."""
+        tok = self.tok
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            if tok:
+                try:
+                    tok.pop()
+                    return True
+                except IndexError:          # taken between the test and the pop
+                    pass
+            if not blocking:
+                return False
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                delay = min(delay, left)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def release(self) -> None:
+        """Give the lock back. Raises ``RuntimeError`` when it is not held (as
+        ``threading.Lock``: a second token would let two owners run at once)."""
+        if self.tok:
+            raise RuntimeError("release of the owner lock, which nobody holds")
+        self.tok.append(True)
+
+    def locked(self) -> bool:
+        """Whether a thread holds the lock."""
+        return not self.tok
 
 
 class Reply:
@@ -136,7 +196,8 @@ class DeviceQueue:
         self._in_kernel = in_kernel or (lambda: False)
         self._load = load or (lambda: (0, 0))
         self._q = collections.deque()
-        self._owner = threading.Lock()
+        self._owner = OwnerLock()
+        self._tok = self._owner.tok     # the hot paths' handle on it (OwnerLock)
         self._wake = _threads.Event()   # SOAK8: set by callers; an interrupted set or wait
         #                                 (threading.Event) left its lock held: the device thread hung
         self._on_async_error = on_async_error
@@ -385,7 +446,14 @@ class DeviceQueue:
         if self.closed:
             raise self.closed_error()
         q = self._q
-        if not q and self._owner.acquire(False):
+        tok = self._tok
+        owner = False
+        if not q and tok:
+            try:
+                owner = tok.pop()           # (OwnerLock: the owner lock taken)
+            except IndexError:              # (taken meanwhile by another thread)
+                pass
+        if owner:
             if not q and not self.closed:   # idle: run it here, no slot (the combining path)
                 try:
                     if self.lazy:
@@ -398,7 +466,7 @@ class DeviceQueue:
                     self._check_backend()   # (a read's flush interrupted: CpuBackend.broken)
                     raise
                 finally:                    # (_release, inlined: the blocking calls' path)
-                    self._owner.release()
+                    tok.append(True)
                     if self.room_waiters:
                         self.notify_room()
                     if q and not self.closed and self._owner.acquire(False):
@@ -488,7 +556,7 @@ class DeviceQueue:
     def _release(self) -> None:
         """Release the owner lock after running one message directly (``call``/``submit`` on an
         idle server), then drain what was queued meanwhile (the module doc's invariant)."""
-        self._owner.release()
+        self._tok.append(True)
         if self.room_waiters:
             self.notify_room()
         if self._q and not self.closed and self._owner.acquire(False):
@@ -529,7 +597,7 @@ class DeviceQueue:
                 self._die(e)
                 raise
             finally:
-                self._owner.release()
+                self._tok.append(True)
             if not q or self.closed or not self._owner.acquire(False):
                 return
 
@@ -555,7 +623,7 @@ class DeviceQueue:
                     looks, timed = LAZY_LOOKS, False
                 self._wake.clear()
                 if self._q:
-                    if self._owner.acquire(timeout=OWNER_CHECK_S) or self._take_owner():
+                    if self._owner.acquire(False) or self._take_owner():
                         self._drain()
                 elif timed and self.lazy and not self.closed and self._owner.acquire(False):
                     looks = LAZY_LOOKS
@@ -570,29 +638,37 @@ class DeviceQueue:
                     self.on_death()
 
     def _take_owner(self) -> bool:
-        """The device thread waited ``OWNER_CHECK_S`` for the owner lock with messages queued:
-        wait on, True once it holds the lock, False when the queue emptied or the server
-        closed meanwhile. If at two checks in a row the lock is held but no thread is running a
+        """The device thread found messages queued and the owner lock held: wait for it
+        (polling, as ``OwnerLock.acquire``; its holder drains the queue itself before it lets
+        go, so this is a fallback), True once it holds the lock, False when the queue emptied
+        or the server closed meanwhile. If at two checks in a row, ``OWNER_CHECK_S`` apart (the
+        first after ``OWNER_CHECK_S``), the lock is held but no thread is running a
         message (:func:`_running_a_message`), the lock was left held by a thread interrupted
         between taking it and running (an asynchronous exception: KeyboardInterrupt or a
         signal handler's exception on the main thread, ``PyThreadState_SetAsyncExc``) and
         nothing could ever run a message again: the server stops (every waiter gets
-        ``ServerClosed``) instead of hanging. Off the hot path: only after the wait timed out."""
+        ``ServerClosed``) instead of hanging. Off the hot path."""
         lost = 0
+        check = time.monotonic() + OWNER_CHECK_S
+        delay = 0.0005
         while not self.closed and self._q:
-            if self._owner.locked() and not _running_a_message():
-                lost += 1
-                if lost >= 2:
-                    self._die(RuntimeError(
-                        "the server's owner lock was left held by a thread that was interrupted "
-                        "(KeyboardInterrupt, an exception raised by a signal handler or an "
-                        "asynchronous exception) between taking it and running a message; "
-                        "no message could run again"))
-                    return False
-            else:
-                lost = 0
-            if self._owner.acquire(timeout=OWNER_CHECK_S):
+            if self._owner.acquire(False):
                 return True
+            if time.monotonic() >= check:
+                check = time.monotonic() + OWNER_CHECK_S
+                if self._owner.locked() and not _running_a_message():
+                    lost += 1
+                    if lost >= 2:
+                        self._die(RuntimeError(
+                            "the server's owner lock was left held by a thread that was "
+                            "interrupted (KeyboardInterrupt, an exception raised by a signal "
+                            "handler or an asynchronous exception) between taking it and "
+                            "running a message; no message could run again"))
+                        return False
+                else:
+                    lost = 0
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
         return False
 
     def _die(self, exc: BaseException) -> None:
@@ -719,7 +795,7 @@ def _running_a_message() -> bool:
     waits for room before it takes it). A thread interrupted while it held the lock has left
     those functions. A frame walk: the device thread asks only after a wait timed out."""
     me = threading.get_ident()
-    for tid, f in sys._current_frames().items():
+    for tid, f in _threads.current_frames().items():      # (SOAK9: gh-106883)
         if tid == me:
             continue
         child = None

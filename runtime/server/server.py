@@ -493,15 +493,67 @@ class ComputeServer:
         """``ComputeClient.read``'s entry: :meth:`h_read` on the calling thread while the server
         is idle (``DeviceQueue.call``'s combining path written out, as :meth:`replay`), else
         :data:`BUSY` (the caller then makes the blocking ``call(h_read, ...)``). Returns and
-        raises what ``h_read`` does."""
+        raises what ``h_read`` does.
+
+        Deferred work (``queue.lazy``) runs first, as every owner runs it. When it is one
+        replay on the read's stream that :meth:`_run_lazy` would run at once (no source's mark
+        may carry a failure) and the read would take ``h_read``'s fast path (a clean buffer
+        whose writes are on this stream only, on an idle stream with nothing to report), the
+        replay and the copy run in one backend call (``Backend.launch_graph_now`` with the
+        buffer: a replay then a read of what it wrote is issue 26's core path); a failure is
+        recorded as :meth:`_run_lazy` records it (``_ran_and_failed``) and the read then goes
+        through ``h_read`` (which raises it). An asynchronous exception landing in that run
+        stops the server, as in :meth:`_run_lazy` (the replay may have been lost or half run).
+        """
         queue = self.queue
-        if not queue._q and queue._owner.acquire(False):
+        tok = queue._tok
+        if not queue._q and tok:
+            try:
+                tok.pop()                   # the owner lock taken (queue.OwnerLock)
+            except IndexError:              # (by another thread meanwhile)
+                return BUSY
             try:
                 if not queue._q and not queue.closed:
                     lazy = queue.lazy
-                    if lazy:                    # one replay: run by h_read, with the copy
-                        if len(lazy) == 1 and lazy[0].__class__ is not tuple:
-                            return self.h_read(sid, hid, dtype, True)
+                    if lazy:                # deferred work first: one replay, with the copy?
+                        g = lazy[0]
+                        if len(lazy) == 1 and g.__class__ is not tuple:
+                            s = g.sstate
+                            st = self.handles.get(hid)
+                            if (st is not None and self.streams.get(sid) is s
+                                    and s.window is None and self.checker is None
+                                    and not (s.errors or self.marks.async_errors
+                                             or self.backend.failures or self.ended_busy)):
+                                w = st.writes       # (h_read's fast path: writes here only)
+                                if not (len(w) > 1 or sid not in w and w):
+                                    for x in g.sstates:     # (as in _run_lazy: a source's
+                                        if x.mark is not CLEAN and self._marked_sources(g):
+                                            break           # mark may carry a failure)
+                                    else:
+                                        try:
+                                            lazy.clear()    # (run once, whatever lands)
+                                            data = self.backend.launch_graph_now(
+                                                s.raw, g.graph, st.slot.buf, st.nbytes, dtype)
+                                            if data is False:   # not run at once: below
+                                                lazy.append(g)
+                                            else:           # ran (as in _run_lazy)
+                                                s.done_pos = g.last_pos = s.pos = s.pos + 1
+                                                for x in g.wstates:
+                                                    x.mark = CLEAN
+                                        except LaunchError as e:
+                                            self._ran_and_failed(g, s, e)
+                                            return self.h_read(sid, hid, dtype)
+                                        except BaseException as e:
+                                            lazy.clear()    # (as in _run_lazy: it may be
+                                            queue._die(e)   # lost or half run)
+                                            raise
+                                        if data is not False:   # and read it (h_read's fast
+                                            if s.synced:        # path, from here)
+                                                self.marks.ran(s)
+                                            if st.mark is CLEAN or self.marks.clean(st):
+                                                st.reads[sid] = s.done_pos = s.pos = s.pos + 1
+                                                return data
+                                            return self.h_read(sid, hid, dtype)
                         self._run_lazy()
                     return self.h_read(sid, hid, dtype)
             except queue.FATAL as e:
@@ -511,7 +563,7 @@ class ComputeServer:
                 queue._check_backend()      # (its flush interrupted: CpuBackend.broken)
                 raise
             finally:                        # (DeviceQueue._release, inlined)
-                queue._owner.release()
+                tok.append(True)
                 if queue.room_waiters:
                     queue.notify_room()
                 if queue._q and not queue.closed and queue._owner.acquire(False):
@@ -520,7 +572,7 @@ class ComputeServer:
 
     queue_mod.OWNER_CODES.add(read.__code__)        # it takes the owner lock (queue.py)
 
-    def h_read(self, sid, hid: int, dtype=None, lazy=False) -> tuple:
+    def h_read(self, sid, hid: int, dtype=None) -> tuple:
         """Device-to-host copy of ``hid``; returns ``(completion, mark, errors)``: the caller
         waits on the completion, then raises ``mark.stale(hid, ...)`` if the write it observed
         failed (found here or meanwhile), else ``errors`` (with the completion's own) if any.
@@ -537,15 +589,8 @@ class ComputeServer:
         Fast path (issue 26): a clean buffer on an idle stream with nothing to report is copied
         at once (``Backend.copy_out_now``) and the answer is the copy itself, an ``np.ndarray``
         of ``dtype`` when the backend makes it (``uint8`` bytes when ``dtype`` is None or the
-        backend leaves it: the caller views them). ``lazy`` (:meth:`read`, the owner's entry):
-        deferred work is pending (``queue.lazy``), to run before anything else; on the fast
-        path, when it is one replay on this stream that :meth:`_run_lazy` would run at once (no
-        source's mark may carry a failure; ``Backend.launch_graph_now``), it runs together with
-        the copy, one backend call (a replay then a read of what it wrote is the core path);
-        else :meth:`_run_lazy` runs it and the read starts again without ``lazy``, as it does
-        after a failure there (recorded as :meth:`_run_lazy` records it: the read then raises).
-        An asynchronous exception landing in that run stops the server, as in
-        :meth:`_run_lazy` (the replay may have been lost or half run).
+        backend leaves it: the caller views them). (:meth:`read` runs a deferred replay first,
+        with the copy when it can.)
         """
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
@@ -553,48 +598,15 @@ class ComputeServer:
                 and not (s.errors or self.marks.async_errors or self.backend.failures
                          or self.ended_busy)):
             w = st.writes
-            if lazy:                        # read() left one deferred replay: it runs first
-                lazy = self.queue.lazy
-                g = lazy[0]
-                data = None                 # on this stream: with the copy
-                if g.sstate is s and not (len(w) > 1 or sid not in w and w):
-                    for x in g.sstates:     # (as in _run_lazy: a source's mark may carry a
-                        if x.mark is not CLEAN and self._marked_sources(g):     # failure)
-                            break
-                    else:
-                        try:
-                            lazy.clear()    # (run once, whatever lands: never twice)
-                            data = self.backend.launch_graph_now(s.raw, g.graph, st.slot.buf,
-                                                                 st.nbytes, dtype)
-                            if data is False:   # not run at once: the enqueue path (below)
-                                lazy.append(g)
-                                data = None
-                            else:           # ran (as in _run_lazy)
-                                s.done_pos = g.last_pos = s.pos = s.pos + 1
-                                for x in g.wstates:
-                                    x.mark = CLEAN
-                        except LaunchError as e:
-                            self._ran_and_failed(g, s, e)
-                        except BaseException as e:
-                            lazy.clear()    # (as in _run_lazy: it may be lost or half run)
-                            self.queue._die(e)
-                            raise
-                if data is None:            # not run with the copy: run, then read as usual
-                    if lazy:
-                        self._run_lazy()
-                    return self.h_read(sid, hid, dtype)
-            else:
-                if len(w) > 1 or sid not in w and w:
-                    self._wait_for(s, w)    # (an event wait queued: not idle any more)
-                data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
+            if len(w) > 1 or sid not in w and w:
+                self._wait_for(s, w)        # (an event wait queued: not idle any more)
+            data = self.backend.copy_out_now(s.raw, st.slot.buf, st.nbytes, dtype)
             if data is not None:            # idle: everything before it ran
                 if s.done_pos < s.pos or s.synced:  # (else Marks.ran would learn nothing)
                     self.marks.ran(s)
                 if st.mark is CLEAN or self.marks.clean(st):
                     st.reads[sid] = s.done_pos = s.pos = s.pos + 1
                     return data
-        if lazy:                            # (read()'s deferred replay, not run above)
-            self._run_lazy()
         if s.window is not None:            # (the message is built only when it refuses)
             self.capture.on_event(s, f"read of handle {hid}")
         if st is None:
@@ -633,7 +645,12 @@ class ComputeServer:
         the caller then submits it (``DeviceQueue.submit``, which waits for room first;
         ``ServerClosed`` once the server stopped)."""
         queue = self.queue
-        if not queue._q and queue._owner.acquire(False):
+        tok = queue._tok
+        if not queue._q and tok:
+            try:
+                tok.pop()                   # the owner lock taken (queue.OwnerLock)
+            except IndexError:              # (by another thread meanwhile)
+                return BUSY
             try:
                 if not queue._q and not queue.closed:
                     if count.__class__ is tuple:    # tiny work: deferred (as in replay)
@@ -841,7 +858,12 @@ class ComputeServer:
         the caller queued before ran), so it is ordered like a message. Records that the stream
         ran up to its position (``done_pos``: its marks are final), as a fence would."""
         queue = self.queue
-        if queue._q or not queue._owner.acquire(False):
+        tok = queue._tok
+        if queue._q or not tok:
+            return False
+        try:
+            tok.pop()                       # the owner lock taken (queue.OwnerLock)
+        except IndexError:                  # (by another thread meanwhile)
             return False
         try:
             if queue.lazy:
@@ -853,8 +875,12 @@ class ComputeServer:
                 return False
             s.done_pos = s.pos
             return True
-        finally:
-            queue._release()
+        finally:                            # (DeviceQueue._release, inlined)
+            tok.append(True)
+            if queue.room_waiters:
+                queue.notify_room()
+            if queue._q and not queue.closed and queue._owner.acquire(False):
+                queue._drain()
 
     queue_mod.OWNER_CODES.add(sync_idle.__code__)    # it takes the owner lock (queue.py)
 
@@ -1037,7 +1063,12 @@ class ComputeServer:
         (so no frame of this function, one of the owner lock's holders,
         ``queue.OWNER_CODES``, is on a stack that only waits)."""
         queue = self.queue
-        if not queue._q and queue._owner.acquire(False):
+        tok = queue._tok
+        if not queue._q and tok:
+            try:
+                tok.pop()                   # the owner lock taken (queue.OwnerLock)
+            except IndexError:              # (by another thread meanwhile)
+                return BUSY
             try:
                 if not queue._q and not queue.closed:
                     g = self.graphs.get(gid)
@@ -1062,7 +1093,7 @@ class ComputeServer:
                 queue._die(e)
                 raise queue.closed_error() from None
             finally:                        # (DeviceQueue._release, inlined)
-                queue._owner.release()
+                tok.append(True)
                 if queue.room_waiters:
                     queue.notify_room()
                 if queue._q and not queue.closed and queue._owner.acquire(False):

@@ -54,6 +54,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._threads import Condition as _Condition   # SOAK9: a future no interrupt leaves locked
 from .._threads import is_alive as _is_alive     # SOAK8: 3.11's is_alive() can lie
 from ..models.buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_up, choose_bucket
 
@@ -140,6 +141,10 @@ class _Request:
 
     def __init__(self, n: int, hidden: int, tokens: np.ndarray):
         self.future: Future = Future()
+        # SOAK9: Future's own Condition enters its lock through Python: a caller interrupted
+        # there (Ctrl-C in ``embed``) left it owned, and the worker's answer to any request
+        # then waited for it for ever; this one enters in C
+        self.future._condition = _Condition()
         self.out = np.zeros((n, hidden), np.float32)
         self.tokens = tokens
         self.left = n                            # rows not yet computed
@@ -195,7 +200,7 @@ def _after_fork_in_child() -> None:
     # parent had pending, so a wait on its future here would never end
     for req in list(_UNSETTLED):
         req.lock = threading.Lock()         # (a parent thread may have held these)
-        req.future._condition = threading.Condition()
+        req.future._condition = _Condition()
         req.fail(BatcherClosed("this process was forked while the request was pending: only "
                                "the parent's batcher worker could answer it; submit it again "
                                "to a batcher made in this process"))
@@ -204,6 +209,10 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+#: seconds between :meth:`Batcher.embed`'s checks that the worker still runs while it waits
+WAIT_POLL_S = 0.5
 
 
 #: company waits in a row (``max_wait_ms`` after an idle period) that found no other request,
@@ -218,18 +227,30 @@ LONELY_WAITS = 4
 def _worker(ref, q) -> None:
     """The batcher worker's thread: waits on the queue ``q`` holding only a weak reference
     ``ref`` to its :class:`Batcher`, which it holds while it has work (``Batcher._loop``). A
-    batcher dropped without ``close()`` puts a stop on ``q`` as it is collected: the thread ends."""
+    batcher dropped without ``close()`` puts a stop on ``q`` as it is collected: the thread ends.
+    An exception ending the thread outside ``_loop`` (an asynchronous one aimed at it landing
+    in ``q.get()``) fails the request it took and every queued one with
+    :class:`BatcherClosed` (SOAK9: the request taken, then lost, was never answered; its
+    caller's ``embed`` waited for ever)."""
     ring: deque = deque()                       # requests with texts waiting, in turn order
-    while True:
-        got = q.get()
+    got = None
+    try:
+        while True:
+            got = None
+            got = q.get()
+            b = ref()
+            if b is None:                       # dropped: nothing else can be queued (a
+                return                          # submit holds the batcher)
+            try:
+                if b._loop(ring, got):
+                    return
+            finally:
+                b = None
+    except BaseException as e:  # noqa: BLE001 - re-raised: the thread ends
         b = ref()
-        if b is None:                           # dropped: nothing else can be queued (a
-            return                              # submit holds the batcher)
-        try:
-            if b._loop(ring, got):
-                return
-        finally:
-            b = None
+        if b is not None:
+            b._worker_died(ring, got, e)
+        raise
 
 
 @dataclass
@@ -332,6 +353,7 @@ class Batcher:
         self._queued = 0                     # texts submitted and not yet taken into a batch
         self._queued_requests = 0            # requests with texts not yet taken
         self._count_lock = threading.Lock()
+        self._requests = weakref.WeakSet()  # requests not answered yet (_worker_died fails them)
         self._closed = False
         self._deadline = 0.0                 # perf_counter time after which queued work fails
         self._thread = None
@@ -467,20 +489,23 @@ class Batcher:
             raise ValueError(f"{n} texts in one request, more than the server ever queues "
                              f"(max_queue={self.max_queue}); send at most {self.max_queue} "
                              "texts per request")
-        with self._count_lock:
-            if self._queued + n > self.max_queue:
-                raise QueueFull(f"{self._queued} texts are waiting (max_queue={self.max_queue}); "
-                                "retry later", self.drain_estimate())
-            self._queued += n
-            self._queued_requests += 1
-        _UNSETTLED.add(req)
         now = time.perf_counter()
         req.enqueue_ns = time.time_ns()
         for i in range(n):
             L = int(lengths[i])
             req.add(_Item(ids[i, :L].astype(np.int32), req, i, now,
                           bucket_up(max(L, 1), self.seq_buckets)))
-        self._q.put(req)
+        _UNSETTLED.add(req)
+        self._requests.add(req)
+        with self._count_lock:
+            if self._queued + n > self.max_queue:
+                raise QueueFull(f"{self._queued} texts are waiting (max_queue={self.max_queue}); "
+                                "retry later", self.drain_estimate())
+            # SOAK9: counted and queued with no point between where an asynchronous exception
+            # can land (a Ctrl-C there counted texts nobody queued: QueueFull for good)
+            self._queued += n
+            self._queued_requests += 1
+            self._q.put(req)
         if self._closed and self._thread is not None and not _is_alive(self._thread):
             req.fail(BatcherClosed("the batcher closed before this request ran"))  # raced close
         if self.metrics is not None:
@@ -489,8 +514,27 @@ class Batcher:
         return req.future
 
     def embed(self, texts, timeout: float | None = None) -> np.ndarray:
-        """``submit(texts).result(timeout).embeddings``: ``float32 [n, hidden]``. Blocks."""
-        return self.submit(texts).result(timeout).embeddings
+        """``submit(texts).result(timeout).embeddings``: ``float32 [n, hidden]``. Blocks (at
+        most ``timeout`` seconds; ``None``: until answered). Raises as :meth:`submit`'s
+        future, and :class:`BatcherClosed` when the worker thread ended without answering
+        (checked every :data:`WAIT_POLL_S` seconds of the wait: a worker that died before it
+        took the request, SOAK9), never waiting for ever on a dead worker."""
+        fut = self.submit(texts)
+        end = None if timeout is None else time.monotonic() + float(timeout)
+        while True:
+            left = WAIT_POLL_S if end is None else min(WAIT_POLL_S, end - time.monotonic())
+            try:
+                return fut.result(max(0.0, left)).embeddings
+            except TimeoutError:
+                if end is not None and time.monotonic() >= end:
+                    raise
+                t = self._thread
+                if t is not None and not _is_alive(t) and not fut.done():
+                    try:
+                        fut.set_exception(BatcherClosed("the batcher's worker stopped before "
+                                                        "it answered this request"))
+                    except InvalidStateError:   # answered or cancelled meanwhile
+                        pass
 
     def warmup(self, buckets=None, progress: bool = True) -> list:
         """Run each bucket once now, so later batches find it ready (graph path: captured).
@@ -625,6 +669,21 @@ class Batcher:
         if stop:
             self._fail_queued(ring)
         return stop
+
+    def _worker_died(self, ring: deque, got, exc: BaseException) -> None:
+        """The worker thread ends on ``exc``: refuse submits, fail ``got`` (the request it had
+        taken, unless answered), the ring and the queue with :class:`BatcherClosed`."""
+        self._closed = True
+        err = BatcherClosed(f"the batcher's worker stopped ({type(exc).__name__}: {exc})")
+        if isinstance(got, _Request) and got not in ring and not got.future.done():
+            ring.append(got)
+        for it in self._inflight:
+            it.req.fail(err)
+        self._fail_queued(ring, err)
+        for req in list(self._requests):    # (one taken off the queue and lost with ``exc``)
+            req.fail(err)
+        with self._count_lock:              # nothing runs any more
+            self._queued = self._queued_requests = 0
 
     def _serve(self, ring: deque, got) -> bool:
         stop = got is _STOP

@@ -836,3 +836,37 @@ def test_a_wgpu_queue_lock_left_held_by_an_interrupted_caller_is_taken_back():
         np.testing.assert_array_equal(box[0], ONES + 1)
     finally:
         c.shutdown()
+
+
+def test_wgpu_servers_stopped_with_an_orphaned_native_object_leave_no_thread_each():
+    """SOAK7/SOAK8's open item: wgpu-native frees a device (on lavapipe: a queue thread of its
+    own) only when the last native object made from it is released, and an interrupt landing
+    in a wgpu-py call right after its native create (``create_bind_group``,
+    ``create_command_encoder``: where the interrupts that stop a server land) leaves an object
+    no Python object owns. Each server stopped so kept its device and thread for good (OS
+    threads 27 -> 39 over two soak rounds). A closed backend's device now serves the next
+    server of its adapter: the threads stay flat however many such servers stop."""
+    import gc
+    import os
+
+    from runtime.testing import backend_unavailable
+    why = backend_unavailable("wgpu")
+    if why:
+        pytest.skip(why)
+    from wgpu.backends.wgpu_native._api import ffi, libf
+
+    counts = []
+    for i in range(5):
+        c = runtime.client("wgpu", max_idle_bytes=(1 << 30) - 29 - i)      # a server of its own
+        try:
+            x, y = c.create(ONES), c.empty(4, np.float32)
+            c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4})
+            np.testing.assert_array_equal(c.read(y), ONES + 1)
+            # what such an interrupt leaves: a native object made from the device, never freed
+            libf.wgpuDeviceCreateCommandEncoder(c._server.backend.dev._internal, ffi.NULL)
+        finally:
+            c.shutdown()
+        del c, x, y
+        gc.collect()
+        counts.append(len(os.listdir("/proc/self/task")))
+    assert counts[-1] <= counts[1], f"OS threads after each server: {counts}"

@@ -289,3 +289,145 @@ def test_an_interrupt_in_the_batchers_liveness_check_leaves_it_serving():
         assert k > 3
     finally:
         b.close()
+
+
+def test_an_interrupted_embed_leaves_the_batcher_answering_and_its_queue_count_right():
+    """Before (SOAK8's open item): an interrupt landing in ``Future.result``'s ``with`` over
+    the future's ``threading.Condition`` (a Python ``__enter__``) left its lock owned by the
+    interrupted caller; the batcher's worker, checking that future, waited for it for ever and
+    every later request hung. And one landing in ``submit`` between counting its texts and
+    queueing them left them counted for good (``queued`` grew by each such interrupt, until
+    ``QueueFull`` refused everything). Now each point leaves the next ``embed`` answered with
+    the right rows and nothing counted once it ran."""
+    import time
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from fakes import FakeModel
+
+    from runtime.serving.batcher import Batcher
+
+    b = Batcher(FakeModel())
+    want = np.array([[101, 1005, 102, 0, 0, 0, 0, 3]], np.float32)   # FakeModel's row
+    try:
+        np.testing.assert_array_equal(b.embed(["again"], timeout=LIMIT_S), want)
+        for k in range(1, MAX_POINTS):
+            if not _interrupt_at(lambda: b.embed(["hello world", "x y"], timeout=LIMIT_S), k):
+                break
+            np.testing.assert_array_equal(
+                _bounded(lambda: b.embed(["again"], timeout=LIMIT_S)), want)
+            end = time.monotonic() + LIMIT_S        # (the interrupted request may still run)
+            while (b.queued or b.queued_requests) and time.monotonic() < end:
+                time.sleep(0.001)
+            assert (b.queued, b.queued_requests) == (0, 0), f"interrupted at point {k}"
+        assert k > 20
+    finally:
+        b.close()
+
+
+def test_a_condition_whose_with_wait_or_notify_was_interrupted_stays_usable():
+    """``runtime._threads.Condition`` (the batcher's request futures): a waiter interrupted at
+    each point of ``with c: c.wait()`` leaves the lock free and a later waiter is woken; a
+    ``notify_all`` interrupted at each point still wakes its three waiters."""
+    from runtime._threads import Condition
+
+    def waiter(c, box):
+        with c:
+            box.append(c.wait(LIMIT_S))
+    for k in range(1, 40):
+        c = Condition()
+
+        def op():
+            with c:
+                c.wait(0.01)
+        fired = _interrupt_at(op, k)
+        assert c.acquire(False), f"interrupted at point {k}: lock left held"
+        c.release()
+        box = []
+        w = threading.Thread(target=waiter, args=(c, box), daemon=True)
+        w.start()
+        while not box and not c._waiters:
+            w.join(0.001)
+        with c:
+            c.notify_all()
+        w.join(LIMIT_S)
+        assert box == [True], k
+        if not fired:
+            break
+    for k in range(1, 40):
+        c = Condition()
+        box = []
+        ws = [threading.Thread(target=waiter, args=(c, box), daemon=True) for _ in range(3)]
+        for w in ws:
+            w.start()
+        while len(c._waiters) < 3:
+            ws[0].join(0.001)
+
+        def notify():
+            with c:
+                c.notify_all()
+        fired = _interrupt_at(notify, k)
+        if c._waiters:              # interrupted before it took them: a later notify works
+            _bounded(notify)
+        for w in ws:
+            w.join(LIMIT_S)
+        assert box == [True] * 3, k
+        if not fired:
+            break
+    assert k > 3
+
+
+def test_a_batcher_worker_interrupted_anywhere_leaves_no_request_unanswered():
+    """Before: an asynchronous exception ending the batcher's worker right after it took a
+    request off its queue (outside ``Batcher._loop``, whose handler fails what it holds) lost
+    the request: never answered nor failed, its ``embed()`` without a timeout waited for ever.
+    Now the worker, interrupted at each point, leaves the request answered or failed with
+    ``BatcherClosed``, later submits refused, and nothing counted as queued."""
+    import math
+    import weakref
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from fakes import FakeModel
+
+    from runtime.serving.batcher import _STOP, Batcher, BatcherClosed, _worker
+
+    for k in range(1, MAX_POINTS):
+        b = Batcher(FakeModel(), start=False, max_wait_ms=0)
+        b._deadline = math.inf                  # (the stop below: serve what is queued first)
+        f = b.submit(["hello world"])
+        b._q.put(_STOP)
+        fired = _interrupt_at(lambda: _worker(weakref.ref(b), b._q), k)
+        if k <= 2:      # at the worker's entry: nothing taken (embed's liveness check, below)
+            assert not f.done() and b.queued == 1 and b._q.qsize() == 2
+            continue
+        assert f.done(), f"interrupted at point {k}: the request was left unanswered"
+        if fired:
+            assert isinstance(f.exception(), BatcherClosed) or f.exception() is None, k
+            with pytest.raises(BatcherClosed):
+                b.submit(["again"])
+        assert (b.queued, b.queued_requests) == (0, 0), k
+        if not fired:
+            break
+    assert k > 20
+
+
+def test_embed_raises_when_the_worker_ended_without_answering(monkeypatch):
+    """A batcher worker that ends before it took a request (an asynchronous exception at its
+    thread's first instruction, above) leaves nothing that answers it: ``embed()`` without a
+    timeout waited for ever. It now checks the worker every ``WAIT_POLL_S`` and raises
+    ``BatcherClosed``."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from fakes import FakeModel
+
+    from runtime.serving import batcher as bm
+
+    took = threading.Event()
+
+    def dies(ref, q):                   # takes the request, then ends without a word
+        q.get()
+        took.set()
+    monkeypatch.setattr(bm, "_worker", dies)
+    monkeypatch.setattr(bm, "WAIT_POLL_S", 0.05)
+    b = bm.Batcher(FakeModel())
+    with pytest.raises(bm.BatcherClosed):
+        _bounded(lambda: b.embed(["hello"]))
+    assert took.is_set()

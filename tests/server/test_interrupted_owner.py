@@ -117,16 +117,16 @@ SITES = {
     # fn, the line that takes the lock, what the main thread runs, the exception
     "submit": (queue_mod.DeviceQueue.submit, "elif not q and self._owner.acquire(False)",
                lambda c, x, y: c.empty(4, np.float32), KeyboardInterrupt),
-    "launch": (ComputeServer.launch, "if not queue._q and queue._owner.acquire(False)",
+    "launch": (ComputeServer.launch, "tok.pop()",
                lambda c, x, y: c.launch(K.add_scalar, 1, [x, y], {"alpha": 1.0, "n": 4}),
                KeyboardInterrupt),
-    "call": (queue_mod.DeviceQueue.call, "if not q and self._owner.acquire(False)",
+    "call": (queue_mod.DeviceQueue.call, "owner = tok.pop()",
              lambda c, x, y: c.flush(), TimeoutError),
-    "sync_idle": (ComputeServer.sync_idle, "queue._owner.acquire(False)",
+    "sync_idle": (ComputeServer.sync_idle, "tok.pop()",
                   lambda c, x, y: c.sync(), KeyboardInterrupt),
-    "replay": (ComputeServer.replay, "if not queue._q and queue._owner.acquire(False)",
+    "replay": (ComputeServer.replay, "tok.pop()",
                _captured_replay, KeyboardInterrupt),
-    "read": (ComputeServer.read, "if not queue._q and queue._owner.acquire(False)",
+    "read": (ComputeServer.read, "tok.pop()",
              lambda c, x, y: c.read(x), KeyboardInterrupt),
 }
 
@@ -299,7 +299,7 @@ def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_ca
                                                                           monkeypatch):
     """Deferred launches and replays (issue 26) run at the next call into the server
     (``ComputeServer._run_lazy``; one replay before a read on its stream runs inside
-    ``h_read``, together with the read's copy); an interruption right after any call inside
+    ``ComputeServer.read``, together with the read's copy); an interruption right after any call inside
     that run may have lost one, so the server stops (``ServerClosed`` for every later call)
     or, where it landed before anything was taken, every later read is right: never a stale
     value, never a replay run twice."""
@@ -309,25 +309,29 @@ def test_an_interrupt_while_deferred_work_runs_never_leaves_a_stale_value(nth_ca
     c = runtime.client("cpu", max_idle_bytes=(1 << 30) + 5)       # a server of its own
     try:
         one, acc, g = _accumulating(c)
-        g.replay()                                  # deferred: acc += 1
-        if where == "run_lazy":
-            c.launch(K.accumulate, 1, [one, acc], {"n": 4})     # deferred: acc += 1
-            g.replay()                                  # deferred: acc += 1
-        want = np.full(4, len(c._server.queue.lazy), np.float32)
-        assert want[0] == (3 if where == "run_lazy" else 1)
-        code = (ComputeServer._run_lazy if where == "run_lazy" else ComputeServer.h_read).__code__
-        hit = []
-        sys.settrace(_after_each_call(code, KeyboardInterrupt, nth_call, hit))
-        try:
-            got = c.read(acc)
-        except (KeyboardInterrupt, ServerError):
-            got = None
-        finally:
-            sys.settrace(None)
-        if not hit:                                 # fewer calls than nth_call: ran through
-            assert nth_call > 3, "the first calls of the run were never reached"
-            np.testing.assert_array_equal(got, want)
-            return
+        code = (ComputeServer._run_lazy if where == "run_lazy" else ComputeServer.read).__code__
+        before = 0.0
+        for _ in range(5):      # (the device thread may run the items first: a wake-up from
+            g.replay()          # a finalizer's release on a loaded host; then again)
+            if where == "run_lazy":                 # deferred: acc += 1
+                c.launch(K.accumulate, 1, [one, acc], {"n": 4})     # deferred: acc += 1
+                g.replay()                                  # deferred: acc += 1
+            want = np.full(4, before + (3 if where == "run_lazy" else 1), np.float32)
+            hit = []
+            sys.settrace(_after_each_call(code, KeyboardInterrupt, nth_call, hit))
+            try:
+                got = c.read(acc)
+            except (KeyboardInterrupt, ServerError):
+                got = None
+            finally:
+                sys.settrace(None)
+            if hit:
+                break
+            np.testing.assert_array_equal(got, want)    # ran through (here or elsewhere)
+            if nth_call > 3:                # fewer calls than nth_call: may run through
+                return
+            before = float(want[0])
+        assert hit, "the first calls of the run were never reached"
         _closed_or_right(c, acc, want)
     finally:
         _bounded(c.shutdown)

@@ -2,13 +2,14 @@
 every backend in tests/contracts/test_basics.py)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import runtime
 from runtime.errors import ServerClosed
-from runtime.server.queue import DeviceQueue
+from runtime.server.queue import DeviceQueue, OwnerLock
 
 
 @pytest.fixture
@@ -153,3 +154,29 @@ def test_a_blocking_call_from_code_that_holds_the_owner_lock_is_refused_and_neve
         assert ran == []
     finally:
         q.close(lambda: None)
+
+
+def test_the_owner_lock_is_one_token_taken_and_given_back():
+    """``OwnerLock`` (issue 26: a ``list.pop`` / ``append`` instead of ``threading.Lock``'s
+    argument parsing) keeps ``threading.Lock``'s contract where the queue relies on it: one
+    holder at a time, a second release refused (two tokens would let two owners run at
+    once), a timed acquire that gives up, and a blocking acquire that gets it once another
+    thread lets go."""
+    lock = OwnerLock()
+    assert not lock.locked()
+    assert lock.acquire(False) and lock.locked()
+    assert not lock.acquire(False)
+    assert not lock.acquire(timeout=0.05)            # held: gives up after its timeout
+    lock.release()
+    with pytest.raises(RuntimeError):
+        lock.release()                               # not held: refused, no second token
+    assert lock.tok == [True]
+    assert lock.acquire(False)
+    got = []
+    t = threading.Thread(target=lambda: got.append(lock.acquire(timeout=10.0)))
+    t.start()
+    time.sleep(0.05)
+    assert not got                                   # still waiting for the holder
+    lock.release()
+    t.join(10.0)
+    assert got == [True] and lock.locked() and lock.tok == []

@@ -307,3 +307,34 @@ def test_a_backend_whose_library_starts_threads_is_opened_on_a_thread_nobody_int
     finally:
         c.shutdown()
         S._probes.pop("foreign7", None)
+
+
+def test_the_runtimes_frame_walks_run_with_the_cyclic_gc_off(monkeypatch):
+    """SOAK9: on CPython 3.11 ``sys._current_frames()`` holds the thread-list lock while it
+    builds its dict; a gc collection starting there runs weakref callbacks, which can hand the
+    GIL to a thread starting a thread, which then waits for that lock holding the GIL: a
+    fork's wait for BLAS calls (``cpu_threads._before_fork``, walking frames) hung so beside a
+    matmul starting its fan-out threads (CPython gh-106883). The runtime's frame walks go
+    through ``runtime._threads.current_frames``, which turns the gc off meanwhile (and back on:
+    an interrupt landing in it never leaves it off)."""
+    import gc
+    import threading
+
+    from runtime import _threads, cpu_threads
+    from runtime.server import queue
+
+    seen = []
+    monkeypatch.setattr(sys, "_current_frames", lambda: seen.append(gc.isenabled()) or {})
+    assert gc.isenabled()
+    assert _threads.current_frames() == {} and seen == [False] and gc.isenabled()
+    assert cpu_threads._current_frames is _threads.current_frames
+    queue._running_a_message()                      # the device thread's walk
+    assert seen == [False, False] and gc.isenabled()
+    cpu_threads.WHOLE_CODES.add(test_the_runtimes_frame_walks_run_with_the_cyclic_gc_off.__code__)
+    try:
+        cpu_threads._before_fork()                  # a fork's
+    finally:
+        cpu_threads.WHOLE_CODES.discard(
+            test_the_runtimes_frame_walks_run_with_the_cyclic_gc_off.__code__)
+        cpu_threads._after_fork_in_parent()
+    assert seen == [False] * 3 and gc.isenabled() and threading.active_count() >= 1

@@ -12,7 +12,7 @@ import pytest
 
 import runtime
 from runtime import kernels as K
-from runtime.errors import LaunchError, ReplayFailed, UnsupportedError
+from runtime.errors import CaptureRefused, LaunchError, ReplayFailed, UnsupportedError
 from runtime.kernel import Binding, Kernel
 from runtime.server import backend_class
 
@@ -227,21 +227,11 @@ def produce_then_consume(client, ok, bad, i: int, n: int = 16):
 
 
 def fail_write_set(c, g):
-    """Mark graph ``g``'s write set failed the same way on every backend: a replay the backend
-    refuses at enqueue (``Backend.launch_graph`` raising, injected; docs/contract.md section 4:
-    a failure found at enqueue marks the write set; nothing runs). ``c``: a client of ``g``'s
-    server. (A replay refused at the call, CaptureRefused inside a window, changes no mark.)"""
-    srv = c._server
-    state, be = srv.graphs[g.id], srv.backend
-    defer = state.defer
-
-    def refuse(stream, graph, mark=None):
-        raise LaunchError(f"replay of graph {g.id} refused at enqueue (injected by the test)")
-    state.defer = False                  # the enqueue path (not deferred, not run at once)
-    be.launch_graph = refuse
-    try:
-        with pytest.raises(LaunchError, match="injected"):
-            g.replay()
-    finally:
-        del be.launch_graph              # (the class's method again)
-        state.defer = defer
+    """Mark graph ``g``'s write set failed the same way on every backend: a replay refused
+    inside a capture window of its stream (``c``: a client on that stream; docs/contract.md
+    section 4: a failure found at enqueue marks the write set too)."""
+    c.graph_prepare()
+    c.start_capture()
+    with pytest.raises(CaptureRefused):
+        g.replay()
+    c.abort_capture()

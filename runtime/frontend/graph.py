@@ -89,13 +89,10 @@ class Graph:
             UnknownGraph: this clone was released, or the graph was destroyed.
             CaptureRefused: the capture stream is recording a graph right now (that window is
                 invalidated: its ``stop_capture`` raises too).
-            LivenessError: a caller-owned buffer the graph uses was freed.
             ServerClosed: the server stopped.
             The backend's refusal (e.g. ``UnsupportedError``).
-            ``UnknownGraph``, ``CaptureRefused`` and ``LivenessError`` are raised before anything
-            is enqueued: no buffer changes, nor its failure mark. Any other failure is also
-            recorded on the graph's write set: reading one of those buffers raises
-            ``ReplayFailed`` until a replay of this graph lands.
+            Any failure is also recorded on the graph's write set: reading one of those buffers
+            raises ``ReplayFailed`` until a replay of this graph lands.
         Safety (seed 001): until the replay's work completes, every buffer the graph touches
             must stay alive, no other stream may use them, and refreshes/reads must be issued
             on the capture stream. ``runtime.client(..., check=True)`` verifies all three.

@@ -1177,13 +1177,12 @@ class ComputeServer:
 
         The first replay waits for the work other streams had pending on the graph's buffers at
         record time (``Window.fences``). Raises: ``UnknownGraph``; ``CaptureRefused`` (its stream
-        is capturing); ``LivenessError`` (a caller-owned handle it uses was freed): these
-        two are raised before anything is enqueued and change no mark; the backend's refusal.
-        Any other failure, here or later while it executes, marks the graph's write set
-        (``ReplayFailed`` on read) until a later write to each buffer lands; so does a failure
-        of the last writer of a buffer the graph reads before it writes it (an input, or state
-        it reads and writes: ``GraphState.sources``), whenever it is found. A graph whose state
-        is marked keeps failing until the state is written from the host.
+        is capturing); ``LivenessError`` (a caller-owned handle it uses was freed); the
+        backend's refusal. Any failure, here or later while it executes, marks the graph's
+        write set (``ReplayFailed`` on read) until a later write to each buffer lands; so does
+        a failure of the last writer of a buffer the graph reads before it writes it (an input,
+        or state it reads and writes: ``GraphState.sources``), whenever it is found. A graph
+        whose state is marked keeps failing until the state is written from the host.
         """
         g = self.graphs.get(gid)
         if g is None:
@@ -1200,22 +1199,20 @@ class ComputeServer:
                 reads = self._marked_sources(g)
                 break
         graph = g.graph
-        # refused at the call before anything is enqueued: raised to the caller, nothing ran,
-        # no mark changes (a marked write set would poison a graph's state for good: ADV9)
-        if s.window is not None:
-            self.capture.on_event(s, f"replay of graph {gid}")
-        if g.freed:
-            hid = g.freed[0]
-            err = LivenessError(
-                f"replay of graph {gid} on stream {int(s.id)} uses handle {hid}, which was "
-                "freed: keep the Handle alive while the graph replays (or allocate it inside "
-                "the capture window, or use runtime.capture, so the graph retains it)")
-            err.handle, err.graph = hid, gid
-            if self.checker is not None:
-                self.checker.record(err)
-            raise err
         mark = Mark(g.op, None, (), s, s.pos + 1)
         try:
+            if s.window is not None:
+                self.capture.on_event(s, f"replay of graph {gid}")
+            if g.freed:
+                hid = g.freed[0]
+                err = LivenessError(
+                    f"replay of graph {gid} on stream {int(s.id)} uses handle {hid}, which was "
+                    "freed: keep the Handle alive while the graph replays (or allocate it inside "
+                    "the capture window, or use runtime.capture, so the graph retains it)")
+                err.handle, err.graph = hid, gid
+                if self.checker is not None:
+                    self.checker.record(err)
+                raise err
             if g.fences:                    # once: the stream's waits (``synced``) remain
                 self._wait_for(s, g.fences)
                 g.fences = {}

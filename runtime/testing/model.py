@@ -530,7 +530,9 @@ class Model:
 
     def _replay(self, op, value, error):
         s, launches, writes, sources = self.graphs[op.graph]
-        if s in self.windows:               # refused at the call: nothing ran, no mark
+        if s in self.windows:
+            for b in writes:               # a refused replay marks its write set
+                self.bufs[b].failed = True
             return self._refused(op, error)
         if any(self.bufs[b].failed for b in sources):
             for b in writes:               # a marked input or state marks the whole write set

@@ -49,6 +49,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as _FutureTimeout   # (3.10: not the builtin)
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -525,7 +526,7 @@ class Batcher:
             left = WAIT_POLL_S if end is None else min(WAIT_POLL_S, end - time.monotonic())
             try:
                 return fut.result(max(0.0, left)).embeddings
-            except TimeoutError:
+            except _FutureTimeout:
                 if end is not None and time.monotonic() >= end:
                     raise
                 t = self._thread

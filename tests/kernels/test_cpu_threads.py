@@ -95,6 +95,43 @@ def test_fan_out_raises_the_first_error_and_skips_pieces_not_started():
     pool.run(lambda p: ran.append(p), range(4), 2)        # the pool still works
 
 
+def test_an_interrupt_anywhere_in_fan_out_gives_its_count_back():
+    """SUITE9: a KeyboardInterrupt landing in ``ThreadRule.fan_out`` while it set BLAS for the
+    pieces (``_apply_blas``, after the count went up, before its ``try``) left ``fan_outs``
+    up for good: BLAS stayed at one thread and whole calls off for the rest of the process
+    (tests/server/test_interrupt_anywhere.py then this module: ``fan_outs`` 2-3, not 0). Each
+    delivery point (a Python function's entry, a C function's return) interrupted in turn."""
+    import sys
+
+    rule = ct.ThreadRule(cores=2)
+    rule.adapt_blas, rule._blas_now = True, None
+    rule._apply_blas = lambda n: rule.__dict__.setdefault("applied", n)   # a Python call
+    points = 0
+    for k in range(1, 200):
+        fired, count = [], [0]
+
+        def profile(frame, event, arg):
+            if event in ("call", "c_return") and not fired:
+                count[0] += 1
+                if count[0] == k:
+                    fired.append(event)
+                    sys.setprofile(None)
+                    raise KeyboardInterrupt
+        sys.setprofile(profile)
+        try:
+            with rule.fan_out():
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        assert rule.fan_outs == 0, (k, fired)
+        if not fired:
+            break
+        points += 1
+    assert points >= 3, points
+
+
 # -- the CPU quota (cgroup v2 cpu.max, v1 cfs quota/period), on fake trees ---------------------
 V2_MOUNT = "41 31 0:38 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 V1_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n"

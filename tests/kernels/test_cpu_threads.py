@@ -13,6 +13,7 @@ import time
 import pytest
 
 import runtime.cpu_threads as ct
+from helpers import profile_interrupt_at
 
 LEAF = os.path.join(os.path.dirname(ct.__file__), "cpu_threads.py")
 
@@ -108,16 +109,8 @@ def test_an_interrupt_anywhere_in_fan_out_gives_its_count_back():
     rule._apply_blas = lambda n: rule.__dict__.setdefault("applied", n)   # a Python call
     points = 0
     for k in range(1, 200):
-        fired, count = [], [0]
-
-        def profile(frame, event, arg):
-            if event in ("call", "c_return") and not fired:
-                count[0] += 1
-                if count[0] == k:
-                    fired.append(event)
-                    sys.setprofile(None)
-                    raise KeyboardInterrupt
-        sys.setprofile(profile)
+        fired = []
+        sys.setprofile(profile_interrupt_at(k, fired))
         try:
             with rule.fan_out():
                 pass

@@ -858,15 +858,18 @@ class ThreadRule:
     def fan_out(self):
         """Counts a kernel running its own pieces (:class:`FanOutPool`), each with one-thread
         BLAS (the rule's :data:`BLAS_THREADS`; set here too, should no item have entered)."""
-        with self._lock:
-            self.fan_outs += 1
-            if self.adapt_blas:
-                self._apply_blas(BLAS_THREADS)
-        try:
+        counted = False
+        try:        # (an interrupt in _apply_blas left the count up for good: BLAS at 1 thread)
+            with self._lock:
+                self.fan_outs += 1
+                counted = True
+                if self.adapt_blas:
+                    self._apply_blas(BLAS_THREADS)
             yield
         finally:
-            with self._lock:
-                self.fan_outs -= 1
+            if counted:
+                with self._lock:
+                    self.fan_outs -= 1
 
     def pin_blas(self, n: int = 1) -> None:
         """Fix OpenBLAS at ``n`` threads from now on, outside the rule (unless the user's

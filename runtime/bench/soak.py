@@ -295,8 +295,8 @@ def measure(backend: str, quick: bool = False, tick=None, budget=None,
     for t in aux:
         t.join(10.0)
     run_s = clock() - t0
-    work.root.sync()
-    gc.collect()
+    gc.collect()                    # (the workers' thread keys: their streams end)
+    work.root.sync()                # (their work, and on wgpu the fences behind it, ran)
     end = _tables(srv)
     end["rss_mb"] = round(rss_mb(), 1)
     if tick and ticked < n_ticks:

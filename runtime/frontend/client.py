@@ -442,6 +442,8 @@ class ComputeClient:
         comp, errors = srv.call(srv.h_sync, sid)
         if not comp.done:
             srv.wait(comp)
+        if srv.ended_busy:                  # (a hint, read unlocked) ended streams whose
+            srv.call(srv.h_reap_ended)      # work this wait may have seen run: reclaim them
         if errors:
             raise unhealthy(errors + error_list(comp.error))
         comp.result()

@@ -192,6 +192,15 @@ class ComputeServer:
         for sid in list(self.ended_busy):
             self._reap(sid)
 
+    def h_reap_ended(self) -> None:
+        """Reclaim the ended streams whose work was not known to have run (``_reap_busy``):
+        ``ComputeClient.sync`` sends it after its wait when some are left, since that wait
+        may be what they waited for (the wgpu backend frees an ended stream only once a fence
+        behind its work completed, polled, never waited for: without this a table of ended
+        streams stayed until some later blocking call, and every read and sync meanwhile
+        took the slow path)."""
+        self._reap_busy()
+
     def _reap(self, sid) -> bool:
         """Reclaim ``sid`` (nobody can name it: ``ended``) from the server's table and the
         backend's (``release_stream``) unless a live graph replays on it or its queued work has

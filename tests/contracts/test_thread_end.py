@@ -9,6 +9,7 @@ server ordered), and errors queued on that stream go to the next blocking call o
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -203,3 +204,37 @@ def test_a_launch_reading_what_an_ended_threads_failed_launch_wrote_inherits_it(
             c.sync()                                        # (the launch's own error, if left)
         except LaunchError:
             pass
+
+
+def test_a_sync_after_threads_ended_reclaims_their_streams(client):
+    """Threads that each launched on their own stream and ended: on wgpu's one queue a
+    ``sync()`` afterwards waits for their work too, and leaves the stream table where it was
+    before them (per-request threads must not pile up streams). An ended wgpu stream is freed
+    only once a fence behind its work completed (polled, never waited for: ADV9); before, the
+    sync's reclaim ran before its wait and the streams stayed until some later blocking call
+    (the quick soak found 8), every read and sync meanwhile on the slow path. (On cpu a sync
+    waits for its own stream only: its streams go at a later call, tested elsewhere.)"""
+    if client.backend != "wgpu":
+        pytest.skip("one queue: a sync waits for every stream's work on wgpu only")
+    c = client.with_stream(None)    # unpinned: each thread on its own stream
+    big = 1 << 20
+    x = c.create(np.arange(big, dtype=np.float32))
+    c.sync()
+    srv = c._server
+    count = lambda: srv.call(lambda: len(srv.streams))     # (no reclaim: memory_usage reaps)
+    before = count()
+    outs = []
+
+    def work():
+        y = c.empty(big, np.float32)
+        for _ in range(4):          # (still running when the sync starts)
+            c.launch(K.add_scalar, K.grid(big), [x, y], {"alpha": 1.0, "n": big})
+        outs.append(y)
+
+    for _ in range(6):
+        _in_thread(work)
+    gc.collect()
+    c.sync()
+    assert count() <= before
+    for y in outs[:2]:
+        np.testing.assert_array_equal(c.read(y), np.arange(big, dtype=np.float32) + 1)

@@ -426,6 +426,27 @@ class CpuShare:
         return max(1, min(cores, round(cores * self.share)))
 
 
+#: the values of ``RUNTIME_CPU_WHOLE`` (:class:`WholeCalls`' ``mode``)
+WHOLE_MODES = ("auto", "0", "1")
+
+
+def whole_mode_from_env(strict: bool = True) -> str:
+    """``RUNTIME_CPU_WHOLE``: ``auto`` (unset or empty), ``0`` or ``1``.
+
+    ``strict=False`` (the rule made at import, and again in a forked child) reads a typo as
+    ``auto``: ``import runtime`` does not fail on it, the cpu backend does, at its start
+    (:class:`runtime.backends.cpu.CpuBackend` reads it strictly).
+
+    Raises: ``ValueError`` naming the variable for any other value (``strict``; before, a typo
+    such as ``RUNTIME_CPU_WHOLE=off`` meant ``auto``, silently)."""
+    text = os.environ.get("RUNTIME_CPU_WHOLE")      # (runtime._env's way; this module is a leaf)
+    v = (text or "").strip() or "auto"
+    if v in WHOLE_MODES or not strict:
+        return v if v in WHOLE_MODES else "auto"
+    raise ValueError(f"the environment variable RUNTIME_CPU_WHOLE={text!r} must be one of "
+                     "auto, 0 (never whole calls), 1 (always); fix it or unset it")
+
+
 class WholeCalls:
     """Whether a kernel may run as one call on its library's own threads (OpenBLAS's pool) instead
     of in pieces dealt out to :class:`FanOutPool`: while the process has its cores to itself.
@@ -472,14 +493,19 @@ class WholeCalls:
         mode: ``"auto"`` (adaptive), ``"0"`` or ``"1"``; ``None`` reads ``RUNTIME_CPU_WHOLE``.
         clock: monotonic seconds (tests pass a fake).
         cpu_time: the process's CPU seconds (tests pass a fake); default ``time.process_time``.
+    Raises: ``ValueError`` (a ``mode``, or a ``RUNTIME_CPU_WHOLE``, that is none of the three).
     """
 
     def __init__(self, low: float = 0.8, window_s: float = 0.01, backoff_s: float = 1.0,
                  max_backoff_s: float = 32.0, growth: float = 4.0, own: float = 0.95,
                  windows: int = 2, mode: str | None = None, clock=None, cpu_time=None):
         if mode is None:
-            mode = os.environ.get("RUNTIME_CPU_WHOLE", "auto")
-        self.forced = {"0": False, "1": True}.get(str(mode).strip())
+            mode = whole_mode_from_env()
+        mode = str(mode).strip()
+        if mode not in WHOLE_MODES:
+            raise ValueError(f"WholeCalls mode must be auto, 0 or 1, got {mode!r}")
+        self.mode = mode
+        self.forced = {"0": False, "1": True}.get(mode)
         self.low, self.window_s, self.own, self.windows = low, window_s, own, windows
         self._low = 0                               # low windows in a row
         self.backoff_s, self.max_backoff_s, self.growth = backoff_s, max_backoff_s, growth
@@ -765,7 +791,7 @@ class ThreadRule:
         self._lock = threading.Lock()
         self._blas = None                 # threadpoolctl controllers of the BLAS libraries
         self._blas_now = None             # the count last given to them
-        self.whole = WholeCalls()         # whether kernels may make whole calls now
+        self.whole = WholeCalls(mode=whole_mode_from_env(strict=False))   # whole calls now?
         self.choice = ThreadChoice(self._starved)   # one thread or all, on a busy host
 
     def _starved(self) -> bool:
@@ -832,15 +858,18 @@ class ThreadRule:
     def fan_out(self):
         """Counts a kernel running its own pieces (:class:`FanOutPool`), each with one-thread
         BLAS (the rule's :data:`BLAS_THREADS`; set here too, should no item have entered)."""
-        with self._lock:
-            self.fan_outs += 1
-            if self.adapt_blas:
-                self._apply_blas(BLAS_THREADS)
-        try:
+        counted = False
+        try:        # (an interrupt in _apply_blas left the count up for good: BLAS at 1 thread)
+            with self._lock:
+                self.fan_outs += 1
+                counted = True
+                if self.adapt_blas:
+                    self._apply_blas(BLAS_THREADS)
             yield
         finally:
-            with self._lock:
-                self.fan_outs -= 1
+            if counted:
+                with self._lock:
+                    self.fan_outs -= 1
 
     def pin_blas(self, n: int = 1) -> None:
         """Fix OpenBLAS at ``n`` threads from now on, outside the rule (unless the user's
@@ -861,12 +890,21 @@ class ThreadRule:
     def set_cores(self, cores: int | None) -> None:
         """Share out ``cores`` from now on (``None``: :func:`available_cores`).
 
-        Raises: ``ValueError`` (``cores < 1``).
+        Raises: ``ValueError`` naming ``threads`` (``cores`` below 1 or not a number: ``0``,
+            ``"a"``, ``True``; ``"a"`` was a bare ``int()`` error before).
         """
-        if cores is not None and int(cores) < 1:
-            raise ValueError(f"threads must be >= 1, got {cores}")
+        if cores is not None:
+            n = 0
+            if not isinstance(cores, (bool, str, bytes)):      # as blas_threads (CpuBackend)
+                try:
+                    n = int(cores)
+                except (TypeError, ValueError, OverflowError):
+                    pass
+            if n < 1:
+                raise ValueError(f"threads must be an int >= 1 (the cores the thread rule "
+                                 f"shares out) or None, got {cores!r}")
         with self._lock:
-            self.cores = int(cores) if cores is not None else available_cores()
+            self.cores = n if cores is not None else available_cores()
             if self.adapt_blas:
                 self._apply_blas(BLAS_THREADS)
 
@@ -1057,7 +1095,7 @@ def _after_fork_in_child() -> None:
     RULE._lock = threading.Lock()
     RULE.active = RULE.fan_outs = 0
     RULE.cpu = CpuShare()
-    RULE.whole = WholeCalls()
+    RULE.whole = WholeCalls(mode=whole_mode_from_env(strict=False))
     RULE.choice = ThreadChoice(RULE._starved, mode=RULE.choice.mode)
     RULE._blas_now = None                      # the owner thread stayed in the parent
     BLAS_OWNER.__init__(BLAS_OWNER.timeout_s)

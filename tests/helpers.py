@@ -181,6 +181,23 @@ def interrupting_tracer(code, offsets, exc, hit: list, nth: int = 1, when=None):
     return tracer
 
 
+def profile_interrupt_at(k: int, fired: list):
+    """A ``sys.setprofile`` function raising KeyboardInterrupt at the ``k``-th delivery point
+    (a Python function's entry, a C function's return), once; ``fired`` gets the event."""
+    import sys
+
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_return") and not fired:
+            count[0] += 1
+            if count[0] == k:
+                fired.append(event)
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+    return profile
+
+
 def _fail_if(flag, y, *, count):
     if flag[0] != 0:
         raise ValueError("flag set")

@@ -87,3 +87,19 @@ def test_version_prints_the_version(capsys):
     import runtime
     assert cli.main(["--version"]) == 0 and cli.main(["-V"]) == 0
     assert capsys.readouterr().out == f"runtime {runtime.__version__}\n" * 2
+
+
+@pytest.mark.parametrize("argv", [["embed", "--backend", "cpu", "a text"],
+                                  ["serve", "--backend", "cpu", "--port", "0"], ["demo"]])
+def test_missing_model_files_are_one_line_naming_the_flag(argv, tmp_path, monkeypatch, capsys):
+    """USER8: ``embed`` printed "error: .../model.safetensors is missing: point path= or ..." and
+    exited 1 (``serve`` and ``demo``: "cannot load the model: ..."): not the README's one line,
+    and ``path=`` is the Python API's name; the commands take ``--model-dir``."""
+    monkeypatch.setenv("RUNTIME_MINILM_DIR", str(tmp_path))
+    if argv[0] != "demo":                              # demo has no flag: the variable only
+        argv = argv[:1] + ["--model-dir", str(tmp_path)] + argv[1:]
+    assert cli.main(argv) == 2
+    line = _one_line(capsys.readouterr().err, argv[0])
+    assert f"ModelFilesMissing: {tmp_path / 'model.safetensors'} is missing: " in line
+    assert "path=" not in line and "RUNTIME_MINILM_DIR" in line
+    assert ("--model-dir DIR" in line) == (argv[0] != "demo")

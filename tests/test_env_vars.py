@@ -71,3 +71,44 @@ def test_runtime_cpu_fuse_false_turns_fusion_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0 and "RUNTIME_CPU_FUSE='flase' is neither on" in out.stderr
+
+
+def test_runtime_cpu_whole_with_a_typo_names_the_variable_when_the_cpu_backend_starts(tmp_path):
+    """USER8: ``RUNTIME_CPU_WHOLE`` took anything but ``0``/``1`` as ``auto``, silently
+    (``=off`` left whole calls on). ``import runtime`` still works (the rule is made at import);
+    the cpu backend refuses to start, naming the variable."""
+    code = ("import runtime\nprint('imported', flush=True)\n"
+            "from runtime.cpu_threads import WholeCalls\n"
+            "assert WholeCalls(mode='0').forced is False\n"
+            "runtime.client('cpu')\n")
+    env = dict(os.environ, RUNTIME_CPU_WHOLE="off", RUNTIME_BACKEND="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)       # (not a clone's folder: PYTHONPATH's)
+    assert out.stdout.strip() == "imported", out.stderr
+    assert out.returncode != 0 and "RUNTIME_CPU_WHOLE='off' must be one of auto, 0" in out.stderr
+
+
+def test_whole_calls_mode_and_its_variable_are_read_strictly(monkeypatch):
+    from runtime.cpu_threads import WholeCalls, whole_mode_from_env
+    for text, want in (("0", False), (" 1 ", True), ("auto", None), ("", None)):
+        monkeypatch.setenv("RUNTIME_CPU_WHOLE", text)
+        assert WholeCalls().forced is want
+    monkeypatch.setenv("RUNTIME_CPU_WHOLE", "yes")
+    with pytest.raises(ValueError, match="RUNTIME_CPU_WHOLE='yes' must be one of"):
+        WholeCalls()
+    assert whole_mode_from_env(strict=False) == "auto"         # the rule made at import
+    with pytest.raises(ValueError, match="mode must be auto, 0 or 1, got 'on'"):
+        WholeCalls(mode="on")
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"threads": "a"}, "threads must be an int >= 1 .* got 'a'"),
+    ({"threads": True}, "threads must be an int >= 1 .* got True"),
+    ({"max_idle_bytes": -5}, r"max_idle_bytes must be a number of bytes >= 0 .* got -5"),
+    ({"max_idle_bytes": "1e9"}, r"max_idle_bytes must be a number of bytes >= 0 .* got '1e9'"),
+])
+def test_client_options_that_are_not_numbers_are_value_errors_naming_them(options, match):
+    """USER8: ``runtime.client("cpu", threads="a")`` raised a bare "invalid literal for int()
+    with base 10: 'a'", and ``max_idle_bytes=-5`` was accepted (the pool kept nothing idle)."""
+    with pytest.raises(ValueError, match=match):
+        runtime.client("cpu", **options)

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import (ErrorQueue, LaunchError, LoopLimitExceeded, OutOfMemory, ServerClosed,
                       detach, unhealthy)
 from ..kernel import DTYPES
-from ..cpu_threads import RULE, limit_blas_threads
+from ..cpu_threads import RULE, limit_blas_threads, whole_mode_from_env
 from .base import Backend, Completion
 from .cpu_fuse import fuse
 from .cpu_schedule import (InterleavingScheduler, Scheduler, ThreadScheduler,  # noqa: F401
@@ -302,6 +302,7 @@ class CpuBackend(Backend):
                 isinstance(blas_threads, (bool, str)) or int(blas_threads) < 1):
             raise ValueError(f"blas_threads must be 'auto', an int >= 1 or None, "
                              f"got {blas_threads!r}")
+        whole_mode_from_env()          # a typo in RUNTIME_CPU_WHOLE: ValueError naming it
         if threads is not None:
             RULE.set_cores(threads)
         if blas_threads != "auto":

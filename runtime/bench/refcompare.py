@@ -12,7 +12,7 @@ median of the per-round ratios with their min-max (a ratio of two processes run 
 back is robust to a shared, loaded machine where absolute numbers are not).
 
     python -m runtime bench --compare aef0e49 [--against PATH] [--rounds 3] [--reps 300]
-                            [--quick] [--json FILE]
+                            [--quick] [--json FILE | --out DIR]
 
 ``REF`` is a git commit (or branch, tag) of the checkout this package runs from, exported
 once with ``git archive`` into a cache folder, or the path of another checkout (a folder
@@ -171,9 +171,12 @@ def main(ref: str, argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="process pairs (default 3)")
     ap.add_argument("--reps", type=int, default=300, help="repetitions per process (default 300)")
     ap.add_argument("--quick", action="store_true", help="graph lengths up to 1000 only")
-    ap.add_argument("--json", help="where to write the JSON (default: "
-                                   "benchmarks/results/compare.json of this checkout)")
+    ap.add_argument("--json", help="where to write the JSON (default: compare.json in --out)")
+    ap.add_argument("--out", metavar="DIR", help="folder for compare.json, as bench's --out "
+                                                "(default: benchmarks/results of this checkout)")
     args = ap.parse_args(argv)
+    if args.json and args.out:
+        ap.error("--json FILE and --out DIR both name where the JSON goes: pass one")
     if args.rounds < 1 or args.reps < 1:
         raise ValueError("--rounds and --reps must be >= 1")
     here = this_checkout()
@@ -192,7 +195,9 @@ def main(ref: str, argv=None) -> int:
     res = compare(ref_root, new_root, args.rounds, args.reps, args.quick, log)
     res.update({"ref": ref_label, "new": new_label, "machine": machine(),
                 "reps": args.reps, "quick": args.quick})
-    out = Path(args.json) if args.json else here / "benchmarks" / "results" / "compare.json"
+    out = (Path(args.json) if args.json else
+           Path(args.out) / "compare.json" if args.out else
+           here / "benchmarks" / "results" / "compare.json")
     write_json(out, res)
     print(report(res, ref_label, new_label))
     print(f"\nwrote {out}")

@@ -2,7 +2,8 @@
 
     python -m runtime bench [--backend cpu,wgpu] [--quick] [--out DIR] [--readme]
                             [--sections a,b] [--skip minilm] [--no-plots] [--budget-s S]
-    python -m runtime bench --compare REF [--rounds 3] [--reps 300] [--quick] [--json FILE]
+    python -m runtime bench --compare REF [--rounds 3] [--reps 300] [--quick]
+                            [--json FILE | --out DIR]
 
 ``--compare REF`` runs only the core rows of the cpu backend against another commit or
 checkout in alternating fresh processes and prints the ratios (:mod:`runtime.bench.refcompare`):
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", metavar="REF",
                     help="only the core rows against another git commit or checkout, in "
                          "alternating processes (see runtime.bench.refcompare; its own options: "
-                         "--against, --rounds, --reps, --quick, --json)")
+                         "--against, --rounds, --reps, --quick, --json, --out)")
     args = ap.parse_args(argv)
     if args.budget_s is not None and args.budget_s < 0:
         raise ValueError(f"--budget-s must be >= 0, got {args.budget_s:g}")
@@ -403,7 +404,9 @@ def _compare(argv: list) -> int:
     while i < len(argv):
         a = argv[i]
         if a == "--compare":
-            if i + 1 >= len(argv):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                if argv[i + 1:i + 2] in (["-h"], ["--help"]):     # --compare --help: its help
+                    return refcompare.main("REF", ["--help"])
                 raise ValueError("--compare needs a git commit or a checkout path")
             ref, i = argv[i + 1], i + 2
             continue

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
@@ -15,7 +14,9 @@ def embed_main(argv=None) -> int:
 
     Args:
         argv: command-line arguments after ``embed`` (``--help`` lists them).
-    Returns: the exit status (0; 1 when the model files are missing).
+    Returns: the exit status (0).
+    Raises: ``ModelFilesMissing`` naming ``--model-dir`` (``python -m runtime`` prints it as
+        one line, exit status 2); ``ImportError`` (``safetensors`` or ``tokenizers`` missing).
     """
     ap = argparse.ArgumentParser(prog="python -m runtime embed",
                                  description="Sentence embeddings with all-MiniLM-L6-v2.")
@@ -29,7 +30,7 @@ def embed_main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from ..frontend.client import client
-    from .minilm import MiniLM
+    from .minilm import MiniLM, ModelFilesMissing
 
     t0 = time.perf_counter()
     try:
@@ -38,9 +39,8 @@ def embed_main(argv=None) -> int:
         raise ValueError(f"--backend: {e}" if args.backend is not None else str(e)) from None
     try:
         model = MiniLM.load(c, args.model_dir)
-    except (FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except ModelFilesMissing as e:          # the one line names the flag (README "Commands")
+        raise e.naming("--model-dir DIR") from None
     emb = model.embed(args.texts, graph=not args.eager)
     dt = time.perf_counter() - t0
     print(f"backend {model.client.backend} ({model.client.device_name}); {len(args.texts)} "

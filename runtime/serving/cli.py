@@ -255,9 +255,10 @@ def main_ray(args, settings=None) -> int:
 
 
 def main(argv=None) -> int:
-    """Run the server until interrupted. Returns the exit code (2 when the model is missing, 1
-    when the address cannot be listened on: in use, not this host's, or a privileged port; 2
-    for ``--trace`` with a ``RUNTIME_TRACE_EVENTS`` that is not a positive integer)."""
+    """Run the server until interrupted. Returns the exit code (1 when the address cannot be
+    listened on: in use, not this host's, or a privileged port; 2 for ``--trace`` with a
+    ``RUNTIME_TRACE_EVENTS`` that is not a positive integer). Raises ``ModelFilesMissing``
+    naming ``--model-dir`` when the model is missing (``python -m runtime``: one line, 2)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)
     if args.ray:                         # Ray Serve: the same settings, per replica
@@ -306,11 +307,11 @@ def _serve(settings) -> int:
     from .http import serve
     from .replica import Replica
 
+    from ..models.minilm import ModelFilesMissing
     try:
         replica = Replica(settings, progress=True)
-    except (FileNotFoundError, ImportError) as e:
-        print(f"cannot load the model: {e}", file=sys.stderr)
-        return 2
+    except ModelFilesMissing as e:          # one line naming the flag (README "Commands"): 2
+        raise e.naming("--model-dir DIR") from None
     streams = len(getattr(replica.batcher, "batchers", (replica.batcher,)))
     warning = exposure_warning(settings.host, settings.api_key)
     if warning:

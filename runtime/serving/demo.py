@@ -270,11 +270,11 @@ def main(argv=None) -> int:
 
     backend = None if args.backend == "auto" else args.backend
     t0 = time.perf_counter()
+    from ..models.minilm import ModelFilesMissing
     try:
         model = load_model(backend, max_graphs=len(WARMUP))
-    except (FileNotFoundError, ImportError) as e:
-        print(f"cannot load the model: {e}", file=sys.stderr)
-        return 2
+    except ModelFilesMissing as e:          # one line (README "Commands"): no flag to name
+        raise e.naming(None) from None
     print(f"all-MiniLM-L6-v2 on {model.client.backend} loaded in "
           f"{time.perf_counter() - t0:.1f}s; {args.clients} concurrent clients x "
           f"{args.requests} requests over loopback HTTP", flush=True)

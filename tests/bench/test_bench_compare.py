@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runtime.bench import core
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +64,33 @@ def test_compare_refuses_an_unknown_ref(tmp_path):
     proc = _run(tmp_path, "--compare", str(tmp_path / "nowhere"), "--rounds", "1")
     assert proc.returncode == 2
     assert "neither a checkout" in proc.stderr
+
+
+def test_compare_takes_bench_out_for_its_folder(tmp_path, monkeypatch, capsys):
+    """USER8: ``bench --compare REF --out DIR`` was refused ("unrecognized arguments: --out"):
+    bench's own flag for where results go. ``--out DIR`` writes ``DIR/compare.json``; with
+    ``--json FILE`` too it is refused (two answers to one question). The timing is faked: the
+    run itself is the first test's."""
+    from runtime.bench import refcompare
+    v = {"ref": 2.0, "ref_range": [2.0, 2.0], "new": 1.0, "new_range": [1.0, 1.0],
+         "speedup": 2.0, "speedup_range": [2.0, 2.0]}
+    fake = {"rounds": [{}], "rows": {"launch": v}, "floor": {"ref": {}, "new": {}}}
+    monkeypatch.setattr(refcompare, "compare", lambda *a, **k: dict(fake))
+    assert refcompare.main(str(ROOT), ["--rounds", "1", "--out", str(tmp_path / "o")]) == 0
+    data = json.loads((tmp_path / "o" / "compare.json").read_text())
+    assert data["rows"]["launch"]["speedup"] == 2.0 and data["ref"] == str(ROOT)
+    assert f"wrote {tmp_path / 'o' / 'compare.json'}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        refcompare.main(str(ROOT), ["--out", str(tmp_path), "--json", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "pass one" in capsys.readouterr().err
+
+
+def test_compare_help_is_its_help_and_a_missing_ref_is_named(capsys):
+    """A new user's ``bench --compare --help`` was refused as a REF ("--compare '--help':
+    neither a checkout ... nor a commit"); ``--compare --rounds 1`` the same with '--rounds'."""
+    from runtime.bench import suite
+    with pytest.raises(SystemExit) as e:
+        suite.main(["--compare", "--help"])
+    assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--compare needs a git commit or a checkout path"):
+        suite.main(["--compare", "--rounds", "1"])

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import runtime.cpu_threads as ct
+from helpers import profile_interrupt_at
 
 LEAF = os.path.join(os.path.dirname(ct.__file__), "cpu_threads.py")
 
@@ -93,6 +94,35 @@ def test_fan_out_raises_the_first_error_and_skips_pieces_not_started():
     assert len(ran) < 200
     assert ct.RULE.fan_outs == 0                          # BLAS back under the rule
     pool.run(lambda p: ran.append(p), range(4), 2)        # the pool still works
+
+
+def test_an_interrupt_anywhere_in_fan_out_gives_its_count_back():
+    """SUITE9: a KeyboardInterrupt landing in ``ThreadRule.fan_out`` while it set BLAS for the
+    pieces (``_apply_blas``, after the count went up, before its ``try``) left ``fan_outs``
+    up for good: BLAS stayed at one thread and whole calls off for the rest of the process
+    (tests/server/test_interrupt_anywhere.py then this module: ``fan_outs`` 2-3, not 0). Each
+    delivery point (a Python function's entry, a C function's return) interrupted in turn."""
+    import sys
+
+    rule = ct.ThreadRule(cores=2)
+    rule.adapt_blas, rule._blas_now = True, None
+    rule._apply_blas = lambda n: rule.__dict__.setdefault("applied", n)   # a Python call
+    points = 0
+    for k in range(1, 200):
+        fired = []
+        sys.setprofile(profile_interrupt_at(k, fired))
+        try:
+            with rule.fan_out():
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        assert rule.fan_outs == 0, (k, fired)
+        if not fired:
+            break
+        points += 1
+    assert points >= 3, points
 
 
 # -- the CPU quota (cgroup v2 cpu.max, v1 cfs quota/period), on fake trees ---------------------

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import runtime
+from helpers import profile_interrupt_at
 from runtime import kernels as K
 
 LIMIT_S = 30.0
@@ -30,26 +31,11 @@ N = 16
 MAX_POINTS = 400          # every point of the calls below (about 100 each), with room
 
 
-def _profile_at(k: int, fired: list):
-    """A ``sys.setprofile`` function raising KeyboardInterrupt at the ``k``-th delivery point
-    (a Python function's entry, a C function's return), once; ``fired`` gets the event."""
-    count = [0]
-
-    def profile(frame, event, arg):
-        if event in ("call", "c_return") and not fired:
-            count[0] += 1
-            if count[0] == k:
-                fired.append(event)
-                sys.setprofile(None)
-                raise KeyboardInterrupt
-    return profile
-
-
 def _interrupt_at(op, k: int) -> bool:
     """Run ``op()`` on a thread of its own with KeyboardInterrupt raised at its ``k``-th
     delivery point; returns whether the call got that far (bounded by ``LIMIT_S``)."""
     fired: list = []
-    profile = _profile_at(k, fired)
+    profile = profile_interrupt_at(k, fired)
 
     def work():
         sys.setprofile(profile)
@@ -255,7 +241,7 @@ def test_an_interrupted_shutdown_leaves_no_server_running_for_nobody(which):
     profile = [None]
     for k in range(1, MAX_POINTS):
         fired: list = []
-        profile[0] = _profile_at(k, fired)
+        profile[0] = profile_interrupt_at(k, fired)
         try:
             _bounded(op)
         except KeyboardInterrupt:

@@ -45,6 +45,8 @@ from runtime.server import queue as queue_mod
 
 LIMIT_S = 15.0
 N = 64
+#: every case collects: the earlier tests' heap frozen out of it (conftest; 45 s of the suite)
+pytestmark = pytest.mark.usefixtures("frozen_gc")
 COUNTS = ("handles", "graphs", "streams", "bytes_in_use")
 
 SITES = {

@@ -17,6 +17,8 @@ from runtime import kernels as K
 from runtime.server.marks import Mark
 
 N = 16
+#: each count collects and walks the heap: the earlier tests' part of it frozen out (conftest)
+pytestmark = pytest.mark.usefixtures("frozen_gc")
 
 
 def _chain_marks(server) -> int:

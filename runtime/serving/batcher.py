@@ -355,6 +355,7 @@ class Batcher:
         self._queued_requests = 0            # requests with texts not yet taken
         self._count_lock = threading.Lock()
         self._requests = weakref.WeakSet()  # requests not answered yet (_worker_died fails them)
+        self._worker_done = False           # the worker thread ended (_worker_ended)
         self._closed = False
         self._deadline = 0.0                 # perf_counter time after which queued work fails
         self._thread = None
@@ -467,7 +468,8 @@ class Batcher:
         return f"the texts cannot be tokenized: {err}"
 
     def _check_open(self) -> None:
-        if self._closed or (self._thread is not None and not _is_alive(self._thread)):
+        if self._closed or self._worker_done or (self._thread is not None
+                                                 and not _is_alive(self._thread)):
             if not self._closed and getattr(self, "_pid", None) not in (None, os.getpid()):
                 raise BatcherClosed(f"this batcher was started in process {self._pid}, which "
                                     "forked this one: its worker stays in the parent; make a "
@@ -507,7 +509,8 @@ class Batcher:
             self._queued += n
             self._queued_requests += 1
             self._q.put(req)
-        if self._closed and self._thread is not None and not _is_alive(self._thread):
+        if self._worker_done or (self._closed and self._thread is not None
+                                 and not _is_alive(self._thread)):
             req.fail(BatcherClosed("the batcher closed before this request ran"))  # raced close
         if self.metrics is not None:
             self.metrics.inputs.inc(n)
@@ -669,7 +672,20 @@ class Batcher:
             raise
         if stop:
             self._fail_queued(ring)
+            self._worker_ended()
         return stop
+
+    def _worker_ended(self) -> None:
+        """The worker thread is ending (stopped, or died: :meth:`_worker_died`): fail every request not answered yet with
+        :class:`BatcherClosed`. A submit racing the end adds its request to ``_requests``
+        before it looks at ``_worker_done`` and this sets the flag before it looks at
+        ``_requests``: one of the two fails it, so no future is left that nothing will ever
+        answer (``submit(...).result()`` without a timeout waited for ever on a request queued
+        as the worker died: SOAK9's open item)."""
+        self._worker_done = True
+        err = BatcherClosed("the batcher's worker ended before this request ran")
+        for req in list(self._requests):
+            req.fail(err)
 
     def _worker_died(self, ring: deque, got, exc: BaseException) -> None:
         """The worker thread ends on ``exc``: refuse submits, fail ``got`` (the request it had
@@ -685,6 +701,7 @@ class Batcher:
             req.fail(err)
         with self._count_lock:              # nothing runs any more
             self._queued = self._queued_requests = 0
+        self._worker_ended()
 
     def _serve(self, ring: deque, got) -> bool:
         stop = got is _STOP

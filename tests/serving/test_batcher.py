@@ -447,3 +447,21 @@ def test_a_lone_client_stops_waiting_for_company_and_a_burst_brings_the_wait_bac
         b.close()
     lonely = [True] * n + ([True] + [False] * (n - 1)) * 2     # n waits, then 1 in n
     assert waits == lonely + [True] + [True] * n             # company found: waits again
+
+
+def test_a_request_queued_as_the_worker_ends_is_failed_not_left_waiting():
+    """A submit that passed the open check while the worker ran, and queued its request
+    after the worker ended (stopped, or died), gets ``BatcherClosed``: before, its future was
+    left with nothing that would ever answer it (``submit(...).result()`` without a timeout
+    waited for ever; SOAK9's open item); later submits are refused."""
+    import weakref
+
+    from runtime.serving.batcher import _STOP, _worker
+    b = Batcher(FakeModel(), start=False, max_wait_ms=0)
+    ids, mask = b.tokens_of(["hello world"])        # checked while the worker runs
+    b._q.put(_STOP)                                 # (a dropped batcher's stop: no close())
+    _worker(weakref.ref(b), b._q)                   # the worker ends
+    fut = b._enqueue(ids, mask)                     # the submit's queueing, after the end
+    assert fut.done() and isinstance(fut.exception(), BatcherClosed)
+    with pytest.raises(BatcherClosed):
+        b.submit(["again"])

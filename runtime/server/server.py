@@ -533,7 +533,8 @@ class ComputeServer:
                                     and s.window is None and self.checker is None
                                     and not (s.errors or self.marks.async_errors
                                              or self.backend.failures or self.ended_busy)):
-                                w = st.writes       # (h_read's fast path: writes here only)
+                                w = st.writes       # (h_read's fast path, written out:
+                                #                     change both together; writes here only)
                                 if not (len(w) > 1 or sid not in w and w):
                                     for x in g.sstates:     # (as in _run_lazy: a source's
                                         if x.mark is not CLEAN and self._marked_sources(g):
@@ -603,6 +604,8 @@ class ComputeServer:
         """
         s = self.streams.get(sid) or self._stream(sid)
         st = self.handles.get(hid)
+        # (these conditions are written out again in read()'s fused replay + copy, to spare
+        # the core path a call: change both together)
         if (st is not None and s.window is None and self.checker is None
                 and not (s.errors or self.marks.async_errors or self.backend.failures
                          or self.ended_busy)):
